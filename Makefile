@@ -1,0 +1,34 @@
+# pdserve: `make serve` (installs on first use) and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+# torch 2.13.0 (CPU build) is what this machine's pip serves from disk; a bare `torch` would pull CUDA.
+TORCH  ?= torch==2.13.0
+
+.PHONY: install serve test bench-kv clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null; then \
+	  dpkg -s libibverbs1 librdmacm1 libnuma1 >/dev/null 2>&1 || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 librdmacm1 libnuma1); \
+	fi
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e ".[cpu,dev]"
+	touch $@
+
+serve: install
+	$(VENV)/bin/pdserve up $(CONFIG)
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench-kv: install
+	$(PY) benchmarks/kv_transfer.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
