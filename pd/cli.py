@@ -1,0 +1,31 @@
+"""The ``pdserve`` command line."""
+
+from __future__ import annotations
+
+import sys
+
+
+USAGE = """usage: pdserve COMMAND [ARGS]
+
+commands:
+  engine     run the reference engine alone (SGLang's flags; see `pdserve engine --help`)
+"""
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        raise SystemExit(0 if argv else 2)
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "engine":
+        from pd.engines.server import main as engine_main
+
+        engine_main(rest)
+    else:
+        print(f"pdserve: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Command-line arguments of the reference engine (``pdserve engine``), named as SGLang's.
+
+Flags shared with SGLang keep SGLang's names and defaults (sglang/srt/server_args.py):
+``--model-path``, ``--host``, ``--port``, ``--disaggregation-mode``,
+``--disaggregation-bootstrap-port`` (8998), ``--disaggregation-transfer-backend``,
+``--disaggregation-ib-device``, ``--page-size``, ``--max-total-tokens``, ``--served-model-name``,
+``--dtype``. The PD timeouts default to SGLang's environment variables
+``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` and ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` (300 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+
+def _env_float(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        raise SystemExit(f"environment variable {name} must be a number of seconds, got {os.environ[name]!r}")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Add every reference-engine flag to ``p``."""
+    p.add_argument("--model-path", default="builtin:tiny",
+                   help="Local Hugging Face causal-LM checkpoint directory, or builtin:tiny (a seeded small Llama "
+                        "with a byte-level tokenizer, written once to $PDSERVE_CACHE or ~/.cache/pdserve). "
+                        "Default: builtin:tiny.")
+    p.add_argument("--served-model-name", default=None,
+                   help="Model name in /v1/models and the OpenAI responses. Default: the model path.")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP (and bootstrap) listen address. Default: 127.0.0.1.")
+    p.add_argument("--port", type=int, default=30000, help="HTTP port. Default: 30000.")
+    p.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default="null",
+                   help="null: a whole engine; prefill: computes prompts and pushes their KV to decodes; decode: "
+                        "receives KV from prefills and generates. Default: null.")
+    p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998,
+                   help="Port of the prefill's bootstrap server, where decodes register their KV pages. One per "
+                        "prefill. Default: 8998.")
+    p.add_argument("--disaggregation-transfer-backend", choices=["mooncake"], default="mooncake",
+                   help="KV transfer backend. Only mooncake (the Mooncake transfer engine). Default: mooncake.")
+    p.add_argument("--disaggregation-transfer-protocol", choices=["tcp", "rdma"], default=None,
+                   help="Mooncake transport: tcp or rdma. Default: rdma when --disaggregation-ib-device is given "
+                        "and MC_FORCE_TCP is unset, else tcp.")
+    p.add_argument("--disaggregation-ib-device", default=None,
+                   help="RDMA device(s) for Mooncake, e.g. mlx5_0 or mlx5_0,mlx5_1. Default: none.")
+    p.add_argument("--disaggregation-transfer-host", default=None,
+                   help="Address peers use to reach this engine's transfer engine. Default: --host, or this "
+                        "machine's address when --host is a wildcard.")
+    p.add_argument("--disaggregation-bootstrap-timeout", type=float,
+                   default=_env_float("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300),
+                   help="Seconds a prefill waits for its decode to register a room "
+                        "(default: $SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT or 300).")
+    p.add_argument("--disaggregation-waiting-timeout", type=float,
+                   default=_env_float("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300),
+                   help="Seconds a decode waits for a room's KV (default: $SGLANG_DISAGGREGATION_WAITING_TIMEOUT or 300).")
+    p.add_argument("--page-size", type=int, default=16, help="Tokens per KV page; must match on prefill and decode. Default: 16.")
+    p.add_argument("--max-total-tokens", type=int, default=65536,
+                   help="KV pool capacity in tokens (prefill and decode). Default: 65536.")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="Model and KV dtype. Default: float32 (exact on CPU).")
+    p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
+                   help="Largest request body accepted, in bytes (larger gets HTTP 413). Default: 32 MiB.")
+    p.add_argument("--log-level", default="info", help="Log level. Default: info.")
+
+
+def finalize(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill derived values (transport, transfer host, timeouts) and check combinations.
+
+    Raises:
+        SystemExit: with a message naming the bad flag.
+    """
+    if args.disaggregation_transfer_protocol is None:
+        force_tcp = os.environ.get("MC_FORCE_TCP", "").lower() in ("1", "true", "yes")
+        args.disaggregation_transfer_protocol = "rdma" if args.disaggregation_ib_device and not force_tcp else "tcp"
+    if args.disaggregation_transfer_protocol == "rdma" and not args.disaggregation_ib_device:
+        raise SystemExit("--disaggregation-transfer-protocol rdma needs --disaggregation-ib-device")
+    for flag in ("page_size", "max_total_tokens"):
+        if getattr(args, flag) <= 0:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be positive")
+    for flag in ("disaggregation_bootstrap_timeout", "disaggregation_waiting_timeout"):
+        if getattr(args, flag) <= 0:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be positive")
+    if args.disaggregation_mode == "prefill" and args.disaggregation_bootstrap_port == args.port:
+        raise SystemExit("--disaggregation-bootstrap-port must differ from --port")
+    host = args.disaggregation_transfer_host or args.host
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostbyname(socket.gethostname())
+    args.transfer_host = host
+    args.bootstrap_timeout = args.disaggregation_bootstrap_timeout
+    args.waiting_timeout = args.disaggregation_waiting_timeout
+    return args

@@ -1,0 +1,97 @@
+"""SGLang's native /generate: request expansion and response shapes.
+
+Response (sglang/srt/managers/tokenizer_manager.py): ``{"text", "output_ids", "meta_info"}`` per
+sequence, a JSON list for a batch or ``n > 1``. Streaming chunks carry the *cumulative* text,
+output_ids and logprob lists (SGLang's default, ``--incremental-streaming-output`` off), plus
+``"index"`` in a batch; the stream ends with ``data: [DONE]``. Logprob entries are
+``[logprob, token_id, text | null]``; a decode in PD mode returns no input logprobs (the prefill
+does; a router prepends them).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pd.engines.errors import bad_request
+from pd.engines.model_runner import ModelRunner
+from pd.engines.protocol import GenerateRequest, SeqSpec, expand, per_item
+from pd.engines.sampling import SamplingParams
+from pd.engines.sequence import Sequence
+
+
+def specs_from_generate(req: GenerateRequest, runner: ModelRunner) -> tuple[list[SeqSpec], bool]:
+    """Expand a /generate body into sequences.
+
+    Returns:
+        (specs, is_single): ``is_single`` when the answer is one object rather than a list.
+
+    Raises:
+        EngineError: 400 for a body with neither or both of text/input_ids, mismatched list
+            lengths, inconsistent ``n``, or bad sampling values.
+    """
+    if (req.text is None) == (req.input_ids is None):
+        raise bad_request("exactly one of text or input_ids must be given", "text")
+    if req.text is not None:
+        is_batch = isinstance(req.text, list)
+        texts = req.text if is_batch else [req.text]
+        if not all(isinstance(t, str) for t in texts):
+            raise bad_request("text must be a string or a list of strings", "text")
+        prompts = [runner.encode(t) for t in texts]
+    else:
+        is_batch = bool(req.input_ids) and isinstance(req.input_ids[0], list)
+        prompts = [list(x) for x in req.input_ids] if is_batch else [list(req.input_ids)]
+    if is_batch and not prompts:
+        raise bad_request("the batch is empty", "text" if req.text is not None else "input_ids")
+    count = len(prompts)
+    raw = req.sampling_params if req.sampling_params is not None else {}
+    raw_list = per_item(raw, count, "sampling_params")
+    ns = {int(sp.get("n", 1)) for sp in raw_list}
+    if len(ns) != 1:
+        raise bad_request("sampling_params: n must be the same for every prompt of a batch", "sampling_params")
+    n = ns.pop()
+    try:
+        params = [SamplingParams(**sp) for sp in raw_list]
+    except (TypeError, ValueError) as e:
+        raise bad_request(f"sampling_params: {e}", "sampling_params") from None
+    specs = expand(
+        prompts, n, params, req, req.rid,
+        return_logprob=[bool(x) for x in per_item(req.return_logprob or False, count, "return_logprob")],
+        logprob_start_len=[int(x) for x in per_item(-1 if req.logprob_start_len is None else req.logprob_start_len, count, "logprob_start_len")],
+        top_logprobs_num=[int(x) for x in per_item(req.top_logprobs_num or 0, count, "top_logprobs_num")],
+        stream=req.stream,
+    )
+    return specs, not is_batch and n == 1
+
+
+def _lp_entries(entries, runner: ModelRunner, with_text: bool) -> list:
+    return [[lp, tid, runner.token_text(tid) if with_text else None] for lp, tid in entries]
+
+
+def _top_entries(tops, runner: ModelRunner, with_text: bool) -> list:
+    return [None if t is None else _lp_entries(t, runner, with_text) for t in tops]
+
+
+def generate_result(seq: Sequence, runner: ModelRunner, with_text: bool, text: Optional[str] = None) -> dict:
+    """One sequence as SGLang's /generate result object (cumulative; ``text`` overrides the text,
+    e.g. the stop-safe prefix while streaming)."""
+    meta = {
+        "id": seq.spec.rid,
+        "finish_reason": seq.finish_reason if seq.done else None,
+        "prompt_tokens": len(seq.spec.prompt_ids),
+        "completion_tokens": len(seq.output_ids),
+        "cached_tokens": seq.cached_tokens,
+        "weight_version": "default",
+    }
+    if seq.done and seq.finish_time is not None:
+        meta["e2e_latency"] = seq.finish_time - seq.arrival
+    if seq.spec.return_logprob:
+        meta["input_token_logprobs"] = _lp_entries(seq.input_logprobs, runner, with_text)
+        meta["output_token_logprobs"] = _lp_entries(seq.output_logprobs, runner, with_text)
+        if seq.spec.top_logprobs_num > 0:
+            meta["input_top_logprobs"] = _top_entries(seq.input_top, runner, with_text)
+            meta["output_top_logprobs"] = _top_entries(seq.output_top, runner, with_text)
+    return {
+        "text": seq.text() if text is None else text,
+        "output_ids": list(seq.output_ids),
+        "meta_info": meta,
+    }

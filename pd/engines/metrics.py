@@ -1,0 +1,103 @@
+"""Prometheus metrics of the reference engine, under SGLang 0.5.23's names, types and buckets
+(sglang/srt/observability/metrics_collector.py), so one dashboard serves both engines.
+
+Each engine process owns a private ``CollectorRegistry`` (tests run several engines in one
+process). Names SGLang has no equivalent for are prefixed ``pdserve_``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Bucket lists copied as facts from SGLang's collector (same boundaries -> comparable quantiles).
+TTFT_BUCKETS = [0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400]
+ITL_BUCKETS = [0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060, 0.080,
+               0.100, 0.200, 0.400, 0.600, 0.800, 1.000, 2.000, 4.000, 6.000, 8.000]
+E2E_BUCKETS = [0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400]
+STAGE_BUCKETS = [0.001 * 1.62**i for i in range(30)]  # exponential_buckets(0.001, 1.62, 30)
+TRANSFER_MS_BUCKETS = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
+TRANSFER_MB_BUCKETS = (1, 5, 10, 50, 100, 500, 1000, 5000, 10000)
+TRANSFER_GBS_BUCKETS = (0.1, 0.5, 1, 5, 10, 25, 50, 100, 200, 400)
+
+# Stage label values of sglang:per_stage_req_latency_seconds (sglang/srt/observability/req_time_stats.py).
+STAGES = ("prefill_bootstrap", "prefill_forward", "prefill_transfer_kv_cache",
+          "decode_bootstrap", "decode_waiting", "decode_transferred")
+
+
+class EngineMetrics:
+    """All metrics of one engine.
+
+    Args:
+        model_name: the served model name (label ``model_name``).
+        mode: ``null``, ``prefill`` or ``decode`` (label ``engine_type``; SGLang uses
+            ``unified`` for non-disaggregated servers).
+    """
+
+    def __init__(self, model_name: str, mode: str):
+        self.registry = CollectorRegistry()
+        self.labels = {
+            "model_name": model_name,
+            "engine_type": "unified" if mode == "null" else mode,
+            "tp_rank": "0",
+            "pp_rank": "0",
+        }
+        names = list(self.labels)
+        r = self.registry
+        self.ttft = Histogram("sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              names + ["is_streaming"], buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             names, buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds",
+                             names + ["is_streaming"], buckets=E2E_BUCKETS, registry=r)
+        self.stage = Histogram("sglang:per_stage_req_latency_seconds", "The latency of each stage of requests.",
+                               names + ["stage"], buckets=STAGE_BUCKETS, registry=r)
+        self.running = Gauge("sglang:num_running_reqs", "The number of running requests.", names, registry=r)
+        self.queued = Gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", names, registry=r)
+        self.prefill_bootstrap_queue = Gauge("sglang:num_prefill_bootstrap_queue_reqs",
+                                             "Prefill requests waiting for their decode to register.", names, registry=r)
+        self.decode_prealloc_queue = Gauge("sglang:num_decode_prealloc_queue_reqs",
+                                           "Decode requests waiting for KV pages.", names, registry=r)
+        self.decode_transfer_queue = Gauge("sglang:num_decode_transfer_queue_reqs",
+                                           "Decode requests waiting for their KV to arrive.", names, registry=r)
+        self.token_usage = Gauge("sglang:token_usage", "Fraction of the KV pool in use.", names, registry=r)
+        self.num_used_tokens = Gauge("sglang:num_used_tokens", "KV tokens in use (held pages x page size).", names, registry=r)
+        self.pages_held = Gauge("pdserve_kv_pages_held", "KV pages currently allocated from the pool.", names, registry=r)
+        self.transfer_ms = Histogram("sglang:kv_transfer_latency_ms", "Histogram of KV transfer latency in ms.",
+                                     names, buckets=TRANSFER_MS_BUCKETS, registry=r)
+        self.transfer_mb = Histogram("sglang:kv_transfer_total_mb", "Histogram of KV cache transfer size in MB.",
+                                     names, buckets=TRANSFER_MB_BUCKETS, registry=r)
+        self.transfer_speed = Histogram("sglang:kv_transfer_speed_gb_s", "Histogram of KV transfer speed in GB/s.",
+                                        names, buckets=TRANSFER_GBS_BUCKETS, registry=r)
+        self.transfer_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV bytes written or received through the transfer engine.",
+                                      names, registry=r)
+        self.transfer_failed = Counter("sglang:num_transfer_failed_reqs_total", "The number of transfer failed requests.",
+                                       names, registry=r)
+        self.bootstrap_failed = Counter("sglang:num_bootstrap_failed_reqs_total", "The number of bootstrap failed requests.",
+                                        names, registry=r)
+        self.prompt_tokens = Counter("sglang:prompt_tokens_total", "Number of prefill tokens processed.",
+                                     names + ["is_streaming"], registry=r)
+        self.generation_tokens = Counter("sglang:generation_tokens_total", "Number of generation tokens processed.",
+                                         names + ["is_streaming"], registry=r)
+        self.aborted = Counter("pdserve_engine_aborted_requests_total", "Requests aborted, by reason.",
+                               names + ["reason"], registry=r)
+
+    def observe_stage(self, stage: str, seconds: float) -> None:
+        self.stage.labels(**self.labels, stage=stage).observe(seconds)
+
+    def observe_transfer(self, nbytes: int, seconds: float) -> None:
+        """Record one room's KV transfer (bytes, wall seconds)."""
+        self.transfer_ms.labels(**self.labels).observe(seconds * 1e3)
+        mb = nbytes / 2**20  # SGLang: total_mb = bytes / 2^20, speed = (mb / 1024) / seconds
+        self.transfer_mb.labels(**self.labels).observe(mb)
+        if seconds > 0:
+            self.transfer_speed.labels(**self.labels).observe(mb / 1024 / seconds)
+        self.transfer_bytes.labels(**self.labels).inc(nbytes)
+
+    def set_pool(self, held_pages: int, num_pages: int, page_size: int) -> None:
+        self.pages_held.labels(**self.labels).set(held_pages)
+        self.token_usage.labels(**self.labels).set(held_pages / max(1, num_pages))
+        self.num_used_tokens.labels(**self.labels).set(held_pages * page_size)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)

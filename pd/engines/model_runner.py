@@ -1,0 +1,152 @@
+"""Model forward for the reference engine: a Hugging Face causal LM run one sequence at a time.
+
+Sequences are never batched together, so a token's logits do not depend on what else is being
+served: a prefill + decode pair and a single ``null``-mode engine compute bit-identical logits
+for the same request (the property the PD tests check token for token).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from pd.engines.builtin_model import resolve_model_path
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one sequence's KV per token: ``num_layers x 2 (K, V) x num_kv_heads x head_dim``.
+
+    The paged pool stores a page as ``[num_layers, 2, page_size, num_kv_heads, head_dim]``
+    contiguous elements of ``dtype`` (see kv_pool.KVPagePool).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def bytes_per_token(self) -> int:
+        elem = torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * elem
+
+
+class ModelRunner:
+    """Loads a checkpoint and runs prefill / decode forwards with a per-sequence KV cache.
+
+    Args:
+        model_path: local Hugging Face checkpoint directory, or ``builtin:tiny``.
+        dtype: ``float32`` (default, exact on CPU), ``bfloat16`` or ``float16``.
+
+    Raises:
+        ValueError: unknown dtype or built-in name; OSError from transformers for a bad path.
+    """
+
+    def __init__(self, model_path: str, dtype: str = "float32"):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if dtype not in DTYPES:
+            raise ValueError(f"--dtype: {dtype!r} is not one of {sorted(DTYPES)}")
+        self.model_path = model_path
+        local = resolve_model_path(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(local)
+        self.model = AutoModelForCausalLM.from_pretrained(local, dtype=DTYPES[dtype]).eval()
+        cfg = self.model.config
+        self.config = cfg
+        self.vocab_size = int(cfg.vocab_size)
+        self.context_length = int(getattr(cfg, "max_position_embeddings", 2048))
+        heads = int(cfg.num_attention_heads)
+        self.layout = KVLayout(
+            num_layers=int(cfg.num_hidden_layers),
+            num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
+            dtype=dtype,
+        )
+        eos = cfg.eos_token_id if cfg.eos_token_id is not None else self.tokenizer.eos_token_id
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        # transformers 5 renamed the forward argument past_key_values -> cache.
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    # ---- tokenization -------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``: BOS prepended when the tokenizer has one, never an EOS appended
+        (ByT5's tokenizer would append one)."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        bos = self.tokenizer.bos_token_id
+        return ([bos] if bos is not None else []) + ids
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of a chat prompt (the template supplies any BOS)."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; incomplete UTF-8 sequences are dropped by the tokenizer."""
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # ---- forward ------------------------------------------------------------------------
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], cache) -> torch.Tensor:
+        """Run ``ids`` after whatever ``cache`` holds; the cache grows by ``len(ids)`` tokens.
+
+        Returns:
+            [len(ids), vocab] float32 logits.
+        """
+        input_ids = torch.tensor([ids], dtype=torch.long)
+        out = self.model(input_ids=input_ids, use_cache=True, **{self._cache_kw: cache})
+        return out.logits[0].float()
+
+    # ---- KV <-> pages -------------------------------------------------------------------
+    @staticmethod
+    def cache_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of one layer, each [num_kv_heads, tokens, head_dim]."""
+        entry = cache.layers[layer]
+        return entry.keys[0], entry.values[0]
+
+    def export_kv(self, cache, pool_pages: torch.Tensor, page_ids: list[int], num_tokens: int) -> None:
+        """Copy the first ``num_tokens`` tokens of ``cache`` into pool pages.
+
+        Args:
+            pool_pages: the pool tensor [num_pages, num_layers, 2, page_size, kv_heads, head_dim].
+            page_ids: pages holding tokens [i*page_size, (i+1)*page_size) in order.
+        """
+        page_size = pool_pages.shape[3]
+        for layer in range(self.layout.num_layers):
+            k, v = self.cache_kv(cache, layer)
+            for i, page in enumerate(page_ids):
+                lo, hi = i * page_size, min((i + 1) * page_size, num_tokens)
+                if lo >= hi:
+                    break
+                pool_pages[page, layer, 0, : hi - lo] = k[:, lo:hi].transpose(0, 1)
+                pool_pages[page, layer, 1, : hi - lo] = v[:, lo:hi].transpose(0, 1)
+
+    def import_kv(self, pool_pages: torch.Tensor, page_ids: list[int], num_tokens: int):
+        """Build a fresh cache holding ``num_tokens`` tokens read from pool pages (inverse of
+        :meth:`export_kv`)."""
+        page_size = pool_pages.shape[3]
+        n_pages = -(-num_tokens // page_size)
+        pages = pool_pages[torch.tensor(page_ids[:n_pages], dtype=torch.long)]
+        cache = self.new_cache()
+        for layer in range(self.layout.num_layers):
+            # [pages, page_size, kv_heads, head_dim] -> [1, kv_heads, tokens, head_dim]
+            k = pages[:, layer, 0].reshape(-1, *pages.shape[-2:])[:num_tokens].transpose(0, 1)
+            v = pages[:, layer, 1].reshape(-1, *pages.shape[-2:])[:num_tokens].transpose(0, 1)
+            cache.update(k.unsqueeze(0).contiguous(), v.unsqueeze(0).contiguous(), layer)
+        return cache

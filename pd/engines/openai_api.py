@@ -1,0 +1,192 @@
+"""OpenAI-compatible /v1/completions and /v1/chat/completions on top of the scheduler.
+
+Shapes follow the OpenAI API reference and SGLang's serving_completions.py / serving_chat.py:
+choices are prompt-major (``index = prompt * n + sample``), finish reasons ``stop`` / ``length``
+/ ``abort`` with SGLang's ``matched_stop``; streams send text deltas, one final chunk per choice
+with its finish reason, an optional usage chunk (``choices: []``) and ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Optional
+
+from pd.engines.errors import EngineError, bad_request
+from pd.engines.model_runner import ModelRunner
+from pd.engines.protocol import ChatCompletionRequest, CompletionRequest, SeqSpec, expand
+from pd.engines.sequence import Sequence
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and SGLang's default for /v1/completions
+
+
+def check_model(requested: Optional[str], served: set[str]) -> None:
+    """Raises EngineError 404 (OpenAI's ``model_not_found``) for a model this engine does not serve."""
+    if requested and requested not in served:
+        raise EngineError(404, f"The model `{requested}` does not exist; this server serves {sorted(served)[0]!r}", "model")
+
+
+def _check_common(req) -> None:
+    if req.max_tokens is not None and req.max_tokens <= 0:
+        raise bad_request(f"max_tokens must be at least 1, got {req.max_tokens}", "max_tokens")
+    if req.n < 1:
+        raise bad_request(f"n must be at least 1, got {req.n}", "n")
+
+
+def specs_from_completion(req: CompletionRequest, runner: ModelRunner) -> list[SeqSpec]:
+    """Raises EngineError 400 for an empty prompt list, max_tokens <= 0, n < 1, logprobs < 0."""
+    _check_common(req)
+    p = req.prompt
+    if isinstance(p, str):
+        prompts = [runner.encode(p)]
+    elif p and all(isinstance(x, int) for x in p):
+        prompts = [list(p)]
+    elif p and all(isinstance(x, str) for x in p):
+        prompts = [runner.encode(x) for x in p]
+    elif p and all(isinstance(x, list) for x in p):
+        prompts = [list(x) for x in p]
+    else:
+        raise bad_request("prompt must be a string, a list of strings, or token ids", "prompt")
+    if req.logprobs is not None and req.logprobs < 0:
+        raise bad_request("logprobs must be >= 0", "logprobs")
+    params = req.sampling(COMPLETIONS_DEFAULT_MAX_TOKENS)
+    count = len(prompts)
+    return expand(
+        prompts, req.n, [params] * count, req, req.rid,
+        return_logprob=[req.logprobs is not None] * count, logprob_start_len=[-1] * count,
+        top_logprobs_num=[req.logprobs or 0] * count, stream=req.stream,
+    )
+
+
+def _message_text(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise bad_request(f"messages: content part type {part.get('type')!r} is not supported (text only)", "messages")
+        parts.append(part.get("text", ""))
+    return "".join(parts)
+
+
+def specs_from_chat(req: ChatCompletionRequest, runner: ModelRunner) -> list[SeqSpec]:
+    """Raises EngineError 400 for no messages, max_tokens <= 0, n < 1, non-text content."""
+    if req.max_completion_tokens is not None and req.max_tokens is None:
+        req.max_tokens = req.max_completion_tokens
+    _check_common(req)
+    if not req.messages:
+        raise bad_request("messages must not be empty", "messages")
+    messages = [{"role": m.role, "content": _message_text(m.content)} for m in req.messages]
+    prompt = runner.apply_chat_template(messages)
+    top = req.top_logprobs or 0
+    if top and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    return expand(
+        [prompt], req.n, [req.sampling(None)], req, req.rid,
+        return_logprob=[req.logprobs], logprob_start_len=[-1], top_logprobs_num=[top], stream=req.stream,
+    )
+
+
+def finish_fields(seq: Sequence) -> tuple[Optional[str], object]:
+    """(OpenAI finish_reason, SGLang matched_stop) of a finished sequence."""
+    fr = seq.finish_reason
+    if fr is None:
+        return None, None
+    return fr["type"], fr.get("matched") if fr["type"] == "stop" else None
+
+
+def usage(seqs: list[Sequence], n: int) -> dict:
+    """Token usage; the prompt counts once per prompt, not per sample (SGLang's UsageProcessor)."""
+    prompt = sum(len(s.spec.prompt_ids) for s in seqs if s.spec.sample_index == 0)
+    completion = sum(len(s.output_ids) for s in seqs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# ---- logprobs -------------------------------------------------------------------------------
+def completion_logprobs(seq: Sequence, runner: ModelRunner, start: int, text_offset0: int) -> dict:
+    """OpenAI completions ``logprobs`` for output tokens [start:]."""
+    tokens, lps, tops, offsets = [], [], [], []
+    off = text_offset0
+    for (lp, tid), top in zip(seq.output_logprobs[start:], seq.output_top[start:]):
+        t = runner.token_text(tid)
+        tokens.append(t)
+        lps.append(lp)
+        tops.append({runner.token_text(i): v for v, i in top} if seq.spec.top_logprobs_num else None)
+        offsets.append(off)
+        off += len(t)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(seq: Sequence, runner: ModelRunner, start: int) -> dict:
+    """OpenAI chat ``logprobs`` (``{"content": [...]}``) for output tokens [start:]."""
+    content = []
+    for (lp, tid), top in zip(seq.output_logprobs[start:], seq.output_top[start:]):
+        t = runner.token_text(tid)
+        content.append({
+            "token": t, "logprob": lp, "bytes": list(t.encode("utf-8")),
+            "top_logprobs": [{"token": runner.token_text(i), "logprob": v, "bytes": list(runner.token_text(i).encode("utf-8"))}
+                             for v, i in top],
+        })
+    return {"content": content}
+
+
+# ---- responses ------------------------------------------------------------------------------
+class OpenAIResponder:
+    """Builds the response objects of one OpenAI request.
+
+    Args:
+        kind: ``completion`` or ``chat``.
+        model: the model name to report.
+        runner: for token texts in logprobs.
+        n: samples per prompt (for usage).
+    """
+
+    def __init__(self, kind: str, model: str, runner: ModelRunner, n: int):
+        self.kind = kind
+        self.model = model
+        self.runner = runner
+        self.n = n
+        self.id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "text_completion" if kind == "completion" else "chat.completion"
+
+    def full(self, seqs: list[Sequence]) -> dict:
+        choices = []
+        for seq in seqs:
+            reason, matched = finish_fields(seq)
+            choice = {"index": seq.spec.index, "finish_reason": reason, "matched_stop": matched}
+            if self.kind == "completion":
+                choice["text"] = seq.text()
+                choice["logprobs"] = completion_logprobs(seq, self.runner, 0, 0) if seq.spec.return_logprob else None
+            else:
+                choice["message"] = {"role": "assistant", "content": seq.text()}
+                choice["logprobs"] = chat_logprobs(seq, self.runner, 0) if seq.spec.return_logprob else None
+            choices.append(choice)
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage(seqs, self.n)}
+
+    def chunk(self, choices: list[dict], usage_info: Optional[dict] = None) -> dict:
+        obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if usage_info is not None:
+            out["usage"] = usage_info
+        return out
+
+    def delta_choice(self, seq: Sequence, text_delta: str, lp_start: int, text_offset: int,
+                     first: bool, final: bool) -> dict:
+        """One streamed choice: ``text_delta`` and the logprobs of tokens [lp_start:]."""
+        reason, matched = finish_fields(seq) if final else (None, None)
+        choice: dict = {"index": seq.spec.index, "finish_reason": reason, "matched_stop": matched}
+        has_lp = seq.spec.return_logprob and lp_start < len(seq.output_ids)
+        if self.kind == "completion":
+            choice["text"] = text_delta
+            choice["logprobs"] = completion_logprobs(seq, self.runner, lp_start, text_offset) if has_lp else None
+        else:
+            delta: dict = {"role": "assistant", "content": text_delta} if first else {}
+            if not first and text_delta:
+                delta["content"] = text_delta
+            choice["delta"] = delta
+            choice["logprobs"] = chat_logprobs(seq, self.runner, lp_start) if has_lp else None
+        return choice

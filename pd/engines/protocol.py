@@ -1,0 +1,248 @@
+"""Request bodies the reference engine accepts, and their expansion into generated sequences.
+
+Shapes follow SGLang 0.5.23: ``GenerateReqInput`` (sglang/srt/managers/io_struct.py) for
+/generate and the OpenAI ``CompletionRequest`` / ``ChatCompletionRequest``
+(sglang/srt/entrypoints/openai/protocol.py), including the PD fields ``bootstrap_host``,
+``bootstrap_port`` and ``bootstrap_room`` (scalar or list).
+
+Expansion of a batch of P prompts with ``n`` samples follows io_struct's
+``_normalize_batch_inputs``: items are sample-major (item ``i = s * P + p``); a list of bootstrap
+values is repeated ``n`` times and indexed by ``i`` (so a router must send a list of ``P * n``
+distinct rooms); a scalar room ``r`` gives item ``i`` the room ``r + i``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict
+
+from pd.engines.errors import bad_request
+from pd.engines.sampling import SamplingParams
+
+ScalarOrList = Union[Any, list]
+
+
+class GenerateRequest(BaseModel):
+    """SGLang's native /generate body (the fields the reference engine honours)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: Optional[Union[str, list[str]]] = None
+    input_ids: Optional[Union[list[int], list[list[int]]]] = None
+    sampling_params: Optional[Union[dict, list[dict]]] = None
+    stream: bool = False
+    return_logprob: Optional[Union[bool, list[bool]]] = None
+    logprob_start_len: Optional[Union[int, list[int]]] = None
+    top_logprobs_num: Optional[Union[int, list[int]]] = None
+    return_text_in_logprobs: bool = False
+    rid: Optional[Union[str, list[str]]] = None
+    bootstrap_host: Optional[Union[str, list[Optional[str]]]] = None
+    bootstrap_port: Optional[Union[int, list[Optional[int]]]] = None
+    bootstrap_room: Optional[Union[int, list[Optional[int]]]] = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _OpenAIBase(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names, plus SGLang's
+    extra sampling fields and the PD bootstrap fields)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    user: Optional[str] = None
+    # SGLang extensions
+    top_k: int = -1
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    rid: Optional[Union[str, list[str]]] = None
+    bootstrap_host: Optional[Union[str, list[Optional[str]]]] = None
+    bootstrap_port: Optional[Union[int, list[Optional[int]]]] = None
+    bootstrap_room: Optional[Union[int, list[Optional[int]]]] = None
+
+    def sampling(self, max_tokens_default: Optional[int]) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=self.max_tokens if self.max_tokens is not None else max_tokens_default,
+            min_new_tokens=self.min_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            no_stop_trim=self.no_stop_trim,
+            sampling_seed=self.seed,
+        )
+
+
+class CompletionRequest(_OpenAIBase):
+    """OpenAI /v1/completions body."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: Optional[int] = None
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: Optional[Union[str, list[dict]]] = None
+
+
+class ChatCompletionRequest(_OpenAIBase):
+    """OpenAI /v1/chat/completions body."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+
+
+@dataclass
+class Bootstrap:
+    """Where a decode finds its prefill for one sequence: the PD ``bootstrap room`` and the
+    prefill's bootstrap server."""
+
+    host: Optional[str]
+    port: Optional[int]
+    room: int
+
+
+@dataclass
+class SeqSpec:
+    """One generated sequence, the unit the scheduler runs.
+
+    Attributes:
+        index: position in the expanded batch (sample-major, see module doc).
+        prompt_index / sample_index: which prompt and which of its ``n`` samples.
+        prompt_ids: token ids of the prompt.
+        seed: sampling seed (request ``seed`` / ``sampling_seed``, else random; sample ``s`` of a
+            seeded request uses ``seed + s`` so parallel samples differ).
+        logprob_start_len: first prompt position whose logprob is returned; -1 = none of the prompt.
+    """
+
+    index: int
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    rid: str
+    seed: int
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    bootstrap: Optional[Bootstrap] = None
+    extra: dict = field(default_factory=dict)
+
+
+def per_item(value: Any, count: int, name: str, repeat: int = 1) -> list:
+    """Broadcast a scalar to ``count`` items, or check a list's length (SGLang's rule: a list of
+    ``count / repeat`` values is repeated ``repeat`` times).
+
+    Raises:
+        EngineError: 400 when a list has the wrong length.
+    """
+    if not isinstance(value, list):
+        return [value] * count
+    if len(value) == count:
+        return list(value)
+    if repeat > 1 and len(value) * repeat == count:
+        return list(value) * repeat
+    raise bad_request(f"{name} has {len(value)} entries; expected {count}", name)
+
+
+def bootstraps(body: BaseModel, count: int, repeat: int) -> list[Optional[Bootstrap]]:
+    """Per-item bootstrap info; None for items that carry no room.
+
+    Raises:
+        EngineError: 400 for a malformed room (negative, >= 2^64).
+    """
+    rooms_field = body.bootstrap_room
+    if rooms_field is None:
+        rooms: list = [None] * count
+    elif isinstance(rooms_field, list):
+        rooms = per_item(rooms_field, count, "bootstrap_room", repeat)
+    else:
+        rooms = [rooms_field + i for i in range(count)]
+    hosts = per_item(body.bootstrap_host, count, "bootstrap_host", repeat)
+    ports = per_item(body.bootstrap_port, count, "bootstrap_port", repeat)
+    out: list[Optional[Bootstrap]] = []
+    for host, port, room in zip(hosts, ports, rooms):
+        if room is None:
+            out.append(None)
+            continue
+        if not 0 <= int(room) < 2**64:
+            raise bad_request(f"bootstrap_room {room} is outside [0, 2^64)", "bootstrap_room")
+        out.append(Bootstrap(host=host, port=port, room=int(room)))
+    return out
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+def expand(
+    prompts: list[list[int]],
+    n: int,
+    params: list[SamplingParams],
+    body: BaseModel,
+    rid: Optional[Union[str, list[str]]],
+    return_logprob: list[bool],
+    logprob_start_len: list[int],
+    top_logprobs_num: list[int],
+    stream: bool,
+) -> list[SeqSpec]:
+    """Expand P prompts x ``n`` samples into sequences, prompt-major (item ``i = p * n + s``; the
+    order SGLang's TokenizerManager sends, returns and indexes them in).
+
+    Bootstrap rooms: one per generated sequence. A list must have ``P * n`` entries indexed by
+    ``i`` (SGLang itself would hand all samples of a prompt the same room, which a decode must
+    refuse); a scalar room ``r`` gives item ``i`` the room ``r + i``. ``rid``: a string becomes
+    ``f"{rid}_{i}"`` for batches (so /abort_request by prefix reaches every item).
+
+    Raises:
+        EngineError: 400 for list lengths that do not match, or n < 1.
+    """
+    if n < 1:
+        raise bad_request("n must be >= 1", "n")
+    count = len(prompts) * n
+    boots = bootstraps(body, count, repeat=1)
+    single = count == 1
+    if rid is None:
+        rids = [new_rid() for _ in range(count)]
+    elif isinstance(rid, str):
+        rids = [rid] if single else [f"{rid}_{i}" for i in range(count)]
+    else:
+        rids = per_item(rid, count, "rid")
+    if len(set(rids)) != len(rids):
+        raise bad_request("rid: duplicate request ids in one batch", "rid")
+    specs = []
+    for p, prompt in enumerate(prompts):
+        for s in range(n):
+            i = p * n + s
+            sp = params[p]
+            seed = sp.sampling_seed if sp.sampling_seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "big")
+            specs.append(SeqSpec(
+                index=i, prompt_index=p, sample_index=s, prompt_ids=list(prompt), params=sp, rid=rids[i],
+                seed=seed + s, return_logprob=return_logprob[p], logprob_start_len=logprob_start_len[p],
+                top_logprobs_num=top_logprobs_num[p], bootstrap=boots[i], extra={"stream": stream},
+            ))
+    return specs

@@ -1,0 +1,103 @@
+"""Sampling parameters (SGLang's names) and the token sampler of the reference engine.
+
+Sampling is counter-based: output token ``i`` of a request with seed ``s`` is drawn with a
+generator seeded from ``(s, i)``. The draw therefore does not depend on which process makes it,
+so a prefill that samples token 0 and a decode that samples tokens 1.. reproduce exactly what a
+single (``null`` mode) engine samples with the same seed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
+
+
+class SamplingParams(BaseModel):
+    """The subset of SGLang's ``sampling_params`` the reference engine honours.
+
+    Field names and defaults follow sglang/srt/sampling/sampling_params.py. ``top_k = -1`` and
+    ``top_p = 1`` disable those filters; ``temperature = 0`` is greedy.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    max_new_tokens: Optional[int] = DEFAULT_MAX_NEW_TOKENS
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: Optional[int] = Field(default=None)
+
+    def stop_strings(self) -> list[str]:
+        """``stop`` as a list of non-empty strings."""
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return [s for s in stops if s]
+
+    def validate_for(self, vocab_size: int) -> None:
+        """Check ranges (SGLang's SamplingParams.verify).
+
+        Raises:
+            EngineError: 400 naming the first bad field.
+        """
+        from pd.engines.errors import bad_request
+
+        if self.max_new_tokens is not None and self.max_new_tokens <= 0:
+            raise bad_request("max_new_tokens must be positive (at least 1)", "max_new_tokens")
+        if self.min_new_tokens < 0:
+            raise bad_request("min_new_tokens must be >= 0", "min_new_tokens")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            raise bad_request("min_new_tokens must be <= max_new_tokens", "min_new_tokens")
+        if self.temperature < 0:
+            raise bad_request("temperature must be >= 0", "temperature")
+        if not 0 < self.top_p <= 1:
+            raise bad_request("top_p must be in (0, 1]", "top_p")
+        if self.top_k < -1 or self.top_k == 0:
+            raise bad_request("top_k must be -1 (disabled) or >= 1", "top_k")
+        for t in self.stop_token_ids or []:
+            if not 0 <= t < vocab_size:
+                raise bad_request(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})", "stop_token_ids")
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int, banned: list[int]) -> int:
+    """Pick the next token.
+
+    Args:
+        logits: [vocab] float32 logits of the last position.
+        params: the request's sampling parameters.
+        seed: the request's sampling seed (any int).
+        step: index of the output token being sampled (0 = first token).
+        banned: token ids that must not be produced now (EOS and stop ids before min_new_tokens).
+
+    Returns:
+        The token id. Greedy (``temperature == 0`` or ``top_k == 1``) is argmax; ties break to the
+        lowest id, as ``torch.argmax`` does.
+    """
+    logits = logits.float().clone()
+    if banned:
+        logits[banned] = float("-inf")
+    if params.temperature == 0 or params.top_k == 1:
+        return int(torch.argmax(logits))
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits[logits < kth] = float("-inf")
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
+        cutoff = torch.cumsum(sorted_probs, 0) - sorted_probs >= params.top_p
+        sorted_probs[cutoff] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63))
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,463 @@
+"""The reference engine's scheduler: runs each generated sequence through its mode's lifecycle.
+
+Modes (SGLang's ``--disaggregation-mode``):
+
+- ``null``: prefill forward, then decode steps, all here.
+- ``prefill``: claim the bootstrap room, wait for the decode to register its pages (bootstrap
+  timeout), prefill forward, sample the first token, copy the KV into local pool pages, push them
+  into the decode's pages with the Mooncake transfer engine, then resolve the decode's long poll with
+  the first token (and its logprobs, cached-token count). The HTTP answer carries the first token
+  and the prompt logprobs, with ``finish_reason {"type": "length", "length": 0}`` as SGLang's
+  prefill gives.
+- ``decode``: pre-allocate pages for the prompt, register them with the prefill's bootstrap server
+  and wait (waiting timeout), load the KV from the pages, continue from the shipped first token.
+
+All model work runs on one thread, one sequence at a time (see model_runner). Every path
+releases its KV pages, including cancellation (client disconnect, /abort_request, peer abort).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from typing import Callable, Optional
+
+import aiohttp
+import torch
+
+from pd.engines.bootstrap import (
+    BootstrapServer,
+    Registration,
+    RoomFailed,
+    abort_on_prefill,
+    register_with_prefill,
+)
+from pd.engines.errors import EngineError, bad_request
+from pd.engines.kv_pool import KVPagePool, PoolExhausted
+from pd.engines.metrics import EngineMetrics
+from pd.engines.model_runner import ModelRunner
+from pd.engines.protocol import SeqSpec
+from pd.engines.sampling import sample
+from pd.engines.sequence import Sequence
+from pd.engines.transfer import MooncakeTransfer, TransferError, coalesce
+
+log = logging.getLogger(__name__)
+
+USER_ABORT = "Aborted"
+
+
+async def run_blocking(executor: ThreadPoolExecutor, fn: Callable, *args):
+    """Run ``fn`` on ``executor``; if the caller is cancelled, wait for ``fn`` to finish before
+    re-raising, so memory it touches (KV pages) is not released under it."""
+    fut = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        while not fut.done():
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(fut)
+        raise
+
+
+class Scheduler:
+    """Owns the model thread, the KV page pool, the transfer engine and the bootstrap channel.
+
+    Args:
+        runner: the loaded model.
+        args: parsed engine arguments (see pd.engines.args).
+        metrics: where to record SGLang's metrics.
+    """
+
+    def __init__(self, runner: ModelRunner, args, metrics: EngineMetrics):
+        self.runner = runner
+        self.args = args
+        self.mode = args.disaggregation_mode
+        self.metrics = metrics
+        self.model_exec = ThreadPoolExecutor(1, thread_name_prefix="model")
+        self.transfer_exec = ThreadPoolExecutor(4, thread_name_prefix="kv-transfer")
+        self.pool: Optional[KVPagePool] = None
+        self.transfer: Optional[MooncakeTransfer] = None
+        self.bootstrap: Optional[BootstrapServer] = None
+        self.http: Optional[aiohttp.ClientSession] = None
+        self.sequences: set[Sequence] = set()
+        self.decode_rooms: set[int] = set()
+        self.queued = 0
+        self.running = 0
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Allocate and register the KV pool, start the transfer engine and, on a prefill, the
+        bootstrap server."""
+        if self.mode == "null":
+            return
+        a = self.args
+        self.pool = KVPagePool(self.runner.layout, a.page_size, a.max_total_tokens)
+        self.transfer = MooncakeTransfer(a.transfer_host, a.disaggregation_transfer_protocol, a.disaggregation_ib_device or "")
+        self.transfer.register(self.pool.base_addr, self.pool.total_bytes)
+        self._update_pool_metrics()
+        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        if self.mode == "prefill":
+            self.bootstrap = BootstrapServer(
+                a.host, a.disaggregation_bootstrap_port, a.waiting_timeout, tombstone_ttl=max(60.0, 2 * a.waiting_timeout)
+            )
+            await self.bootstrap.start()
+        log.info("%s engine: KV pool %d pages x %d tokens (%.1f MB), transfer session %s",
+                 self.mode, self.pool.num_pages, self.pool.page_size, self.pool.total_bytes / 1e6, self.transfer.session_id)
+
+    async def stop(self) -> None:
+        for seq in list(self.sequences):
+            self.cancel(seq, "engine shutting down")
+        tasks = [s.task for s in self.sequences if s.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=10)
+        if self.bootstrap is not None:
+            await self.bootstrap.stop()
+        if self.http is not None:
+            await self.http.close()
+        self.model_exec.shutdown(wait=False, cancel_futures=True)
+        self.transfer_exec.shutdown(wait=False, cancel_futures=True)
+
+    # ---- admission ----------------------------------------------------------------------
+    def validate(self, spec: SeqSpec) -> None:
+        """Refuse a sequence before anything is held for it.
+
+        Raises:
+            EngineError: 400 for an empty/too-long prompt, bad sampling values, a PD request without
+                bootstrap fields, or one whose KV can never fit the pool; 409 for a room already
+                active here.
+        """
+        n = len(spec.prompt_ids)
+        if n == 0:
+            raise bad_request("the prompt is empty", "prompt")
+        bad = [t for t in spec.prompt_ids if not 0 <= t < self.runner.vocab_size]
+        if bad:
+            raise bad_request(f"input_ids: token {bad[0]} is outside the vocabulary [0, {self.runner.vocab_size})", "input_ids")
+        spec.params.validate_for(self.runner.vocab_size)
+        max_new = spec.params.max_new_tokens or 0
+        ctx = self.runner.context_length
+        if n + max_new >= ctx:
+            raise bad_request(
+                f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
+                f"You requested a total of {n + max_new} tokens: {n} tokens from the input messages and "
+                f"{max_new} tokens for the completion. Please reduce the number of tokens in the input "
+                f"messages or the completion to fit within the limit.",
+                "max_tokens",
+            )
+        if spec.top_logprobs_num < 0:
+            raise bad_request("top_logprobs_num must be >= 0", "top_logprobs_num")
+        if self.mode == "null":
+            return
+        b = spec.bootstrap
+        if b is None:
+            raise bad_request(
+                f"Disaggregated request received without bootstrap room id (this engine runs with "
+                f"--disaggregation-mode {self.mode}); send bootstrap_host, bootstrap_port and bootstrap_room",
+                "bootstrap_room",
+            )
+        try:
+            need = self.pool.pages_for(n)
+            if need > self.pool.num_pages:
+                raise PoolExhausted(f"{n} prompt tokens need {need} KV pages; the pool has {self.pool.num_pages}")
+        except PoolExhausted as e:
+            raise bad_request(str(e), "prompt") from None
+        if self.mode == "decode":
+            if not b.host or b.port is None:
+                raise bad_request("bootstrap_host and bootstrap_port are required on a decode engine", "bootstrap_host")
+            if b.room in self.decode_rooms:
+                raise EngineError(409, f"bootstrap room {b.room} is already active on this decode", "bootstrap_room")
+        else:
+            if b.room in self.bootstrap.rooms and self.bootstrap.rooms[b.room].prefill_attached:
+                raise EngineError(409, f"bootstrap room {b.room} is already active on this prefill", "bootstrap_room")
+            aborted = self.bootstrap.tombstone_reason(b.room)
+            if aborted is not None:
+                raise EngineError(500, f"Prefill bootstrap failed for request rid={spec.rid!r} bootstrap_room={b.room}: "
+                                       f"the decode already aborted the room: {aborted}")
+
+    def submit(self, specs: list[SeqSpec]) -> list[Sequence]:
+        """Validate every sequence of a request, then start them all (all or nothing).
+
+        Raises:
+            EngineError: the first invalid sequence; nothing was started or held.
+        """
+        rooms = [s.bootstrap.room for s in specs if s.bootstrap is not None]
+        if len(set(rooms)) != len(rooms):
+            raise bad_request("bootstrap_room: every generated sequence needs its own room; the request repeats one", "bootstrap_room")
+        for spec in specs:
+            self.validate(spec)
+        seqs = []
+        for spec in specs:
+            seq = Sequence(spec, self.runner.eos_token_ids, self.runner.decode, self.runner.context_length)
+            if self.mode == "decode":
+                self.decode_rooms.add(spec.bootstrap.room)
+            elif self.mode == "prefill":
+                seq.room = self.bootstrap.attach(spec.bootstrap.room, lambda reason, s=seq: self.cancel(s, reason))
+            self.sequences.add(seq)
+            seq.task = asyncio.get_running_loop().create_task(self._run(seq))
+            seq.task.add_done_callback(lambda _t, s=seq: self._finalize(s))
+            seqs.append(seq)
+        return seqs
+
+    def cancel(self, seq: Sequence, reason: str) -> None:
+        """Abort a sequence (client disconnect, /abort_request, peer abort, shutdown)."""
+        if seq.done or seq.task is None:
+            return
+        seq.abort_reason = seq.abort_reason or reason
+        seq.task.cancel()
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> int:
+        """SGLang's /abort_request: abort sequences whose rid starts with ``rid`` (or all).
+        Returns how many were aborted."""
+        hits = [s for s in self.sequences if abort_all or (rid and s.spec.rid.startswith(rid))]
+        for s in hits:
+            self.cancel(s, USER_ABORT)
+        return len(hits)
+
+    # ---- the sequence lifecycle ----------------------------------------------------------
+    async def _run(self, seq: Sequence) -> None:
+        try:
+            if self.mode == "null":
+                await self._run_null(seq)
+            elif self.mode == "prefill":
+                await self._run_prefill(seq)
+            else:
+                await self._run_decode(seq)
+        except asyncio.CancelledError:
+            self._set_aborted(seq)
+        except RoomFailed as e:
+            seq.fail(EngineError(500, f"{self.mode.capitalize()} transfer failed for request rid={seq.spec.rid!r} "
+                                      f"bootstrap_room={seq.spec.bootstrap.room}: {e}"))
+        except EngineError as e:
+            seq.fail(e)
+        except Exception as e:  # a bug or a model error: fail this request, keep serving
+            log.exception("request %s failed", seq.spec.rid)
+            seq.fail(EngineError(500, f"internal error: {e!r}"))
+
+    def _set_aborted(self, seq: Sequence) -> None:
+        reason = seq.abort_reason or "cancelled"
+        self.metrics.aborted.labels(**self.metrics.labels, reason="user" if reason == USER_ABORT else "peer").inc()
+        if reason == USER_ABORT:
+            seq.finish({"type": "abort", "message": reason, "status_code": None})
+        else:
+            seq.fail(EngineError(500, reason))
+
+    def _finalize(self, seq: Sequence) -> None:
+        """Task done-callback: runs even when the task was cancelled before it started."""
+        if not seq.done:
+            self._set_aborted(seq)
+        seq.cache = None
+        self.sequences.discard(seq)
+        if self.mode == "decode":
+            self.decode_rooms.discard(seq.spec.bootstrap.room)
+        room = seq.room
+        if room is not None and self.bootstrap.rooms.get(room.room) is room:
+            self.bootstrap.finish(room, None, seq.abort_reason or "prefill request ended")
+        if seq.finish_time is None:
+            seq.finish_time = time.perf_counter()
+        if seq.error is None and self.mode != "prefill":
+            labels = dict(**self.metrics.labels, is_streaming="true" if seq.spec.extra.get("stream") else "false")
+            self.metrics.e2e.labels(**labels).observe(seq.finish_time - seq.arrival)
+            self.metrics.prompt_tokens.labels(**labels).inc(len(seq.spec.prompt_ids))
+            self.metrics.generation_tokens.labels(**labels).inc(len(seq.output_ids))
+        seq.signal()
+
+    async def _compute(self, fn: Callable, *args):
+        return await run_blocking(self.model_exec, fn, *args)
+
+    @contextlib.contextmanager
+    def _gauge(self, gauge):
+        gauge.labels(**self.metrics.labels).inc()
+        try:
+            yield
+        finally:
+            gauge.labels(**self.metrics.labels).dec()
+
+    def _emit(self, seq: Sequence, token: int, lp: float, top: list) -> None:
+        prev = seq.last_token_time
+        seq.append(token, lp, top)
+        if prev is None:
+            if self.mode != "prefill":
+                stream = "true" if seq.spec.extra.get("stream") else "false"
+                self.metrics.ttft.labels(**self.metrics.labels, is_streaming=stream).observe(seq.first_token_time - seq.arrival)
+        else:
+            self.metrics.itl.labels(**self.metrics.labels).observe(seq.last_token_time - prev)
+
+    async def _run_null(self, seq: Sequence) -> None:
+        with self._gauge(self.metrics.queued):
+            first = await self._compute(self._prefill_forward, seq)
+        with self._gauge(self.metrics.running):
+            self._emit(seq, *first)
+            await self._decode_loop(seq)
+
+    async def _decode_loop(self, seq: Sequence) -> None:
+        while not seq.done:
+            self._emit(seq, *await self._compute(self._decode_forward, seq))
+        seq.finish(seq.finish_reason)
+
+    async def _run_prefill(self, seq: Sequence) -> None:
+        b = seq.spec.bootstrap
+        room = seq.room
+        meta = None
+        reason = None
+        try:
+            t0 = time.perf_counter()
+            with self._gauge(self.metrics.prefill_bootstrap_queue):
+                reg = await self.bootstrap.wait_registration(room, self.args.bootstrap_timeout)
+            self._check_registration(reg, seq)
+            t1 = time.perf_counter()
+            self.metrics.observe_stage("prefill_bootstrap", t1 - t0)
+            with self._gauge(self.metrics.queued):
+                first = await self._compute(self._prefill_forward, seq)
+            t2 = time.perf_counter()
+            self.metrics.observe_stage("prefill_forward", t2 - t1)
+            with self._gauge(self.metrics.running):
+                nbytes = await self._push_kv(seq, reg, room)
+            t3 = time.perf_counter()
+            self.metrics.observe_stage("prefill_transfer_kv_cache", t3 - t2)
+            self.metrics.observe_transfer(nbytes, t3 - t2)
+            token, lp, top = first
+            meta = {"first_token": {"id": token, "logprob": lp, "top": top}, "cached_tokens": 0, "bytes": nbytes}
+            self._emit(seq, token, lp, top)
+            seq.finish_reason = {"type": "length", "length": 0}
+            seq.finish(seq.finish_reason)
+        except asyncio.CancelledError:
+            reason = seq.abort_reason or "prefill request cancelled"
+            raise
+        except RoomFailed as e:
+            reason = str(e)
+            self.metrics.bootstrap_failed.labels(**self.metrics.labels).inc()
+            raise
+        except TransferError as e:
+            reason = str(e)
+            self.metrics.transfer_failed.labels(**self.metrics.labels).inc()
+            raise EngineError(500, f"Prefill transfer failed for request rid={seq.spec.rid!r} bootstrap_room={b.room}: {e}") from None
+        except BaseException as e:
+            reason = f"prefill failed: {e}"
+            raise
+        finally:
+            self.bootstrap.finish(room, meta, reason)
+
+    def _check_registration(self, reg: Registration, seq: Sequence) -> None:
+        ours = asdict(self.runner.layout)
+        n = len(seq.spec.prompt_ids)
+        problem = None
+        if reg.layout != ours or reg.page_size != self.pool.page_size or reg.page_bytes != self.pool.page_bytes:
+            problem = (f"KV layout mismatch: decode has {reg.layout} page_size={reg.page_size}, prefill has {ours} "
+                       f"page_size={self.pool.page_size} (--page-size and the model must match on both sides)")
+        elif reg.num_tokens != n or len(reg.page_addrs) < self.pool.pages_for(n):
+            problem = (f"prompt mismatch: decode expects {reg.num_tokens} tokens in {len(reg.page_addrs)} pages, prefill "
+                       f"tokenized {n} (were both sides sent the same request?)")
+        if problem:
+            raise RoomFailed(problem)
+
+    async def _push_kv(self, seq: Sequence, reg: Registration, room) -> int:
+        n = len(seq.spec.prompt_ids)
+        pages = await self.pool.alloc(n)
+        self._update_pool_metrics()
+        room.no_transfer_in_flight.clear()
+        try:
+            await self._compute(self.runner.export_kv, seq.cache, self.pool.pages, pages, n)
+            src = [self.pool.page_addr(p) for p in pages]
+            dst = reg.page_addrs[: len(pages)]
+            segs = coalesce(src, dst, self.pool.page_bytes)
+            await run_blocking(self.transfer_exec, self.transfer.write, reg.session_id, *segs)
+            return len(pages) * self.pool.page_bytes
+        finally:
+            room.no_transfer_in_flight.set()
+            self.pool.free(pages)
+            self._update_pool_metrics()
+
+    async def _run_decode(self, seq: Sequence) -> None:
+        b = seq.spec.bootstrap
+        n = len(seq.spec.prompt_ids)
+        pages: list[int] = []
+        kv_arrived = False
+        try:
+            t0 = time.perf_counter()
+            with self._gauge(self.metrics.decode_prealloc_queue):
+                try:
+                    pages = await asyncio.wait_for(self.pool.alloc(n), self.args.waiting_timeout)
+                except asyncio.TimeoutError:
+                    raise RoomFailed(f"no free KV pages for {n} tokens within {self.args.waiting_timeout:g}s") from None
+            self._update_pool_metrics()
+            t1 = time.perf_counter()
+            self.metrics.observe_stage("decode_bootstrap", t1 - t0)
+            reg = Registration(
+                room=b.room, session_id=self.transfer.session_id,
+                page_addrs=[self.pool.page_addr(p) for p in pages], page_bytes=self.pool.page_bytes,
+                page_size=self.pool.page_size, layout=asdict(self.runner.layout), num_tokens=n,
+            )
+            with self._gauge(self.metrics.decode_transfer_queue):
+                try:
+                    meta = await register_with_prefill(self.http, b.host, b.port, reg, self.args.waiting_timeout)
+                except RoomFailed:
+                    self.metrics.transfer_failed.labels(**self.metrics.labels).inc()
+                    raise
+            kv_arrived = True
+            t2 = time.perf_counter()
+            self.metrics.observe_stage("decode_transferred", t2 - t1)
+            self.metrics.transfer_bytes.labels(**self.metrics.labels).inc(meta.get("bytes", 0))
+            with self._gauge(self.metrics.queued):
+                seq.cache = await self._compute(self.runner.import_kv, self.pool.pages, pages, n)
+            self.metrics.observe_stage("decode_waiting", time.perf_counter() - t2)
+            seq.cached_tokens = int(meta.get("cached_tokens", 0))
+            first = meta["first_token"]
+            with self._gauge(self.metrics.running):
+                self._emit(seq, int(first["id"]), first["logprob"], [tuple(t) for t in first["top"]])
+                await self._decode_loop(seq)
+        finally:
+            if pages:
+                if not kv_arrived:
+                    # The prefill may be writing into these pages: make it stop first.
+                    await abort_on_prefill(self.http, b.host, b.port, b.room, seq.abort_reason or "decode failed")
+                self.pool.free(pages)
+                self._update_pool_metrics()
+
+    # ---- model-thread work ---------------------------------------------------------------
+    def _select(self, seq: Sequence, logits: torch.Tensor, step: int) -> tuple[int, float, list]:
+        spec = seq.spec
+        token = sample(logits, spec.params, spec.seed, step, seq.banned_tokens(step))
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        top = []
+        if spec.top_logprobs_num > 0:
+            vals, ids = torch.topk(logprobs, min(spec.top_logprobs_num, logprobs.numel()))
+            top = [(float(v), int(i)) for v, i in zip(vals, ids)]
+        return token, float(logprobs[token]), top
+
+    def _prefill_forward(self, seq: Sequence) -> tuple[int, float, list]:
+        spec = seq.spec
+        seq.cache = self.runner.new_cache()
+        logits = self.runner.forward(spec.prompt_ids, seq.cache)
+        if spec.return_logprob and spec.logprob_start_len >= 0:
+            ids = spec.prompt_ids
+            logprobs = torch.log_softmax(logits, dim=-1)
+            for pos in range(spec.logprob_start_len, len(ids)):
+                if pos == 0:
+                    seq.input_logprobs.append((None, ids[0]))
+                    seq.input_top.append(None)
+                    continue
+                row = logprobs[pos - 1]
+                seq.input_logprobs.append((float(row[ids[pos]]), ids[pos]))
+                if spec.top_logprobs_num > 0:
+                    vals, top_ids = torch.topk(row, min(spec.top_logprobs_num, row.numel()))
+                    seq.input_top.append([(float(v), int(i)) for v, i in zip(vals, top_ids)])
+                else:
+                    seq.input_top.append(None)
+        return self._select(seq, logits[-1], 0)
+
+    def _decode_forward(self, seq: Sequence) -> tuple[int, float, list]:
+        logits = self.runner.forward([seq.output_ids[-1]], seq.cache)
+        return self._select(seq, logits[-1], len(seq.output_ids))
+
+    def health_generate(self) -> int:
+        """One greedy token from a one-token prompt on the model thread (SGLang's
+        /health_generate sends input_ids=[0], max_new_tokens=1)."""
+        logits = self.runner.forward([0], self.runner.new_cache())
+        return int(torch.argmax(logits[-1]))
+
+    def _update_pool_metrics(self) -> None:
+        if self.pool is not None:
+            self.metrics.set_pool(self.pool.held, self.pool.num_pages, self.pool.page_size)

@@ -1,0 +1,327 @@
+"""HTTP server of the reference engine (FastAPI + uvicorn), speaking SGLang's HTTP protocol.
+
+Routes: POST /generate, /v1/completions, /v1/chat/completions, /abort_request; GET /v1/models,
+/health, /health_generate, /get_server_info (/server_info), /get_model_info (/model_info),
+/metrics. Errors are HTTP 4xx/5xx with ``{"error": {"message", "type", "param", "code"}}``;
+inside a stream (after HTTP 200 was sent) as a ``data: {"error": ...}`` chunk before
+``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import AsyncIterator, Callable, Optional
+
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import pd
+from pd.engines import generate_api, openai_api
+from pd.engines.args import add_engine_args, finalize
+from pd.engines.errors import EngineError, bad_request
+from pd.engines.metrics import EngineMetrics
+from pd.engines.model_runner import ModelRunner
+from pd.engines.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from pd.engines.scheduler import Scheduler
+from pd.engines.sequence import Sequence
+
+log = logging.getLogger("pd.engine")
+HEALTH_CHECK_TIMEOUT = 20.0  # seconds, SGLang's SGLANG_HEALTH_CHECK_TIMEOUT
+
+
+def error_response(e: EngineError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def read_json(request: Request, limit: int):
+    """The request body as JSON.
+
+    Raises:
+        EngineError: 413 over ``limit`` bytes, 400 for malformed JSON.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise EngineError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise EngineError(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks) or b"null")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"malformed JSON body: {e}") from None
+
+
+def parse(model: type[pydantic.BaseModel], body) -> pydantic.BaseModel:
+    """Validate ``body`` against ``model``; 400 naming the first bad field."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except pydantic.ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"]) or None
+        raise bad_request(f"{field}: {err['msg']}" if field else err["msg"], field) from None
+
+
+class EngineServer:
+    """The FastAPI application around one Scheduler."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.served_name = args.served_model_name or args.model_path
+        self.runner: Optional[ModelRunner] = None
+        self.scheduler: Optional[Scheduler] = None
+        self.metrics = EngineMetrics(self.served_name, args.disaggregation_mode)
+        self.started = time.time()
+        self.app = FastAPI(title="pdserve reference engine", lifespan=self._lifespan)
+        self.app.add_exception_handler(EngineError, lambda _r, e: error_response(e))
+        self._routes()
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, _app):
+        loop = asyncio.get_running_loop()
+        self.runner = await loop.run_in_executor(None, ModelRunner, self.args.model_path, self.args.dtype)
+        self.scheduler = Scheduler(self.runner, self.args, self.metrics)
+        await self.scheduler.start()
+        log.info("The server is fired up and ready to roll! (%s mode, model %s, port %d)",
+                 self.args.disaggregation_mode, self.served_name, self.args.port)
+        try:
+            yield
+        finally:
+            await self.scheduler.stop()
+
+    # ---- request plumbing ---------------------------------------------------------------
+    async def _run(self, request: Request, specs, stream: bool, full: Callable, chunks: Callable) -> Response:
+        """Submit sequences and answer: one JSON body, or an SSE stream of ``chunks(seq)``."""
+        seqs = self.scheduler.submit(specs)
+        queue: asyncio.Queue = asyncio.Queue()
+        for s in seqs:
+            s.listener = queue
+        if not stream:
+            watcher = asyncio.create_task(self._watch_disconnect(request, seqs))
+            try:
+                await asyncio.wait([s.task for s in seqs])
+            finally:
+                watcher.cancel()
+            failed = [s for s in seqs if s.error is not None]
+            if failed:
+                return error_response(failed[0].error)
+            return JSONResponse(full(seqs))
+        # Pull the first event before answering 200, so an early failure is a plain HTTP error.
+        first = await queue.get()
+        if first.error is not None:
+            for s in seqs:
+                self.scheduler.cancel(s, "another sequence of the request failed")
+            return error_response(first.error)
+        queue.put_nowait(first)
+        return StreamingResponse(self._sse(seqs, queue, chunks), media_type="text/event-stream")
+
+    async def _sse(self, seqs: list[Sequence], queue: asyncio.Queue, chunks: Callable) -> AsyncIterator[bytes]:
+        try:
+            while not all(s.task.done() for s in seqs) or not queue.empty():
+                seq = await queue.get()
+                if seq.error is not None:
+                    yield sse(seq.error.body())
+                    break
+                for c in chunks(seq):
+                    yield sse(c)
+            for c in chunks(None):
+                yield sse(c)
+            yield SSE_DONE
+        finally:
+            for s in seqs:  # client went away (or a sequence failed): release everything
+                self.scheduler.cancel(s, "client disconnected")
+
+    async def _watch_disconnect(self, request: Request, seqs: list[Sequence]) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            if await request.is_disconnected():
+                for s in seqs:
+                    self.scheduler.cancel(s, "client disconnected")
+                return
+
+    # ---- routes -------------------------------------------------------------------------
+    def _routes(self) -> None:
+        app = self.app
+        limit = self.args.max_body_bytes
+
+        @app.post("/generate")
+        async def generate(request: Request):
+            req = parse(GenerateRequest, await read_json(request, limit))
+            specs, is_single = generate_api.specs_from_generate(req, self.runner)
+            return await self._run(request, specs, req.stream, *self._generate_renderers(specs, is_single))
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            req = parse(CompletionRequest, await read_json(request, limit))
+            openai_api.check_model(req.model, self._model_names())
+            specs = openai_api.specs_from_completion(req, self.runner)
+            return await self._run(request, specs, req.stream, *self._openai_renderers("completion", req))
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request):
+            req = parse(ChatCompletionRequest, await read_json(request, limit))
+            openai_api.check_model(req.model, self._model_names())
+            specs = openai_api.specs_from_chat(req, self.runner)
+            return await self._run(request, specs, req.stream, *self._openai_renderers("chat", req))
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{
+                "id": self.served_name, "object": "model", "created": int(self.started), "owned_by": "pdserve",
+                "root": self.args.model_path, "max_model_len": self.runner.context_length,
+            }]}
+
+        @app.get("/health")
+        async def health():
+            return Response(status_code=200)
+
+        @app.get("/health_generate")
+        async def health_generate():
+            try:
+                await asyncio.wait_for(self.scheduler._compute(self.scheduler.health_generate), HEALTH_CHECK_TIMEOUT)
+            except asyncio.TimeoutError:
+                return Response(status_code=503)
+            return Response(status_code=200)
+
+        @app.get("/get_server_info")
+        @app.get("/server_info")
+        async def server_info():
+            info = {k: v for k, v in vars(self.args).items() if isinstance(v, (str, int, float, bool, type(None)))}
+            pool = self.scheduler.pool
+            info.update({
+                "version": pd.__version__,
+                "engine": "pdserve-reference",
+                "served_model_name": self.served_name,
+                "context_length": self.runner.context_length,
+                "scheduler_info": {
+                    "status": "ready",
+                    "max_total_num_tokens": pool.num_pages * pool.page_size if pool else self.args.max_total_tokens,
+                    "max_req_input_len": self.runner.context_length - 1,
+                },
+                "kv_pages_held": pool.held if pool else 0,
+                "kv_pages_total": pool.num_pages if pool else 0,
+                "transfer_session_id": self.scheduler.transfer.session_id if self.scheduler.transfer else None,
+            })
+            return info
+
+        @app.get("/get_model_info")
+        @app.get("/model_info")
+        async def model_info():
+            cfg = self.runner.config
+            return {
+                "model_path": self.args.model_path, "served_model_name": self.served_name,
+                "tokenizer_path": self.args.model_path, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": "default",
+                "disaggregation_mode": self.args.disaggregation_mode,
+                "model_type": getattr(cfg, "model_type", None), "architectures": getattr(cfg, "architectures", None),
+            }
+
+        @app.post("/abort_request")
+        async def abort_request(request: Request):
+            body = await read_json(request, limit)
+            if not isinstance(body, dict):
+                raise bad_request("the request body must be a JSON object")
+            rid, abort_all = body.get("rid", ""), bool(body.get("abort_all", False))
+            if not isinstance(rid, str):
+                raise bad_request("rid must be a string", "rid")
+            self.scheduler.abort(rid, abort_all)
+            return Response(status_code=200)
+
+        @app.get("/metrics")
+        async def metrics():
+            return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def _model_names(self) -> set[str]:
+        return {self.served_name, self.args.model_path}
+
+    # ---- renderers ----------------------------------------------------------------------
+    def _generate_renderers(self, specs, is_single: bool):
+        with_text = False
+        runner = self.runner
+
+        def full(seqs):
+            results = [generate_api.generate_result(s, runner, with_text) for s in seqs]
+            return results[0] if is_single else results
+
+        sent: dict[int, tuple] = {}
+
+        def chunks(seq):
+            if seq is None:
+                return []
+            text = seq.stable_text()
+            key = (len(seq.output_ids), text, seq.done)
+            if sent.get(seq.spec.index) == key or (not seq.output_ids and not seq.done):
+                return []
+            sent[seq.spec.index] = key
+            out = generate_api.generate_result(seq, runner, with_text, text=text)
+            if not is_single:
+                out["index"] = seq.spec.index
+            return [out]
+
+        return full, chunks
+
+    def _openai_renderers(self, kind: str, req):
+        responder = openai_api.OpenAIResponder(kind, req.model or self.served_name, self.runner, req.n)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        state: dict[int, dict] = {}
+        done_seqs: dict[int, Sequence] = {}
+
+        def chunks(seq):
+            if seq is None:
+                if include_usage:
+                    return [responder.chunk([], openai_api.usage(list(done_seqs.values()), req.n))]
+                return []
+            st = state.setdefault(seq.spec.index, {"text": "", "lp": 0, "first": True, "final": False})
+            if st["final"]:
+                return []
+            text = seq.stable_text()
+            delta = text[len(st["text"]):] if text.startswith(st["text"]) else ""
+            final = seq.done
+            if not delta and not final and not st["first"] and len(seq.output_ids) == st["lp"]:
+                return []
+            choice = responder.delta_choice(seq, delta, st["lp"], len(st["text"]), st["first"], final)
+            st.update(text=st["text"] + delta, lp=len(seq.output_ids), first=False, final=final)
+            if final:
+                done_seqs[seq.spec.index] = seq
+            return [responder.chunk([choice])]
+
+        return responder.full, chunks
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdserve engine",
+        description="The pdserve reference engine: an exact CPU engine that speaks SGLang's HTTP and "
+                    "prefill-decode (PD) protocol, moving KV through the Mooncake transfer engine.",
+    )
+    add_engine_args(p)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Entry point of ``pdserve engine``."""
+    import uvicorn
+
+    args = finalize(build_parser().parse_args(argv))
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = EngineServer(args)
+    uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                timeout_graceful_shutdown=5, access_log=False)
