@@ -81,6 +81,12 @@ class EngineMetrics:
         self.aborted = Counter("pdserve_engine_aborted_requests_total", "Requests aborted, by reason.",
                                names + ["reason"], registry=r)
 
+        # Export every unlabeled-beyond-base series from the start (0), so queries see them before traffic.
+        for m in (self.itl, self.running, self.queued, self.prefill_bootstrap_queue, self.decode_prealloc_queue,
+                  self.decode_transfer_queue, self.token_usage, self.num_used_tokens, self.pages_held, self.transfer_ms,
+                  self.transfer_mb, self.transfer_speed, self.transfer_bytes, self.transfer_failed, self.bootstrap_failed):
+            m.labels(**self.labels)
+
     def observe_stage(self, stage: str, seconds: float) -> None:
         self.stage.labels(**self.labels, stage=stage).observe(seconds)
 

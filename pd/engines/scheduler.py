@@ -175,7 +175,7 @@ class Scheduler:
             aborted = self.bootstrap.tombstone_reason(b.room)
             if aborted is not None:
                 raise EngineError(500, f"Prefill bootstrap failed for request rid={spec.rid!r} bootstrap_room={b.room}: "
-                                       f"the decode already aborted the room: {aborted}")
+                                       f"the room was aborted by the decode: {aborted}")
 
     def submit(self, specs: list[SeqSpec]) -> list[Sequence]:
         """Validate every sequence of a request, then start them all (all or nothing).

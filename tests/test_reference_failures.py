@@ -1,0 +1,228 @@
+"""Failure semantics of the reference engine: bad input, aborts, timeouts, dead peers.
+
+Every case ends with nothing held: no KV pages, no running request, and the engine still serves.
+"""
+
+import asyncio
+import random
+import time
+import uuid
+
+import httpx
+import pytest
+
+from engines import free_port, metric
+from pdclient import add_rooms, parse_sse, pd_post
+
+GOOD = {"text": "still alive", "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+
+
+def assert_error(r: httpx.Response, status: int, *words: str):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == status
+    for w in words:
+        assert w in err["message"], err["message"]
+    return err
+
+
+async def assert_idle(engines):
+    """Nothing held anywhere and a normal PD request still works."""
+    for _ in range(50):
+        if all(metric(engines[s], "pdserve_kv_pages_held") == 0 and metric(engines[s], "sglang:num_running_reqs") == 0
+               and metric(engines[s], "sglang:num_queue_reqs") == 0 for s in ("prefill", "decode")):
+            break
+        await asyncio.sleep(0.1)
+    for side in ("prefill", "decode"):
+        assert metric(engines[side], "pdserve_kv_pages_held") == 0, side
+        assert metric(engines[side], "sglang:num_running_reqs") == 0, side
+    async with httpx.AsyncClient(timeout=30) as c:
+        status, dec, _ = await pd_post(c, engines["prefill"], engines["decode"], "/generate", GOOD, None)
+    assert status == 200 and len(dec["output_ids"]) == 3
+
+
+# ---- bad input --------------------------------------------------------------------------------
+@pytest.mark.parametrize("side", ["null", "decode", "prefill"])
+async def test_bad_inputs_get_4xx_and_hold_nothing(engines, side):
+    e = engines[side]
+    pd_fields = {} if side == "null" else {"bootstrap_host": "127.0.0.1", "bootstrap_port": engines["prefill"].bootstrap_port}
+    async with httpx.AsyncClient(timeout=30, base_url=e.url) as c:
+        r = await c.post("/generate", content=b'{"text": "oops"', headers={"content-type": "application/json"})
+        assert_error(r, 400, "malformed JSON")
+        r = await c.post("/v1/completions", json={"model": "gpt-17", "prompt": "hi"})
+        assert_error(r, 404, "gpt-17")
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0, **pd_fields, "bootstrap_room": 1})
+        assert assert_error(r, 400, "max_tokens")["param"] == "max_tokens"
+        r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3})
+        assert_error(r, 400, "max_tokens")
+        r = await c.post("/generate", json={"text": "x" * 3000, "sampling_params": {"max_new_tokens": 4},
+                                            **pd_fields, "bootstrap_room": 2})
+        assert_error(r, 400, "maximum context length")
+        r = await c.post("/generate", json={"text": "hi", "sampling_params": {"temperature": -1}, **pd_fields, "bootstrap_room": 3})
+        assert_error(r, 400, "temperature")
+        r = await c.post("/v1/completions", json={"prompt": "hi", "n": "three"})
+        assert_error(r, 400, "n")
+        r = await c.post("/nope", json={})
+        assert r.status_code == 404
+        if side != "null":
+            r = await c.post("/generate", json={"text": "hi"})
+            assert_error(r, 400, "bootstrap room")
+            r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+            assert_error(r, 400, "bootstrap room")
+    await assert_idle(engines)
+
+
+async def test_oversize_body_gets_413(engines):
+    async with httpx.AsyncClient(timeout=60) as c:
+        r = await c.post(engines["null"].url + "/generate", json={"text": "a" * (33 * 1024 * 1024)})
+    assert_error(r, 413, "exceeds")
+
+
+async def test_room_already_active_is_rejected(engines):
+    dec = engines["decode"]
+    room = random.randrange(2**63)
+    body = {"text": "hold this room", "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": engines["prefill"].bootstrap_port, "bootstrap_room": room, "rid": "holder-" + uuid.uuid4().hex}
+    async with httpx.AsyncClient(timeout=30, base_url=dec.url) as c:
+        first = asyncio.create_task(c.post("/generate", json=body))
+        await asyncio.sleep(0.5)  # the first request now waits for KV that never comes
+        r = await c.post("/generate", json=dict(body, rid="second"))
+        assert_error(r, 409, str(room), "already active")
+        # Same room twice inside one batch is refused too.
+        r = await c.post("/generate", json=dict(body, text=["a", "b"], bootstrap_room=[5, 5], rid=None,
+                                                bootstrap_host=["127.0.0.1"] * 2, bootstrap_port=[1, 1]))
+        assert_error(r, 400, "own room")
+        await c.post("/abort_request", json={"rid": body["rid"]})
+        r1 = await first
+    assert r1.status_code == 200 and r1.json()["meta_info"]["finish_reason"]["type"] == "abort"
+    await assert_idle(engines)
+
+
+# ---- timeouts ---------------------------------------------------------------------------------
+async def test_decode_times_out_without_prefill(engines):
+    body = add_rooms({"text": "lonely decode", "sampling_params": {"max_new_tokens": 4}}, "127.0.0.1",
+                     engines["prefill"].bootstrap_port, None)
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(engines["decode"].url + "/generate", json=body)
+    elapsed = time.monotonic() - t0
+    assert_error(r, 500, str(body["bootstrap_room"]))
+    assert 3 <= elapsed < 8, elapsed  # the 4 s waiting timeout, not the default 300 s
+    await assert_idle(engines)
+
+
+async def test_prefill_times_out_without_decode(engines):
+    body = add_rooms({"text": "lonely prefill", "sampling_params": {"max_new_tokens": 4}}, "127.0.0.1",
+                     engines["prefill"].bootstrap_port, None)
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(engines["prefill"].url + "/generate", json=body)
+    elapsed = time.monotonic() - t0
+    assert_error(r, 500, "bootstrap timeout")
+    assert 3 <= elapsed < 8, elapsed
+    await assert_idle(engines)
+
+
+# ---- aborts -----------------------------------------------------------------------------------
+async def test_abort_on_decode_fails_prefill_fast(engines):
+    rid = "dec-abort-" + uuid.uuid4().hex
+    body = add_rooms({"text": "abort me on decode", "rid": rid, "sampling_params": {"max_new_tokens": 4}},
+                     "127.0.0.1", engines["prefill"].bootstrap_port, None)
+    async with httpx.AsyncClient(timeout=30) as c:
+        waiting = asyncio.create_task(c.post(engines["decode"].url + "/generate", json=body))
+        await asyncio.sleep(0.5)
+        assert (await c.post(engines["decode"].url + "/abort_request", json={"rid": rid})).status_code == 200
+        r = await waiting
+        assert r.status_code == 200
+        assert r.json()["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None}
+        # The prefill learns of it: its request for the room fails at once, not after its timeout.
+        t0 = time.monotonic()
+        r = await c.post(engines["prefill"].url + "/generate", json=body)
+        assert time.monotonic() - t0 < 1.5
+    assert_error(r, 500, "aborted by the decode")
+    await assert_idle(engines)
+
+
+async def test_abort_on_prefill_fails_decode_fast(engines):
+    rid = "pre-abort-" + uuid.uuid4().hex
+    body = add_rooms({"text": "abort me on prefill", "rid": rid, "sampling_params": {"max_new_tokens": 4}},
+                     "127.0.0.1", engines["prefill"].bootstrap_port, None)
+    async with httpx.AsyncClient(timeout=30) as c:
+        waiting = asyncio.create_task(c.post(engines["prefill"].url + "/generate", json=body))
+        await asyncio.sleep(0.5)
+        await c.post(engines["prefill"].url + "/abort_request", json={"rid": rid})
+        r = await waiting
+        assert r.json()["meta_info"]["finish_reason"]["type"] == "abort"
+        t0 = time.monotonic()
+        r = await c.post(engines["decode"].url + "/generate", json=body)
+        assert time.monotonic() - t0 < 1.5
+    assert_error(r, 500, "aborted by the prefill")
+    await assert_idle(engines)
+
+
+async def test_client_disconnect_mid_stream_releases_both_sides(engines):
+    body = add_rooms({"text": "stream forever", "stream": True,
+                      "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0}},
+                     "127.0.0.1", engines["prefill"].bootstrap_port, None)
+    async with httpx.AsyncClient(timeout=30) as c:
+        pre = asyncio.create_task(c.post(engines["prefill"].url + "/generate", json=body))
+        async with c.stream("POST", engines["decode"].url + "/generate", json=body) as r:
+            assert r.status_code == 200
+            seen = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    seen += 1
+                    if seen == 5:
+                        break
+        assert (await pre).status_code == 200
+    assert metric(engines["decode"], "pdserve_engine_aborted_requests_total") >= 1
+    await assert_idle(engines)
+
+
+async def test_dead_prefill_fails_decode_fast_and_decode_stays_healthy(engines):
+    body = add_rooms({"text": "nobody home", "sampling_params": {"max_new_tokens": 4}}, "127.0.0.1", free_port(), None)
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(engines["decode"].url + "/generate", json=body)
+        assert time.monotonic() - t0 < 2
+        assert_error(r, 500, "unreachable")
+        assert (await c.get(engines["decode"].url + "/health_generate")).status_code == 200
+    await assert_idle(engines)
+
+
+async def test_stream_error_before_first_token_is_plain_http_error(engines):
+    body = add_rooms({"text": "nobody home", "stream": True, "sampling_params": {"max_new_tokens": 4}},
+                     "127.0.0.1", free_port(), None)
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(engines["decode"].url + "/generate", json=body)
+    assert_error(r, 500, "unreachable")
+
+
+async def test_abort_all(engines):
+    async with httpx.AsyncClient(timeout=30) as c:
+        bodies = [add_rooms({"text": f"w{i}", "sampling_params": {"max_new_tokens": 4}}, "127.0.0.1",
+                            engines["prefill"].bootstrap_port, None) for i in range(3)]
+        tasks = [asyncio.create_task(c.post(engines["decode"].url + "/generate", json=b)) for b in bodies]
+        await asyncio.sleep(0.5)
+        await c.post(engines["decode"].url + "/abort_request", json={"abort_all": True})
+        results = await asyncio.gather(*tasks)
+    assert all(r.json()["meta_info"]["finish_reason"]["type"] == "abort" for r in results)
+    await assert_idle(engines)
+
+
+async def test_info_endpoints(engines):
+    async with httpx.AsyncClient(timeout=30) as c:
+        assert (await c.post(engines["null"].url + "/generate", json=GOOD)).status_code == 200
+        models = (await c.get(engines["null"].url + "/v1/models")).json()
+        assert models["data"][0]["id"] == "builtin:tiny"
+        info = (await c.get(engines["decode"].url + "/get_server_info")).json()
+        assert info["disaggregation_mode"] == "decode" and info["scheduler_info"]["status"] == "ready"
+        assert info["kv_pages_held"] == 0
+        minfo = (await c.get(engines["prefill"].url + "/get_model_info")).json()
+        assert minfo["disaggregation_mode"] == "prefill" and minfo["architectures"] == ["LlamaForCausalLM"]
+        assert (await c.get(engines["prefill"].url + "/health_generate")).status_code == 200
+        metrics = (await c.get(engines["null"].url + "/metrics")).text
+        for name in ("sglang:time_to_first_token_seconds_bucket", "sglang:inter_token_latency_seconds_bucket",
+                     "sglang:e2e_request_latency_seconds_bucket", "sglang:num_running_reqs", "sglang:num_queue_reqs",
+                     "sglang:prompt_tokens_total", "sglang:generation_tokens_total"):
+            assert name in metrics, name
