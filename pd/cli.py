@@ -9,6 +9,7 @@ USAGE = """usage: pdserve COMMAND [ARGS]
 
 commands:
   engine     run the reference engine alone (SGLang's flags; see `pdserve engine --help`)
+  router     run the PD router alone, for engines started by hand (see `pdserve router --help`)
 """
 
 
@@ -22,6 +23,10 @@ def main(argv: list[str] | None = None) -> None:
         from pd.engines.server import main as engine_main
 
         engine_main(rest)
+    elif cmd == "router":
+        from pd.router.cli import main as router_main
+
+        router_main(rest)
     else:
         print(f"pdserve: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         raise SystemExit(2)

@@ -1,0 +1,123 @@
+"""Unit tests of the reference engine's parts: pages, transfer segments, sampling, stops, expansion."""
+
+import asyncio
+
+import pytest
+import torch
+
+from pd.engines.errors import EngineError
+from pd.engines.kv_pool import KVPagePool, PoolExhausted
+from pd.engines.model_runner import KVLayout
+from pd.engines.protocol import CompletionRequest, SeqSpec, expand
+from pd.engines.sampling import SamplingParams, sample
+from pd.engines.sequence import Sequence
+from pd.engines.transfer import coalesce
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32")
+
+
+def test_coalesce_joins_only_runs_contiguous_on_both_sides():
+    src = [0, 100, 200, 400]
+    dst = [1000, 1100, 1300, 1400]
+    assert coalesce(src, dst, 100) == ([0, 200, 400], [1000, 1300, 1400], [200, 100, 100])
+    assert coalesce([], [], 100) == ([], [], [])
+
+
+async def test_pool_alloc_free_and_wait():
+    pool = KVPagePool(LAYOUT, page_size=4, max_total_tokens=16)
+    assert pool.num_pages == 4 and pool.page_bytes == 2 * 2 * 4 * 2 * 4 * 4
+    a = pool.try_alloc(9)  # 3 pages
+    assert a == [0, 1, 2] and pool.held == 3
+    assert pool.try_alloc(8) is None
+    with pytest.raises(PoolExhausted):
+        pool.try_alloc(17)
+    waiter = asyncio.create_task(pool.alloc(8))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    pool.free(a)
+    assert await asyncio.wait_for(waiter, 1) == [0, 1]
+    with pytest.raises(ValueError):
+        pool.free([3])
+    assert pool.page_addr(1) - pool.page_addr(0) == pool.page_bytes
+
+
+def test_sampling_greedy_topk_topp_and_seeded():
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.9])
+    greedy = SamplingParams(temperature=0)
+    assert sample(logits, greedy, 0, 0, []) == 1
+    assert sample(logits, greedy, 0, 0, [1]) == 3  # banned before min_new_tokens
+    topk = SamplingParams(temperature=1.0, top_k=2)
+    assert {sample(logits, topk, s, 0, []) for s in range(50)} == {1, 3}
+    topp = SamplingParams(temperature=1.0, top_p=0.05)
+    assert {sample(logits, topp, s, 0, []) for s in range(20)} == {1}
+    free = SamplingParams(temperature=1.0)
+    draws = [sample(logits, free, 42, step, []) for step in range(30)]
+    assert draws == [sample(logits, free, 42, step, []) for step in range(30)]  # counter-based: reproducible
+    assert len(set(draws)) > 1
+
+
+@pytest.mark.parametrize("bad", [{"max_new_tokens": 0}, {"temperature": -0.1}, {"top_p": 0}, {"top_k": 0},
+                                 {"min_new_tokens": 5, "max_new_tokens": 2}, {"stop_token_ids": [999]}])
+def test_sampling_params_validation_names_the_field(bad):
+    with pytest.raises(EngineError) as e:
+        SamplingParams(**bad).validate_for(384)
+    assert e.value.status == 400 and e.value.param in bad
+
+
+def _seq(**params):
+    spec = SeqSpec(index=0, prompt_index=0, sample_index=0, prompt_ids=[1, 2], params=SamplingParams(**params),
+                   rid="r", seed=0)
+    return Sequence(spec, eos_ids={1}, decode_fn=lambda ids, skip: "".join(chr(i) for i in ids if i != 1),
+                    context_length=100)
+
+
+def test_stop_string_trim_and_stream_holdback():
+    seq = _seq(stop="xyz", max_new_tokens=10)
+    streamed = ""
+    for ch in "abxyq" + "xyz":
+        seq.append(ord(ch), -1.0, [])
+        stable = seq.stable_text()
+        assert stable.startswith(streamed)
+        streamed = stable
+        if seq.done:
+            break
+    assert seq.finish_reason == {"type": "stop", "matched": "xyz"}
+    assert seq.text() == "abxyq" == streamed
+
+
+def test_eos_min_tokens_and_length():
+    seq = _seq(max_new_tokens=3, min_new_tokens=2)
+    assert seq.banned_tokens(0) == [1] and seq.banned_tokens(2) == []
+    seq.append(65, 0.0, [])
+    seq.append(1, 0.0, [])  # EOS at step 2 = min_new_tokens: stops
+    assert seq.finish_reason == {"type": "stop", "matched": 1}
+    seq = _seq(max_new_tokens=2, ignore_eos=True)
+    seq.append(1, 0.0, [])
+    assert not seq.done
+    seq.append(1, 0.0, [])
+    assert seq.finish_reason == {"type": "length", "length": 2}
+
+
+def test_expand_is_prompt_major_with_a_room_per_sequence():
+    req = CompletionRequest(prompt=["a", "b"], n=3, bootstrap_room=100, bootstrap_host="h", bootstrap_port=9)
+    specs = expand([[1], [2]], 3, [SamplingParams(sampling_seed=5)] * 2, req, "r", [False] * 2, [-1] * 2, [0] * 2, False)
+    assert [(s.prompt_index, s.sample_index) for s in specs] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert [s.bootstrap.room for s in specs] == list(range(100, 106))
+    assert [s.rid for s in specs] == [f"r_{i}" for i in range(6)]
+    assert [s.seed for s in specs] == [5, 6, 7, 5, 6, 7]
+    req = CompletionRequest(prompt=["a", "b"], n=3, bootstrap_room=[1, 2], bootstrap_host="h", bootstrap_port=9)
+    with pytest.raises(EngineError, match="bootstrap_room has 2 entries; expected 6"):
+        expand([[1], [2]], 3, [SamplingParams()] * 2, req, None, [False] * 2, [-1] * 2, [0] * 2, False)
+
+
+def test_engine_help_documents_every_flag():
+    from pd.engines.server import build_parser
+
+    parser = build_parser()
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help and len(action.help) > 15, action.option_strings
+    text = parser.format_help()
+    for flag in ("--model-path", "--disaggregation-mode", "--disaggregation-bootstrap-port",
+                 "--disaggregation-transfer-backend", "--disaggregation-transfer-protocol", "--disaggregation-ib-device"):
+        assert flag in text
