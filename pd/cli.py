@@ -8,6 +8,7 @@ import sys
 USAGE = """usage: pdserve COMMAND [ARGS]
 
 commands:
+  up         run the whole PD cluster here (Ray job + router); Ctrl-C stops it (`pdserve up [CONFIG]`)
   engine     run the reference engine alone (SGLang's flags; see `pdserve engine --help`)
   router     run the PD router alone, for engines started by hand (see `pdserve router --help`)
 """
@@ -19,6 +20,10 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE)
         raise SystemExit(0 if argv else 2)
     cmd, rest = argv[0], argv[1:]
+    if cmd == "up":
+        from pd.up import main as up_main
+
+        raise SystemExit(up_main(rest))
     if cmd == "engine":
         from pd.engines.server import main as engine_main
 

@@ -1,0 +1,220 @@
+"""Cluster configuration: one YAML file describes a PD deployment (pydantic models).
+
+Example (deploy/local.yaml is the embedded default)::
+
+    model_path: builtin:tiny
+    engine: reference            # reference | sglang
+    cluster: {num_gpus: 8, gpus_per_node: 8}
+    prefill: {replicas: 1, tp_size: 1}
+    decode:  {replicas: 1, tp_size: 1}
+    transfer: {backend: mooncake, protocol: tcp}
+    router: {host: 127.0.0.1, port: 8000, policy: round_robin}
+
+Unknown keys and impossible layouts are errors that name the field (``ConfigError``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "local.yaml"
+
+
+class ConfigError(ValueError):
+    """A config that cannot be deployed; the message names the field (e.g. ``prefill.tp_size``)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Placement(_Strict):
+    """Where a group's workers may run (multi-node clusters).
+
+    Attributes:
+        resources: Ray custom resources each worker's bundle requires, e.g. ``{"prefill_node": 0.01}``
+            (start those nodes with ``ray start --resources '{"prefill_node": 1}'``).
+        node_labels: Ray node labels the bundle must match, e.g. ``{"pd-role": "prefill"}``
+            (``ray start --labels pd-role=prefill``).
+    """
+
+    resources: dict[str, float] = Field(default_factory=dict)
+    node_labels: dict[str, str] = Field(default_factory=dict)
+
+
+class Group(_Strict):
+    """One role's workers (prefill or decode).
+
+    Attributes:
+        replicas: number of engine instances.
+        tp_size: GPUs per instance (tensor parallel size); all on one node.
+        gpus: explicit GPU ids per replica (``[[0, 1], [2, 3]]``), or None to let Ray pack them.
+        extra_args: extra engine flags, appended verbatim (SGLang flags for the sglang engine).
+        env: extra environment variables for the engine process.
+        placement: node constraints.
+    """
+
+    replicas: int = Field(1, ge=0)
+    tp_size: int = Field(1, ge=1)
+    gpus: Optional[list[list[int]]] = None
+    extra_args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    placement: Placement = Field(default_factory=Placement)
+
+
+class Transfer(_Strict):
+    """KV transfer settings (Mooncake)."""
+
+    backend: Literal["mooncake"] = "mooncake"
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    ib_device: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _rdma_needs_device(self):
+        if self.protocol == "rdma" and not self.ib_device:
+            raise ValueError("protocol rdma needs ib_device (e.g. mlx5_0)")
+        return self
+
+
+class Timeouts(_Strict):
+    """Router timeouts in seconds."""
+
+    connect: float = Field(10.0, gt=0)
+    request: float = Field(600.0, gt=0)
+
+
+class Router(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    policy: Literal["round_robin"] = "round_robin"
+    timeouts: Timeouts = Field(default_factory=Timeouts)
+
+
+class Restart(_Strict):
+    """Engine restart policy of a worker actor: exponential backoff from ``backoff_initial`` to
+    ``backoff_max`` seconds, at most ``max_restarts`` restarts (then the worker is failed)."""
+
+    max_restarts: int = Field(5, ge=0)
+    backoff_initial: float = Field(1.0, gt=0)
+    backoff_max: float = Field(30.0, gt=0)
+
+
+class Cluster(_Strict):
+    """What the Ray cluster offers; ``pdserve up`` starts a local head with ``num_gpus`` logical
+    GPUs when none is running."""
+
+    num_gpus: int = Field(8, ge=0)
+    gpus_per_node: int = Field(8, ge=1)
+
+
+class PDConfig(_Strict):
+    """A whole PD deployment."""
+
+    model_path: str = "builtin:tiny"
+    served_model_name: Optional[str] = None
+    engine: Literal["reference", "sglang"] = "reference"
+    cluster: Cluster = Field(default_factory=Cluster)
+    prefill: Group = Field(default_factory=Group)
+    decode: Group = Field(default_factory=Group)
+    transfer: Transfer = Field(default_factory=Transfer)
+    router: Router = Field(default_factory=Router)
+    restart: Restart = Field(default_factory=Restart)
+    engine_startup_timeout: float = Field(600.0, gt=0, description="seconds an engine may take to become ready")
+    page_size: int = Field(16, ge=1, description="KV page size, equal on prefill and decode")
+
+    @field_validator("model_path")
+    @classmethod
+    def _non_empty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _check_layout(self):
+        check_layout(self)
+        return self
+
+    def groups(self) -> dict[str, Group]:
+        return {"prefill": self.prefill, "decode": self.decode}
+
+    def total_gpus(self) -> int:
+        return sum(g.replicas * g.tp_size for g in self.groups().values())
+
+
+def check_layout(cfg: PDConfig) -> None:
+    """Raise ValueError naming the field for layouts that cannot be placed."""
+    if cfg.prefill.replicas < 1 or cfg.decode.replicas < 1:
+        raise ValueError("prefill.replicas and decode.replicas must both be >= 1")
+    used: dict[int, str] = {}
+    for role, g in cfg.groups().items():
+        if g.tp_size > cfg.cluster.gpus_per_node:
+            raise ValueError(f"{role}.tp_size {g.tp_size} does not fit a node of cluster.gpus_per_node={cfg.cluster.gpus_per_node} GPUs")
+        if g.gpus is None:
+            continue
+        if len(g.gpus) != g.replicas:
+            raise ValueError(f"{role}.gpus lists {len(g.gpus)} replicas; {role}.replicas is {g.replicas}")
+        for i, ids in enumerate(g.gpus):
+            if len(ids) != g.tp_size:
+                raise ValueError(f"{role}.gpus[{i}] has {len(ids)} GPUs; {role}.tp_size is {g.tp_size}")
+            for gid in ids:
+                if not 0 <= gid < cfg.cluster.num_gpus:
+                    raise ValueError(f"{role}.gpus[{i}]: GPU {gid} does not exist (cluster.num_gpus={cfg.cluster.num_gpus})")
+                where = f"{role}.gpus[{i}]"
+                if gid in used:
+                    raise ValueError(f"{where}: GPU {gid} is also used by {used[gid]}")
+                used[gid] = where
+    need = cfg.total_gpus()
+    if need > cfg.cluster.num_gpus:
+        raise ValueError(
+            f"prefill needs {cfg.prefill.replicas}x{cfg.prefill.tp_size} and decode {cfg.decode.replicas}x{cfg.decode.tp_size} "
+            f"= {need} GPUs; cluster.num_gpus is {cfg.cluster.num_gpus}"
+        )
+
+
+def _format(e: ValidationError, source: str) -> str:
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{source}: {loc}: {msg}" if loc else f"{source}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_config(data: dict, source: str = "<config>") -> PDConfig:
+    """Validate a config mapping.
+
+    Raises:
+        ConfigError: with one line per problem, each naming its field.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping")
+    try:
+        return PDConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format(e, source)) from None
+
+
+def load_config(path: Optional[str | Path] = None) -> PDConfig:
+    """Load a YAML config (``None`` = the embedded default, deploy/local.yaml).
+
+    Raises:
+        ConfigError: unreadable file, bad YAML, or an invalid config.
+    """
+    path = Path(path) if path else DEFAULT_CONFIG
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    return parse_config(data, str(path))

@@ -1,0 +1,65 @@
+"""The command line and environment of one engine process, from the cluster config.
+
+``engine_command`` is the single place that turns (config, role, ports) into argv + env; the
+worker actor runs what it returns. The sglang engine's builder lands with the SGLang issue.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from pd.config import PDConfig
+
+
+@dataclass
+class EngineCommand:
+    """What a worker actor runs.
+
+    Attributes:
+        argv: the full command line.
+        env: variables added to the actor's environment.
+        ready_path: HTTP path that answers 200 once the engine serves.
+        ready_log_line: log text that also means ready (SGLang prints it).
+    """
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    ready_path: str = "/health"
+    ready_log_line: str = "The server is fired up and ready to roll!"
+
+
+def engine_command(cfg: PDConfig, role: str, host: str, port: int, bootstrap_port: int | None) -> EngineCommand:
+    """Build the engine command for one worker.
+
+    Args:
+        role: ``prefill`` or ``decode``.
+        host: address the engine listens on and peers reach it at.
+        port: HTTP port; ``bootstrap_port``: the prefill's bootstrap port (None for decode).
+
+    Raises:
+        NotImplementedError: an engine kind without a command builder yet.
+    """
+    group = cfg.groups()[role]
+    if cfg.engine != "reference":
+        raise NotImplementedError(f"engine {cfg.engine!r}: no command builder yet (only 'reference')")
+    argv = [
+        sys.executable, "-m", "pd.cli", "engine",
+        "--model-path", cfg.model_path,
+        "--host", host, "--port", str(port),
+        "--disaggregation-mode", role,
+        "--disaggregation-transfer-backend", cfg.transfer.backend,
+        "--disaggregation-transfer-protocol", cfg.transfer.protocol,
+        "--page-size", str(cfg.page_size),
+    ]
+    if cfg.served_model_name:
+        argv += ["--served-model-name", cfg.served_model_name]
+    if cfg.transfer.ib_device:
+        argv += ["--disaggregation-ib-device", cfg.transfer.ib_device]
+    if bootstrap_port is not None:
+        argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+    argv += group.extra_args
+    env = dict(group.env)
+    if cfg.transfer.protocol == "tcp":
+        env.setdefault("MC_FORCE_TCP", "1")
+    return EngineCommand(argv=argv, env=env, ready_path="/health")

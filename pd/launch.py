@@ -1,0 +1,231 @@
+"""The Ray job entrypoint: bring up a PD cluster from a config, serve until stopped.
+
+    ray job submit --address http://HEAD:8265 --working-dir . -- python -m pd.launch deploy/X.yaml
+
+Steps: connect to Ray; one STRICT_PACK placement group per worker (its TP ranks on one node);
+one EngineWorker actor per engine holding its GPUs; unique ports per node; start every engine and
+wait for readiness; start the router with the workers' URLs and bootstrap ports; print
+``pdserve: router ready at URL`` and a ``pdserve: workers [...]`` JSON line; block. On
+SIGTERM/SIGINT (``ray job stop``, Ctrl-C): stop the router, stop the engines, kill the actors,
+remove the placement groups. Engines and the router also die with their parent process, so a
+SIGKILLed job leaves nothing behind either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Optional
+
+import httpx
+
+from pd.config import ConfigError, PDConfig, load_config, parse_config
+from pd.procs import popen_group, stop_group
+
+CONFIG_ENV = "PDSERVE_CONFIG_YAML"  # `pdserve up` ships the config text here (works for any path)
+PG_READY_TIMEOUT = 120.0
+
+
+class Shutdown(Exception):
+    """Raised in the main thread by SIGTERM/SIGINT."""
+
+
+def say(msg: str) -> None:
+    print(f"pdserve: {msg}", flush=True)
+
+
+class Launcher:
+    """Owns the placement groups, worker actors and router process of one deployment."""
+
+    def __init__(self, cfg: PDConfig):
+        self.cfg = cfg
+        self.pgs: list = []
+        self.actors: list = []
+        self.workers: list[dict] = []
+        self.router = None
+
+    def check_resources(self) -> None:
+        """Raises ConfigError when the cluster cannot hold the config."""
+        import ray
+
+        have = ray.cluster_resources().get("GPU", 0)
+        need = self.cfg.total_gpus()
+        if need > have:
+            raise ConfigError(f"the config needs {need} GPUs (prefill {self.cfg.prefill.replicas}x{self.cfg.prefill.tp_size}, "
+                              f"decode {self.cfg.decode.replicas}x{self.cfg.decode.tp_size}); the Ray cluster has {have:g}")
+
+    def start(self) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from pd.worker import EngineWorker
+
+        self.check_resources()
+        actor_cls = ray.remote(EngineWorker)
+        specs = []
+        for role, group in self.cfg.groups().items():
+            for i in range(group.replicas):
+                bundle = {"GPU": group.tp_size, **group.placement.resources}
+                kwargs = {}
+                if group.placement.node_labels:
+                    kwargs["bundle_label_selector"] = [dict(group.placement.node_labels)]
+                pg = placement_group([bundle], strategy="STRICT_PACK", name=f"pdserve-{role}-{i}", **kwargs)
+                self.pgs.append(pg)
+                specs.append((role, i, group, pg, bundle))
+        for role, i, group, pg, bundle in specs:
+            try:
+                ray.get(pg.ready(), timeout=PG_READY_TIMEOUT)
+            except ray.exceptions.GetTimeoutError:
+                raise ConfigError(f"{role}-{i}: Ray could not place a bundle {bundle} within {PG_READY_TIMEOUT:g}s "
+                                  f"(check {role}.placement and the cluster's resources: {ray.cluster_resources()})") from None
+            gpu_ids = group.gpus[i] if group.gpus is not None else None
+            actor = actor_cls.options(
+                num_cpus=0, num_gpus=group.tp_size,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+            ).remote(f"{role}-{i}", role, self.cfg.model_dump(), gpu_ids)
+            self.actors.append(actor)
+        # Ports are handed out one worker at a time so two workers on a node never collide.
+        used: dict[str, list[int]] = {}
+        infos = []
+        for actor in self.actors:
+            node_host = ray.get(actor.info.remote())["host"]
+            info = ray.get(actor.reserve_ports.remote(used.get(node_host, [])))
+            used.setdefault(node_host, []).extend(p for p in (info["port"], info["bootstrap_port"]) if p)
+            infos.append(info)
+        say(f"starting {len(self.actors)} engines: " + ", ".join(f"{i['name']}@{i['host']}:{i['port']}" for i in infos))
+        self.workers = ray.get([a.start.remote() for a in self.actors])
+        say("workers " + json.dumps(self.workers))
+        self.start_router()
+
+    def router_argv(self) -> list[str]:
+        r = self.cfg.router
+        argv = [sys.executable, "-m", "pd.cli", "router", "--host", r.host, "--port", str(r.port),
+                "--policy", r.policy, "--request-timeout", str(r.timeouts.request)]
+        for w in self.workers:
+            if w["role"] == "prefill":
+                argv += ["--prefill", w["url"], str(w["bootstrap_port"])]
+        for w in self.workers:
+            if w["role"] == "decode":
+                argv += ["--decode", w["url"]]
+        return argv
+
+    def start_router(self) -> None:
+        import subprocess
+
+        r = self.cfg.router
+        self.router = popen_group(self.router_argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        threading.Thread(target=self._forward_router_log, args=(self.router,), daemon=True).start()
+        url = f"http://{r.host}:{r.port}"
+        deadline = time.monotonic() + 60
+        while True:
+            if self.router.poll() is not None:
+                raise RuntimeError(f"the router exited with {self.router.returncode} (is port {r.port} free? set router.port)")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the router did not answer {url}/health within 60s")
+            time.sleep(0.2)
+        say(f"router ready at {url}")
+
+    @staticmethod
+    def _forward_router_log(proc) -> None:
+        for raw in proc.stdout:
+            print(f"[router] {raw.decode(errors='replace').rstrip()}", flush=True)
+
+    def serve(self) -> None:
+        """Block; report worker state changes; restart the router if it dies."""
+        import ray
+
+        last: dict[str, tuple] = {}
+        while True:
+            time.sleep(2)
+            if self.router is not None and self.router.poll() is not None:
+                say(f"router exited with {self.router.returncode}; restarting it")
+                self.start_router()
+            try:
+                infos = ray.get([a.info.remote() for a in self.actors], timeout=10)
+            except Exception as e:  # an actor died: Ray reports it; keep serving the rest
+                say(f"could not read worker state: {e!r}")
+                continue
+            for info in infos:
+                key = (info["state"], info["restarts"])
+                if last.get(info["name"]) not in (None, key):
+                    say(f"{info['name']} is {info['state']} (restarts {info['restarts']}, last exit {info['last_exit']})")
+                last[info["name"]] = key
+
+    def shutdown(self) -> None:
+        """Stop everything this launcher started; safe to call at any point of start()."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if self.router is not None:
+            stop_group(self.router.pid)
+        try:
+            ray.get([a.stop.remote() for a in self.actors], timeout=30)
+        except Exception as e:
+            say(f"some workers did not stop cleanly: {e!r}")
+        for a in self.actors:
+            ray.kill(a)
+        for pg in self.pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                pass
+        say("stopped")
+
+
+def _raise_shutdown(signum, _frame):
+    raise Shutdown(signal.Signals(signum).name)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pd.launch", description="Run a pdserve PD cluster as a Ray job.")
+    p.add_argument("config", nargs="?", help="cluster config YAML (default: $PDSERVE_CONFIG_YAML, else deploy/local.yaml)")
+    args = p.parse_args(argv)
+    try:
+        if args.config is None and os.environ.get(CONFIG_ENV):
+            import yaml
+
+            cfg = parse_config(yaml.safe_load(os.environ[CONFIG_ENV]), f"${CONFIG_ENV}")
+        else:
+            cfg = load_config(args.config)
+    except ConfigError as e:
+        print(f"pdserve: invalid config:\n{e}", file=sys.stderr)
+        return 2
+
+    import ray
+
+    signal.signal(signal.SIGTERM, _raise_shutdown)
+    signal.signal(signal.SIGINT, _raise_shutdown)
+    ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True)
+    launcher = Launcher(cfg)
+    try:
+        launcher.start()
+        launcher.serve()
+    except Shutdown as s:
+        say(f"received {s}; shutting down")
+        return 0
+    except ConfigError as e:
+        print(f"pdserve: cannot deploy:\n{e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"pdserve: {e}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        launcher.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Child processes that die with their parent, and stopping a process group we started."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import time
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """preexec_fn: ask Linux to SIGTERM this child when its parent dies (prctl PR_SET_PDEATHSIG),
+    so an engine or router never outlives a killed actor or launcher."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: the explicit stop paths still apply
+        pass
+
+
+def stop_group(pid: int, grace: float = 10.0) -> None:
+    """SIGTERM the process group led by ``pid`` (one we started with start_new_session=True),
+    then SIGKILL whatever is left after ``grace`` seconds. Never raises for a gone group."""
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return
+        try:  # reap the leader if it is our child
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                pass
+        except ChildProcessError:
+            pass
+        time.sleep(0.1)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def popen_group(argv: list[str], **kw) -> subprocess.Popen:
+    """Start ``argv`` as the leader of a new process group that dies with this process."""
+    return subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent, **kw)

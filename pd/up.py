@@ -1,0 +1,156 @@
+"""``pdserve up [CONFIG]``: the whole system on this machine with one command.
+
+Makes sure a Ray cluster is reachable (else starts a local head with the logical GPUs the config
+needs, on 127.0.0.1), submits ``python -m pd.launch`` as a Ray job, follows its log, prints the
+router URL and a curl example once the router is ready, and on Ctrl-C (or SIGTERM) stops the job
+and the Ray head it started. Nothing it did not start is touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import httpx
+
+from pd.config import DEFAULT_CONFIG, ConfigError, PDConfig, load_config
+from pd.launch import CONFIG_ENV
+from pd.procs import popen_group, stop_group
+
+REPO = Path(__file__).resolve().parent.parent
+READY = re.compile(r"pdserve: router ready at (\S+)")
+
+
+def say(msg: str) -> None:
+    print(f"pdserve up: {msg}", flush=True)
+
+
+def dashboard_up(address: str) -> bool:
+    try:
+        return httpx.get(address.rstrip("/") + "/api/version", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def ray_env() -> dict[str, str]:
+    """Environment for Ray processes: this interpreter's bin dir first on PATH (so a job's
+    ``python`` is the one pdserve is installed in) and token auth when the head uses it."""
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    if (Path.home() / ".ray" / "auth_token").exists():
+        env.setdefault("RAY_AUTH_MODE", "token")
+    return env
+
+
+def start_local_head(cfg: PDConfig, dashboard_port: int, log_path: Path) -> subprocess.Popen:
+    """``ray start --head --block`` on 127.0.0.1 with ``cluster.num_gpus`` logical GPUs, as a child
+    process group (stopping it stops the whole local cluster).
+
+    Raises:
+        RuntimeError: the dashboard did not come up within 120 s.
+    """
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    argv = [ray_bin, "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+            "--num-cpus", str(max(4, os.cpu_count() or 1)), "--num-gpus", str(cfg.cluster.num_gpus),
+            "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port), "--disable-usage-stats"]
+    log = open(log_path, "wb")
+    head = popen_group(argv, stdout=log, stderr=subprocess.STDOUT, env=ray_env())
+    address = f"http://127.0.0.1:{dashboard_port}"
+    deadline = time.monotonic() + 120
+    while not dashboard_up(address):
+        if head.poll() is not None or time.monotonic() > deadline:
+            stop_group(head.pid)
+            raise RuntimeError(f"the local Ray head did not start; see {log_path}")
+        time.sleep(0.5)
+    return head
+
+
+async def follow(client, job_id: str, router_seen: list, model: str) -> None:
+    async for chunk in client.tail_job_logs(job_id):
+        for line in chunk.splitlines():
+            print(line, flush=True)
+            m = READY.search(line)
+            if m and not router_seen:
+                router_seen.append(m.group(1))
+                url = m.group(1)
+                say(f"ready. Router: {url}")
+                body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16})
+                say(f"try: curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")
+                say("Ctrl-C stops the job and everything `pdserve up` started")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve up", description=__doc__.split("\n\n")[0])
+    p.add_argument("config", nargs="?", help=f"cluster config YAML (default: {DEFAULT_CONFIG.relative_to(REPO)})")
+    p.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "http://127.0.0.1:8265"),
+                   help="Ray dashboard (job submission) address; a local head is started if nothing answers there "
+                        "(default: $RAY_ADDRESS or http://127.0.0.1:8265)")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        print(f"pdserve up: invalid config:\n{e}", file=sys.stderr)
+        return 2
+    config_text = Path(args.config).read_text() if args.config else DEFAULT_CONFIG.read_text()
+
+    head = None
+    address = args.address if "://" in args.address else f"http://{args.address}"
+    if not dashboard_up(address):
+        port = int(address.rsplit(":", 1)[1]) if re.search(r":\d+$", address) else 8265
+        log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-ray-head-{os.getpid()}.log"
+        say(f"no Ray cluster at {address}; starting a local head with {cfg.cluster.num_gpus} logical GPUs (log: {log_path})")
+        head = start_local_head(cfg, port, log_path)
+        address = f"http://127.0.0.1:{port}"
+    os.environ.update({k: v for k, v in ray_env().items() if k == "RAY_AUTH_MODE"})
+
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    def stop_requested(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, stop_requested)
+    job_id = None
+    client = None
+    code = 0
+    try:
+        client = JobSubmissionClient(address)
+        job_id = client.submit_job(
+            entrypoint=f"{sys.executable} -m pd.launch",
+            runtime_env={"working_dir": str(REPO), "env_vars": {CONFIG_ENV: config_text}},
+        )
+        say(f"submitted Ray job {job_id} to {address}")
+        seen: list = []
+        asyncio.run(follow(client, job_id, seen, cfg.served_model_name or cfg.model_path))
+        status = client.get_job_status(job_id)
+        say(f"job {job_id} ended: {status}")
+        code = 0 if status == JobStatus.SUCCEEDED else 1
+    except KeyboardInterrupt:
+        say("stopping")
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if client is not None and job_id is not None:
+            try:
+                client.stop_job(job_id)
+                deadline = time.monotonic() + 60
+                while not client.get_job_status(job_id).is_terminal() and time.monotonic() < deadline:
+                    time.sleep(0.5)
+            except Exception as e:
+                say(f"could not stop job {job_id}: {e!r}")
+        if head is not None:
+            say("stopping the local Ray head")
+            stop_group(head.pid, grace=30)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

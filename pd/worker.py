@@ -1,0 +1,225 @@
+"""The worker actor: supervises one engine process (prefill or decode) on the GPUs Ray gave it.
+
+One Ray actor per engine instance, placed in that worker's placement group. It picks free ports
+on its node, starts the engine as a child process (which dies with the actor), forwards the
+engine's log to the job log as ``[prefill-0] ...``, waits for readiness, and restarts the engine
+with bounded exponential backoff when it exits unexpectedly. ``info()`` reports its state.
+
+States: ``created`` -> ``starting`` -> ``ready``; on a crash ``restarting`` -> ``ready``, or
+``failed`` after ``restart.max_restarts``; ``stopped`` after ``stop()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import socket
+import time
+from typing import Optional
+
+import httpx
+
+from pd.config import PDConfig
+from pd.engines.commands import EngineCommand, engine_command
+from pd.procs import die_with_parent
+
+
+def _free_port(host: str, exclude: set[int]) -> int:
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in exclude:
+            return port
+
+
+def _node_address(ray) -> str:
+    """The address Ray knows this node by (``ray start --node-ip-address``), so a single-machine
+    cluster started on 127.0.0.1 keeps all traffic on loopback."""
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            return node["NodeManagerAddress"]
+    return ray.util.get_node_ip_address()
+
+
+class EngineWorker:
+    """Ray actor body (wrapped with ``ray.remote`` by the launcher; async, so ``info`` answers
+    while an engine starts).
+
+    Args:
+        name: e.g. ``prefill-0``; prefixes forwarded log lines.
+        role: ``prefill`` or ``decode``.
+        config: the PDConfig as a dict (actors get plain data).
+        gpu_ids: explicit GPU ids for this replica (config ``gpus``), or None to use Ray's
+            CUDA_VISIBLE_DEVICES.
+        host: address to listen on; None = this node's Ray IP.
+    """
+
+    def __init__(self, name: str, role: str, config: dict, gpu_ids: Optional[list[int]] = None,
+                 host: Optional[str] = None):
+        import ray
+
+        self.name = name
+        self.role = role
+        self.cfg = PDConfig.model_validate(config)
+        self.host = host or _node_address(ray)
+        self.gpu_ids = gpu_ids
+        self.cuda_visible_devices = (",".join(map(str, gpu_ids)) if gpu_ids is not None
+                                     else os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+        self.port: Optional[int] = None
+        self.bootstrap_port: Optional[int] = None
+        self.state = "created"
+        self.restarts = 0
+        self.last_exit: Optional[int] = None
+        self.proc: Optional[asyncio.subprocess.Process] = None
+        self.log_tail: collections.deque[str] = collections.deque(maxlen=400)
+        self._stopping = False
+        self._supervisor: Optional[asyncio.Task] = None
+        self._ready_line_seen = False
+
+    # ---- public API (actor methods) -----------------------------------------------------
+    async def reserve_ports(self, exclude: list[int]) -> dict:
+        """Pick this worker's HTTP (and, for a prefill, bootstrap) port on its node, avoiding
+        ``exclude`` (ports already given to other workers on the node)."""
+        taken = set(exclude)
+        self.port = _free_port(self.host, taken)
+        taken.add(self.port)
+        if self.role == "prefill":
+            self.bootstrap_port = _free_port(self.host, taken)
+        return await self.info()
+
+    async def start(self) -> dict:
+        """Start the engine and wait until it is ready.
+
+        Raises:
+            RuntimeError: the engine exited or did not become ready within
+                ``engine_startup_timeout``; the message carries the end of its log.
+        """
+        if self.port is None:
+            await self.reserve_ports([])
+        self.state = "starting"
+        await self._spawn_and_wait()
+        self.state = "ready"
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
+        return await self.info()
+
+    async def info(self) -> dict:
+        return {
+            "name": self.name, "role": self.role, "state": self.state, "host": self.host,
+            "port": self.port, "bootstrap_port": self.bootstrap_port,
+            "url": f"http://{self.host}:{self.port}" if self.port else None,
+            "pid": self.proc.pid if self.proc and self.proc.returncode is None else None,
+            "restarts": self.restarts, "last_exit": self.last_exit,
+            "cuda_visible_devices": self.cuda_visible_devices, "actor_pid": os.getpid(),
+        }
+
+    async def log(self, lines: int = 100) -> list[str]:
+        return list(self.log_tail)[-lines:]
+
+    async def stop(self) -> None:
+        """Stop the engine (SIGTERM to its process group, SIGKILL after 10 s)."""
+        self._stopping = True
+        self.state = "stopped"
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+        await self._terminate()
+
+    # ---- internals ----------------------------------------------------------------------
+    def _command(self) -> EngineCommand:
+        return engine_command(self.cfg, self.role, self.host, self.port, self.bootstrap_port)
+
+    async def _spawn_and_wait(self) -> None:
+        cmd = self._command()
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **cmd.env)
+        env["CUDA_VISIBLE_DEVICES"] = self.cuda_visible_devices
+        self._ready_line_seen = False
+        self.proc = await asyncio.create_subprocess_exec(
+            *cmd.argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
+            start_new_session=True, preexec_fn=die_with_parent,
+        )
+        asyncio.get_running_loop().create_task(self._forward_log(self.proc, cmd.ready_log_line))
+        self._print(f"started engine pid {self.proc.pid} on {self.host}:{self.port}"
+                    f"{f' (bootstrap {self.bootstrap_port})' if self.bootstrap_port else ''}"
+                    f" CUDA_VISIBLE_DEVICES={self.cuda_visible_devices}: {' '.join(cmd.argv)}")
+        await self._wait_ready(cmd)
+
+    async def _wait_ready(self, cmd: EngineCommand) -> None:
+        deadline = time.monotonic() + self.cfg.engine_startup_timeout
+        url = f"http://{self.host}:{self.port}{cmd.ready_path}"
+        async with httpx.AsyncClient(timeout=5) as client:
+            while True:
+                if self.proc.returncode is not None:
+                    self.last_exit = self.proc.returncode
+                    raise RuntimeError(f"{self.name}: engine exited with {self.proc.returncode} during startup; "
+                                       f"last log lines:\n" + "\n".join(list(self.log_tail)[-40:]))
+                try:
+                    if (await client.get(url)).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    await self._terminate()
+                    raise RuntimeError(f"{self.name}: engine not ready within {self.cfg.engine_startup_timeout:g}s "
+                                       f"(ready line seen: {self._ready_line_seen}); last log lines:\n"
+                                       + "\n".join(list(self.log_tail)[-40:]))
+                await asyncio.sleep(0.25)
+
+    async def _forward_log(self, proc: asyncio.subprocess.Process, ready_line: str) -> None:
+        while True:
+            raw = await proc.stdout.readline()
+            if not raw:
+                return
+            line = raw.decode(errors="replace").rstrip()
+            self.log_tail.append(line)
+            if ready_line in line:
+                self._ready_line_seen = True
+            print(f"[{self.name}] {line}", flush=True)
+
+    async def _supervise(self) -> None:
+        """Restart the engine when it exits on its own, with exponential backoff."""
+        policy = self.cfg.restart
+        backoff = policy.backoff_initial
+        while not self._stopping:
+            code = await self.proc.wait()
+            if self._stopping:
+                return
+            self.last_exit = code
+            if self.restarts >= policy.max_restarts:
+                self.state = "failed"
+                self._print(f"engine exited with {code}; restart limit {policy.max_restarts} reached, worker failed")
+                return
+            self.state = "restarting"
+            self.restarts += 1
+            self._print(f"engine exited with {code}; restart {self.restarts}/{policy.max_restarts} in {backoff:g}s")
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, policy.backoff_max)
+            try:
+                await self._spawn_and_wait()
+            except RuntimeError as e:
+                self._print(str(e).splitlines()[0])
+                continue
+            self.state = "ready"
+            self._print("engine ready again")
+
+    async def _terminate(self) -> None:
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        import signal
+
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            await asyncio.wait_for(proc.wait(), 10)
+        except ProcessLookupError:
+            return
+        except asyncio.TimeoutError:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            await proc.wait()
+
+    def _print(self, msg: str) -> None:
+        print(f"[{self.name}] pdserve: {msg}", flush=True)
