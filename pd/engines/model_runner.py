@@ -121,21 +121,27 @@ class ModelRunner:
         return entry.keys[0], entry.values[0]
 
     def export_kv(self, cache, pool_pages: torch.Tensor, page_ids: list[int], num_tokens: int) -> None:
-        """Copy the first ``num_tokens`` tokens of ``cache`` into pool pages.
+        """Copy the first ``num_tokens`` tokens of ``cache`` into pool pages (one indexed copy per
+        layer and K/V; the tail of the last page is left as it was).
 
         Args:
             pool_pages: the pool tensor [num_pages, num_layers, 2, page_size, kv_heads, head_dim].
             page_ids: pages holding tokens [i*page_size, (i+1)*page_size) in order.
         """
         page_size = pool_pages.shape[3]
+        n_pages = -(-num_tokens // page_size)
+        full, rest = divmod(num_tokens, page_size)
+        idx = torch.tensor(page_ids[:n_pages], dtype=torch.long)
         for layer in range(self.layout.num_layers):
-            k, v = self.cache_kv(cache, layer)
-            for i, page in enumerate(page_ids):
-                lo, hi = i * page_size, min((i + 1) * page_size, num_tokens)
-                if lo >= hi:
-                    break
-                pool_pages[page, layer, 0, : hi - lo] = k[:, lo:hi].transpose(0, 1)
-                pool_pages[page, layer, 1, : hi - lo] = v[:, lo:hi].transpose(0, 1)
+            for j, x in enumerate(self.cache_kv(cache, layer)):
+                # [kv_heads, tokens, head_dim] -> [pages, page_size, kv_heads, head_dim]
+                if full:
+                    heads, _, dim = x.shape
+                    pool_pages[idx[:full], layer, j] = (
+                        x[:, : full * page_size].reshape(heads, full, page_size, dim).permute(1, 2, 0, 3)
+                    )
+                if rest:
+                    pool_pages[page_ids[full], layer, j, :rest] = x[:, full * page_size : num_tokens].transpose(0, 1)
 
     def import_kv(self, pool_pages: torch.Tensor, page_ids: list[int], num_tokens: int):
         """Build a fresh cache holding ``num_tokens`` tokens read from pool pages (inverse of

@@ -309,12 +309,20 @@ class Scheduler:
             self._check_registration(reg, seq)
             t1 = time.perf_counter()
             self.metrics.observe_stage("prefill_bootstrap", t1 - t0)
-            with self._gauge(self.metrics.queued):
-                first = await self._compute(self._prefill_forward, seq)
-            t2 = time.perf_counter()
-            self.metrics.observe_stage("prefill_forward", t2 - t1)
-            with self._gauge(self.metrics.running):
-                nbytes = await self._push_kv(seq, reg, room)
+            pages = await self.pool.alloc(len(seq.spec.prompt_ids))
+            self._update_pool_metrics()
+            try:
+                with self._gauge(self.metrics.queued):
+                    # The forward stores the prompt's KV into the pool pages, as SGLang's attention
+                    # backends do (set_kv_buffer); the transfer then reads the pages as they are.
+                    first = await self._compute(self._prefill_forward, seq, pages)
+                t2 = time.perf_counter()
+                self.metrics.observe_stage("prefill_forward", t2 - t1)
+                with self._gauge(self.metrics.running):
+                    nbytes = await self._push_kv(pages, reg, room)
+            finally:
+                self.pool.free(pages)
+                self._update_pool_metrics()
             t3 = time.perf_counter()
             self.metrics.observe_stage("prefill_transfer_kv_cache", t3 - t2)
             self.metrics.observe_transfer(nbytes, t3 - t2)
@@ -353,13 +361,10 @@ class Scheduler:
         if problem:
             raise RoomFailed(problem)
 
-    async def _push_kv(self, seq: Sequence, reg: Registration, room) -> int:
-        n = len(seq.spec.prompt_ids)
-        pages = await self.pool.alloc(n)
-        self._update_pool_metrics()
+    async def _push_kv(self, pages: list[int], reg: Registration, room) -> int:
+        """Write our pages into the decode's registered pages; returns bytes moved."""
         room.no_transfer_in_flight.clear()
         try:
-            await self._compute(self.runner.export_kv, seq.cache, self.pool.pages, pages, n)
             src = [self.pool.page_addr(p) for p in pages]
             dst = reg.page_addrs[: len(pages)]
             segs = coalesce(src, dst, self.pool.page_bytes)
@@ -367,8 +372,6 @@ class Scheduler:
             return len(pages) * self.pool.page_bytes
         finally:
             room.no_transfer_in_flight.set()
-            self.pool.free(pages)
-            self._update_pool_metrics()
 
     async def _run_decode(self, seq: Sequence) -> None:
         b = seq.spec.bootstrap
@@ -427,10 +430,13 @@ class Scheduler:
             top = [(float(v), int(i)) for v, i in zip(vals, ids)]
         return token, float(logprobs[token]), top
 
-    def _prefill_forward(self, seq: Sequence) -> tuple[int, float, list]:
+    def _prefill_forward(self, seq: Sequence, pages: Optional[list[int]] = None) -> tuple[int, float, list]:
+        """Prompt forward (+ store its KV into ``pages`` on a prefill); returns the first token."""
         spec = seq.spec
         seq.cache = self.runner.new_cache()
         logits = self.runner.forward(spec.prompt_ids, seq.cache)
+        if pages is not None:
+            self.runner.export_kv(seq.cache, self.pool.pages, pages, len(spec.prompt_ids))
         if spec.return_logprob and spec.logprob_start_len >= 0:
             ids = spec.prompt_ids
             logprobs = torch.log_softmax(logits, dim=-1)
