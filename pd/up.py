@@ -51,6 +51,14 @@ def ray_env() -> dict[str, str]:
     return env
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def start_local_head(cfg: PDConfig, dashboard_port: int, log_path: Path) -> subprocess.Popen:
     """``ray start --head --block`` on 127.0.0.1 with ``cluster.num_gpus`` logical GPUs, as a child
     process group (stopping it stops the whole local cluster).
@@ -59,7 +67,7 @@ def start_local_head(cfg: PDConfig, dashboard_port: int, log_path: Path) -> subp
         RuntimeError: the dashboard did not come up within 120 s.
     """
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    argv = [ray_bin, "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+    argv = [ray_bin, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(_free_port()),
             "--num-cpus", str(max(4, os.cpu_count() or 1)), "--num-gpus", str(cfg.cluster.num_gpus),
             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port), "--disable-usage-stats"]
     log = open(log_path, "wb")

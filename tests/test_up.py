@@ -1,0 +1,63 @@
+"""`pdserve up`: one command brings the cluster up on this machine; Ctrl-C takes all of it down."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import yaml
+
+from engines import ROOT, free_port
+from ray_cluster import pid_alive
+
+
+def test_pdserve_up_serves_and_ctrl_c_stops_everything(model_cache, tmp_path):
+    router_port, dashboard_port = free_port(), free_port()
+    cfg = yaml.safe_load(open(os.path.join(ROOT, "deploy", "local.yaml")))
+    cfg["router"]["port"] = router_port
+    config = tmp_path / "up.yaml"  # outside the repo: `up` ships the config text with the job
+    config.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pd.cli", "up", str(config), "--address", f"http://127.0.0.1:{dashboard_port}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    lines: list[str] = []
+    threading.Thread(target=lambda: [lines.append(l.decode(errors="replace")) for l in proc.stdout], daemon=True).start()
+    try:
+        deadline = time.time() + 240
+        while not any("pdserve up: try: curl" in l for l in lines):
+            assert proc.poll() is None and time.time() < deadline, "".join(lines)[-4000:]
+            time.sleep(0.5)
+        out = "".join(lines)
+        assert f"Router: http://127.0.0.1:{router_port}" in out
+        assert "starting a local head with 8 logical GPUs" in out
+        r = httpx.post(f"http://127.0.0.1:{router_port}/v1/chat/completions", timeout=60, json={
+            "model": "builtin:tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+        pids = [int(p) for p in re.findall(r"started engine pid (\d+)", out)]
+        assert len(pids) == 2
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    out = "".join(lines)
+    assert "pdserve up: stopping the local Ray head" in out
+    deadline = time.time() + 30
+    while any(pid_alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not [p for p in pids if pid_alive(p)], "engine processes left behind"
+    for port in (router_port, dashboard_port):
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/", timeout=2)
+            raise AssertionError(f"port {port} still answers after Ctrl-C")
+        except httpx.HTTPError:
+            pass
