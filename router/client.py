@@ -1,0 +1,28 @@
+"""The one pooled HTTP client a router process uses to talk to every worker (no connection per
+request: keep-alive connections are reused across requests)."""
+
+from __future__ import annotations
+
+import aiohttp
+
+from pd.router.config import RouterConfig
+
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def make_session(config: RouterConfig) -> aiohttp.ClientSession:
+    """An ``aiohttp.ClientSession`` with a bounded connection pool and the config's timeouts
+    (``request_timeout`` seconds in total per upstream request, ``connect_timeout`` to connect).
+
+    Must be called inside a running event loop; close it with ``await session.close()``.
+    """
+    connector = aiohttp.TCPConnector(
+        limit=config.max_connections,
+        limit_per_host=0,  # the global limit is the bound; one busy decode may need most of it
+        keepalive_timeout=60,
+        ttl_dns_cache=300,
+    )
+    timeout = aiohttp.ClientTimeout(total=config.request_timeout, connect=config.connect_timeout)
+    # Bodies are relayed byte for byte: ask for no compression, and never decompress.
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
+                                 skip_auto_headers=("User-Agent", "Accept-Encoding"))

@@ -1,0 +1,26 @@
+"""Errors the router itself produces, as OpenAI-style bodies
+``{"error": {"message", "type", "param", "code"}}`` (the engines answer in the same shape)."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from starlette.responses import Response
+
+_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError", 499: "ClientClosedRequest",
+          502: "BadGatewayError", 503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
+
+
+def error_body(status: int, message: str, param: Optional[str] = None) -> dict:
+    """The OpenAI-style error object for HTTP ``status``."""
+    kind = _TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, param: Optional[str] = None, extra: Optional[dict] = None) -> Response:
+    """A JSON error response; ``extra`` keys are added next to ``error`` (e.g. which workers failed)."""
+    body = error_body(status, message, param)
+    if extra:
+        body.update(extra)
+    return Response(json.dumps(body).encode(), status_code=status, media_type="application/json")

@@ -1,0 +1,348 @@
+"""The PD router end to end: real reference engines (null, prefill, decode) and the router as a
+real subprocess (`python -m pd.cli router ...`). Outputs through the router equal the null engine's."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engines import ROOT, free_port, metric
+from pdclient import parse_sse
+
+GREEDY = {"temperature": 0}
+PREFILL_HITS = ("sglang:per_stage_req_latency_seconds_count", {"stage": "prefill_forward"})
+
+
+# ---- the router under test -------------------------------------------------------------------
+class RouterProc:
+    def __init__(self, prefill_url: str, bootstrap_port: int, decode_url: str, log_dir: str):
+        self.port = free_port()
+        self.log_path = os.path.join(log_dir, f"router-{self.port}.log")
+        args = [sys.executable, "-m", "pd.cli", "router", "--prefill", prefill_url, str(bootstrap_port),
+                "--decode", decode_url, "--port", str(self.port), "--health-check-interval", "0"]
+        with open(self.log_path, "wb") as logf:
+            self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT,
+                                         env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"router not ready in {timeout}s:\n{self.log()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def routers(engines, tmp_path_factory):
+    """``good``: routes to the real prefill + decode; ``dead``: its decode URL has nobody listening;
+    ``dead_prefill``: its prefill (HTTP and bootstrap port) has nobody listening."""
+    logs = str(tmp_path_factory.mktemp("router-logs"))
+    pre, dec = engines["prefill"], engines["decode"]
+    nobody = f"http://127.0.0.1:{free_port()}"
+    started = {}
+    try:
+        started["good"] = RouterProc(pre.url, pre.bootstrap_port, dec.url, logs)
+        started["dead"] = RouterProc(pre.url, pre.bootstrap_port, nobody, logs)
+        started["dead_prefill"] = RouterProc(nobody, free_port(), dec.url, logs)
+        for r in started.values():
+            r.wait_ready()
+        yield started
+    finally:
+        for r in started.values():
+            r.stop()
+
+
+@pytest.fixture
+def router(routers):
+    return routers["good"]
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+async def post(url: str, route: str, body: dict) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=60) as c:
+        return await c.post(url + route, json=body)
+
+
+async def null_answer(engines, route: str, body: dict):
+    r = await post(engines["null"].url, route, body)
+    assert r.status_code == 200, r.text
+    return parse_sse(r.content) if body.get("stream") else r.json()
+
+
+async def routed_answer(router, route: str, body: dict):
+    r = await post(router.url, route, body)
+    assert r.status_code == 200, r.text
+    return parse_sse(r.content) if body.get("stream") else r.json()
+
+
+def strip_volatile(obj):
+    """Drop fields that legitimately differ between two runs (ids, timings)."""
+    if isinstance(obj, list):
+        return [strip_volatile(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: strip_volatile(v) for k, v in obj.items() if k not in ("id", "e2e_latency", "created")}
+    return obj
+
+
+def final_chunks(chunks):
+    """Last cumulative chunk per index of a /generate stream."""
+    assert chunks[-1] == "[DONE]"
+    last = {}
+    for c in chunks[:-1]:
+        last[c.get("index", 0)] = c
+    return [last[i] for i in sorted(last)]
+
+
+def router_metrics(router) -> dict:
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(router.url + "/metrics", timeout=10).text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def prefill_hits(engines) -> float:
+    name, labels = PREFILL_HITS
+    return metric(engines["prefill"], name, **labels)
+
+
+async def assert_decode_idle(engines, timeout: float = 3.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        held = {s: (metric(engines[s], "pdserve_kv_pages_held"), metric(engines[s], "sglang:num_running_reqs"),
+                    metric(engines[s], "sglang:num_prefill_bootstrap_queue_reqs"))
+                for s in ("prefill", "decode")}
+        if all(v == (0, 0, 0) for v in held.values()) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.1)
+    assert all(v == (0, 0, 0) for v in held.values()), held
+
+
+# ---- outputs equal the null engine's ---------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+async def test_generate_single_with_logprobs(engines, router, stream):
+    body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 16, **GREEDY},
+            "stream": stream, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
+            "bootstrap_room": 5, "bootstrap_host": "10.9.9.9"}  # client rooms must be replaced
+    ref = await null_answer(engines, "/generate", body)
+    before = prefill_hits(engines)
+    got = await routed_answer(router, "/generate", body)
+    assert prefill_hits(engines) - before == 1
+    if stream:
+        ref, got = final_chunks(ref)[0], final_chunks(got)[0]
+    assert strip_volatile(got) == strip_volatile(ref)
+    meta = got["meta_info"]
+    assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"] == len(body["text"].encode())
+    assert len(meta["input_top_logprobs"]) == meta["prompt_tokens"]
+    assert len(got["output_ids"]) == 16
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_generate_batch_of_8(engines, router, stream):
+    texts = [f"prompt number {i} says" + "!" * i for i in range(8)]
+    body = {"text": texts, "sampling_params": {"max_new_tokens": 8, **GREEDY}, "stream": stream,
+            "return_logprob": True, "logprob_start_len": 0}
+    ref = await null_answer(engines, "/generate", body)
+    before = prefill_hits(engines)
+    got = await routed_answer(router, "/generate", body)
+    assert prefill_hits(engines) - before == 8
+    if stream:
+        # every streamed chunk already carries the prefill's prompt logprobs
+        assert all(len(c["meta_info"]["input_token_logprobs"]) == len(texts[c["index"]].encode())
+                   for c in got[:-1])
+        ref, got = final_chunks(ref), final_chunks(got)
+    assert len(got) == 8
+    assert strip_volatile(got) == strip_volatile(ref)
+    assert [len(g["meta_info"]["input_token_logprobs"]) for g in got] == [len(t.encode()) for t in texts]
+
+
+async def test_generate_input_ids_batch_with_n(engines, router):
+    # 2 prompts x n=2 sampled with a seed: 4 sequences, each its own room
+    body = {"input_ids": [[5, 17, 99, 120], [33, 34, 35]],
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0.8, "sampling_seed": 11, "n": 2}}
+    ref = await null_answer(engines, "/generate", body)
+    before = prefill_hits(engines)
+    got = await routed_answer(router, "/generate", body)
+    assert prefill_hits(engines) - before == 4
+    assert [g["output_ids"] for g in got] == [r["output_ids"] for r in ref]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_completions_list_prompt(engines, router, stream):
+    body = {"model": "builtin:tiny", "prompt": ["Once upon a time", "In a galaxy far", "def main():"],
+            "max_tokens": 8, "temperature": 0, "stream": stream, "logprobs": 2}
+    ref = await null_answer(engines, "/v1/completions", body)
+    before = prefill_hits(engines)
+    got = await routed_answer(router, "/v1/completions", body)
+    assert prefill_hits(engines) - before == 3
+    if stream:
+        def texts(chunks):
+            out = {}
+            for c in chunks[:-1]:
+                for ch in c["choices"]:
+                    out[ch["index"]] = out.get(ch["index"], "") + ch["text"]
+            return out
+        assert texts(got) == texts(ref) and sorted(texts(got)) == [0, 1, 2]
+    else:
+        assert strip_volatile(got["choices"]) == strip_volatile(ref["choices"])
+        assert got["usage"] == ref["usage"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_chat_n3_openai_client(engines, router, stream):
+    kwargs = dict(model="builtin:tiny", messages=[{"role": "user", "content": "Tell me a story"}],
+                  n=3, max_tokens=12, temperature=0.9, seed=1234)
+    ref = await null_answer(engines, "/v1/chat/completions", dict(kwargs, stream=False))
+    ref_texts = [c["message"]["content"] for c in ref["choices"]]
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
+    before = prefill_hits(engines)
+    try:
+        if stream:
+            texts = ["", "", ""]
+            async for chunk in await client.chat.completions.create(stream=True, **kwargs):
+                for ch in chunk.choices:
+                    texts[ch.index] += ch.delta.content or ""
+        else:
+            resp = await client.chat.completions.create(**kwargs)
+            texts = [c.message.content for c in sorted(resp.choices, key=lambda c: c.index)]
+    finally:
+        await client.close()
+    assert prefill_hits(engines) - before == 3
+    assert texts == ref_texts and len(set(texts)) > 1
+
+
+async def test_concurrent_requests_round_trip(engines, router):
+    body = {"text": "queue me", "sampling_params": {"max_new_tokens": 4, **GREEDY}}
+    results = await asyncio.gather(*(routed_answer(router, "/generate", body) for _ in range(12)))
+    assert len({tuple(r["output_ids"]) for r in results}) == 1
+    await assert_decode_idle(engines)
+
+
+# ---- failures ----------------------------------------------------------------------------------
+async def test_prefill_error_is_returned_promptly_and_decode_holds_nothing(engines, router):
+    body = {"text": "x" * 3000, "sampling_params": {"max_new_tokens": 4}}
+    t0 = time.monotonic()
+    r = await post(router.url, "/generate", body)
+    assert time.monotonic() - t0 < 2
+    assert r.status_code == 400, r.text
+    assert "maximum context length" in r.json()["error"]["message"]
+    await assert_decode_idle(engines)
+
+
+async def test_malformed_json_and_unknown_route(router):
+    async with httpx.AsyncClient(timeout=10) as c:
+        r = await c.post(router.url + "/generate", content=b'{"text": "oops"', headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+        r = await c.post(router.url + "/v1/completions", json=["not", "an", "object"])
+        assert r.status_code == 400
+        r = await c.post(router.url + "/nope", json={})
+        assert r.status_code == 404 and r.json()["error"]["code"] == 404
+
+
+async def test_dead_decode_gives_502_promptly_and_prefill_is_released(engines, routers):
+    dead = routers["dead"]
+    t0 = time.monotonic()
+    r = await post(dead.url, "/generate", {"text": "anyone there", "sampling_params": {"max_new_tokens": 4}})
+    assert time.monotonic() - t0 < 2
+    assert r.status_code == 502, r.text
+    err = r.json()["error"]
+    assert "decode worker http://127.0.0.1:" in err["message"] and err["code"] == 502
+    assert set(err) == {"message", "type", "param", "code"}
+    # the router aborted the prefill's request: it does not wait out its 4 s bootstrap timeout
+    await assert_decode_idle(engines, timeout=2.0)
+    async with httpx.AsyncClient(timeout=60) as c:
+        assert (await c.get(dead.url + "/health_generate")).status_code == 503
+        r = await c.get(routers["good"].url + "/health_generate")
+        assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_dead_prefill_gives_502_promptly_and_decode_is_released(engines, routers, stream):
+    t0 = time.monotonic()
+    r = await post(routers["dead_prefill"].url, "/generate",
+                   {"text": "anyone there", "stream": stream, "sampling_params": {"max_new_tokens": 4}})
+    assert time.monotonic() - t0 < 2
+    assert r.status_code == 502, r.text
+    assert "prefill worker http://127.0.0.1:" in r.json()["error"]["message"]
+    await assert_decode_idle(engines, timeout=2.0)
+
+
+async def test_client_disconnect_mid_stream_aborts_decode(engines, router):
+    body = {"text": "stream forever", "stream": True,
+            "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0}}
+    async with httpx.AsyncClient(timeout=30) as c:
+        async with c.stream("POST", router.url + "/generate", json=body) as r:
+            assert r.status_code == 200
+            seen = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    seen += 1
+                    if seen == 5:
+                        break
+    await assert_decode_idle(engines)
+
+
+# ---- info routes and metrics -------------------------------------------------------------------
+async def test_info_routes_are_proxied(router):
+    async with httpx.AsyncClient(timeout=10) as c:
+        models = (await c.get(router.url + "/v1/models")).json()
+        assert models["data"][0]["id"] == "builtin:tiny"
+        assert (await c.get(router.url + "/get_model_info")).json()["disaggregation_mode"] == "decode"
+        assert (await c.get(router.url + "/get_server_info")).json()["disaggregation_mode"] == "decode"
+
+
+async def test_metrics_after_traffic(engines, router):
+    await routed_answer(router, "/generate", {"text": "hello", "stream": True, "sampling_params": {"max_new_tokens": 4}})
+    async with httpx.AsyncClient(timeout=10) as c:
+        await c.post(router.url + "/generate", content=b"{", headers={"content-type": "application/json"})
+    m = router_metrics(router)
+    ep = (("endpoint", "/generate"),)
+    for name in ("pdserve_router_queue_seconds", "pdserve_router_prefill_seconds", "pdserve_router_ttft_seconds",
+                 "pdserve_router_inter_token_seconds", "pdserve_router_e2e_seconds"):
+        assert m[(name + "_count", ep)] > 0, name
+        assert (name + "_bucket", tuple(sorted({"endpoint": "/generate", "le": "+Inf"}.items()))) in m
+    assert m[("pdserve_router_requests_total", (("endpoint", "/generate"), ("status", "200")))] > 0
+    assert m[("pdserve_router_errors_total", (("endpoint", "/generate"), ("kind", "invalid_request")))] >= 1
+    worker = (("role", "decode"), ("worker", engines["decode"].url))
+    assert m[("pdserve_router_worker_inflight", worker)] == 0
+    assert m[("pdserve_router_worker_healthy", worker)] == 1
+    # every router log line a human waits for
+    assert f"pdserve router ready at http://127.0.0.1:{router.port}" in router.log()
+
+
+def test_cli_rejects_missing_workers():
+    r = subprocess.run([sys.executable, "-m", "pd.cli", "router", "--port", "1"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "--prefill" in r.stderr
