@@ -226,3 +226,18 @@ async def test_info_endpoints(engines):
                      "sglang:e2e_request_latency_seconds_bucket", "sglang:num_running_reqs", "sglang:num_queue_reqs",
                      "sglang:prompt_tokens_total", "sglang:generation_tokens_total"):
             assert name in metrics, name
+
+
+async def test_abort_during_cleanup_still_releases_pages(engines):
+    """An /abort_request landing while the decode is already cleaning up a failed room (here:
+    the prefill is unreachable) must not skip the page release."""
+    async with httpx.AsyncClient(timeout=30) as c:
+        for i in range(6):
+            rid = f"race-{i}-" + uuid.uuid4().hex
+            body = add_rooms({"text": "race", "rid": rid, "sampling_params": {"max_new_tokens": 2}},
+                             "127.0.0.1", free_port(), None)
+            req = asyncio.create_task(c.post(engines["decode"].url + "/generate", json=body))
+            await asyncio.sleep(0.002 * i)
+            await c.post(engines["decode"].url + "/abort_request", json={"rid": rid})
+            await req
+    await assert_idle(engines)

@@ -63,6 +63,17 @@ async def run_blocking(executor: ThreadPoolExecutor, fn: Callable, *args):
         raise
 
 
+async def settle(coro) -> None:
+    """Run cleanup ``coro`` to completion even if the caller is cancelled again meanwhile (an
+    abort arriving during cleanup must not skip the page release that follows)."""
+    task = asyncio.ensure_future(coro)
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            continue
+
+
 class Scheduler:
     """Owns the model thread, the KV page pool, the transfer engine and the bootstrap channel.
 
@@ -413,11 +424,13 @@ class Scheduler:
                 await self._decode_loop(seq)
         finally:
             if pages:
-                if not kv_arrived:
-                    # The prefill may be writing into these pages: make it stop first.
-                    await abort_on_prefill(self.http, b.host, b.port, b.room, seq.abort_reason or "decode failed")
-                self.pool.free(pages)
-                self._update_pool_metrics()
+                try:
+                    if not kv_arrived:
+                        # The prefill may be writing into these pages: make it stop first.
+                        await settle(abort_on_prefill(self.http, b.host, b.port, b.room, seq.abort_reason or "decode failed"))
+                finally:
+                    self.pool.free(pages)
+                    self._update_pool_metrics()
 
     # ---- model-thread work ---------------------------------------------------------------
     def _select(self, seq: Sequence, logits: torch.Tensor, step: int) -> tuple[int, float, list]:
