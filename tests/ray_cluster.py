@@ -1,0 +1,106 @@
+"""A throwaway local Ray cluster for tests: `ray start --head --block` on 127.0.0.1 with free
+ports, stopped by process group. Jobs are driven through the `ray job` CLI, as users do."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+from engines import ROOT, free_port
+
+BIN = os.path.dirname(sys.executable)
+
+
+class RayHead:
+    def __init__(self, num_gpus: int = 8):
+        self.dashboard_port = free_port()
+        self.address = f"http://127.0.0.1:{self.dashboard_port}"
+        self.tmp = tempfile.mkdtemp(prefix="pdt-", dir="/tmp")  # short: Ray puts sockets under it
+        self.env = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""))
+        if os.path.exists(os.path.expanduser("~/.ray/auth_token")):
+            self.env["RAY_AUTH_MODE"] = "token"
+        argv = [os.path.join(BIN, "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+                "--port", str(free_port()), "--dashboard-port", str(self.dashboard_port),
+                "--dashboard-host", "127.0.0.1", "--num-cpus", "4", "--num-gpus", str(num_gpus),
+                "--temp-dir", self.tmp, "--disable-usage-stats"]
+        self.log = open(os.path.join(self.tmp, "head.log"), "wb")
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True, cwd=ROOT)
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(self.address + "/api/version", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
+                raise RuntimeError("Ray head did not start: " + open(self.log.name).read()[-3000:])
+            time.sleep(0.5)
+
+    def ray(self, *args: str, timeout: float = 120) -> str:
+        out = subprocess.run([os.path.join(BIN, "ray"), *args], capture_output=True, text=True, env=self.env,
+                             cwd=ROOT, timeout=timeout)
+        if out.returncode != 0:
+            raise RuntimeError(f"ray {' '.join(args)} failed: {out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+        return out.stdout + out.stderr
+
+    def submit(self, *entrypoint: str) -> str:
+        out = self.ray("job", "submit", "--address", self.address, "--working-dir", ".", "--no-wait", "--", *entrypoint)
+        return re.search(r"raysubmit_\w+", out).group(0)
+
+    def logs(self, job: str) -> str:
+        return self.ray("job", "logs", "--address", self.address, job)
+
+    def status(self, job: str) -> str:
+        return self.ray("job", "status", "--address", self.address, job)
+
+    def wait_log(self, job: str, pattern: str, timeout: float = 240) -> re.Match:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            logs = self.logs(job)
+            m = re.search(pattern, logs)
+            if m:
+                return m
+            if re.search(r"pdserve: (invalid config|cannot deploy)|Traceback", logs):
+                raise AssertionError(f"job {job} failed:\n{logs[-4000:]}")
+            time.sleep(1)
+        raise AssertionError(f"{pattern!r} not in job {job} logs after {timeout}s:\n{self.logs(job)[-4000:]}")
+
+    def workers(self, job: str) -> list[dict]:
+        line = self.wait_log(job, r"pdserve: workers (\[.*\])").group(1)
+        return json.loads(line)
+
+    def stop_job(self, job: str, timeout: float = 60) -> None:
+        self.ray("job", "stop", "--address", self.address, job)
+        deadline = time.time() + timeout
+        while not re.search(r"stopped|succeeded|failed", self.status(job), re.IGNORECASE):
+            if time.time() > deadline:
+                raise AssertionError(f"job {job} did not stop: {self.status(job)}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        from pd.procs import stop_group
+
+        stop_group(self.proc.pid, grace=30)
+        self.log.close()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+    return True
