@@ -187,10 +187,9 @@ class PDDispatcher:
         /abort_request can overtake the request it aborts, and the engine only aborts sequences
         it already has). ``on_done(task)`` runs once the task ended (e.g. to release its response).
 
-        Why not abort at once and often: a peer failure usually ends the other side within
-        milliseconds anyway, and an abort that lands while the reference engine's decode is
-        already cleaning up a failed registration (its ``_run_decode`` awaits ``abort_on_prefill``
-        in a ``finally`` before freeing pages) leaks that request's KV pages."""
+        Why not abort at once: a peer failure usually ends the other side within milliseconds
+        anyway (the engines tell each other through the bootstrap channel), and an unneeded abort
+        costs the engine a lookup per rid."""
         self.spawn(self._settle(worker, rids, task, on_done, grace))
 
     async def _settle(self, worker: Worker, rids: list[str], task: asyncio.Future, on_done, grace: float) -> None:

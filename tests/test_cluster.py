@@ -83,8 +83,16 @@ def test_local_yaml_job(ray_head, engines):
             return ok, time.monotonic() - t0
 
         async def kill_during():
-            tasks = [asyncio.create_task(one_stream()) for _ in range(8)]
-            await asyncio.sleep(0.3)
+            tasks = [asyncio.create_task(one_stream()) for _ in range(12)]
+            # Kill once the prefill demonstrably holds requests (queued for its forward).
+            async with httpx.AsyncClient(timeout=5) as c:
+                for _ in range(500):
+                    m = (await c.get(pre["url"] + "/metrics")).text
+                    queued = sum(float(l.rsplit(" ", 1)[1]) for l in m.splitlines()
+                                 if l.startswith(("sglang:num_queue_reqs{", "sglang:num_prefill_bootstrap_queue_reqs{")))
+                    if queued >= 2:
+                        break
+                    await asyncio.sleep(0.01)
             os.kill(pre["pid"], signal.SIGKILL)
             return await asyncio.gather(*tasks)
 
