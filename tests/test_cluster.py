@@ -2,6 +2,7 @@
 Ray cluster with 8 logical GPUs, real prompts through the router, failures, clean stop."""
 
 import asyncio
+import re
 import os
 import signal
 import time
@@ -151,3 +152,21 @@ def test_two_prefill_two_decode_ports_and_pairing(ray_head, tmp_path):
                     assert float(line.rsplit(" ", 1)[1]) > 0, f"{w['name']} got no traffic"
     finally:
         ray_head.stop_job(job)
+
+
+def test_config_needing_more_gpus_than_the_cluster_fails_clearly(ray_head):
+    path = os.path.join(ROOT, "deploy", f".test-big-{free_port()}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump({"cluster": {"num_gpus": 16}, "prefill": {"replicas": 2, "tp_size": 4},
+                        "decode": {"replicas": 1, "tp_size": 4}, "router": {"port": free_port()}}, f)
+    try:
+        job = ray_head.submit("python", "-m", "pd.launch", os.path.relpath(path, ROOT))
+    finally:
+        os.remove(path)
+    deadline = time.time() + 120
+    while not re.search(r"failed|succeeded|stopped", ray_head.status(job), re.IGNORECASE):
+        assert time.time() < deadline
+        time.sleep(1)
+    logs = ray_head.logs(job)
+    assert "the config needs 12 GPUs" in logs and "the Ray cluster has 8" in logs
+    assert "FAILED" in ray_head.status(job) or "failed" in ray_head.status(job)

@@ -64,3 +64,15 @@ def test_reference_engine_command():
 
     args = build_parser().parse_args(argv[argv.index("engine") + 1:])
     assert args.port == 30000 and args.disaggregation_mode == "prefill" and args.max_total_tokens == 4096
+
+
+def test_launch_refuses_a_bad_config_before_touching_ray(tmp_path):
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("prefill: {tp_size: 3, replicas: 4}\n")
+    out = subprocess.run([sys.executable, "-m", "pd.launch", str(bad)], capture_output=True, text=True, cwd=ROOT,
+                         env=dict(os.environ, RAY_ADDRESS="http://127.0.0.1:1"), timeout=60)
+    assert out.returncode == 2
+    assert "invalid config" in out.stderr and "= 13 GPUs; cluster.num_gpus is 8" in out.stderr
