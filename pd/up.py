@@ -156,7 +156,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 say(f"could not stop job {job_id}: {e!r}")
         if head is not None:
             say("stopping the local Ray head")
-            stop_group(head.pid, grace=30)
+            stop_group(head.pid, grace=5)  # the job is already stopped; Ray would drain for 30 s
     return code
 
 

@@ -45,6 +45,7 @@ log = logging.getLogger("pd.router")
 ABORT_TIMEOUT = 5.0  # seconds for one /abort_request; best effort, it must never block a reply
 ABORT_GRACE = 0.2  # seconds a side gets to end by itself after its peer failed, before it is aborted
 ABORT_BACKOFF = (1.0, 2.0, 4.0)  # seconds to wait after each /abort_request for the request to end
+PREFILL_VERDICT_WAIT = 0.5  # seconds a decode error waits for the prefill's outcome (the likelier root cause)
 DISCONNECT_POLL = 0.5  # seconds between checks that the client is still there (before replying)
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request" (only ever seen in metrics)
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
@@ -353,6 +354,9 @@ class PDDispatcher:
             finally:
                 resp.release()
                 ex.decode_end()
+            # A decode error is often only the echo of a failed prefill (its bootstrap server is
+            # gone): give the prefill's outcome a moment, so the client gets the root cause.
+            await asyncio.wait({ex.prefill_task}, timeout=PREFILL_VERDICT_WAIT)
             # The prefill would otherwise wait for this decode until its bootstrap timeout.
             self.settle(ex.pair.prefill, ex.rids, ex.prefill_task)
             pre = ex.prefill_task.result() if ex.prefill_task.done() else None

@@ -89,7 +89,7 @@ class RayHead:
     def stop(self) -> None:
         from pd.procs import stop_group
 
-        stop_group(self.proc.pid, grace=30)
+        stop_group(self.proc.pid, grace=5)
         self.log.close()
 
 
