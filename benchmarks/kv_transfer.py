@@ -24,7 +24,10 @@ What is measured
   engine's prefill forward cost can be read beside the transfer; next to it a plain memcpy of the
   same bytes (the floor).
 
-The ratio engine / raw per size is compared with the goal (>= 80%). GB/s here is 1e9 bytes/s.
+The ratio per size is the median over engine requests of (engine GB/s / median of the raw writes
+made right after that request): pairing in time cancels the machine's drift, which on a shared
+2-core box is larger than the effect measured. The ratio of the two medians is reported beside it.
+It is compared with the goal (>= 80%). GB/s here is 1e9 bytes/s.
 Everything runs on loopback TCP; on one machine the engines, the transfer threads and this
 process share the CPU cores.
 
@@ -384,6 +387,11 @@ async def run(args, workdir: Path) -> dict:
                 e_ms = statistics.median(eng_ms)
                 e_gbs = statistics.median(eng_gbs)
                 r_gbs = statistics.median(raw_gbs)
+                # The machine drifts (raw TCP loopback swings ~0.7-2.2 GB/s within a run), so each
+                # engine request is compared with the raw writes made right after it.
+                k = args.raw_per_request
+                paired = [e / statistics.median(raw_gbs[i * k:(i + 1) * k]) for i, e in enumerate(eng_gbs)]
+                ratio = statistics.median(paired)
                 row = {
                     "prompt_tokens": size,
                     "bytes": nbytes_expected,
@@ -399,8 +407,10 @@ async def run(args, workdir: Path) -> dict:
                     "raw_gb_s_median": round(r_gbs, 3),
                     "raw_gb_s_p25_p75": quartiles(raw_gbs),
                     "raw_gb_s_all": [round(x, 3) for x in raw_gbs],
-                    "ratio": round(e_gbs / r_gbs, 3),
-                    "meets_goal": e_gbs / r_gbs >= GOAL,
+                    "ratio": round(ratio, 3),
+                    "ratio_paired_all": [round(x, 3) for x in paired],
+                    "ratio_of_medians": round(e_gbs / r_gbs, 3),
+                    "meets_goal": ratio >= GOAL,
                     "breakdown": {
                         "prefill_forward_ms_median": round(statistics.median(fwd_ms), 1),
                         "export_kv_ms_median_in_bench_process": round(export_ms, 2),
@@ -410,7 +420,7 @@ async def run(args, workdir: Path) -> dict:
                 results.append(row)
                 print(f"  {size:5d} tok {nbytes_expected / 2**20:7.1f} MiB: engine {e_gbs:6.3f} GB/s "
                       f"({e_ms:.1f} ms, export_kv {export_ms:.1f} ms), raw {r_gbs:6.3f} GB/s, "
-                      f"ratio {e_gbs / r_gbs:.2f}", flush=True)
+                      f"paired ratio {ratio:.2f} (ratio of medians {e_gbs / r_gbs:.2f})", flush=True)
     except BaseException:
         for e in engines:
             if not e.alive():
@@ -443,7 +453,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="Short run: sizes 512,2048, 2 requests each.")
     ap.add_argument("--sizes", default=None, help="Comma-separated prompt sizes in tokens. Default: 512,2048,4096.")
-    ap.add_argument("--requests", type=int, default=None, help="Measured PD requests per size (default 8; quick 2).")
+    ap.add_argument("--requests", type=int, default=None, help="Measured PD requests per size (default 16; quick 2).")
     ap.add_argument("--raw-per-request", type=int, default=None,
                     help="Raw Mooncake writes after each engine request (default 3; quick 2).")
     ap.add_argument("--export-reps", type=int, default=5, help="Timed export_kv repetitions per size. Default: 5.")
@@ -462,7 +472,7 @@ def main() -> None:
     ap.add_argument("--keep-workdir", action="store_true", help="Keep the temp dir (model, engine logs).")
     args = ap.parse_args()
     args.sizes = [int(s) for s in (args.sizes or ("512,2048" if args.quick else "512,2048,4096")).split(",")]
-    args.requests = args.requests or (2 if args.quick else 8)
+    args.requests = args.requests or (2 if args.quick else 16)
     args.raw_per_request = args.raw_per_request or (2 if args.quick else 3)
     if max(args.sizes) + args.max_new_tokens >= args.context:
         ap.error("--context must exceed the largest size plus --max-new-tokens")
