@@ -19,6 +19,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e ".[cpu,dev]"
+	# The pinned SGLang (pyproject's gpu extra) without its GPU dependencies: contract tests parse our
+	# command lines with its own argument parser.
+	$(PIP) install -q --no-deps "$$($(PY) -c 'from pd.engines.sglang import pinned_sglang_requirement as r; print(r())')"
 	touch $@
 
 serve: install

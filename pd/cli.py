@@ -9,6 +9,7 @@ USAGE = """usage: pdserve COMMAND [ARGS]
 
 commands:
   up         run the whole PD cluster here (Ray job + router); Ctrl-C stops it (`pdserve up [CONFIG]`)
+  plan       dry run of a config: workers, GPUs, ports, engine argv and env (`pdserve plan CONFIG [--json]`)
   engine     run the reference engine alone (SGLang's flags; see `pdserve engine --help`)
   router     run the PD router alone, for engines started by hand (see `pdserve router --help`)
 """
@@ -24,6 +25,10 @@ def main(argv: list[str] | None = None) -> None:
         from pd.up import main as up_main
 
         raise SystemExit(up_main(rest))
+    if cmd == "plan":
+        from pd.plan import main as plan_main
+
+        raise SystemExit(plan_main(rest))
     if cmd == "engine":
         from pd.engines.server import main as engine_main
 

@@ -46,6 +46,46 @@ class Placement(_Strict):
     node_labels: dict[str, str] = Field(default_factory=dict)
 
 
+class Speculative(_Strict):
+    """EAGLE/MTP speculative decoding (SGLang's ``--speculative-*`` flags), applied identically to
+    prefill and decode: in PD the prefill runs the draft too and ships its hidden states and top-k
+    draft tokens with the KV (sglang/srt/disaggregation/prefill.py, utils.MetadataBuffers, sized by
+    ``eagle_topk`` and the hidden size), so both sides must agree.
+
+    Attributes:
+        moe_runner_backend: the draft MoE's backend (``--speculative-moe-runner-backend``); must be
+            explicit on sm_120 (auto picks an sm_100-only FlashInfer TRT-LLM kernel for MXFP4).
+    """
+
+    algorithm: Literal["EAGLE", "EAGLE3", "NEXTN"] = "EAGLE"
+    num_steps: int = Field(1, ge=1)
+    eagle_topk: int = Field(1, ge=1)
+    num_draft_tokens: int = Field(2, ge=1)
+    draft_model_path: Optional[str] = None
+    moe_runner_backend: Optional[str] = None
+    moe_a2a_backend: Optional[str] = None
+
+
+class SGLangSettings(_Strict):
+    """Engine settings shared by every SGLang worker (flags named as SGLang's).
+
+    Attributes:
+        quantization: always set it explicitly; auto-detection once left it unset, which disarmed
+            the guard routing the draft MoE to a safe backend.
+        pdserve_kernels: switch our Triton kernels on in the workers (SGLang plugin env).
+    """
+
+    quantization: Optional[str] = None
+    kv_cache_dtype: str = "auto"
+    context_length: Optional[int] = Field(None, ge=1)
+    mem_fraction_static: Optional[float] = Field(None, gt=0, lt=1)
+    moe_runner_backend: Optional[str] = None
+    trust_remote_code: bool = False
+    enable_metrics: bool = True
+    speculative: Optional[Speculative] = None
+    pdserve_kernels: bool = False
+
+
 class Group(_Strict):
     """One role's workers (prefill or decode).
 
@@ -53,6 +93,8 @@ class Group(_Strict):
         replicas: number of engine instances.
         tp_size: GPUs per instance (tensor parallel size); all on one node.
         gpus: explicit GPU ids per replica (``[[0, 1], [2, 3]]``), or None to let Ray pack them.
+        cuda_graph_max_bs: largest CUDA-graph batch (``--cuda-graph-max-bs-prefill`` on prefill
+            workers, ``--cuda-graph-max-bs-decode`` on decode workers; sglang engine only).
         extra_args: extra engine flags, appended verbatim (SGLang flags for the sglang engine).
         env: extra environment variables for the engine process.
         placement: node constraints.
@@ -61,6 +103,7 @@ class Group(_Strict):
     replicas: int = Field(1, ge=0)
     tp_size: int = Field(1, ge=1)
     gpus: Optional[list[list[int]]] = None
+    cuda_graph_max_bs: Optional[int] = Field(None, ge=1)
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     placement: Placement = Field(default_factory=Placement)
@@ -123,6 +166,7 @@ class PDConfig(_Strict):
     transfer: Transfer = Field(default_factory=Transfer)
     router: Router = Field(default_factory=Router)
     restart: Restart = Field(default_factory=Restart)
+    sglang: SGLangSettings = Field(default_factory=SGLangSettings)
     engine_startup_timeout: float = Field(600.0, gt=0, description="seconds an engine may take to become ready")
     page_size: int = Field(16, ge=1, description="KV page size, equal on prefill and decode")
 

@@ -1,7 +1,7 @@
 """The command line and environment of one engine process, from the cluster config.
 
 ``engine_command`` is the single place that turns (config, role, ports) into argv + env; the
-worker actor runs what it returns. The sglang engine's builder lands with the SGLang issue.
+worker actor runs what it returns (reference engine here, SGLang in pd/engines/sglang.py).
 """
 
 from __future__ import annotations
@@ -38,11 +38,13 @@ def engine_command(cfg: PDConfig, role: str, host: str, port: int, bootstrap_por
         port: HTTP port; ``bootstrap_port``: the prefill's bootstrap port (None for decode).
 
     Raises:
-        NotImplementedError: an engine kind without a command builder yet.
+        ValueError: a prefill without a bootstrap port (sglang engine).
     """
     group = cfg.groups()[role]
-    if cfg.engine != "reference":
-        raise NotImplementedError(f"engine {cfg.engine!r}: no command builder yet (only 'reference')")
+    if cfg.engine == "sglang":
+        from pd.engines.sglang import sglang_command
+
+        return sglang_command(cfg, role, host, port, bootstrap_port)
     argv = [
         sys.executable, "-m", "pd.cli", "engine",
         "--model-path", cfg.model_path,

@@ -1,0 +1,187 @@
+"""SGLang workers: the exact ``python -m sglang.launch_server`` argv and env for each role, and
+parsing them with the pinned SGLang's own argument parser.
+
+The targeted SGLang release is pinned in one place, the ``gpu`` extra of pyproject.toml
+(``sglang==X``); :func:`pinned_sglang_requirement` reads it from the installed distribution.
+
+What the pinned source (0.5.23) requires of a PD pair, and how we meet it:
+
+- ``--page-size`` equal on both sides (KV pages are copied page by page): from ``page_size``.
+- One ``--disaggregation-bootstrap-port`` per prefill (the decode finds its prefill's bootstrap
+  server there): chosen per worker by the launcher.
+- Speculative decoding in PD: the prefill also runs the draft (``prefill.py``: for EAGLE the
+  draft's hidden states and top-k tokens travel with the KV in ``MetadataBuffers``, sized by
+  ``--speculative-eagle-topk`` and the hidden size), so the whole ``--speculative-*`` set is
+  emitted identically for both roles from one config section.
+- DeepSeek-V4 with speculative decoding in PD needs the Mooncake (or NIXL) transfer backend
+  (``arg_groups/deepseek_v4_hook.py``): always ``--disaggregation-transfer-backend mooncake``.
+- ``--quantization`` is emitted whenever the config sets it; ``pdserve doctor`` refuses a config
+  that leaves it to auto-detection.
+- TP may differ between prefill and decode.
+
+Env: ``MC_FORCE_TCP=1`` when no RDMA device is configured; ``NCCL_DEBUG=WARN`` so NCCL failures
+reach the log that ``pdserve diagnose`` reads; the pdserve kernel switches when enabled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+from functools import lru_cache
+from typing import Optional
+
+from pd.config import PDConfig
+from pd.engines.commands import EngineCommand
+
+# Environment switches of our SGLang plugin (kernels/sglang_plugin.py, wired by the kernel issues).
+KERNEL_ENV = {"SGLANG_PLUGINS": "pdserve", "PDSERVE_KERNELS": "1"}
+
+
+class SGLangArgError(ValueError):
+    """A flag the pinned SGLang does not accept; the message names it and the candidates."""
+
+
+def pinned_sglang_requirement() -> str:
+    """The ``sglang==X`` requirement of the ``gpu`` extra (pyproject.toml), e.g. ``sglang==0.5.23``.
+
+    Raises:
+        RuntimeError: pdserve is not installed as a distribution, or the extra has no pin.
+    """
+    from importlib.metadata import PackageNotFoundError, requires
+
+    try:
+        reqs = requires("pdserve") or []
+    except PackageNotFoundError as e:
+        raise RuntimeError("pdserve is not installed (pip install -e .)") from e
+    for r in reqs:
+        spec = r.split(";")[0].strip().replace(" ", "")
+        if spec.startswith("sglang==") and "gpu" in r:
+            return spec
+    raise RuntimeError("pyproject.toml's gpu extra does not pin sglang==X")
+
+
+def pinned_sglang_version() -> str:
+    return pinned_sglang_requirement().split("==", 1)[1]
+
+
+def sglang_command(cfg: PDConfig, role: str, host: str, port: int, bootstrap_port: Optional[int]) -> EngineCommand:
+    """argv + env of one SGLang worker.
+
+    Args:
+        role: ``prefill`` or ``decode``; ``bootstrap_port`` is required for a prefill.
+
+    Raises:
+        ValueError: a prefill without a bootstrap port.
+    """
+    s, g = cfg.sglang, cfg.groups()[role]
+    if role == "prefill" and bootstrap_port is None:
+        raise ValueError("a prefill worker needs its --disaggregation-bootstrap-port")
+    argv = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", cfg.model_path,
+        "--tp-size", str(g.tp_size),
+        "--host", host, "--port", str(port),
+        "--disaggregation-mode", role,
+        "--disaggregation-transfer-backend", cfg.transfer.backend,
+        "--page-size", str(cfg.page_size),
+        "--kv-cache-dtype", s.kv_cache_dtype,
+    ]
+    if role == "prefill":
+        argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+    if cfg.transfer.ib_device:
+        argv += ["--disaggregation-ib-device", cfg.transfer.ib_device]
+    if cfg.served_model_name:
+        argv += ["--served-model-name", cfg.served_model_name]
+    if s.quantization:
+        argv += ["--quantization", s.quantization]
+    if s.mem_fraction_static is not None:
+        argv += ["--mem-fraction-static", str(s.mem_fraction_static)]
+    if s.context_length is not None:
+        argv += ["--context-length", str(s.context_length)]
+    if g.cuda_graph_max_bs is not None:
+        argv += [f"--cuda-graph-max-bs-{role}", str(g.cuda_graph_max_bs)]
+    if s.moe_runner_backend:
+        argv += ["--moe-runner-backend", s.moe_runner_backend]
+    if s.enable_metrics:
+        argv.append("--enable-metrics")
+    if s.trust_remote_code:
+        argv.append("--trust-remote-code")
+    sp = s.speculative
+    if sp is not None:
+        argv += ["--speculative-algorithm", sp.algorithm,
+                 "--speculative-num-steps", str(sp.num_steps),
+                 "--speculative-eagle-topk", str(sp.eagle_topk),
+                 "--speculative-num-draft-tokens", str(sp.num_draft_tokens)]
+        if sp.draft_model_path:
+            argv += ["--speculative-draft-model-path", sp.draft_model_path]
+        if sp.moe_runner_backend:
+            argv += ["--speculative-moe-runner-backend", sp.moe_runner_backend]
+        if sp.moe_a2a_backend:
+            argv += ["--speculative-moe-a2a-backend", sp.moe_a2a_backend]
+    argv += g.extra_args
+    env = {"NCCL_DEBUG": "WARN"}
+    if cfg.transfer.protocol == "tcp":
+        env["MC_FORCE_TCP"] = "1"
+    if s.pdserve_kernels:
+        env.update(KERNEL_ENV)
+    env.update(g.env)
+    return EngineCommand(argv=argv, env=env, ready_path="/health_generate")
+
+
+# ---- the pinned parser ------------------------------------------------------------------------
+@lru_cache(maxsize=1)
+def sglang_parser() -> argparse.ArgumentParser:
+    """SGLang's own ``launch_server`` parser (``ServerArgs.add_cli_args``), abbreviations off.
+
+    Raises:
+        RuntimeError: the pinned sglang is not importable, with the command that installs it.
+    """
+    try:
+        from sglang.srt.server_args import ServerArgs
+    except ImportError as e:
+        req = pinned_sglang_requirement()
+        raise RuntimeError(
+            f"checking SGLang flags needs the pinned {req} importable ({e}); on a CPU machine: "
+            f"pip install --no-deps {req} psutil pybase64 pillow msgspec pyzmq tqdm ipython orjson triton"
+        ) from None
+    parser = argparse.ArgumentParser(prog="sglang.launch_server", allow_abbrev=False, exit_on_error=False)
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def known_flags() -> list[str]:
+    return sorted(o for a in sglang_parser()._actions for o in a.option_strings if o.startswith("--"))
+
+
+def parse_sglang_args(args: list[str]) -> argparse.Namespace:
+    """Parse launch_server arguments (no ``python -m sglang.launch_server`` prefix) with the pinned
+    parser.
+
+    Raises:
+        SGLangArgError: an unknown flag (with the closest known flags), an abbreviation, or a bad value.
+    """
+    parser = sglang_parser()
+    flags = known_flags()
+    for tok in args:
+        if tok.startswith("--"):
+            name = tok.split("=", 1)[0]
+            if name not in flags:
+                prefixed = [f for f in flags if f.startswith(name)]
+                close = prefixed[:6] or difflib.get_close_matches(name, flags, n=5, cutoff=0.6)
+                kind = "ambiguous" if len(prefixed) > 1 else "abbreviated" if prefixed else "unknown"
+                raise SGLangArgError(f"{kind} SGLang flag {name} (sglang {pinned_sglang_version()}); "
+                                     f"candidates: {', '.join(close) if close else 'none'}")
+    try:
+        ns, rest = parser.parse_known_args(args)
+    except argparse.ArgumentError as e:
+        raise SGLangArgError(f"SGLang rejects {e.argument_name}: {e.message}") from None
+    if rest:
+        raise SGLangArgError(f"SGLang does not accept the arguments {rest}")
+    return ns
+
+
+def server_args_of(command: EngineCommand) -> argparse.Namespace:
+    """Parse a generated command's argv (after ``-m sglang.launch_server``)."""
+    i = command.argv.index("sglang.launch_server")
+    return parse_sglang_args(command.argv[i + 1:])
