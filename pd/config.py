@@ -73,6 +73,9 @@ class SGLangSettings(_Strict):
         quantization: always set it explicitly; auto-detection once left it unset, which disarmed
             the guard routing the draft MoE to a safe backend.
         pdserve_kernels: switch our Triton kernels on in the workers (SGLang plugin env).
+        launch_command: what starts a server, before its flags; default
+            ``[<python>, -m, sglang.launch_server]``. A wrapper (numactl, a container entry, the
+            tests' stand-in server) goes here.
     """
 
     quantization: Optional[str] = None
@@ -84,6 +87,7 @@ class SGLangSettings(_Strict):
     enable_metrics: bool = True
     speculative: Optional[Speculative] = None
     pdserve_kernels: bool = False
+    launch_command: Optional[list[str]] = None
 
 
 class Group(_Strict):

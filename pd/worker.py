@@ -25,6 +25,9 @@ from pd.engines.commands import EngineCommand, engine_command
 from pd.procs import die_with_parent
 
 
+LOG_TAIL_LINES = 20000  # engine log lines kept for diagnosis (a TP4 SGLang crash is a few hundred)
+
+
 def _free_port(host: str, exclude: set[int]) -> int:
     while True:
         with socket.socket() as s:
@@ -74,7 +77,8 @@ class EngineWorker:
         self.restarts = 0
         self.last_exit: Optional[int] = None
         self.proc: Optional[asyncio.subprocess.Process] = None
-        self.log_tail: collections.deque[str] = collections.deque(maxlen=400)
+        self.log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        self.diagnosis: Optional[str] = None
         self._stopping = False
         self._supervisor: Optional[asyncio.Task] = None
         self._ready_line_seen = False
@@ -111,7 +115,8 @@ class EngineWorker:
             "port": self.port, "bootstrap_port": self.bootstrap_port,
             "url": f"http://{self.host}:{self.port}" if self.port else None,
             "pid": self.proc.pid if self.proc and self.proc.returncode is None else None,
-            "restarts": self.restarts, "last_exit": self.last_exit,
+            "restarts": self.restarts, "last_exit": self.last_exit, "diagnosis": self.diagnosis,
+            "ready_line_seen": self._ready_line_seen,
             "cuda_visible_devices": self.cuda_visible_devices, "actor_pid": os.getpid(),
         }
 
@@ -139,7 +144,7 @@ class EngineWorker:
             *cmd.argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
             start_new_session=True, preexec_fn=die_with_parent,
         )
-        asyncio.get_running_loop().create_task(self._forward_log(self.proc, cmd.ready_log_line))
+        self._log_task = asyncio.get_running_loop().create_task(self._forward_log(self.proc, cmd.ready_log_line))
         self._print(f"started engine pid {self.proc.pid} on {self.host}:{self.port}"
                     f"{f' (bootstrap {self.bootstrap_port})' if self.bootstrap_port else ''}"
                     f" CUDA_VISIBLE_DEVICES={self.cuda_visible_devices}: {' '.join(cmd.argv)}")
@@ -152,8 +157,9 @@ class EngineWorker:
             while True:
                 if self.proc.returncode is not None:
                     self.last_exit = self.proc.returncode
-                    raise RuntimeError(f"{self.name}: engine exited with {self.proc.returncode} during startup; "
-                                       f"last log lines:\n" + "\n".join(list(self.log_tail)[-40:]))
+                    await self._drain_log()
+                    raise RuntimeError(f"{self.name}: engine exited with {self.proc.returncode} during startup\n"
+                                       + self._diagnose())
                 try:
                     if (await client.get(url)).status_code == 200:
                         return
@@ -161,9 +167,9 @@ class EngineWorker:
                     pass
                 if time.monotonic() > deadline:
                     await self._terminate()
+                    await self._drain_log()
                     raise RuntimeError(f"{self.name}: engine not ready within {self.cfg.engine_startup_timeout:g}s "
-                                       f"(ready line seen: {self._ready_line_seen}); last log lines:\n"
-                                       + "\n".join(list(self.log_tail)[-40:]))
+                                       f"(ready log line seen: {self._ready_line_seen})\n" + self._diagnose())
                 await asyncio.sleep(0.25)
 
     async def _forward_log(self, proc: asyncio.subprocess.Process, ready_line: str) -> None:
@@ -186,6 +192,8 @@ class EngineWorker:
             if self._stopping:
                 return
             self.last_exit = code
+            await self._drain_log()
+            self._print(f"engine stopped unexpectedly (exit {code}); " + self._diagnose())
             if self.restarts >= policy.max_restarts:
                 self.state = "failed"
                 self._print(f"engine exited with {code}; restart limit {policy.max_restarts} reached, worker failed")
@@ -221,5 +229,20 @@ class EngineWorker:
                 pass
             await proc.wait()
 
+    async def _drain_log(self) -> None:
+        """Let the log forwarder read what the exited engine wrote last (its traceback)."""
+        task = getattr(self, "_log_task", None)
+        if task is not None:
+            await asyncio.wait({task}, timeout=5)
+
+    def _diagnose(self) -> str:
+        """Root cause of the engine's failure from its log (pd.diagnose), kept in ``info()``."""
+        from pd.diagnose import diagnose_text, render
+
+        found = diagnose_text("\n".join(self.log_tail), source=f"{self.name} engine log")
+        self.diagnosis = render(found) if found else "no known failure pattern in the engine log; last lines:\n" + \
+            "\n".join(list(self.log_tail)[-20:])
+        return "diagnosis: " + self.diagnosis
+
     def _print(self, msg: str) -> None:
-        print(f"[{self.name}] pdserve: {msg}", flush=True)
+        print("\n".join(f"[{self.name}] pdserve: {line}" for line in msg.splitlines()), flush=True)

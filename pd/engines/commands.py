@@ -21,12 +21,14 @@ class EngineCommand:
         env: variables added to the actor's environment.
         ready_path: HTTP path that answers 200 once the engine serves.
         ready_log_line: log text that also means ready (SGLang prints it).
+        args_start: index in ``argv`` where the engine's own flags begin.
     """
 
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     ready_path: str = "/health"
     ready_log_line: str = "The server is fired up and ready to roll!"
+    args_start: int = 0
 
 
 def engine_command(cfg: PDConfig, role: str, host: str, port: int, bootstrap_port: int | None) -> EngineCommand:
@@ -64,4 +66,4 @@ def engine_command(cfg: PDConfig, role: str, host: str, port: int, bootstrap_por
     env = dict(group.env)
     if cfg.transfer.protocol == "tcp":
         env.setdefault("MC_FORCE_TCP", "1")
-    return EngineCommand(argv=argv, env=env, ready_path="/health")
+    return EngineCommand(argv=argv, env=env, ready_path="/health", args_start=4)

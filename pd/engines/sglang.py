@@ -77,8 +77,8 @@ def sglang_command(cfg: PDConfig, role: str, host: str, port: int, bootstrap_por
     s, g = cfg.sglang, cfg.groups()[role]
     if role == "prefill" and bootstrap_port is None:
         raise ValueError("a prefill worker needs its --disaggregation-bootstrap-port")
-    argv = [
-        sys.executable, "-m", "sglang.launch_server",
+    prefix = list(s.launch_command or [sys.executable, "-m", "sglang.launch_server"])
+    argv = prefix + [
         "--model-path", cfg.model_path,
         "--tp-size", str(g.tp_size),
         "--host", host, "--port", str(port),
@@ -126,7 +126,7 @@ def sglang_command(cfg: PDConfig, role: str, host: str, port: int, bootstrap_por
     if s.pdserve_kernels:
         env.update(KERNEL_ENV)
     env.update(g.env)
-    return EngineCommand(argv=argv, env=env, ready_path="/health_generate")
+    return EngineCommand(argv=argv, env=env, ready_path="/health_generate", args_start=len(prefix))
 
 
 # ---- the pinned parser ------------------------------------------------------------------------
@@ -182,6 +182,5 @@ def parse_sglang_args(args: list[str]) -> argparse.Namespace:
 
 
 def server_args_of(command: EngineCommand) -> argparse.Namespace:
-    """Parse a generated command's argv (after ``-m sglang.launch_server``)."""
-    i = command.argv.index("sglang.launch_server")
-    return parse_sglang_args(command.argv[i + 1:])
+    """Parse a generated command's flags (``argv[args_start:]``) with the pinned parser."""
+    return parse_sglang_args(command.argv[command.args_start:])

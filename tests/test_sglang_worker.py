@@ -1,0 +1,106 @@
+"""The SGLang worker path in the real worker actor, driven by a stand-in SGLang server
+(tests/fake_sglang/launch_server.py): spawn -> readiness -> crash -> diagnosis -> restart."""
+
+import os
+import sys
+import time
+
+import pytest
+
+from engines import ROOT
+
+FAKE = [sys.executable, os.path.join(ROOT, "tests", "fake_sglang", "launch_server.py")]
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(address="local", num_cpus=2, num_gpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    yield ray
+    ray.shutdown()
+
+
+def worker(ray, tmp_path, scenario, **overrides):
+    from pd.config import parse_config
+    from pd.worker import EngineWorker
+
+    cfg = parse_config({
+        "engine": "sglang", "model_path": "/models/none", "page_size": 64,
+        "sglang": {"quantization": "fp8", "launch_command": FAKE},
+        "prefill": {"tp_size": 4, "env": {"FAKE_SGLANG_SCENARIO": scenario, "FAKE_SGLANG_STATE": str(tmp_path / "starts"),
+                                          "FAKE_SGLANG_CRASH_AFTER": "1.5"}},
+        "restart": {"max_restarts": 2, "backoff_initial": 0.2, "backoff_max": 0.5},
+        **overrides,
+    })
+    actor = ray.remote(EngineWorker).options(num_cpus=0, num_gpus=4).remote("prefill-0", "prefill", cfg.model_dump(), None, "127.0.0.1")
+    return actor
+
+
+def wait_for(ray, actor, pred, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        info = ray.get(actor.info.remote())
+        if pred(info):
+            return info
+        time.sleep(0.2)
+    raise AssertionError(f"condition not met: {ray.get(actor.info.remote())}")
+
+
+def test_ready_then_crash_is_diagnosed_and_restarted(ray_local, tmp_path):
+    ray = ray_local
+    actor = worker(ray, tmp_path, "crash_later,ready")
+    try:
+        info = ray.get(actor.start.remote(), timeout=60)
+        assert info["state"] == "ready" and info["ready_line_seen"]
+        assert len(info["cuda_visible_devices"].split(",")) == 4  # Ray gave the actor its 4 GPUs
+        first_pid = info["pid"]
+        info = wait_for(ray, actor, lambda i: i["restarts"] == 1 and i["state"] == "ready")
+        assert info["pid"] != first_pid and info["last_exit"] == 1
+        assert "out of memory" in info["diagnosis"].lower() and "TP2" in info["diagnosis"]
+        log = "\n".join(ray.get(actor.log.remote(400)))
+        assert "fired up and ready" in log
+    finally:
+        ray.get(actor.stop.remote())
+        ray.kill(actor)
+
+
+def test_crash_at_start_fails_start_with_the_root_cause(ray_local, tmp_path):
+    ray = ray_local
+    actor = worker(ray, tmp_path, "crash_at_start")
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError) as e:
+            ray.get(actor.start.remote(), timeout=60)
+        msg = str(e.value)
+        assert "exited with 1 during startup" in msg
+        assert "no kernel image" in msg
+        assert "TP0, TP1, TP2, TP3" in msg  # one cause, its ranks listed once
+        info = ray.get(actor.info.remote())
+        assert "no kernel image" in info["diagnosis"] and info["pid"] is None
+    finally:
+        ray.kill(actor)
+
+
+def test_hang_hits_the_startup_timeout_and_leaves_no_process(ray_local, tmp_path):
+    ray = ray_local
+    actor = worker(ray, tmp_path, "hang", engine_startup_timeout=3)
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError, match="not ready within 3s"):
+            ray.get(actor.start.remote(), timeout=60)
+        info = ray.get(actor.info.remote())
+        assert info["pid"] is None and info["diagnosis"]
+    finally:
+        ray.kill(actor)
+
+
+def test_restart_limit_marks_the_worker_failed(ray_local, tmp_path):
+    ray = ray_local
+    actor = worker(ray, tmp_path, "crash_later")  # every start crashes 1.5 s after becoming ready
+    try:
+        ray.get(actor.start.remote(), timeout=60)
+        info = wait_for(ray, actor, lambda i: i["state"] == "failed", timeout=60)
+        assert info["restarts"] == 2
+    finally:
+        ray.get(actor.stop.remote())
+        ray.kill(actor)
