@@ -12,6 +12,7 @@ commands:
   plan       dry run of a config: workers, GPUs, ports, engine argv and env (`pdserve plan CONFIG [--json]`)
   engine     run the reference engine alone (SGLang's flags; see `pdserve engine --help`)
   router     run the PD router alone, for engines started by hand (see `pdserve router --help`)
+  diagnose   root cause of a failed engine start or crash from its logs (`pdserve diagnose LOG [LOG...]`)
 """
 
 
@@ -29,6 +30,10 @@ def main(argv: list[str] | None = None) -> None:
         from pd.plan import main as plan_main
 
         raise SystemExit(plan_main(rest))
+    if cmd == "diagnose":
+        from pd.diagnose import main as diagnose_main
+
+        raise SystemExit(diagnose_main(rest))
     if cmd == "engine":
         from pd.engines.server import main as engine_main
 
