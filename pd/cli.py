@@ -10,6 +10,7 @@ USAGE = """usage: pdserve COMMAND [ARGS]
 commands:
   up         run the whole PD cluster here (Ray job + router); Ctrl-C stops it (`pdserve up [CONFIG]`)
   plan       dry run of a config: workers, GPUs, ports, engine argv and env (`pdserve plan CONFIG [--json]`)
+  doctor     preflight checks of a config; exit 1 on errors (`pdserve doctor CONFIG [--assume-gpu sm_120] [--json]`)
   engine     run the reference engine alone (SGLang's flags; see `pdserve engine --help`)
   router     run the PD router alone, for engines started by hand (see `pdserve router --help`)
   diagnose   root cause of a failed engine start or crash from its logs (`pdserve diagnose LOG [LOG...]`)
@@ -30,6 +31,10 @@ def main(argv: list[str] | None = None) -> None:
         from pd.plan import main as plan_main
 
         raise SystemExit(plan_main(rest))
+    if cmd == "doctor":
+        from pd.doctor import main as doctor_main
+
+        raise SystemExit(doctor_main(rest))
     if cmd == "diagnose":
         from pd.diagnose import main as diagnose_main
 

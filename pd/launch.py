@@ -201,6 +201,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         print(f"pdserve: invalid config:\n{e}", file=sys.stderr)
         return 2
+    from pd.doctor import preflight
+
+    if not preflight(cfg):  # prints warnings and errors; errors stop the launch
+        print("pdserve: the preflight checks failed (see above; `pdserve doctor CONFIG` runs them alone)", file=sys.stderr)
+        return 2
 
     import ray
 

@@ -1,0 +1,378 @@
+"""`pdserve doctor`: every preflight check refuses (or warns about) what it must, and passes the
+shipped profiles. Fixture checkpoints are config.json files written in tmp_path."""
+
+import copy
+import json
+import os
+import socket
+import stat
+
+import pytest
+import yaml
+
+from engines import ROOT, free_port
+from pd import doctor as D
+from pd.config import parse_config
+
+PROFILE = os.path.join(ROOT, "deploy", "dsv4-flash-rtxpro6000x8.yaml")
+SM120, SM100, SM90, NOGPU = D.GpuInfo("sm_120"), D.GpuInfo("sm_100"), D.GpuInfo("sm_90"), D.GpuInfo()
+
+DSV4_CONFIG = {  # the keys doctor reads, shaped like DeepSeek-V4-Flash's config.json
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "hidden_size": 4096,
+    "num_nextn_predict_layers": 1, "max_position_embeddings": 1048576, "index_topk": 512,
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                            "activation_scheme": "dynamic", "routed_experts_quant_method": "mxfp4"},
+}
+# The DESIGN.md campaign: NVFP4 main experts, MTP (mtp.*) experts still MXFP4.
+NVFP4_HYBRID = {**DSV4_CONFIG, "quantization_config": {"quant_method": "fp8", "quant_algo": "MIXED_PRECISION",
+                                                       "moe_quant_algo": "NVFP4", "group_size": 16}}
+
+
+def ckpt(tmp_path, name="ckpt", **config):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    return str(d)
+
+
+def profile(tmp_path=None, model=None, **sglang):
+    """The shipped DSv4 profile as a dict, on a free router port, optionally on a fixture checkpoint."""
+    with open(PROFILE) as f:
+        d = yaml.safe_load(f)
+    d["router"]["port"] = free_port()
+    if model is not None:
+        d["model_path"] = ckpt(tmp_path, **model)
+    for k, v in sglang.items():
+        if k == "speculative":
+            d["sglang"]["speculative"].update(v)
+        else:
+            d["sglang"][k] = v
+    return d
+
+
+def run(d, gpu=SM120, check_ports=False):
+    return D.run_checks(parse_config(copy.deepcopy(d)), gpu, check_ports=check_ports)
+
+
+def of(findings, check, level=None):
+    return [f for f in findings if f.check == check and (level is None or f.level == level)]
+
+
+def write_yaml(tmp_path, d, name="cfg.yaml"):
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(d))
+    return str(p)
+
+
+# ---- the "done when" cases ---------------------------------------------------------------------
+def test_shipped_profile_passes_on_sm120(tmp_path, capsys):
+    from pd.cli import main as cli
+
+    d = profile()
+    with open(PROFILE) as f:
+        shipped = yaml.safe_load(f)
+    assert {**d, "router": shipped["router"]} == shipped  # only the router port differs
+    with pytest.raises(SystemExit) as e:
+        cli(["doctor", write_yaml(tmp_path, d), "--assume-gpu", "sm_120"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0, out
+    assert "0 error(s)" in out and "WARN  [model-config]" in out  # /models/... is not here: a warning
+
+
+@pytest.mark.parametrize("spec_backend", ["flashinfer_trtllm", None])
+@pytest.mark.parametrize("model", [DSV4_CONFIG, NVFP4_HYBRID], ids=["routed-mxfp4", "nvfp4-hybrid"])
+def test_the_design_md_failure_is_refused_naming_both_causes(tmp_path, capsys, spec_backend, model):
+    d = profile(tmp_path, model, quantization=None, speculative={"moe_runner_backend": spec_backend})
+    code = D.main([write_yaml(tmp_path, d), "--assume-gpu", "sm_120"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    # cause 1: the draft's MXFP4 MoE on an sm_100-only kernel (or left to auto on sm_120)
+    draft_check = "moe-backend-arch" if spec_backend else "spec-moe-backend"
+    assert f"ERROR [{draft_check}] sglang.speculative.moe_runner_backend (--speculative-moe-runner-backend)" in out
+    assert "MXFP4" in out
+    assert "fix: set sglang.speculative.moe_runner_backend: triton" in out
+    # cause 2: quantization left to auto-detection, fix names the checkpoint's value
+    assert "ERROR [quantization] sglang.quantization (--quantization) is unset" in out
+    assert "fix: set sglang.quantization: fp8 (the checkpoint's config.json quantization_config.quant_method)" in out
+
+
+def test_local_yaml_reference_engine_passes(tmp_path, capsys):
+    with open(os.path.join(ROOT, "deploy", "local.yaml")) as f:
+        d = yaml.safe_load(f)
+    d["router"]["port"] = free_port()
+    assert D.main([write_yaml(tmp_path, d)]) == 0
+    out = capsys.readouterr().out
+    assert "0 error(s), 0 warning(s)" in out and "reference engine needs no GPU" in out
+
+
+def test_json_output(tmp_path, capsys):
+    d = profile(tmp_path, DSV4_CONFIG, quantization=None)
+    assert D.main([write_yaml(tmp_path, d), "--assume-gpu", "12.0", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["exit_code"] == 1 and data["gpu"]["arch"] == "sm_120"
+    assert {"level": "error", "check": "quantization"}.items() <= data["findings"][
+        [f["check"] for f in data["findings"]].index("quantization")].items()
+
+
+def test_cli_usage_lists_doctor():
+    from pd.cli import USAGE
+
+    assert "doctor" in USAGE and "--assume-gpu" in USAGE
+
+
+# ---- 1. GPU architecture -----------------------------------------------------------------------
+def test_parse_arch():
+    for text in ("sm_120", "sm120", "SM_120a", "12.0", "120"):
+        assert D.parse_arch(text) == "sm_120"
+    assert D.parse_arch("9.0") == "sm_90" and D.GpuInfo("sm_100").major == 10
+    with pytest.raises(ValueError):
+        D.parse_arch("blackwell")
+    with pytest.raises(SystemExit):
+        D.main([PROFILE, "--assume-gpu", "blackwell"])
+
+
+def test_detect_gpu_from_nvidia_smi_then_nothing(tmp_path, monkeypatch):
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\n[ \"$1\" = --query-gpu=compute_cap ] && printf '12.0\\n12.0\\n12.0\\n12.0\\n'\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", str(fake.parent))
+    assert D.detect_gpu() == D.GpuInfo("sm_120", 4, "nvidia-smi")
+    assert D.detect_gpu("sm_90") == D.GpuInfo("sm_90", None, "--assume-gpu")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
+    monkeypatch.setattr(D, "_from_torch", lambda: None)  # a CPU machine
+    assert D.detect_gpu() == D.GpuInfo()
+
+
+def test_no_gpu_skips_the_architecture_checks(tmp_path):
+    f = run(profile(tmp_path, DSV4_CONFIG, moe_runner_backend="flashinfer_trtllm"), NOGPU)
+    assert of(f, "gpu-arch")[0].message.startswith("skipped")
+    assert [x.level for x in of(f, "moe-backend-arch")] == ["ok"] and "skipped" in of(f, "moe-backend-arch")[0].message
+
+
+# ---- 2. the model's config.json ----------------------------------------------------------------
+def test_read_model_info_keys(tmp_path):
+    m = D.read_model_info(ckpt(tmp_path, "a", **DSV4_CONFIG))
+    assert (m.quant_method, m.experts_quant, m.draft_experts_quant, m.mtp_layers, m.hidden_size, m.dsa) == (
+        "fp8", "mxfp4", "mxfp4", 1, 4096, True)
+    h = D.read_model_info(ckpt(tmp_path, "b", **NVFP4_HYBRID))
+    assert (h.quant_method, h.experts_quant, h.draft_experts_quant) == ("fp8", "nvfp4", "mxfp4")
+    dflt = D.read_model_info(ckpt(tmp_path, "c", architectures=["DeepseekV4ForCausalLM"], quantization_config={"quant_method": "fp8"}))
+    assert dflt.draft_experts_quant == "mxfp4" and "SGLang default" in dflt.draft_experts_source
+    mo = D.read_model_info(ckpt(tmp_path, "d", architectures=["LlamaForCausalLM"],
+                                quantization_config={"quant_method": "modelopt", "quant_algo": "NVFP4"}))
+    assert (mo.quant_method, mo.experts_quant, mo.dsa, mo.mtp_layers) == ("modelopt_fp4", "modelopt_fp4", False, 0)
+    hq = tmp_path / "e"
+    hq.mkdir()
+    (hq / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (hq / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
+    assert D.read_model_info(hq).quant_method == "modelopt_fp8"
+    with pytest.raises(D.ModelConfigError):
+        D.read_model_info(tmp_path / "missing")
+
+
+def test_missing_checkpoint_is_a_warning_never_an_error(tmp_path):
+    d = profile()
+    d["model_path"] = str(tmp_path / "nowhere")
+    f = run(d)
+    assert [x.level for x in of(f, "model-config")] == ["warning"]
+    assert D.exit_code(f) == 0
+    empty = tmp_path / "empty"
+    empty.mkdir()  # a directory without config.json
+    d["model_path"] = str(empty)
+    assert [x.level for x in of(run(d), "model-config")] == ["warning"]
+
+
+# ---- 3a. sm_100-only MoE kernels ---------------------------------------------------------------
+def test_sm100_only_moe_backends_are_refused_off_sm100(tmp_path):
+    d = profile(tmp_path, DSV4_CONFIG, moe_runner_backend="flashinfer_trtllm")
+    err = of(run(d, SM120), "moe-backend-arch", "error")
+    assert len(err) == 1 and "sglang.moe_runner_backend (--moe-runner-backend) is flashinfer_trtllm" in err[0].message
+    assert err[0].fix == "set sglang.moe_runner_backend: triton (runs on sm_120, MXFP4 experts included)"
+    assert not of(run(d, SM100), "moe-backend-arch", "error")
+    assert of(run(d, SM90), "moe-backend-arch", "error")  # not sm_100 either
+    d = profile(speculative={"moe_runner_backend": "flashinfer_trtllm_routed"})
+    err = of(run(d, SM120), "moe-backend-arch", "error")
+    assert len(err) == 1 and "the draft (MTP) MoE" in err[0].message
+    # set through a group's extra_args, on one role only
+    d = profile()
+    d["decode"]["extra_args"] = ["--moe-runner-backend", "flashinfer_megamoe"]
+    err = of(run(d, SM120), "moe-backend-arch", "error")
+    assert len(err) == 1 and err[0].message.startswith("decode.extra_args (--moe-runner-backend) is flashinfer_megamoe on decode")
+    d = profile(moe_runner_backend="hpc_ops")  # SM90-only
+    assert of(run(d, SM120), "moe-backend-arch", "error") and not of(run(d, SM90), "moe-backend-arch", "error")
+
+
+# ---- 3b. draft MoE backend left to auto --------------------------------------------------------
+@pytest.mark.parametrize("value", [None, "auto"])
+def test_speculative_moe_backend_must_be_explicit(tmp_path, value):
+    d = profile(tmp_path, DSV4_CONFIG, speculative={"moe_runner_backend": value})
+    assert [x.level for x in of(run(d, SM120), "spec-moe-backend")] == ["error"]
+    assert [x.level for x in of(run(d, SM100), "spec-moe-backend")] == ["warning"]
+    assert [x.level for x in of(run(d, NOGPU), "spec-moe-backend")] == ["warning"]
+    assert [x.level for x in of(run(profile()), "spec-moe-backend")] == ["ok"]
+    no_spec = profile()
+    del no_spec["sglang"]["speculative"]
+    assert of(run(no_spec), "spec-moe-backend")[0].message == "no speculative decoding"
+
+
+# ---- 3c. quantization --------------------------------------------------------------------------
+def test_quantization_left_to_auto_detection_is_refused(tmp_path):
+    f = of(run(profile(quantization=None)), "quantization")  # no checkpoint here: a generic fix
+    assert [x.level for x in f] == ["error"] and "quantization_config.quant_method" in f[0].fix
+    mo = {"architectures": ["X"], "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"}}
+    f = of(run(profile(tmp_path, mo, quantization=None)), "quantization")
+    assert f[0].level == "error" and f[0].fix.startswith("set sglang.quantization: modelopt_fp4")
+    bf16 = profile(quantization=None)
+    bf16["model_path"] = ckpt(tmp_path, "bf16", architectures=["X"])
+    assert of(run(bf16), "quantization")[0].fix.startswith("set sglang.quantization: unquant")
+    mismatch = profile(quantization="fp8")
+    mismatch["model_path"] = ckpt(tmp_path, "nvfp4", **mo)
+    f = of(run(mismatch), "quantization")
+    assert [x.level for x in f] == ["warning"] and "checkpoint says modelopt_fp4" in f[0].message
+    assert [x.level for x in of(run(profile()), "quantization")] == ["ok"]
+
+
+# ---- 3d. the draft -----------------------------------------------------------------------------
+def test_draft_hidden_size_mismatch_is_refused(tmp_path):
+    d = profile(tmp_path, DSV4_CONFIG, speculative={"draft_model_path": ckpt(tmp_path, "draft", **{**DSV4_CONFIG, "hidden_size": 2048})})
+    err = of(run(d), "draft", "error")
+    assert len(err) == 1 and "hidden_size 2048" in err[0].message and "target's 4096" in err[0].message
+    d["sglang"]["speculative"]["draft_model_path"] = ckpt(tmp_path, "draft2", **DSV4_CONFIG)
+    assert not of(run(d), "draft", "error")
+
+
+def test_speculative_without_a_draft_and_dsv4_topk(tmp_path):
+    d = profile(tmp_path, {**DSV4_CONFIG, "num_nextn_predict_layers": 0})
+    err = of(run(d), "draft", "error")
+    assert len(err) == 1 and "num_nextn_predict_layers" in err[0].message
+    d = profile(speculative={"eagle_topk": 2, "num_draft_tokens": 4})
+    d["model_path"] = ckpt(tmp_path, "topk", **DSV4_CONFIG)
+    err = of(run(d), "draft", "error")
+    assert len(err) == 1 and "eagle_topk 1" in err[0].message
+
+
+# ---- 3e/3i. prefill vs decode ------------------------------------------------------------------
+@pytest.mark.parametrize("flag,value", [("--page-size", "32"), ("--model-path", "/models/other"),
+                                        ("--kv-cache-dtype", "bf16")])
+def test_settings_that_must_match_between_roles(flag, value):
+    d = profile()
+    d["decode"]["extra_args"] = [flag, value]
+    err = of(run(d), "pd-consistency", "error")
+    assert len(err) == 1 and err[0].message.startswith(f"{flag} differs") and "decode.extra_args" in err[0].message
+
+
+def test_tp_may_differ_between_prefill_and_decode():
+    d = profile()
+    d["decode"].update(tp_size=2, gpus=[[4, 5]])
+    f = run(d)
+    assert D.exit_code(f) == 0
+    assert "TP differs (prefill 4, decode 2): allowed" in of(f, "pd-consistency")[0].message
+
+
+# ---- 3f. GPUs ----------------------------------------------------------------------------------
+def test_overlapping_gpus_are_a_finding_not_a_crash(tmp_path):
+    d = profile()
+    d["decode"]["gpus"] = [[3, 4, 5, 6]]
+    findings, code, _ = D.doctor(write_yaml(tmp_path, d), "sm_120")
+    assert code == 2 and findings[0].level == "error" and findings[0].check == "config"
+    assert "decode.gpus[0]: GPU 3 is also used by prefill.gpus[0]" in findings[0].message
+    assert D.main([str(tmp_path / "nope.yaml")]) == 2
+
+
+def test_missing_gpus():
+    d = profile()
+    f = of(run(d, D.GpuInfo("sm_120", 4, "nvidia-smi")), "gpus")
+    assert [x.level for x in f] == ["error", "warning"]
+    assert "decode.gpus[0]: GPU ids [4, 5, 6, 7] do not exist" in f[0].message
+    assert "cluster.num_gpus=8" in f[1].message
+    assert [x.level for x in of(run(d, D.GpuInfo("sm_120", 8, "nvidia-smi")), "gpus")] == ["ok"]
+    d["cluster"] = {"num_gpus": 16, "gpus_per_node": 8}  # two nodes: ids index a node's GPUs
+    d["decode"]["gpus"] = [[8, 9, 10, 11]]
+    f = of(run(d), "gpus", "error")
+    assert len(f) == 1 and "not below cluster.gpus_per_node=8" in f[0].message
+
+
+# ---- 3g. ports ---------------------------------------------------------------------------------
+def test_router_port_in_use_is_refused():
+    d = profile()
+    d["router"]["host"] = "127.0.0.1"
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        d["router"]["port"] = s.getsockname()[1]
+        f = of(run(d, check_ports=True), "router-port")
+        assert f[0].level == "error" and f"router.port {d['router']['port']} on 127.0.0.1 is already in use" in f[0].message
+    assert of(run(d, check_ports=True), "router-port")[0].level == "ok"
+    d["router"]["host"] = "192.0.2.1"  # TEST-NET: not this machine's
+    assert "not an address of this machine" in of(run(d, check_ports=True), "router-port")[0].message
+
+
+def test_launch_stops_on_errors_before_ray(tmp_path, capsys, monkeypatch):
+    import sys
+    import types
+
+    from pd import launch
+
+    def no_ray(*a, **k):
+        raise AssertionError("the launch reached ray.init")
+
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(init=no_ray))
+    with open(os.path.join(ROOT, "deploy", "local.yaml")) as f:
+        d = yaml.safe_load(f)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        d["router"]["port"] = s.getsockname()[1]
+        assert launch.main([write_yaml(tmp_path, d)]) == 2
+    err = capsys.readouterr().err
+    assert "ERROR [router-port]" in err and "preflight checks failed" in err
+
+
+# ---- 3h. flags the pinned parser refuses -------------------------------------------------------
+def test_unknown_extra_flag_is_refused_with_candidates(monkeypatch):
+    d = profile()
+    d["prefill"]["extra_args"] = ["--max-runing-requests", "8"]
+    err = of(run(d), "engine-args", "error")
+    assert len(err) == 1 and err[0].message.startswith("prefill: prefill.extra_args: unknown SGLang flag --max-runing-requests")
+    assert "--max-running-requests" in err[0].message
+
+    import pd.engines.sglang as sg
+
+    def unavailable(_cmd):
+        raise RuntimeError("checking SGLang flags needs the pinned sglang==0.5.23 importable")
+
+    monkeypatch.setattr(sg, "server_args_of", unavailable)
+    f = run(profile())
+    assert [x.level for x in of(f, "engine-args")] == ["warning", "warning"] and D.exit_code(f) == 0
+
+
+# ---- 4. warnings -------------------------------------------------------------------------------
+def test_context_length_far_above_need_with_the_stock_indexer(tmp_path):
+    f = of(run(profile(tmp_path, DSV4_CONFIG, context_length=None)), "context-length")
+    assert [x.level for x in f] == ["warning"] and "1048576 from config.json max_position_embeddings" in f[0].message
+    assert "pdserve_kernels" in f[0].fix
+    assert of(run(profile(context_length=131072)), "context-length")[0].level == "warning"
+    assert of(run(profile(context_length=65536)), "context-length")[0].level == "ok"
+    assert of(run(profile(context_length=131072, pdserve_kernels=True)), "context-length")[0].level == "ok"
+    llama = profile(context_length=None)
+    llama["model_path"] = ckpt(tmp_path, "llama", architectures=["LlamaForCausalLM"], max_position_embeddings=131072)
+    assert of(run(llama), "context-length")[0].message == "the model has no DSA indexer"
+
+
+def test_kv_transfer_tcp_warning_and_missing_rdma_device(tmp_path, monkeypatch):
+    assert of(run(profile()), "kv-transfer")[0].level == "warning"
+    ib = tmp_path / "infiniband"
+    (ib / "mlx5_0").mkdir(parents=True)
+    monkeypatch.setattr(D, "IB_SYSFS", str(ib))
+    d = profile()
+    d["transfer"] = {"protocol": "rdma", "ib_device": "mlx5_1"}
+    f = of(run(d), "kv-transfer")
+    assert f[0].level == "error" and "mlx5_1" in f[0].message and "mlx5_0" in f[0].fix
+    d["transfer"]["ib_device"] = "mlx5_0"
+    assert of(run(d), "kv-transfer")[0].level == "ok"
+    monkeypatch.setattr(D, "IB_SYSFS", str(tmp_path / "none"))
+    assert of(run(d), "kv-transfer")[0].level == "error"
+    ref = parse_config({"router": {"port": free_port()}})
+    assert of(D.run_checks(ref, NOGPU), "kv-transfer")[0].level == "ok"  # reference engine on TCP: fine
