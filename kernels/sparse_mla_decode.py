@@ -1,0 +1,383 @@
+"""Head-batched sparse-MLA decode on the DeepSeek-V4 FP8 paged KV cache (Triton; sm_120a and sm_90a).
+
+``sparse_mla_decode(q, k_cache, indices, ...) -> (out, lse)`` is a drop-in for FlashMLA's sparse decode
+(``flash_mla_with_kvcache(q, k_cache, None, None, 512, meta, indices=..., topk_length=..., attn_sink=...,
+extra_k_cache=..., extra_indices_in_kvcache=..., extra_topk_length=...)``). The KV layout, the softmax scale
+default (1/sqrt(512)), the sink (``out *= 1 / (1 + exp(sink - lse))``, lse without the sink) and the lse
+units (natural log; +inf and out = 0 for a row with no usable token) are documented in
+``pd.kernels.sparse_mla_reference``, the fp64 torch reference.
+
+Kernel: one program per (batch * query token, block of BLOCK_H >= 16 heads, topk split). It walks its share
+of the selected tokens BLOCK_N at a time: gathers the 584-byte records of the tile once, dequantizes them to a
+[BLOCK_N, 512] bf16 tile (fp8 nope * 2**(e - 127), bf16 rope), and does S = Q K^T and O += P K with ``tl.dot``
+for all BLOCK_H heads at once (MLA: K = V = the 512-wide latent), with an online softmax in base 2. When
+(batch * query tokens * head blocks) is too small to fill the GPU the topk is split across programs, each
+writing a normalized partial output and its lse, and ``_combine_kernel`` merges them by log-sum-exp (the extra
+cache is just more splits). Work past ``topk_length`` is skipped, not masked.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .sparse_mla_reference import BYTES_PER_TOKEN, D_QK, DATA_BYTES, page_stride_bytes
+
+LOG2E = 1.4426950408889634
+SUPPORTED_PAGE_SIZES = (64, 256)
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 -> the nearest bf16 value (ties to even), kept in fp32. The Triton 3.9 interpreter truncates in
+    ``x.to(tl.bfloat16)`` (the GPU rounds to nearest), so interpreter runs round explicitly first."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_tile(kc8_ptr, kc16_ptr, idx_row, n, end, page_stride, cols, PAGE_SIZE: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """Gather the raw bytes of BLOCK_N selected tokens: (valid [N], fp8 bytes [N, 512] (cols < 448),
+    UE8M0 scale byte per column [N, 512] (column 448+ gets the pad byte, unused), rope int16 [N, 512]
+    (cols >= 448))."""
+    offs_n = n + tl.arange(0, BLOCK_N)
+    tok = tl.load(idx_row + offs_n, mask=offs_n < end, other=-1)
+    valid = tok >= 0
+    tok = tl.where(valid, tok, 0)
+    page = (tok // PAGE_SIZE).to(tl.int64)
+    off = tok % PAGE_SIZE
+    page_base = page * page_stride
+    tok_base = page_base + off * 576
+    sc_base = page_base + PAGE_SIZE * 576 + off * 8
+    is_nope = cols < 448
+    m_nope = valid[:, None] & is_nope[None, :]
+    m_rope = valid[:, None] & (cols >= 448)[None, :]
+    raw = tl.load(kc8_ptr + tok_base[:, None] + cols[None, :], mask=m_nope, other=0)
+    # 8 scale bytes per token (7 + pad), loaded once and broadcast over their 64 columns each.
+    sc8 = tl.load(kc8_ptr + sc_base[:, None] + tl.arange(0, 8)[None, :], mask=valid[:, None], other=0)
+    sc = tl.reshape(tl.broadcast_to(sc8[:, :, None], [BLOCK_N, 8, 64]), [BLOCK_N, 512])
+    rope_col = tl.where(is_nope, 0, cols - 448)
+    rope = tl.load(kc16_ptr + (tok_base // 2 + 224)[:, None] + rope_col[None, :], mask=m_rope, other=0)
+    return valid, raw, sc, rope
+
+
+@triton.jit
+def _sparse_mla_fwd_kernel(
+    q_ptr, kc8_ptr, kc16_ptr, idx_ptr, len_ptr, sink_ptr,
+    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+    sm_scale_log2, page_stride, S, H, TOPK, chunk, split_offset, n_splits_total,
+    stride_qb, stride_qs, stride_qh, grid_bucket,  # grid_bucket: autotune key only (log2 of the grid)
+    HAS_LEN: tl.constexpr, HAS_SINK: tl.constexpr, DIRECT: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+    DOT_PREC: tl.constexpr = "tf32",
+):
+    pid_bs = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_sp = tl.program_id(2)
+    b = pid_bs // S
+    s = pid_bs % S
+
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, 512)
+    q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + s * stride_qs + offs_h[:, None] * stride_qh + cols[None, :]
+    q = tl.load(q_ptrs)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    if HAS_LEN:
+        n_valid = tl.minimum(tl.load(len_ptr + b), TOPK)
+    else:
+        n_valid = TOPK
+    start = pid_sp * chunk
+    end = tl.minimum(start + chunk, n_valid)
+
+    is_nope = cols < 448
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, 512], tl.float32)
+    idx_row = idx_ptr + pid_bs.to(tl.int64) * TOPK
+    # Software pipeline by hand: the gathers of tile n + BLOCK_N are in flight while tile n is computed.
+    valid, raw, sc, rope = _load_tile(kc8_ptr, kc16_ptr, idx_row, start, end, page_stride, cols,
+                                      PAGE_SIZE, BLOCK_N)
+    for n in range(start, end, BLOCK_N):
+        cur_valid = valid
+        nope_f = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        scale_f = (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        rope_f = rope.to(tl.bfloat16, bitcast=True).to(tl.float32)
+        k = tl.where(is_nope[None, :], nope_f * scale_f, rope_f)
+        if DOT_F32:
+            k = k.to(tl.bfloat16).to(tl.float32)
+        else:
+            k = k.to(tl.bfloat16)
+        valid, raw, sc, rope = _load_tile(kc8_ptr, kc16_ptr, idx_row, n + BLOCK_N, end, page_stride, cols,
+                                          PAGE_SIZE, BLOCK_N)
+
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
+        qk = tl.where(cur_valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_F32:
+            p = _round_bf16(p)
+        else:
+            p = p.to(tl.bfloat16)
+        acc = acc * alpha[:, None] + tl.dot(p, k, input_precision=DOT_PREC)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / 1.4426950408889634)
+    if DIRECT:
+        if HAS_SINK:
+            sink = tl.load(sink_ptr + offs_h)
+            o = o / (1.0 + tl.exp(sink - lse))[:, None]
+        o = tl.where(empty[:, None], 0.0, o)
+        if DOT_F32:
+            o = _round_bf16(o)
+        out_ptrs = out_ptr + ((pid_bs.to(tl.int64) * H + offs_h) * 512)[:, None] + cols[None, :]
+        tl.store(out_ptrs, o.to(tl.bfloat16))
+        tl.store(lse_ptr + (b * H + offs_h) * S + s, tl.where(empty, float("inf"), lse))
+    else:
+        slot = (pid_bs.to(tl.int64) * H + offs_h) * n_splits_total + split_offset + pid_sp
+        tl.store(part_o_ptr + (slot * 512)[:, None] + cols[None, :], o)
+        tl.store(part_lse_ptr + slot, lse)
+
+
+@triton.jit
+def _combine_kernel(
+    part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_ptr, S, H, n_splits,
+    HAS_SINK: tl.constexpr, SPLITS_P2: tl.constexpr, ROUND: tl.constexpr,
+):
+    pid = tl.program_id(0)  # (b * S + s) * H + h
+    h = pid % H
+    bs = pid // H
+    b = bs // S
+    s = bs % S
+    offs = tl.arange(0, SPLITS_P2)
+    msk = offs < n_splits
+    base = pid.to(tl.int64) * n_splits
+    lse_p = tl.load(part_lse_ptr + base + offs, mask=msk, other=float("-inf"))
+    m = tl.max(lse_p, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_p - m_safe)
+    tot = tl.sum(w, 0)
+    empty = tot == 0.0
+    tot_safe = tl.where(empty, 1.0, tot)
+    cols = tl.arange(0, 512)
+    po = tl.load(part_o_ptr + (base + offs)[:, None] * 512 + cols[None, :], mask=msk[:, None], other=0.0)
+    o = tl.sum(po * (w / tot_safe)[:, None], 0)
+    lse = m_safe + tl.log(tot_safe)
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + h)
+        o = o / (1.0 + tl.exp(sink - lse))
+    o = tl.where(empty, 0.0, o)
+    if ROUND:
+        o = _round_bf16(o)
+    tl.store(out_ptr + pid.to(tl.int64) * 512 + cols, o.to(tl.bfloat16))
+    tl.store(lse_ptr + (b * H + h) * S + s, tl.where(empty, float("inf"), lse))
+
+
+# Autotune configs per heads-per-program. Each fits sm_120's 99 KiB of shared memory: the q tile
+# (BLOCK_H x 512 bf16) plus two BLOCK_N x 512 bf16 operand copies of the dequantized KV tile.
+CONFIGS = {
+    16: [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=1) for bn in (16, 32) for w in (4, 8)],
+    32: [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=1) for bn in (16, 32) for w in (4, 8)],
+    64: [triton.Config({"BLOCK_N": 16}, num_warps=w, num_stages=1) for w in (4, 8)],
+}
+_TUNED = {
+    bh: triton.autotune(configs=cfgs, key=["PAGE_SIZE", "DIRECT", "HAS_LEN", "HAS_SINK", "grid_bucket"])(_sparse_mla_fwd_kernel)
+    for bh, cfgs in CONFIGS.items()
+}
+
+_NUM_SMS: dict = {}
+
+
+def _num_sms(device) -> int:
+    if device.type != "cuda":
+        return 132
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _NUM_SMS:
+        _NUM_SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _NUM_SMS[i]
+
+
+def _cache_view(name, k_cache):
+    """Validate a cache and return (uint8 view, int16 view, page_size, page_stride_bytes)."""
+    if not isinstance(k_cache, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(k_cache).__name__}")
+    if k_cache.dtype not in (torch.uint8, torch.int8, torch.float8_e4m3fn):
+        raise ValueError(f"{name} must be uint8, int8 or float8_e4m3fn bytes (DSv4 FP8 layout), got {k_cache.dtype}")
+    if k_cache.dim() == 4:
+        pages, page_size, hk, bpt = k_cache.shape
+        if hk != 1 or bpt != BYTES_PER_TOKEN:
+            raise ValueError(f"{name} must be (pages, page_size, 1, {BYTES_PER_TOKEN}), got {tuple(k_cache.shape)}")
+        if page_size not in SUPPORTED_PAGE_SIZES:
+            raise ValueError(f"{name} page_size must be one of {SUPPORTED_PAGE_SIZES}, got {page_size}")
+        want = page_stride_bytes(page_size)
+        if pages > 1 and k_cache.stride(0) != want:
+            raise ValueError(f"{name} page stride must be {want} bytes for page_size {page_size}, got {k_cache.stride(0)}")
+        if k_cache.stride(3) != 1 or k_cache.stride(1) != BYTES_PER_TOKEN:
+            raise ValueError(f"{name} must be a view of the packed page buffer (token stride 584, byte stride 1)")
+        stride = want
+    elif k_cache.dim() == 2:
+        stride = k_cache.shape[1]
+        sizes = {page_stride_bytes(p): p for p in SUPPORTED_PAGE_SIZES}
+        if stride not in sizes or not k_cache.is_contiguous():
+            raise ValueError(
+                f"{name} as a 2-D byte buffer must be contiguous (pages, page_stride) with page_stride in "
+                f"{sorted(sizes)} (page_size 64/256), got {tuple(k_cache.shape)}"
+            )
+        page_size = sizes[stride]
+    else:
+        raise ValueError(f"{name} must be 4-D (pages, page_size, 1, 584) or 2-D (pages, page_stride), got {k_cache.dim()}-D")
+    if k_cache.data_ptr() % 16:
+        raise ValueError(f"{name} must be 16-byte aligned")
+    u8 = k_cache.view(torch.uint8)
+    i16 = u8.view(torch.int16)
+    return u8, i16, page_size, stride
+
+
+def _check_indices(name, indices, b, s, device):
+    if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int32:
+        raise ValueError(f"{name} must be an int32 tensor [B, S, topk]")
+    if indices.dim() != 3 or indices.shape[0] != b or indices.shape[1] != s or indices.shape[2] < 1:
+        raise ValueError(f"{name} must have shape [{b}, {s}, topk>=1], got {tuple(indices.shape)}")
+    if not indices.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if indices.device != device:
+        raise ValueError(f"{name} must be on {device}, got {indices.device}")
+
+
+def _check_len(name, t, b, device):
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.shape != (b,) or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous int32 tensor of shape [{b}]")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
+def _pick_block_h(h: int) -> int:
+    for bh in (64, 32, 16):
+        if h % bh == 0:
+            return bh
+    raise AssertionError
+
+
+def sparse_mla_decode(
+    q,
+    k_cache,
+    indices,
+    topk_length=None,
+    attn_sink=None,
+    softmax_scale=None,
+    extra_k_cache=None,
+    extra_indices=None,
+    extra_topk_length=None,
+    *,
+    block_h=None,
+    num_splits=None,
+    config=None,
+):
+    """Sparse-MLA decode; see the module docstring. Returns (out [B,S,H,512] bf16, lse [B,H,S] fp32).
+
+    Keyword-only tuning knobs (benchmarks/tests): ``block_h`` (16/32/64 heads per program), ``num_splits``
+    (topk splits of the main cache), ``config`` (a dict {"BLOCK_N", "num_warps", "num_stages"} that bypasses
+    the autotuner).
+    """
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16 or q.dim() != 4 or q.shape[-1] != D_QK:
+        raise ValueError(f"q must be a bfloat16 tensor [B, S, H, {D_QK}], got "
+                         f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
+    b, s, h, _ = q.shape
+    if h % 16 or not 16 <= h <= 128:
+        raise ValueError(f"q: number of heads must be a multiple of 16 in [16, 128], got {h}")
+    if q.stride(-1) != 1 or q.stride(2) != D_QK:
+        raise ValueError("q must have contiguous heads and head dim (stride(2) == 512, stride(3) == 1)")
+    dev = q.device
+    kc8, kc16, page_size, page_stride = _cache_view("k_cache", k_cache)
+    if k_cache.device != dev:
+        raise ValueError(f"k_cache must be on {dev}, got {k_cache.device}")
+    _check_indices("indices", indices, b, s, dev)
+    _check_len("topk_length", topk_length, b, dev)
+    if attn_sink is not None:
+        if not isinstance(attn_sink, torch.Tensor) or attn_sink.dtype != torch.float32 or attn_sink.shape != (h,) \
+                or not attn_sink.is_contiguous() or attn_sink.device != dev:
+            raise ValueError(f"attn_sink must be a contiguous float32 tensor of shape [{h}] on {dev}")
+    if softmax_scale is None:
+        softmax_scale = D_QK ** -0.5
+    if not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
+    has_extra = extra_k_cache is not None
+    if has_extra:
+        ekc8, ekc16, epage_size, epage_stride = _cache_view("extra_k_cache", extra_k_cache)
+        if extra_k_cache.device != dev:
+            raise ValueError(f"extra_k_cache must be on {dev}, got {extra_k_cache.device}")
+        if extra_indices is None:
+            raise ValueError("extra_indices is required with extra_k_cache")
+        _check_indices("extra_indices", extra_indices, b, s, dev)
+        _check_len("extra_topk_length", extra_topk_length, b, dev)
+    elif extra_indices is not None or extra_topk_length is not None:
+        raise ValueError("extra_indices / extra_topk_length given without extra_k_cache")
+    if block_h is None:
+        block_h = _pick_block_h(h)
+    if block_h not in (16, 32, 64) or h % block_h:
+        raise ValueError(f"block_h must be 16, 32 or 64 and divide H={h}, got {block_h}")
+
+    topk = indices.shape[2]
+    n_hb = h // block_h
+    base = b * s * n_hb
+    if num_splits is None:
+        n_sm = _num_sms(dev)
+        num_splits = max(1, (n_sm + base // 2) // base)
+    chunk = max(64, triton.cdiv(triton.cdiv(topk, max(1, num_splits)), 64) * 64)
+    ns_main = triton.cdiv(topk, chunk)
+    jobs = [(kc8, kc16, page_size, page_stride, indices, topk_length, chunk, ns_main, 0)]
+    ns_total = ns_main
+    if has_extra:
+        etopk = extra_indices.shape[2]
+        echunk = max(64, triton.cdiv(triton.cdiv(etopk, max(1, num_splits)), 64) * 64)
+        ens = triton.cdiv(etopk, echunk)
+        jobs.append((ekc8, ekc16, epage_size, epage_stride, extra_indices, extra_topk_length, echunk, ens, ns_total))
+        ns_total += ens
+    direct = ns_total == 1
+
+    out = torch.empty(b, s, h, D_QK, dtype=torch.bfloat16, device=dev)
+    lse = torch.empty(b, h, s, dtype=torch.float32, device=dev)
+    if direct:
+        part_o = part_lse = out  # unused
+    else:
+        part_o = torch.empty(b * s * h * ns_total, D_QK, dtype=torch.float32, device=dev)
+        part_lse = torch.empty(b * s * h * ns_total, dtype=torch.float32, device=dev)
+    sink = attn_sink if attn_sink is not None else lse
+    sm_scale_log2 = float(softmax_scale) * LOG2E
+    for c8, c16, ps, pstride, idx, tl_len, ch, ns, soff in jobs:
+        args = (q, c8, c16, idx, tl_len if tl_len is not None else idx, sink, out, lse, part_o, part_lse,
+                sm_scale_log2, pstride, s, h, idx.shape[2], ch, soff, ns_total,
+                q.stride(0), q.stride(1), q.stride(2), (b * s * n_hb * ns).bit_length())
+        consts = dict(HAS_LEN=tl_len is not None, HAS_SINK=attn_sink is not None, DIRECT=direct,
+                      PAGE_SIZE=ps, BLOCK_H=block_h, DOT_F32=_INTERPRET,
+                      DOT_PREC="ieee" if _INTERPRET else "tf32")
+        grid = (b * s, n_hb, ns)
+        if config is not None or _INTERPRET:
+            cfg = config or {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+            _sparse_mla_fwd_kernel[grid](*args, **consts, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+                                         num_stages=cfg["num_stages"])
+        else:
+            _TUNED[block_h][grid](*args, **consts)
+    if not direct:
+        _combine_kernel[(b * s * h,)](part_o, part_lse, sink, out, lse, s, h, ns_total,
+                                      HAS_SINK=attn_sink is not None,
+                                      SPLITS_P2=triton.next_power_of_2(ns_total), ROUND=_INTERPRET,
+                                      num_warps=4)
+    return out, lse
