@@ -35,8 +35,10 @@ def say(msg: str) -> None:
 
 
 def dashboard_up(address: str) -> bool:
+    """A Ray dashboard answers at ``address`` (401/403: it is there, with token authentication on;
+    the job client then authenticates with RAY_AUTH_MODE=token and ~/.ray/auth_token)."""
     try:
-        return httpx.get(address.rstrip("/") + "/api/version", timeout=2).status_code == 200
+        return httpx.get(address.rstrip("/") + "/api/version", timeout=2).status_code in (200, 401, 403)
     except httpx.HTTPError:
         return False
 

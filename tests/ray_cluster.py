@@ -36,7 +36,8 @@ class RayHead:
         deadline = time.time() + 120
         while True:
             try:
-                if httpx.get(self.address + "/api/version", timeout=2).status_code == 200:
+                # 401: up, with token authentication (on once ~/.ray/auth_token exists)
+                if httpx.get(self.address + "/api/version", timeout=2).status_code in (200, 401):
                     break
             except httpx.HTTPError:
                 pass
@@ -46,6 +47,8 @@ class RayHead:
             time.sleep(0.5)
 
     def ray(self, *args: str, timeout: float = 120) -> str:
+        if os.path.exists(os.path.expanduser("~/.ray/auth_token")):  # the head may have just created it
+            self.env["RAY_AUTH_MODE"] = "token"
         out = subprocess.run([os.path.join(BIN, "ray"), *args], capture_output=True, text=True, env=self.env,
                              cwd=ROOT, timeout=timeout)
         if out.returncode != 0:
