@@ -44,9 +44,8 @@ def _round_bf16(x):
 @triton.jit
 def _load_tile(kc8_ptr, kc16_ptr, idx_row, n, end, page_stride, cols, PAGE_SIZE: tl.constexpr,
                BLOCK_N: tl.constexpr):
-    """Gather the raw bytes of BLOCK_N selected tokens: (valid [N], fp8 bytes [N, 512] (cols < 448),
-    UE8M0 scale byte per column [N, 512] (column 448+ gets the pad byte, unused), rope int16 [N, 512]
-    (cols >= 448))."""
+    """Gather the raw bytes of BLOCK_N selected tokens: (valid [N], fp8 bytes [N, 512] (cols >= 448 zero),
+    UE8M0 scale byte per column [N, 512], rope int16 [N, 64])."""
     offs_n = n + tl.arange(0, BLOCK_N)
     tok = tl.load(idx_row + offs_n, mask=offs_n < end, other=-1)
     valid = tok >= 0
@@ -56,15 +55,15 @@ def _load_tile(kc8_ptr, kc16_ptr, idx_row, n, end, page_stride, cols, PAGE_SIZE:
     page_base = page * page_stride
     tok_base = page_base + off * 576
     sc_base = page_base + PAGE_SIZE * 576 + off * 8
-    is_nope = cols < 448
-    m_nope = valid[:, None] & is_nope[None, :]
-    m_rope = valid[:, None] & (cols >= 448)[None, :]
+    m_nope = valid[:, None] & (cols < 448)[None, :]
     raw = tl.load(kc8_ptr + tok_base[:, None] + cols[None, :], mask=m_nope, other=0)
-    # 8 scale bytes per token (7 + pad), loaded once and broadcast over their 64 columns each.
-    sc8 = tl.load(kc8_ptr + sc_base[:, None] + tl.arange(0, 8)[None, :], mask=valid[:, None], other=0)
+    # 8 scale bytes per token (7 + pad), loaded once and broadcast over their 64 columns each; the pad
+    # (column block 7, which multiplies the zero padding of the nope tile) reads as 2**0.
+    s8 = tl.arange(0, 8)
+    sc8 = tl.load(kc8_ptr + sc_base[:, None] + s8[None, :], mask=valid[:, None] & (s8 < 7)[None, :], other=127)
     sc = tl.reshape(tl.broadcast_to(sc8[:, :, None], [BLOCK_N, 8, 64]), [BLOCK_N, 512])
-    rope_col = tl.where(is_nope, 0, cols - 448)
-    rope = tl.load(kc16_ptr + (tok_base // 2 + 224)[:, None] + rope_col[None, :], mask=m_rope, other=0)
+    r = tl.arange(0, 64)
+    rope = tl.load(kc16_ptr + (tok_base // 2 + 224)[:, None] + r[None, :], mask=valid[:, None], other=0)
     return valid, raw, sc, rope
 
 
@@ -86,10 +85,14 @@ def _sparse_mla_fwd_kernel(
 
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, 512)
-    q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + s * stride_qs + offs_h[:, None] * stride_qh + cols[None, :]
-    q = tl.load(q_ptrs)
+    rcols = tl.arange(0, 64)
+    q_row = q_ptr + b.to(tl.int64) * stride_qb + s * stride_qs + offs_h[:, None] * stride_qh
+    # nope part zero-padded to 512 columns (tl.dot wants powers of two), rope part [BLOCK_H, 64]
+    q = tl.load(q_row + cols[None, :], mask=(cols < 448)[None, :], other=0.0)
+    q_r = tl.load(q_row + 448 + rcols[None, :])
     if DOT_F32:
         q = q.to(tl.float32)
+        q_r = q_r.to(tl.float32)
 
     if HAS_LEN:
         n_valid = tl.minimum(tl.load(len_ptr + b), TOPK)
@@ -98,11 +101,10 @@ def _sparse_mla_fwd_kernel(
     start = pid_sp * chunk
     end = tl.minimum(start + chunk, n_valid)
 
-    is_nope = cols < 448
-
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, 512], tl.float32)
+    acc_r = tl.zeros([BLOCK_H, 64], tl.float32)
     idx_row = idx_ptr + pid_bs.to(tl.int64) * TOPK
     # Software pipeline by hand: the gathers of tile n + BLOCK_N are in flight while tile n is computed.
     valid, raw, sc, rope = _load_tile(kc8_ptr, kc16_ptr, idx_row, start, end, page_stride, cols,
@@ -111,16 +113,18 @@ def _sparse_mla_fwd_kernel(
         cur_valid = valid
         nope_f = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         scale_f = (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        rope_f = rope.to(tl.bfloat16, bitcast=True).to(tl.float32)
-        k = tl.where(is_nope[None, :], nope_f * scale_f, rope_f)
+        k = nope_f * scale_f
+        k_r = rope.to(tl.bfloat16, bitcast=True)
         if DOT_F32:
             k = k.to(tl.bfloat16).to(tl.float32)
+            k_r = k_r.to(tl.float32)
         else:
             k = k.to(tl.bfloat16)
         valid, raw, sc, rope = _load_tile(kc8_ptr, kc16_ptr, idx_row, n + BLOCK_N, end, page_stride, cols,
                                           PAGE_SIZE, BLOCK_N)
 
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        qk = tl.dot(q_r, tl.trans(k_r), qk, input_precision=DOT_PREC) * sm_scale_log2
         qk = tl.where(cur_valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -132,25 +136,33 @@ def _sparse_mla_fwd_kernel(
         else:
             p = p.to(tl.bfloat16)
         acc = acc * alpha[:, None] + tl.dot(p, k, input_precision=DOT_PREC)
+        acc_r = acc_r * alpha[:, None] + tl.dot(p, k_r, input_precision=DOT_PREC)
         m_i = m_new
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     o = acc / l_safe[:, None]
+    o_r = acc_r / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / 1.4426950408889634)
     if DIRECT:
         if HAS_SINK:
             sink = tl.load(sink_ptr + offs_h)
-            o = o / (1.0 + tl.exp(sink - lse))[:, None]
+            f = 1.0 / (1.0 + tl.exp(sink - lse))
+            o = o * f[:, None]
+            o_r = o_r * f[:, None]
         o = tl.where(empty[:, None], 0.0, o)
+        o_r = tl.where(empty[:, None], 0.0, o_r)
         if DOT_F32:
             o = _round_bf16(o)
-        out_ptrs = out_ptr + ((pid_bs.to(tl.int64) * H + offs_h) * 512)[:, None] + cols[None, :]
-        tl.store(out_ptrs, o.to(tl.bfloat16))
+            o_r = _round_bf16(o_r)
+        out_row = out_ptr + ((pid_bs.to(tl.int64) * H + offs_h) * 512)[:, None]
+        tl.store(out_row + cols[None, :], o.to(tl.bfloat16), mask=(cols < 448)[None, :])
+        tl.store(out_row + 448 + rcols[None, :], o_r.to(tl.bfloat16))
         tl.store(lse_ptr + (b * H + offs_h) * S + s, tl.where(empty, float("inf"), lse))
     else:
         slot = (pid_bs.to(tl.int64) * H + offs_h) * n_splits_total + split_offset + pid_sp
-        tl.store(part_o_ptr + (slot * 512)[:, None] + cols[None, :], o)
+        tl.store(part_o_ptr + (slot * 512)[:, None] + cols[None, :], o, mask=(cols < 448)[None, :])
+        tl.store(part_o_ptr + (slot * 512 + 448)[:, None] + rcols[None, :], o_r)
         tl.store(part_lse_ptr + slot, lse)
 
 
@@ -188,12 +200,12 @@ def _combine_kernel(
     tl.store(lse_ptr + (b * H + h) * S + s, tl.where(empty, float("inf"), lse))
 
 
-# Autotune configs per heads-per-program. Each fits sm_120's 99 KiB of shared memory: the q tile
-# (BLOCK_H x 512 bf16) plus two BLOCK_N x 512 bf16 operand copies of the dequantized KV tile.
+# Autotune configs per heads-per-program. Each fits sm_120's 99 KiB of shared memory (tests check it): the
+# q tile (BLOCK_H x 576 bf16) plus operand copies of the dequantized KV tile (BLOCK_N x 576 bf16).
 CONFIGS = {
     16: [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=1) for bn in (16, 32) for w in (4, 8)],
     32: [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=1) for bn in (16, 32) for w in (4, 8)],
-    64: [triton.Config({"BLOCK_N": 16}, num_warps=w, num_stages=1) for w in (4, 8)],
+    64: [triton.Config({"BLOCK_N": 16}, num_warps=4, num_stages=1)],  # 8 warps: 128 KiB on sm_120
 }
 _TUNED = {
     bh: triton.autotune(configs=cfgs, key=["PAGE_SIZE", "DIRECT", "HAS_LEN", "HAS_SINK", "grid_bucket"])(_sparse_mla_fwd_kernel)
@@ -268,11 +280,21 @@ def _check_len(name, t, b, device):
         raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
-def _pick_block_h(h: int) -> int:
-    for bh in (64, 32, 16):
-        if h % bh == 0:
-            return bh
-    raise AssertionError
+def _pick_block_h(b: int, s: int, h: int) -> int:
+    """Heads per program. Measured on an H200 (benchmarks/results/sparse_mla_decode_2026-11-29.json): 32 heads
+    per program wins once the grid has >= 16 (batch * query token * head block) programs, 16 below that and
+    for H = 16; 64 heads (one 4-warp config fits sm_120's shared memory) was never the fastest."""
+    if h % 32 == 0 and b * s * (h // 32) >= 16:
+        return 32
+    return 16
+
+
+# Default tile config per heads-per-program (the H200 sweep's best; ``autotune=True`` searches CONFIGS).
+DEFAULT_CONFIG = {
+    16: {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
+    32: {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
+    64: {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
+}
 
 
 def sparse_mla_decode(
@@ -289,12 +311,14 @@ def sparse_mla_decode(
     block_h=None,
     num_splits=None,
     config=None,
+    autotune=False,
 ):
     """Sparse-MLA decode; see the module docstring. Returns (out [B,S,H,512] bf16, lse [B,H,S] fp32).
 
     Keyword-only tuning knobs (benchmarks/tests): ``block_h`` (16/32/64 heads per program), ``num_splits``
-    (topk splits of the main cache), ``config`` (a dict {"BLOCK_N", "num_warps", "num_stages"} that bypasses
-    the autotuner).
+    (topk splits of the main cache), ``config`` (a dict {"BLOCK_N", "num_warps", "num_stages"}; default
+    DEFAULT_CONFIG[block_h]), ``autotune`` (search CONFIGS[block_h] with triton.autotune instead; not
+    CUDA-graph-capturable on first use). The default path launches a fixed config, so it is capturable.
     """
     if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16 or q.dim() != 4 or q.shape[-1] != D_QK:
         raise ValueError(f"q must be a bfloat16 tensor [B, S, H, {D_QK}], got "
@@ -330,7 +354,7 @@ def sparse_mla_decode(
     elif extra_indices is not None or extra_topk_length is not None:
         raise ValueError("extra_indices / extra_topk_length given without extra_k_cache")
     if block_h is None:
-        block_h = _pick_block_h(h)
+        block_h = _pick_block_h(b, s, h)
     if block_h not in (16, 32, 64) or h % block_h:
         raise ValueError(f"block_h must be 16, 32 or 64 and divide H={h}, got {block_h}")
 
@@ -369,12 +393,15 @@ def sparse_mla_decode(
                       PAGE_SIZE=ps, BLOCK_H=block_h, DOT_F32=_INTERPRET,
                       DOT_PREC="ieee" if _INTERPRET else "tf32")
         grid = (b * s, n_hb, ns)
-        if config is not None or _INTERPRET:
-            cfg = config or {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+        if autotune and not _INTERPRET and config is None:
+            _TUNED[block_h][grid](*args, **consts)
+        else:
+            if _INTERPRET:
+                cfg = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+            else:
+                cfg = config or DEFAULT_CONFIG[block_h]
             _sparse_mla_fwd_kernel[grid](*args, **consts, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
                                          num_stages=cfg["num_stages"])
-        else:
-            _TUNED[block_h][grid](*args, **consts)
     if not direct:
         _combine_kernel[(b * s * h,)](part_o, part_lse, sink, out, lse, s, h, ns_total,
                                       HAS_SINK=attn_sink is not None,

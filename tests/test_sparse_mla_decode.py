@@ -164,3 +164,11 @@ def test_aot_sm90a_and_combine(bh):
         for cc in (90, 120):
             triton.compile(ASTSource(fn=_combine_kernel, signature=sig, constexprs=const),
                            target=GPUTarget("cuda", cc, 32), options=dict(num_warps=4))
+
+
+def test_default_configs_are_autotune_configs():
+    from pd.kernels.sparse_mla_decode import CONFIGS, DEFAULT_CONFIG
+
+    for bh, d in DEFAULT_CONFIG.items():
+        assert any(c.kwargs["BLOCK_N"] == d["BLOCK_N"] and c.num_warps == d["num_warps"]
+                   and c.num_stages == d["num_stages"] for c in CONFIGS[bh]), bh
