@@ -59,3 +59,21 @@ async def pd_post(client: httpx.AsyncClient, prefill, decode, route: str, body: 
     dparsed = parse_sse(dbody) if stream and ds == 200 else json.loads(dbody)
     pparsed = parse_sse(pbody) if stream and ps == 200 else json.loads(pbody)
     return ds, dparsed, (ps, pparsed)
+
+
+def strip_volatile(obj):
+    """Drop fields that legitimately differ between two runs (ids, timings)."""
+    if isinstance(obj, list):
+        return [strip_volatile(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: strip_volatile(v) for k, v in obj.items() if k not in ("id", "e2e_latency", "created")}
+    return obj
+
+
+def final_generate_chunks(chunks):
+    """Last cumulative chunk per index of a /generate stream."""
+    assert chunks[-1] == "[DONE]"
+    last = {}
+    for c in chunks[:-1]:
+        last[c.get("index", 0)] = c
+    return [last[i] for i in sorted(last)]

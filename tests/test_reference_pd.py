@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from engines import metric
-from pdclient import merge_logprobs, parse_sse, pd_post
+from pdclient import final_generate_chunks, merge_logprobs, parse_sse, pd_post, strip_volatile
 
 GREEDY = {"temperature": 0}
 
@@ -24,24 +24,6 @@ async def pd(engines, route, body, rooms):
     assert status == 200, dec
     assert pstatus == 200, pre
     return dec, pre
-
-
-def strip_volatile(obj):
-    """Drop fields that legitimately differ between two runs (ids, timings)."""
-    if isinstance(obj, list):
-        return [strip_volatile(x) for x in obj]
-    if isinstance(obj, dict):
-        return {k: strip_volatile(v) for k, v in obj.items() if k not in ("id", "e2e_latency", "created")}
-    return obj
-
-
-def final_generate_chunks(chunks):
-    """Last cumulative chunk per index of a /generate stream."""
-    assert chunks[-1] == "[DONE]"
-    last = {}
-    for c in chunks[:-1]:
-        last[c.get("index", 0)] = c
-    return [last[i] for i in sorted(last)]
 
 
 def openai_stream_result(chunks, chat):

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines import ROOT, free_port, metric
-from pdclient import parse_sse
+from pdclient import final_generate_chunks as final_chunks, parse_sse, strip_volatile
 
 GREEDY = {"temperature": 0}
 PREFILL_HITS = ("sglang:per_stage_req_latency_seconds_count", {"stage": "prefill_forward"})
@@ -105,24 +105,6 @@ async def routed_answer(router, route: str, body: dict):
     r = await post(router.url, route, body)
     assert r.status_code == 200, r.text
     return parse_sse(r.content) if body.get("stream") else r.json()
-
-
-def strip_volatile(obj):
-    """Drop fields that legitimately differ between two runs (ids, timings)."""
-    if isinstance(obj, list):
-        return [strip_volatile(x) for x in obj]
-    if isinstance(obj, dict):
-        return {k: strip_volatile(v) for k, v in obj.items() if k not in ("id", "e2e_latency", "created")}
-    return obj
-
-
-def final_chunks(chunks):
-    """Last cumulative chunk per index of a /generate stream."""
-    assert chunks[-1] == "[DONE]"
-    last = {}
-    for c in chunks[:-1]:
-        last[c.get("index", 0)] = c
-    return [last[i] for i in sorted(last)]
 
 
 def router_metrics(router) -> dict:
