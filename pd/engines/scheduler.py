@@ -471,11 +471,15 @@ class Scheduler:
         logits = self.runner.forward([seq.output_ids[-1]], seq.cache)
         return self._select(seq, logits[-1], len(seq.output_ids))
 
-    def health_generate(self) -> int:
-        """One greedy token from a one-token prompt on the model thread (SGLang's
-        /health_generate sends input_ids=[0], max_new_tokens=1)."""
-        logits = self.runner.forward([0], self.runner.new_cache())
-        return int(torch.argmax(logits[-1]))
+    async def health_generate(self) -> int:
+        """One greedy token from a one-token prompt, queued on the model thread behind real work
+        (SGLang's /health_generate sends input_ids=[0], max_new_tokens=1)."""
+
+        def one_token() -> int:
+            logits = self.runner.forward([0], self.runner.new_cache())
+            return int(torch.argmax(logits[-1]))
+
+        return await self._compute(one_token)
 
     def _update_pool_metrics(self) -> None:
         if self.pool is not None:

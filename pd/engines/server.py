@@ -196,7 +196,7 @@ class EngineServer:
         @app.get("/health_generate")
         async def health_generate():
             try:
-                await asyncio.wait_for(self.scheduler._compute(self.scheduler.health_generate), HEALTH_CHECK_TIMEOUT)
+                await asyncio.wait_for(self.scheduler.health_generate(), HEALTH_CHECK_TIMEOUT)
             except asyncio.TimeoutError:
                 return Response(status_code=503)
             return Response(status_code=200)
