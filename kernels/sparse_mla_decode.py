@@ -14,6 +14,10 @@ for all BLOCK_H heads at once (MLA: K = V = the 512-wide latent), with an online
 (batch * query tokens * head blocks) is too small to fill the GPU the topk is split across programs, each
 writing a normalized partial output and its lse, and ``_combine_kernel`` merges them by log-sum-exp (the extra
 cache is just more splits). Work past ``topk_length`` is skipped, not masked.
+
+On sm_90 only, programs of 64 heads use ``_sparse_mla_fwd_chunked_kernel`` (8 column chunks of 64, no [N, 512]
+fp32 tile; 64-row dots, so Triton emits wgmma; 128 KiB shared memory): DEFAULT_CONFIG_SM90, picked at run time
+from the device capability. sm_120 keeps DEFAULT_CONFIG / CONFIGS (mma.sync, <= 99 KiB shared memory).
 """
 
 from __future__ import annotations
@@ -167,6 +171,174 @@ def _sparse_mla_fwd_kernel(
 
 
 @triton.jit
+def _deq_chunk(kc8_ptr, tok_base, sc_base, valid, C: tl.constexpr, DOT_F32: tl.constexpr):
+    """Dequantize nope columns [64 C, 64 C + 64) of BLOCK_N gathered tokens -> bf16 [BLOCK_N, 64] (fp32 under
+    the interpreter): fp8 e4m3 * 2**(UE8M0 scale byte C - 127), exact in bf16."""
+    c64 = tl.arange(0, 64)
+    raw = tl.load(kc8_ptr + (tok_base + C * 64)[:, None] + c64[None, :], mask=valid[:, None], other=0)
+    sc = tl.load(kc8_ptr + sc_base + C, mask=valid, other=127)
+    scale = (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    k = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
+    if DOT_F32:
+        return k.to(tl.bfloat16).to(tl.float32)
+    return k.to(tl.bfloat16)
+
+
+@triton.jit
+def _rope_chunk(kc16_ptr, tok_base, valid, DOT_F32: tl.constexpr):
+    r = tl.arange(0, 64)
+    k = tl.load(kc16_ptr + (tok_base // 2 + 224)[:, None] + r[None, :], mask=valid[:, None], other=0)
+    k = k.to(tl.bfloat16, bitcast=True)
+    if DOT_F32:
+        return k.to(tl.float32)
+    return k
+
+
+@triton.jit
+def _q_chunk(q_row, C: tl.constexpr, DOT_F32: tl.constexpr):
+    q = tl.load(q_row + C * 64 + tl.arange(0, 64)[None, :])
+    if DOT_F32:
+        return q.to(tl.float32)
+    return q
+
+
+@triton.jit
+def _store_chunk(acc, l_safe, f, empty, C: tl.constexpr, out_row, part_row,
+                 HAS_SINK: tl.constexpr, DIRECT: tl.constexpr, DOT_F32: tl.constexpr):
+    c64 = tl.arange(0, 64)
+    o = acc / l_safe[:, None]
+    if DIRECT:
+        if HAS_SINK:
+            o = o * f[:, None]
+        o = tl.where(empty[:, None], 0.0, o)
+        if DOT_F32:
+            o = _round_bf16(o)
+        tl.store(out_row + C * 64 + c64[None, :], o.to(tl.bfloat16))
+    else:
+        tl.store(part_row + C * 64 + c64[None, :], o)
+
+
+@triton.jit
+def _sparse_mla_fwd_chunked_kernel(
+    q_ptr, kc8_ptr, kc16_ptr, idx_ptr, len_ptr, sink_ptr,
+    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+    sm_scale_log2, page_stride, S, H, TOPK, chunk, split_offset, n_splits_total,
+    stride_qb, stride_qs, stride_qh, grid_bucket,
+    HAS_LEN: tl.constexpr, HAS_SINK: tl.constexpr, DIRECT: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+    DOT_PREC: tl.constexpr = "tf32",
+):
+    """Same contract as _sparse_mla_fwd_kernel, but the 512 columns are handled as 8 chunks of 64 (7 fp8 nope
+    chunks with one scale each + the bf16 rope chunk): no zero padding, no [N, 512] fp32 tile, eight
+    [BLOCK_H, 64] accumulators. With BLOCK_H = 64 the dots have 64 rows, so on sm_90 Triton lowers them to wgmma
+    (the default there for 64-head programs, DEFAULT_CONFIG_SM90); on sm_120 they stay mma.sync."""
+    pid_bs = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_sp = tl.program_id(2)
+    b = pid_bs // S
+    s = pid_bs % S
+
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    q_row = q_ptr + b.to(tl.int64) * stride_qb + s * stride_qs + offs_h[:, None] * stride_qh
+    q0 = _q_chunk(q_row, 0, DOT_F32)
+    q1 = _q_chunk(q_row, 1, DOT_F32)
+    q2 = _q_chunk(q_row, 2, DOT_F32)
+    q3 = _q_chunk(q_row, 3, DOT_F32)
+    q4 = _q_chunk(q_row, 4, DOT_F32)
+    q5 = _q_chunk(q_row, 5, DOT_F32)
+    q6 = _q_chunk(q_row, 6, DOT_F32)
+    q7 = _q_chunk(q_row, 7, DOT_F32)
+
+    if HAS_LEN:
+        n_valid = tl.minimum(tl.load(len_ptr + b), TOPK)
+    else:
+        n_valid = TOPK
+    start = pid_sp * chunk
+    end = tl.minimum(start + chunk, n_valid)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    a0 = tl.zeros([BLOCK_H, 64], tl.float32)
+    a1 = tl.zeros([BLOCK_H, 64], tl.float32)
+    a2 = tl.zeros([BLOCK_H, 64], tl.float32)
+    a3 = tl.zeros([BLOCK_H, 64], tl.float32)
+    a4 = tl.zeros([BLOCK_H, 64], tl.float32)
+    a5 = tl.zeros([BLOCK_H, 64], tl.float32)
+    a6 = tl.zeros([BLOCK_H, 64], tl.float32)
+    a7 = tl.zeros([BLOCK_H, 64], tl.float32)
+    idx_row = idx_ptr + pid_bs.to(tl.int64) * TOPK
+    for n in range(start, end, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        tok = tl.load(idx_row + offs_n, mask=offs_n < end, other=-1)
+        valid = tok >= 0
+        tok = tl.where(valid, tok, 0)
+        page_base = (tok // PAGE_SIZE).to(tl.int64) * page_stride
+        off = tok % PAGE_SIZE
+        tok_base = page_base + off * 576
+        sc_base = page_base + PAGE_SIZE * 576 + off * 8
+        k0 = _deq_chunk(kc8_ptr, tok_base, sc_base, valid, 0, DOT_F32)
+        qk = tl.dot(q0, tl.trans(k0), input_precision=DOT_PREC)
+        k1 = _deq_chunk(kc8_ptr, tok_base, sc_base, valid, 1, DOT_F32)
+        qk = tl.dot(q1, tl.trans(k1), qk, input_precision=DOT_PREC)
+        k2 = _deq_chunk(kc8_ptr, tok_base, sc_base, valid, 2, DOT_F32)
+        qk = tl.dot(q2, tl.trans(k2), qk, input_precision=DOT_PREC)
+        k3 = _deq_chunk(kc8_ptr, tok_base, sc_base, valid, 3, DOT_F32)
+        qk = tl.dot(q3, tl.trans(k3), qk, input_precision=DOT_PREC)
+        k4 = _deq_chunk(kc8_ptr, tok_base, sc_base, valid, 4, DOT_F32)
+        qk = tl.dot(q4, tl.trans(k4), qk, input_precision=DOT_PREC)
+        k5 = _deq_chunk(kc8_ptr, tok_base, sc_base, valid, 5, DOT_F32)
+        qk = tl.dot(q5, tl.trans(k5), qk, input_precision=DOT_PREC)
+        k6 = _deq_chunk(kc8_ptr, tok_base, sc_base, valid, 6, DOT_F32)
+        qk = tl.dot(q6, tl.trans(k6), qk, input_precision=DOT_PREC)
+        k7 = _rope_chunk(kc16_ptr, tok_base, valid, DOT_F32)
+        qk = tl.dot(q7, tl.trans(k7), qk, input_precision=DOT_PREC) * sm_scale_log2
+
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_F32:
+            p = _round_bf16(p)
+        else:
+            p = p.to(tl.bfloat16)
+        m_i = m_new
+        a0 = tl.dot(p, k0, a0 * alpha[:, None], input_precision=DOT_PREC)
+        a1 = tl.dot(p, k1, a1 * alpha[:, None], input_precision=DOT_PREC)
+        a2 = tl.dot(p, k2, a2 * alpha[:, None], input_precision=DOT_PREC)
+        a3 = tl.dot(p, k3, a3 * alpha[:, None], input_precision=DOT_PREC)
+        a4 = tl.dot(p, k4, a4 * alpha[:, None], input_precision=DOT_PREC)
+        a5 = tl.dot(p, k5, a5 * alpha[:, None], input_precision=DOT_PREC)
+        a6 = tl.dot(p, k6, a6 * alpha[:, None], input_precision=DOT_PREC)
+        a7 = tl.dot(p, k7, a7 * alpha[:, None], input_precision=DOT_PREC)
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / 1.4426950408889634)
+    f = l_safe  # sink factor (only read when DIRECT and HAS_SINK)
+    if DIRECT:
+        if HAS_SINK:
+            sink = tl.load(sink_ptr + offs_h)
+            f = 1.0 / (1.0 + tl.exp(sink - lse))
+    out_row = out_ptr + ((pid_bs.to(tl.int64) * H + offs_h) * 512)[:, None]
+    slot = (pid_bs.to(tl.int64) * H + offs_h) * n_splits_total + split_offset + pid_sp
+    part_row = part_o_ptr + (slot * 512)[:, None]
+    _store_chunk(a0, l_safe, f, empty, 0, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
+    _store_chunk(a1, l_safe, f, empty, 1, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
+    _store_chunk(a2, l_safe, f, empty, 2, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
+    _store_chunk(a3, l_safe, f, empty, 3, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
+    _store_chunk(a4, l_safe, f, empty, 4, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
+    _store_chunk(a5, l_safe, f, empty, 5, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
+    _store_chunk(a6, l_safe, f, empty, 6, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
+    _store_chunk(a7, l_safe, f, empty, 7, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
+    if DIRECT:
+        tl.store(lse_ptr + (b * H + offs_h) * S + s, tl.where(empty, float("inf"), lse))
+    else:
+        tl.store(part_lse_ptr + slot, lse)
+
+
+@triton.jit
 def _combine_kernel(
     part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_ptr, S, H, n_splits,
     HAS_SINK: tl.constexpr, SPLITS_P2: tl.constexpr, ROUND: tl.constexpr,
@@ -213,6 +385,7 @@ _TUNED = {
 }
 
 _NUM_SMS: dict = {}
+_CAPS: dict = {}
 
 
 def _num_sms(device) -> int:
@@ -280,21 +453,40 @@ def _check_len(name, t, b, device):
         raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
-def _pick_block_h(b: int, s: int, h: int) -> int:
+def _is_sm90(device) -> bool:
+    if device.type != "cuda" or _INTERPRET:
+        return False
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _CAPS:
+        _CAPS[i] = torch.cuda.get_device_capability(i)
+    return _CAPS[i][0] == 9
+
+
+def _pick_block_h(b: int, s: int, h: int, sm90: bool = False) -> int:
     """Heads per program. Measured on an H200 (benchmarks/results/sparse_mla_decode_2026-11-29.json): 32 heads
     per program wins once the grid has >= 16 (batch * query token * head block) programs, 16 below that and
-    for H = 16; 64 heads (one 4-warp config fits sm_120's shared memory) was never the fastest."""
+    for H = 16; 64 heads (one 4-warp config fits sm_120's shared memory) was never the fastest there. On sm_90
+    only, 64 heads per program with the chunked kernel (DEFAULT_CONFIG_SM90: 64 rows, so Triton emits wgmma)
+    wins from 16 (batch * query token * 64-head block) programs up."""
+    if sm90 and h % 64 == 0 and b * s * (h // 64) >= 16:
+        return 64
     if h % 32 == 0 and b * s * (h // 32) >= 16:
         return 32
     return 16
 
 
-# Default tile config per heads-per-program (the H200 sweep's best; ``autotune=True`` searches CONFIGS).
+# Default tile config per heads-per-program (the H200 sweep's best; ``autotune=True`` searches CONFIGS with the
+# original kernel). ``CHUNKED`` selects _sparse_mla_fwd_chunked_kernel.
 DEFAULT_CONFIG = {
     16: {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
     32: {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
     64: {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
 }
+# sm_90 (Hopper) only: 64-head programs of the chunked kernel lower to wgmma there and need 128 KiB of shared
+# memory (more than sm_120's 99 KiB, so these configs are never used on sm_120, which keeps mma.sync).
+DEFAULT_CONFIG_SM90 = {**DEFAULT_CONFIG, 64: {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "CHUNKED": True}}
+CONFIGS_SM90 = {64: [{"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "CHUNKED": True},
+                     {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "CHUNKED": True}]}
 
 
 def sparse_mla_decode(
@@ -316,8 +508,9 @@ def sparse_mla_decode(
     """Sparse-MLA decode; see the module docstring. Returns (out [B,S,H,512] bf16, lse [B,H,S] fp32).
 
     Keyword-only tuning knobs (benchmarks/tests): ``block_h`` (16/32/64 heads per program), ``num_splits``
-    (topk splits of the main cache), ``config`` (a dict {"BLOCK_N", "num_warps", "num_stages"}; default
-    DEFAULT_CONFIG[block_h]), ``autotune`` (search CONFIGS[block_h] with triton.autotune instead; not
+    (topk splits of the main cache), ``config`` (a dict {"BLOCK_N", "num_warps", "num_stages"} plus optional
+    "CHUNKED": True for the chunked kernel; default DEFAULT_CONFIG[block_h], on sm_90
+    DEFAULT_CONFIG_SM90[block_h]), ``autotune`` (search CONFIGS[block_h] with triton.autotune instead; not
     CUDA-graph-capturable on first use). The default path launches a fixed config, so it is capturable.
     """
     if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16 or q.dim() != 4 or q.shape[-1] != D_QK:
@@ -354,7 +547,7 @@ def sparse_mla_decode(
     elif extra_indices is not None or extra_topk_length is not None:
         raise ValueError("extra_indices / extra_topk_length given without extra_k_cache")
     if block_h is None:
-        block_h = _pick_block_h(b, s, h)
+        block_h = _pick_block_h(b, s, h, _is_sm90(dev))
     if block_h not in (16, 32, 64) or h % block_h:
         raise ValueError(f"block_h must be 16, 32 or 64 and divide H={h}, got {block_h}")
 
@@ -397,11 +590,15 @@ def sparse_mla_decode(
             _TUNED[block_h][grid](*args, **consts)
         else:
             if _INTERPRET:
-                cfg = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+                cfg = dict(config or DEFAULT_CONFIG[block_h], BLOCK_N=16, num_warps=4, num_stages=1)
             else:
-                cfg = config or DEFAULT_CONFIG[block_h]
-            _sparse_mla_fwd_kernel[grid](*args, **consts, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
-                                         num_stages=cfg["num_stages"])
+                cfg = config or (DEFAULT_CONFIG_SM90 if _is_sm90(dev) else DEFAULT_CONFIG)[block_h]
+            if cfg.get("CHUNKED", False):
+                _sparse_mla_fwd_chunked_kernel[grid](*args, **consts, BLOCK_N=cfg["BLOCK_N"],
+                                                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            else:
+                _sparse_mla_fwd_kernel[grid](*args, **consts, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+                                             num_stages=cfg["num_stages"])
     if not direct:
         _combine_kernel[(b * s * h,)](part_o, part_lse, sink, out, lse, s, h, ns_total,
                                       HAS_SINK=attn_sink is not None,

@@ -21,7 +21,7 @@ def _cache(pages, ps, g):
 
 
 def run_case(name, b, s, h, topk, ps, *, holes=False, lengths=None, sink=False, extra=False, splits=None,
-             view2d=False, seed=0):
+             view2d=False, block_h=None, config=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     pages = 3
     kc, kc4 = _cache(pages, ps, g)
@@ -41,7 +41,8 @@ def run_case(name, b, s, h, topk, ps, *, holes=False, lengths=None, sink=False, 
         kw.update(extra_k_cache=ekc4, extra_indices=eidx, extra_topk_length=elen)
         rkw.update(extra_k_cache=ekc, extra_indices=eidx, extra_topk_length=elen, extra_page_size=64)
     out = lse = None
-    out, lse = sparse_mla_decode(q, kc if view2d else kc4, idx, num_splits=splits, **kw)
+    out, lse = sparse_mla_decode(q, kc if view2d else kc4, idx, num_splits=splits, block_h=block_h, config=config,
+                                 **kw)
     ro, rl = sparse_mla_decode_ref(q, kc, idx, **rkw)
     nz = ro.norm().item()
     rel = ((out.float() - ro).norm() / ro.norm()).item() if nz > 0 else (out.float().abs().max().item())
@@ -52,6 +53,8 @@ def run_case(name, b, s, h, topk, ps, *, holes=False, lengths=None, sink=False, 
                 empty_rows_zero=bool((out.float()[torch.isinf(rl).transpose(1, 2)] == 0).all()))
 
 
+CHUNKED = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "CHUNKED": True}
+
 CASES = [
     ("s1_h16", dict(b=2, s=1, h=16, topk=40, ps=64)),
     ("s2_h32_holes_len", dict(b=2, s=2, h=32, topk=48, ps=64, holes=True, lengths=[33, 48])),
@@ -61,6 +64,11 @@ CASES = [
                                       lengths=[50, 64], holes=True)),
     ("s1_h16_extra_direct_len0", dict(b=2, s=1, h=16, topk=24, ps=64, extra=True, lengths=[0, 24])),
     ("s1_h16_page256_2d", dict(b=1, s=1, h=16, topk=40, ps=256, view2d=True)),
+    # the chunked kernel (sm_90's default for 64-head programs), forced here
+    ("chunked_s2_h64_holes_len_sink", dict(b=2, s=2, h=64, topk=48, ps=64, holes=True, lengths=[33, 48], sink=True,
+                                           block_h=64, config=CHUNKED)),
+    ("chunked_s1_h32_extra_split2_len0", dict(b=2, s=1, h=32, topk=64, ps=256, extra=True, splits=2, lengths=[0, 50],
+                                              sink=True, block_h=32, config=CHUNKED)),
 ]
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ def interp_results():
 
 
 CASE_NAMES = ["s1_h16", "s2_h32_holes_len", "s2_h16_len0_sink", "s1_h32_split3_sink", "s2_h16_extra_sink_split2",
-              "s1_h16_extra_direct_len0", "s1_h16_page256_2d"]
+              "s1_h16_extra_direct_len0", "s1_h16_page256_2d", "chunked_s2_h64_holes_len_sink",
+              "chunked_s1_h32_extra_split2_len0"]
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)
@@ -118,17 +119,18 @@ def _all_configs():
     return [(bh, c) for bh, cfgs in CONFIGS.items() for c in cfgs]
 
 
-def _compile(bh, cfg, cc, direct=False):
+def _compile(bh, cfg, cc, direct=False, chunked=False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from pd.kernels.sparse_mla_decode import _sparse_mla_fwd_kernel
+    from pd.kernels.sparse_mla_decode import _sparse_mla_fwd_chunked_kernel, _sparse_mla_fwd_kernel
 
     const = dict(HAS_LEN=True, HAS_SINK=True, DIRECT=direct, PAGE_SIZE=64, BLOCK_H=bh, DOT_F32=False,
                  DOT_PREC="tf32", BLOCK_N=cfg.kwargs["BLOCK_N"])
     sig = dict(SIG, **{k: "constexpr" for k in const})
-    src = ASTSource(fn=_sparse_mla_fwd_kernel, signature=sig, constexprs=const)
+    src = ASTSource(fn=_sparse_mla_fwd_chunked_kernel if chunked else _sparse_mla_fwd_kernel, signature=sig,
+                    constexprs=const)
     return triton.compile(src, target=GPUTarget("cuda", cc, 32),
                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
@@ -164,6 +166,31 @@ def test_aot_sm90a_and_combine(bh):
         for cc in (90, 120):
             triton.compile(ASTSource(fn=_combine_kernel, signature=sig, constexprs=const),
                            target=GPUTarget("cuda", cc, 32), options=dict(num_warps=4))
+
+
+@aot
+@pytest.mark.parametrize("direct", [False, True])
+def test_aot_sm90a_chunked_configs_use_wgmma(direct):
+    """sm_90-only configs (64-head chunked programs): wgmma on sm_90a. They are never selected on sm_120."""
+    import triton
+
+    from pd.kernels.sparse_mla_decode import CONFIGS_SM90, DEFAULT_CONFIG_SM90
+
+    assert DEFAULT_CONFIG_SM90[64] in CONFIGS_SM90[64]
+    for bh, cfgs in CONFIGS_SM90.items():
+        for c in cfgs:
+            assert c["CHUNKED"]
+            cfg = triton.Config({"BLOCK_N": c["BLOCK_N"]}, num_warps=c["num_warps"], num_stages=c["num_stages"])
+            k = _compile(bh, cfg, 90, direct=direct, chunked=True)
+            assert "wgmma" in k.asm["ptx"]
+
+
+def test_sm120_defaults_are_unchunked_and_sm90_only_picks_64():
+    from pd.kernels.sparse_mla_decode import DEFAULT_CONFIG, _pick_block_h
+
+    assert not any(c.get("CHUNKED") for c in DEFAULT_CONFIG.values())
+    assert _pick_block_h(16, 1, 64) == 32 and _pick_block_h(16, 1, 64, sm90=True) == 64
+    assert _pick_block_h(1, 1, 64, sm90=True) == 16 and _pick_block_h(64, 1, 16, sm90=True) == 16
 
 
 def test_default_configs_are_autotune_configs():

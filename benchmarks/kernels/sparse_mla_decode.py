@@ -5,8 +5,9 @@
 1. correctness at real shapes (topk 512/2048, H 16/64/128, S 1/2/4, page 64/256, -1 slots, topk_length,
    attn_sink, extra cache) against the fp64 torch reference: ||out - ref_bf16|| / ||ref|| and max |lse - ref|;
 2. timing (triton.testing.do_bench, median, L2 flushed between runs) for B in {1,16,64,128}, H in {16,64},
-   S in {1,2}, topk 512, page 64: ours (autotuned default, and the best of a sweep over heads-per-program,
-   tile config and topk splits) vs FlashMLA's sm_90 sparse decode (sgl-flash-mla wheel, if importable) vs
+   S in {1,2}, topk 512, page 64: ours (the default path, and the best of a sweep over heads-per-program,
+   tile config and topk splits; on sm_90 also the sm_90-only chunked 64-head configs, CONFIGS_SM90) vs
+   FlashMLA's sm_90 sparse decode (sgl-flash-mla wheel, if importable) vs
    SGLang's per-(batch, head) Triton sm_120 kernel (file from the pip-installed sglang, path in
    $SGLANG_SM120_TRITON, if present; q_len 1 only) vs the HBM byte floor (selected KV bytes + q + out +
    indices at 4.8 TB/s);
@@ -28,7 +29,7 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 try:
-    from pd.kernels.sparse_mla_decode import CONFIGS, sparse_mla_decode
+    from pd.kernels.sparse_mla_decode import CONFIGS, CONFIGS_SM90, sparse_mla_decode
     from pd.kernels.sparse_mla_reference import BYTES_PER_TOKEN, quantize_kv, sparse_mla_decode_ref
 except ImportError:  # running from a checkout without `pip install -e .`
     import importlib
@@ -39,7 +40,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
     mod = importlib.util.module_from_spec(pkg)
     sys.modules["pd_kernels"] = mod
     pkg.loader.exec_module(mod)
-    from pd_kernels.sparse_mla_decode import CONFIGS, sparse_mla_decode
+    from pd_kernels.sparse_mla_decode import CONFIGS, CONFIGS_SM90, sparse_mla_decode
     from pd_kernels.sparse_mla_reference import BYTES_PER_TOKEN, quantize_kv, sparse_mla_decode_ref
 
 HBM_BPS = 4.8e12
@@ -98,16 +99,20 @@ def correctness(dev, fm=None, quick=False):
             _, ekc, eidx, etl = make_inputs(b, s, h, 128, 64, 1024, dev, holes=True, lengths=True, seed=7)
             kw.update(extra_k_cache=view4(ekc, 64), extra_indices=eidx, extra_topk_length=etl)
             rkw.update(extra_k_cache=ekc, extra_indices=eidx, extra_topk_length=etl, extra_page_size=64)
-        for ns in ((None, 1, 4) if not quick else (None, 4)):
-            out, lse = sparse_mla_decode(q, view4(kc, ps), idx, num_splits=ns, **kw)
+        # block_h 64 forced as well (on sm_90 that is the chunked wgmma kernel, DEFAULT_CONFIG_SM90[64])
+        variants = [(None, ns) for ns in ((None, 1, 4) if not quick else (None, 4))]
+        if h % 64 == 0:
+            variants += [(64, None), (64, 1)]
+        for bh, ns in variants:
+            out, lse = sparse_mla_decode(q, view4(kc, ps), idx, num_splits=ns, block_h=bh, **kw)
             torch.cuda.synchronize()
             ro, rl = sparse_mla_decode_ref(q, kc, idx, page_size=ps, **rkw)
-            c = dict(topk=topk, H=h, S=s, page_size=ps, extra=extra, num_splits=ns,
+            c = dict(topk=topk, H=h, S=s, page_size=ps, extra=extra, num_splits=ns, block_h=bh,
                      rel_err_vs_ref_bf16=rel(out, ro.to(torch.bfloat16)), rel_err_vs_ref_fp64=rel(out, ro),
                      lse_max_abs_err=lse_err(lse, rl), nan=bool(torch.isnan(out).any()))
             c["meets_2e-3"] = c["rel_err_vs_ref_fp64"] <= 2e-3
             c["ok"] = c["rel_err_vs_ref_fp64"] <= 3e-3 and c["lse_max_abs_err"] <= 1e-3 and not c["nan"]
-            if fm is not None and ns is None and h in (64, 128):
+            if fm is not None and ns is None and bh is None and h in (64, 128):
                 try:
                     fwk, gmeta = fm
                     fkw = dict(topk_length=tl_len, attn_sink=sink)
@@ -191,6 +196,22 @@ def timing(dev, quick, fm, sgl):
                             sweep[key] = t
                             if t < best[0]:
                                 best = (t, key)
+                if torch.cuda.get_device_capability(dev)[0] == 9:  # sm_90-only configs (chunked, wgmma)
+                    for bh, cfgs in CONFIGS_SM90.items():
+                        if h % bh:
+                            continue
+                        for c in cfgs:
+                            for ns in ((None, 1) if not quick else (None,)):
+                                key = f"sm90_chunked_bh{bh}_n{c['BLOCK_N']}_w{c['num_warps']}_s{ns}"
+                                try:
+                                    t = bench(lambda i: sparse_mla_decode(qs[i], kc4, ids[i], block_h=bh,
+                                                                          num_splits=ns, config=c), quick)
+                                except Exception as e:  # noqa: BLE001
+                                    print("variant failed", key, repr(e)[:200], flush=True)
+                                    continue
+                                sweep[key] = t
+                                if t < best[0]:
+                                    best = (t, key)
                 row["ours_best_us"], row["ours_best_variant"] = best
                 row["sweep_us"] = sweep
                 if fm is not None:
