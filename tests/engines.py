@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -21,14 +20,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@dataclass
-class Engine:
-    mode: str
+class ManagedProcess:
+    """A server subprocess a test started (own process group, log in a file)."""
+
     port: int
-    bootstrap_port: int | None
     proc: subprocess.Popen
     log_path: str
-    args: list = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -39,13 +36,28 @@ class Engine:
             return f.read()
 
     def stop(self) -> None:
+        from pd.procs import stop_group
+
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
+            stop_group(self.proc.pid, grace=15)
+            self.proc.wait(5)
+
+
+def spawn(args: list[str], log_path: str) -> subprocess.Popen:
+    """Start ``args`` from the repo root in a new process group, output to ``log_path``."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log_path, "wb") as logf:
+        return subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+
+
+@dataclass
+class Engine(ManagedProcess):
+    mode: str
+    port: int
+    bootstrap_port: int | None
+    proc: subprocess.Popen
+    log_path: str
+    args: list = field(default_factory=list)
 
 
 def start_engine(mode: str, log_dir: str, *extra: str) -> Engine:
@@ -56,10 +68,7 @@ def start_engine(mode: str, log_dir: str, *extra: str) -> Engine:
     if bport is not None:
         args += ["--disaggregation-bootstrap-port", str(bport)]
     log_path = os.path.join(log_dir, f"{mode}-{port}.log")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with open(log_path, "wb") as logf:
-        proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
-    return Engine(mode, port, bport, proc, log_path, args)
+    return Engine(mode, port, bport, spawn(args, log_path), log_path, args)
 
 
 def wait_ready(engines: list[Engine], timeout: float = 180) -> None:

@@ -77,3 +77,16 @@ def final_generate_chunks(chunks):
     for c in chunks[:-1]:
         last[c.get("index", 0)] = c
     return [last[i] for i in sorted(last)]
+
+
+async def stream_then_disconnect(client: httpx.AsyncClient, url: str, body: dict, chunks: int = 5) -> None:
+    """Open an SSE stream, read ``chunks`` data events, then drop the connection (a client that
+    goes away mid-stream)."""
+    async with client.stream("POST", url, json=body) as r:
+        assert r.status_code == 200
+        seen = 0
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                seen += 1
+                if seen == chunks:
+                    return

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from engines import free_port, metric
-from pdclient import add_rooms, parse_sse, pd_post
+from pdclient import add_rooms, pd_post, stream_then_disconnect
 
 GOOD = {"text": "still alive", "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
 
@@ -166,14 +166,7 @@ async def test_client_disconnect_mid_stream_releases_both_sides(engines):
                      "127.0.0.1", engines["prefill"].bootstrap_port, None)
     async with httpx.AsyncClient(timeout=30) as c:
         pre = asyncio.create_task(c.post(engines["prefill"].url + "/generate", json=body))
-        async with c.stream("POST", engines["decode"].url + "/generate", json=body) as r:
-            assert r.status_code == 200
-            seen = 0
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    seen += 1
-                    if seen == 5:
-                        break
+        await stream_then_disconnect(c, engines["decode"].url + "/generate", body)
         assert (await pre).status_code == 200
     assert metric(engines["decode"], "pdserve_engine_aborted_requests_total") >= 1
     await assert_idle(engines)

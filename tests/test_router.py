@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,31 +14,21 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines import ROOT, free_port, metric
-from pdclient import final_generate_chunks as final_chunks, parse_sse, strip_volatile
+from engines import ROOT, ManagedProcess, free_port, metric, spawn
+from pdclient import final_generate_chunks as final_chunks, parse_sse, stream_then_disconnect, strip_volatile
 
 GREEDY = {"temperature": 0}
 PREFILL_HITS = ("sglang:per_stage_req_latency_seconds_count", {"stage": "prefill_forward"})
 
 
 # ---- the router under test -------------------------------------------------------------------
-class RouterProc:
+class RouterProc(ManagedProcess):
     def __init__(self, prefill_url: str, bootstrap_port: int, decode_url: str, log_dir: str):
         self.port = free_port()
         self.log_path = os.path.join(log_dir, f"router-{self.port}.log")
-        args = [sys.executable, "-m", "pd.cli", "router", "--prefill", prefill_url, str(bootstrap_port),
-                "--decode", decode_url, "--port", str(self.port), "--health-check-interval", "0"]
-        with open(self.log_path, "wb") as logf:
-            self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT,
-                                         env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
+        self.proc = spawn([sys.executable, "-m", "pd.cli", "router", "--prefill", prefill_url, str(bootstrap_port),
+                           "--decode", decode_url, "--port", str(self.port), "--health-check-interval", "0"],
+                          self.log_path)
 
     def wait_ready(self, timeout: float = 60) -> None:
         deadline = time.time() + timeout
@@ -53,15 +42,6 @@ class RouterProc:
                 pass
             time.sleep(0.2)
         raise RuntimeError(f"router not ready in {timeout}s:\n{self.log()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
 
 
 @pytest.fixture(scope="module")
@@ -285,14 +265,7 @@ async def test_client_disconnect_mid_stream_aborts_decode(engines, router):
     body = {"text": "stream forever", "stream": True,
             "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0}}
     async with httpx.AsyncClient(timeout=30) as c:
-        async with c.stream("POST", router.url + "/generate", json=body) as r:
-            assert r.status_code == 200
-            seen = 0
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    seen += 1
-                    if seen == 5:
-                        break
+        await stream_then_disconnect(c, router.url + "/generate", body)
     await assert_decode_idle(engines)
 
 

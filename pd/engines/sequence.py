@@ -51,6 +51,7 @@ class Sequence:
         self.listener: Optional[asyncio.Queue] = None  # gets this sequence on every change
         self._stop_strings = spec.params.stop_strings()
         self._stop_cut: Optional[int] = None
+        self._text_cache: tuple[int, str] = (0, "")  # (tokens decoded, their text)
 
     # ---- progress -----------------------------------------------------------------------
     @property
@@ -118,7 +119,12 @@ class Sequence:
 
     # ---- text ---------------------------------------------------------------------------
     def raw_text(self) -> str:
-        return self._decode(self.output_ids, self.spec.params.skip_special_tokens)
+        """Decoded output (once per new token: the stop check and every stream chunk ask for it)."""
+        n, text = self._text_cache
+        if n != len(self.output_ids):
+            text = self._decode(self.output_ids, self.spec.params.skip_special_tokens)
+            self._text_cache = (len(self.output_ids), text)
+        return text
 
     def text(self) -> str:
         """Output text; cut before a matched stop string (unless ``no_stop_trim``)."""
