@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+from triton_aot import aot, assert_sm120_ok, compile_for
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 # bf16 output rounding alone is ~1.6e-3 relative RMS and P is rounded to bf16 for the PV dot (as FlashMLA
 # does); on the H200 ours and FlashMLA's sm_90 kernel both land at 2.1-2.2e-3 vs the fp64 reference.
@@ -120,40 +122,23 @@ def _all_configs():
 
 
 def _compile(bh, cfg, cc, direct=False, chunked=False):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from pd.kernels.sparse_mla_decode import _sparse_mla_fwd_chunked_kernel, _sparse_mla_fwd_kernel
 
     const = dict(HAS_LEN=True, HAS_SINK=True, DIRECT=direct, PAGE_SIZE=64, BLOCK_H=bh, DOT_F32=False,
                  DOT_PREC="tf32", BLOCK_N=cfg.kwargs["BLOCK_N"])
-    sig = dict(SIG, **{k: "constexpr" for k in const})
-    src = ASTSource(fn=_sparse_mla_fwd_chunked_kernel if chunked else _sparse_mla_fwd_kernel, signature=sig,
-                    constexprs=const)
-    return triton.compile(src, target=GPUTarget("cuda", cc, 32),
-                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-
-
-aot = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="AOT compile needs the compiler, not the interpreter")
+    fn = _sparse_mla_fwd_chunked_kernel if chunked else _sparse_mla_fwd_kernel
+    return compile_for(fn, SIG, const, cc, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 @aot
 @pytest.mark.parametrize("bh, cfg", _all_configs(), ids=lambda x: str(x).replace(" ", "").replace(",", "_")[:40])
 def test_aot_sm120a_every_config(bh, cfg):
-    k = _compile(bh, cfg, 120)
-    ptx = k.asm["ptx"]
-    assert "mma.sync" in ptx and "wgmma" not in ptx
-    assert k.metadata.shared <= 101376, k.metadata.shared
+    assert_sm120_ok(_compile(bh, cfg, 120))
 
 
 @aot
 @pytest.mark.parametrize("bh", [16, 32, 64])
 def test_aot_sm90a_and_combine(bh):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from pd.kernels.sparse_mla_decode import CONFIGS, _combine_kernel
 
     for cfg in CONFIGS[bh]:
@@ -162,10 +147,11 @@ def test_aot_sm90a_and_combine(bh):
     if bh == 16:
         const = dict(HAS_SINK=True, SPLITS_P2=8, ROUND=False)
         sig = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
-               "lse_ptr": "*fp32", "S": "i32", "H": "i32", "n_splits": "i32", **{c: "constexpr" for c in const}}
+               "lse_ptr": "*fp32", "S": "i32", "H": "i32", "n_splits": "i32"}
         for cc in (90, 120):
-            triton.compile(ASTSource(fn=_combine_kernel, signature=sig, constexprs=const),
-                           target=GPUTarget("cuda", cc, 32), options=dict(num_warps=4))
+            k = compile_for(_combine_kernel, sig, const, cc)
+            if cc == 120:
+                assert_sm120_ok(k, needs_mma=False)
 
 
 @aot
