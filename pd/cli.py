@@ -14,6 +14,8 @@ commands:
   engine     run the reference engine alone (SGLang's flags; see `pdserve engine --help`)
   router     run the PD router alone, for engines started by hand (see `pdserve router --help`)
   diagnose   root cause of a failed engine start or crash from its logs (`pdserve diagnose LOG [LOG...]`)
+  render-dashboard  the PD overview's latency panels as a PNG from Prometheus
+             (`pdserve render-dashboard --prometheus URL --out FILE.png [--range 15m]`)
 """
 
 
@@ -39,6 +41,10 @@ def main(argv: list[str] | None = None) -> None:
         from pd.diagnose import main as diagnose_main
 
         raise SystemExit(diagnose_main(rest))
+    if cmd == "render-dashboard":
+        from pd.monitoring.render import main as render_main
+
+        raise SystemExit(render_main(rest))
     if cmd == "engine":
         from pd.engines.server import main as engine_main
 

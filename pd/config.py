@@ -150,6 +150,21 @@ class Restart(_Strict):
     backoff_max: float = Field(30.0, gt=0)
 
 
+class Monitoring(_Strict):
+    """Prometheus integration of the launcher (monitoring/prometheus.yml reads what it writes).
+
+    Attributes:
+        targets_file: where the launcher keeps the file_sd targets JSON (router, engines, its own
+            exporter); default ``<Ray session dir>/pdserve_prometheus_targets.json``, i.e.
+            ``/tmp/ray/session_latest/pdserve_prometheus_targets.json`` on the head node.
+        metrics_port: port of the launcher's exporter of worker state and engine restarts
+            (on ``router.host``); 0 = a free port, published in the targets file.
+    """
+
+    targets_file: Optional[str] = None
+    metrics_port: int = Field(0, ge=0, le=65535)
+
+
 class Cluster(_Strict):
     """What the Ray cluster offers; ``pdserve up`` starts a local head with ``num_gpus`` logical
     GPUs when none is running."""
@@ -170,6 +185,7 @@ class PDConfig(_Strict):
     transfer: Transfer = Field(default_factory=Transfer)
     router: Router = Field(default_factory=Router)
     restart: Restart = Field(default_factory=Restart)
+    monitoring: Monitoring = Field(default_factory=Monitoring)
     sglang: SGLangSettings = Field(default_factory=SGLangSettings)
     engine_startup_timeout: float = Field(600.0, gt=0, description="seconds an engine may take to become ready")
     page_size: int = Field(16, ge=1, description="KV page size, equal on prefill and decode")

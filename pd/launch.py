@@ -5,7 +5,8 @@
 Steps: connect to Ray; one STRICT_PACK placement group per worker (its TP ranks on one node);
 one EngineWorker actor per engine holding its GPUs; unique ports per node; start every engine and
 wait for readiness; start the router with the workers' URLs and bootstrap ports; print
-``pdserve: router ready at URL`` and a ``pdserve: workers [...]`` JSON line; block. On
+``pdserve: router ready at URL`` and a ``pdserve: workers [...]`` JSON line; serve worker state
+and restarts to Prometheus and keep its targets file current (``monitoring`` config); block. On
 SIGTERM/SIGINT (``ray job stop``, Ctrl-C): stop the router, stop the engines, kill the actors,
 remove the placement groups. Engines and the router also die with their parent process, so a
 SIGKILLed job leaves nothing behind either.
@@ -48,6 +49,8 @@ class Launcher:
         self.actors: list = []
         self.workers: list[dict] = []
         self.router = None
+        self.exporter = None  # pd.worker_metrics.WorkerStateExporter
+        self.targets = None  # pd.prom_targets.TargetsFile
 
     def check_resources(self) -> None:
         """Raises ConfigError when the cluster cannot hold the config."""
@@ -102,6 +105,7 @@ class Launcher:
         self.workers = ray.get([a.start.remote() for a in self.actors])
         say("workers " + json.dumps(self.workers))
         self.start_router()
+        self.start_monitoring()
 
     def router_argv(self) -> list[str]:
         r = self.cfg.router
@@ -136,6 +140,37 @@ class Launcher:
             time.sleep(0.2)
         say(f"router ready at {url}")
 
+    def start_monitoring(self) -> None:
+        """Serve worker state and engine restarts (pd.worker_metrics) and write the Prometheus
+        targets file (pd.prom_targets) that monitoring/prometheus.yml reads."""
+        from pd.prom_targets import TargetsFile, default_targets_path
+        from pd.worker_metrics import WorkerStateExporter
+
+        m, host = self.cfg.monitoring, self.cfg.router.host
+        self.exporter = WorkerStateExporter()
+        try:
+            self.exporter.start(host, m.metrics_port)
+        except OSError as e:
+            raise RuntimeError(f"cannot serve the launcher's metrics on {host}:{m.metrics_port}: {e} "
+                               "(set monitoring.metrics_port)") from None
+        self.targets = TargetsFile(m.targets_file or default_targets_path())
+        self.publish(self.workers)
+        say(f"prometheus targets in {self.targets.path}; launcher metrics on port {self.exporter.port}")
+
+    def publish(self, infos: list[dict]) -> None:
+        """Hand the latest worker infos to the exporter; rewrite the targets file if they moved."""
+        from pd.prom_targets import build_targets, scrape_address
+
+        if self.exporter is None:
+            return
+        self.exporter.update(infos)
+        r = self.cfg.router
+        try:
+            self.targets.write(build_targets(scrape_address(r.host, r.port), infos,
+                                             scrape_address(r.host, self.exporter.port)))
+        except OSError as e:  # monitoring must not take the cluster down
+            say(f"could not write {self.targets.path}: {e}")
+
     @staticmethod
     def _forward_router_log(proc) -> None:
         for raw in proc.stdout:
@@ -156,6 +191,7 @@ class Launcher:
             except Exception as e:  # an actor died: Ray reports it; keep serving the rest
                 say(f"could not read worker state: {e!r}")
                 continue
+            self.publish(infos)
             for info in infos:
                 key = (info["state"], info["restarts"])
                 if last.get(info["name"]) not in (None, key):
@@ -167,6 +203,13 @@ class Launcher:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        if self.targets is not None:  # Prometheus stops scraping what is about to go away
+            try:
+                self.targets.write([])
+            except OSError:
+                pass
+        if self.exporter is not None:
+            self.exporter.stop()
         if self.router is not None:
             stop_group(self.router.pid)
         try:

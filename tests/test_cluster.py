@@ -2,6 +2,7 @@
 Ray cluster with 8 logical GPUs, real prompts through the router, failures, clean stop."""
 
 import asyncio
+import json
 import re
 import os
 import signal
@@ -11,6 +12,7 @@ import httpx
 import openai
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from engines import ROOT, free_port
 from ray_cluster import RayHead, pid_alive
@@ -25,6 +27,21 @@ def ray_head(model_cache):
         yield head
     finally:
         head.stop()
+
+
+def prometheus_targets(ray_head) -> dict:
+    """component/worker_name -> file_sd entry of the targets file the launcher keeps in the Ray
+    session dir (what monitoring/prometheus.yml scrapes)."""
+    path = os.path.join(ray_head.tmp, "session_latest", "pdserve_prometheus_targets.json")
+    with open(path) as f:
+        return {e["labels"].get("worker_name", e["labels"]["component"]): e for e in json.load(f)}
+
+
+def launcher_restarts(targets: dict) -> dict:
+    """worker_name -> pdserve_worker_restarts_total on the launcher's exporter."""
+    text = httpx.get(f"http://{targets['launcher']['targets'][0]}/metrics", timeout=5).text
+    return {s.labels["worker_name"]: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == "pdserve_worker_restarts_total"}
 
 
 def null_generate(engines, body):
@@ -47,6 +64,13 @@ def test_local_yaml_job(ray_head, engines):
         # Ray gave each worker its own logical GPU
         pre_gpus, dec_gpus = set(pre["cuda_visible_devices"].split(",")), set(dec["cuda_visible_devices"].split(","))
         assert pre_gpus and dec_gpus and not pre_gpus & dec_gpus
+        # Prometheus file_sd targets: the router, each engine with its role, the launcher's exporter.
+        targets = prometheus_targets(ray_head)
+        assert targets["router"]["targets"] == ["127.0.0.1:8000"]
+        for w in workers:
+            assert targets[w["name"]] == {"targets": [w["url"].removeprefix("http://")],
+                                          "labels": {"component": "engine", "role": w["role"], "worker_name": w["name"]}}
+        assert launcher_restarts(targets) == {"prefill-0": 0, "decode-0": 0}
 
         # OpenAI client, not streaming and streaming, equals the null-mode engine.
         client = openai.OpenAI(base_url=url + "/v1", api_key="none")
@@ -105,6 +129,11 @@ def test_local_yaml_job(ray_head, engines):
         logs = ray_head.logs(job)
         assert "[prefill-0] pdserve: engine exited with -9; restart 1/5" in logs
         assert "[decode-0] pdserve: engine exited" not in logs
+        deadline = time.time() + 10  # the launcher polls worker state every 2 s
+        while launcher_restarts(targets) != {"prefill-0": 1, "decode-0": 0} and time.time() < deadline:
+            time.sleep(0.5)
+        assert launcher_restarts(targets) == {"prefill-0": 1, "decode-0": 0}
+        assert prometheus_targets(ray_head)["prefill-0"] == targets["prefill-0"]  # same port after the restart
         r = httpx.post(url + "/generate", json={"text": prompt, "sampling_params": GEN}, timeout=60)
         assert r.status_code == 200 and r.json()["output_ids"] == ref["output_ids"]
         new_pid = int(ray_head.wait_log(job, r"\[prefill-0\] pdserve: started engine pid (\d+)(?![\s\S]*started engine pid)").group(1))
@@ -115,6 +144,7 @@ def test_local_yaml_job(ray_head, engines):
     while any(pid_alive(p) for p in pids) and time.time() < deadline:
         time.sleep(0.5)
     assert not [p for p in pids if pid_alive(p)], "engine processes left behind"
+    assert prometheus_targets(ray_head) == {}, "a stopped cluster must leave no scrape targets"
     with pytest.raises(httpx.HTTPError):
         httpx.get("http://127.0.0.1:8000/health", timeout=2)
 

@@ -24,6 +24,10 @@ STAGES = ("prefill_bootstrap", "prefill_forward", "prefill_transfer_kv_cache",
           "decode_bootstrap", "decode_waiting", "decode_transferred")
 
 
+def _bool(flag: bool) -> str:
+    return "true" if flag else "false"
+
+
 class EngineMetrics:
     """All metrics of one engine.
 
@@ -35,20 +39,26 @@ class EngineMetrics:
 
     def __init__(self, model_name: str, mode: str):
         self.registry = CollectorRegistry()
-        self.labels = {
-            "model_name": model_name,
-            "engine_type": "unified" if mode == "null" else mode,
-            "tp_rank": "0",
-            "pp_rank": "0",
-        }
+        engine_type = "unified" if mode == "null" else mode
+        # SGLang's two label sets: request-level metrics come from its TokenizerMetricsCollector
+        # (model_name, engine_type); scheduler metrics add the rank labels
+        # (sglang/srt/observability/metrics_collector.py: tokenizer_metric_labels and
+        # SchedulerMetricsCollector's labels). Same sets here, so a query written against one engine
+        # works on the other.
+        self.request_labels = {"model_name": model_name, "engine_type": engine_type}
+        self.labels = {**self.request_labels, "tp_rank": "0", "pp_rank": "0", "moe_ep_rank": "0"}
         names = list(self.labels)
+        req = list(self.request_labels)
         r = self.registry
         self.ttft = Histogram("sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              names + ["is_streaming"], buckets=TTFT_BUCKETS, registry=r)
+                              req + ["is_streaming"], buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                             names, buckets=ITL_BUCKETS, registry=r)
+                             req, buckets=ITL_BUCKETS, registry=r)
+        self.tpot = Histogram("sglang:request_time_per_output_token_seconds",
+                              "Per-request TPOT in seconds: (finished_time - first_token_time) / (completion_tokens - 1).",
+                              req + ["is_streaming"], buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds",
-                             names + ["is_streaming"], buckets=E2E_BUCKETS, registry=r)
+                             req + ["is_streaming"], buckets=E2E_BUCKETS, registry=r)
         self.stage = Histogram("sglang:per_stage_req_latency_seconds", "The latency of each stage of requests.",
                                names + ["stage"], buckets=STAGE_BUCKETS, registry=r)
         self.running = Gauge("sglang:num_running_reqs", "The number of running requests.", names, registry=r)
@@ -75,17 +85,52 @@ class EngineMetrics:
         self.bootstrap_failed = Counter("sglang:num_bootstrap_failed_reqs_total", "The number of bootstrap failed requests.",
                                         names, registry=r)
         self.prompt_tokens = Counter("sglang:prompt_tokens_total", "Number of prefill tokens processed.",
-                                     names + ["is_streaming"], registry=r)
+                                     req + ["is_streaming"], registry=r)
         self.generation_tokens = Counter("sglang:generation_tokens_total", "Number of generation tokens processed.",
-                                         names + ["is_streaming"], registry=r)
+                                         req + ["is_streaming"], registry=r)
+        self.num_requests = Counter("sglang:num_requests_total", "The number of requests.", req + ["is_streaming"],
+                                    registry=r)
+        self.num_aborted = Counter("sglang:num_aborted_requests_total", "Number of requests aborted.", req, registry=r)
         self.aborted = Counter("pdserve_engine_aborted_requests_total", "Requests aborted, by reason.",
                                names + ["reason"], registry=r)
 
         # Export every unlabeled-beyond-base series from the start (0), so queries see them before traffic.
-        for m in (self.itl, self.running, self.queued, self.prefill_bootstrap_queue, self.decode_prealloc_queue,
+        self.itl.labels(**self.request_labels)
+        self.num_aborted.labels(**self.request_labels)
+        for m in (self.running, self.queued, self.prefill_bootstrap_queue, self.decode_prealloc_queue,
                   self.decode_transfer_queue, self.token_usage, self.num_used_tokens, self.pages_held, self.transfer_ms,
                   self.transfer_mb, self.transfer_speed, self.transfer_bytes, self.transfer_failed, self.bootstrap_failed):
             m.labels(**self.labels)
+
+    def observe_ttft(self, seconds: float, stream: bool) -> None:
+        self.ttft.labels(**self.request_labels, is_streaming=_bool(stream)).observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self.itl.labels(**self.request_labels).observe(seconds)
+
+    def observe_finished(self, e2e: float, prompt_tokens: int, completion_tokens: int, stream: bool,
+                         tpot: float | None) -> None:
+        """One finished request, as SGLang's tokenizer records it on every engine type, the PD
+        prefill included (so request counts and tokens summed over prefill + decode count each
+        request twice; dashboards select ``engine_type=~"decode|unified"`` for them).
+
+        Args:
+            e2e: arrival to finish, seconds.
+            tpot: (finish - first token) / (completion_tokens - 1) in seconds, or None (prefill
+                side, aborted, or a single token), as SGLang leaves it unobserved then.
+        """
+        labels = dict(**self.request_labels, is_streaming=_bool(stream))
+        self.e2e.labels(**labels).observe(e2e)
+        self.prompt_tokens.labels(**labels).inc(prompt_tokens)
+        self.generation_tokens.labels(**labels).inc(completion_tokens)
+        self.num_requests.labels(**labels).inc()
+        if tpot is not None:
+            self.tpot.labels(**labels).observe(tpot)
+
+    def observe_aborted(self, reason: str) -> None:
+        """An aborted request; ``reason`` is ``user`` (/abort_request) or ``peer`` (the other PD side)."""
+        self.aborted.labels(**self.labels, reason=reason).inc()
+        self.num_aborted.labels(**self.request_labels).inc()
 
     def observe_stage(self, stage: str, seconds: float) -> None:
         self.stage.labels(**self.labels, stage=stage).observe(seconds)

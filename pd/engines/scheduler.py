@@ -249,7 +249,7 @@ class Scheduler:
 
     def _set_aborted(self, seq: Sequence) -> None:
         reason = seq.abort_reason or "cancelled"
-        self.metrics.aborted.labels(**self.metrics.labels, reason="user" if reason == USER_ABORT else "peer").inc()
+        self.metrics.observe_aborted("user" if reason == USER_ABORT else "peer")
         if reason == USER_ABORT:
             seq.finish({"type": "abort", "message": reason, "status_code": None})
         else:
@@ -268,11 +268,14 @@ class Scheduler:
             self.bootstrap.finish(room, None, seq.abort_reason or "prefill request ended")
         if seq.finish_time is None:
             seq.finish_time = time.perf_counter()
-        if seq.error is None and self.mode != "prefill":
-            labels = dict(**self.metrics.labels, is_streaming="true" if seq.spec.extra.get("stream") else "false")
-            self.metrics.e2e.labels(**labels).observe(seq.finish_time - seq.arrival)
-            self.metrics.prompt_tokens.labels(**labels).inc(len(seq.spec.prompt_ids))
-            self.metrics.generation_tokens.labels(**labels).inc(len(seq.output_ids))
+        if seq.error is None:  # every engine type, the PD prefill included, as SGLang's tokenizer does
+            n_out = len(seq.output_ids)
+            tpot = None
+            if (self.mode != "prefill" and n_out > 1 and seq.first_token_time is not None
+                    and (seq.finish_reason or {}).get("type") in ("stop", "length")):
+                tpot = (seq.finish_time - seq.first_token_time) / (n_out - 1)
+            self.metrics.observe_finished(seq.finish_time - seq.arrival, len(seq.spec.prompt_ids), n_out,
+                                          bool(seq.spec.extra.get("stream")), tpot)
         seq.signal()
 
     async def _compute(self, fn: Callable, *args):
@@ -290,11 +293,10 @@ class Scheduler:
         prev = seq.last_token_time
         seq.append(token, lp, top)
         if prev is None:
-            if self.mode != "prefill":
-                stream = "true" if seq.spec.extra.get("stream") else "false"
-                self.metrics.ttft.labels(**self.metrics.labels, is_streaming=stream).observe(seq.first_token_time - seq.arrival)
+            if self.mode != "prefill":  # SGLang's PD prefill never observes TTFT
+                self.metrics.observe_ttft(seq.first_token_time - seq.arrival, bool(seq.spec.extra.get("stream")))
         else:
-            self.metrics.itl.labels(**self.metrics.labels).observe(seq.last_token_time - prev)
+            self.metrics.observe_itl(seq.last_token_time - prev)
 
     async def _run_null(self, seq: Sequence) -> None:
         with self._gauge(self.metrics.queued):
