@@ -1,9 +1,16 @@
-"""The router's HTTP application (FastAPI): routes, lifespan (the pooled client, health probes).
+"""The router's HTTP application (FastAPI/Starlette): routes, lifespan (the pooled client, health
+checks).
 
-Routes: POST /generate, /v1/completions, /v1/chat/completions (PD dispatch); GET /v1/models,
-/get_model_info (/model_info), /get_server_info (/server_info) (proxied to the first decode
-worker); GET /health (the router is up), /health_generate (every worker can generate),
-/metrics (Prometheus). Unknown routes: 404 with an OpenAI-style error body.
+Routes:
+
+- client routes (``api_key`` when set): POST /generate, /v1/completions, /v1/chat/completions (PD
+  dispatch, pd.router.dispatch); GET /v1/models, /get_model_info (/model_info), /get_server_info
+  (/server_info), proxied to an available decode worker;
+- open routes: GET /health (the router is up), /health_generate (every worker can generate),
+  /metrics (Prometheus);
+- admin routes (pd.router.admin): /workers, /workers/drain, /workers/activate.
+
+Unknown routes: 404, wrong methods 405, both with an OpenAI-style error body.
 """
 
 from __future__ import annotations
@@ -20,13 +27,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.routing import Route
 
+from pd.router.admin import AdminAPI
+from pd.router.auth import Auth
 from pd.router.client import make_session
 from pd.router.config import RouterConfig
 from pd.router.dispatch import UPSTREAM_ERRORS, PDDispatcher
 from pd.router.errors import error_response
 from pd.router.health import HealthMonitor
 from pd.router.metrics import RouterMetrics
-from pd.router.workers import Worker, WorkerPool
+from pd.router.workers import WorkerPool
 
 log = logging.getLogger("pd.router")
 
@@ -36,50 +45,65 @@ PROXY_TIMEOUT = 30.0  # seconds for a proxied info request
 
 
 class Router:
-    """One router: its workers, metrics, dispatcher and health monitor.
+    """One router: its workers, metrics, dispatcher, health checks and admin API.
 
     Args:
-        config: workers, policy, timeouts.
+        config: workers, policies, failure handling, limits.
     """
 
     def __init__(self, config: RouterConfig):
         self.config = config
-        self.metrics = RouterMetrics()
-        self.pool = WorkerPool(config)
-        self.pool.bind_metrics(self.metrics.inflight, self.metrics.healthy)
-        self.dispatcher = PDDispatcher(self.pool, self.metrics)
-        self.health = HealthMonitor(self.pool, config.health_check_interval)
+        self.metrics = RouterMetrics(GENERATION_ROUTES)
+        self.auth = Auth(config.api_key, config.admin_api_key)
+        self.pool = WorkerPool(config, self.metrics)
+        self.dispatcher = PDDispatcher(self.pool, self.metrics, config, self.auth)
+        self.health = HealthMonitor(self.pool, config.health_check, self.auth.worker_headers())
+        self.admin = AdminAPI(self.pool, self.auth, self.health)
         self.session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        """Open the pooled client and start health probes (inside the serving event loop)."""
+        """Open the pooled client and start health checks (inside the serving event loop)."""
         self.session = make_session(self.config)
-        self.dispatcher.session = self.session
+        self.dispatcher.bind(self.session)
         self.health.start(self.session)
 
     async def stop(self) -> None:
         await self.health.stop()
-        await self.dispatcher.drain(SHUTDOWN_DRAIN)
+        await self.dispatcher.tasks.drain(SHUTDOWN_DRAIN)
         if self.session is not None:
             await self.session.close()
 
-    async def proxy_get(self, worker: Worker, path: str) -> Response:
-        """GET ``path`` on ``worker`` and relay status and body; 502/504 naming the worker."""
+    async def proxy_get(self, request: Request) -> Response:
+        """GET the same path on an available decode worker and relay status and body; 502/504
+        naming the worker, 503 when there is none."""
+        path = request.url.path
         t0 = time.perf_counter()
-        try:
-            async with self.session.get(worker.url + path, timeout=aiohttp.ClientTimeout(total=PROXY_TIMEOUT)) as r:
-                data = await r.read()
-                status, ctype = r.status, r.content_type
-        except UPSTREAM_ERRORS as e:
-            timeout = isinstance(e, asyncio.TimeoutError)
-            status = 504 if timeout else 502
-            self.metrics.errors.labels(path, f"{worker.role}_{'timeout' if timeout else 'connect'}").inc()
-            resp = error_response(status, f"{worker.role} worker {worker.url} {'timed out' if timeout else 'is unreachable'} "
-                                          f"on {path}: {e!r}")
+        status, kind = 200, None
+        if not self.auth.client_ok(request):
+            status, kind = 401, "unauthorized"
+            resp = error_response(401, "missing or invalid API key (send 'Authorization: Bearer KEY')")
         else:
-            resp = Response(data, status_code=status, media_type=ctype)
-        self.metrics.requests.labels(path, str(status)).inc()
-        self.metrics.e2e.labels(path).observe(time.perf_counter() - t0)
+            worker = next((w for w in self.pool.decode if w.available()), None)
+            if worker is None:
+                status, kind = 503, "no_worker"
+                resp = error_response(503, self.pool.unavailable_reason("decode"))
+            else:
+                try:
+                    async with self.session.get(worker.url + path, headers=self.auth.worker_headers(),
+                                                timeout=aiohttp.ClientTimeout(total=PROXY_TIMEOUT)) as r:
+                        data = await r.read()
+                        status, ctype = r.status, r.content_type
+                    resp = Response(data, status_code=status, media_type=ctype)
+                except UPSTREAM_ERRORS as e:
+                    timeout = isinstance(e, asyncio.TimeoutError)
+                    status, kind = (504, "decode_timeout") if timeout else (502, "decode_connect")
+                    resp = error_response(status, f"decode worker {worker.url} "
+                                                  f"{'timed out' if timeout else 'is unreachable'} on {path}: {e!r}")
+        m = self.metrics
+        m.requests.labels(path, str(status)).inc()
+        if kind is not None:
+            m.errors.labels(path, kind).inc()
+        m.e2e.labels(path).observe(time.perf_counter() - t0)
         return resp
 
 
@@ -106,27 +130,21 @@ def create_app(config: RouterConfig) -> FastAPI:
         msg = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
         return error_response(exc.status_code, msg)
 
-    def dispatch_route(path: str):
+    # Plain Starlette routes: the hot path needs no FastAPI dependency solving or validation.
+    def dispatch_route(path: str) -> Route:
+        em = router.metrics.endpoint(path)
+        handle = router.dispatcher.handle
+
         async def handler(request: Request):
-            return await router.dispatcher.handle(request, path)
+            return await handle(request, path, em)
 
-        # A plain Starlette route: the hot path needs no FastAPI dependency solving or validation.
-        app.router.routes.append(Route(path, handler, methods=["POST"], name="dispatch_" + path.strip("/").replace("/", "_")))
+        return Route(path, handler, methods=["POST"], name="dispatch_" + path.strip("/").replace("/", "_"))
 
-    for path in GENERATION_ROUTES:
-        dispatch_route(path)
-
-    def proxy_route(paths: tuple[str, ...]):
-        async def handler(request: Request):
-            return await router.proxy_get(router.pool.decode[0], request.url.path)
-
-        handler.__name__ = "proxy_" + paths[0].strip("/").replace("/", "_")
-        for p in paths:
-            app.add_api_route(p, handler, methods=["GET"])
-
-    proxy_route(("/v1/models",))
-    proxy_route(("/get_model_info", "/model_info"))
-    proxy_route(("/get_server_info", "/server_info"))
+    routes = app.router.routes
+    routes.extend(dispatch_route(p) for p in GENERATION_ROUTES)
+    for path in ("/v1/models", "/get_model_info", "/model_info", "/get_server_info", "/server_info"):
+        routes.append(Route(path, router.proxy_get, methods=["GET"]))
+    routes.extend(router.admin.routes())
 
     @app.get("/health")
     async def health():

@@ -1,51 +1,126 @@
 """``pdserve router``: the PD router alone, for engines started by hand.
 
-Flag names follow ``sglang_router.launch_router``: ``--prefill URL [BOOTSTRAP_PORT]`` (repeatable;
-the bootstrap port defaults to SGLang's 8998 when omitted or ``none``), ``--decode URL``
-(repeatable), ``--host``, ``--port``, ``--policy``, ``--request-timeout-secs`` (alias
-``--request-timeout``). ``--pd-disaggregation`` is accepted and implied.
+Flag names follow ``sglang_router.launch_router`` (``--prefill URL [BOOTSTRAP_PORT]``, repeatable,
+the bootstrap port defaulting to SGLang's 8998 when omitted or ``none``; ``--decode URL``,
+repeatable; ``--policy`` / ``--prefill-policy`` / ``--decode-policy``; ``--cache-threshold``,
+``--balance-abs-threshold``, ``--balance-rel-threshold``, ``--eviction-interval-secs``,
+``--max-tree-size``; ``--retry-*``, ``--disable-retries``; ``--cb-*``,
+``--disable-circuit-breaker``; ``--health-*``; ``--request-timeout-secs``; ``--max-payload-size``;
+``--api-key``; ``--request-id-headers``). pdserve adds per-stage timeouts
+(``--connect-timeout-secs``, ``--prefill-timeout-secs``, ``--first-token-timeout-secs``,
+``--stream-idle-timeout-secs``) and ``--admin-api-key``. ``--pd-disaggregation`` is accepted and
+implied. Keys may come from the environment instead of the command line (visible in ``ps``):
+``PDSERVE_ROUTER_API_KEY``, ``PDSERVE_ROUTER_ADMIN_API_KEY``.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Optional
 
 import uvicorn
 
 from pd.router.app import create_app
-from pd.router.config import DEFAULT_BOOTSTRAP_PORT, PrefillWorkerConfig, RouterConfig
+from pd.router.config import (DEFAULT_BOOTSTRAP_PORT, POLICY_NAMES, CacheAwareConfig, CircuitBreakerConfig,
+                              HealthCheckConfig, PrefillWorkerConfig, RetryConfig, RouterConfig, TimeoutConfig)
 
 log = logging.getLogger("pd.router")
+
+API_KEY_ENV = "PDSERVE_ROUTER_API_KEY"
+ADMIN_KEY_ENV = "PDSERVE_ROUTER_ADMIN_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pdserve router",
-        description="The pdserve PD router: pairs each request with one prefill and one decode worker "
-                    "(round-robin per side), adds the bootstrap fields, relays decode's answer.",
+        description="The pdserve PD router: pairs each request with one prefill and one decode worker, adds the "
+                    "bootstrap fields, relays decode's answer; retries, circuit breakers, health checks, admin API.",
     )
-    p.add_argument("--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
-                   help="a prefill worker URL and its bootstrap port (default %d); repeat for more"
-                        % DEFAULT_BOOTSTRAP_PORT)
-    p.add_argument("--decode", nargs=1, action="append", default=[], metavar="URL",
-                   help="a decode worker URL; repeat for more")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    p.add_argument("--port", type=int, default=30000, help="port to listen on (default %(default)s)")
-    p.add_argument("--policy", default="round_robin", choices=["round_robin"],
-                   help="how the (prefill, decode) pair is picked (default %(default)s)")
-    p.add_argument("--pd-disaggregation", action="store_true", help="accepted for sglang_router compatibility; implied")
-    p.add_argument("--request-timeout-secs", "--request-timeout", dest="request_timeout", type=float, default=1800.0,
-                   help="seconds one upstream request may take in total, streams included (default %(default)s)")
-    p.add_argument("--connect-timeout-secs", "--connect-timeout", dest="connect_timeout", type=float, default=10.0,
-                   help="seconds to connect to a worker (default %(default)s)")
-    p.add_argument("--health-check-interval-secs", "--health-check-interval", dest="health_check_interval",
-                   type=float, default=10.0, help="seconds between /health probes of every worker; 0 = off "
-                                                  "(default %(default)s)")
-    p.add_argument("--max-connections", type=int, default=1024,
+    add = p.add_argument
+    add("--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
+        help="a prefill worker URL and its bootstrap port (default %d); repeat for more" % DEFAULT_BOOTSTRAP_PORT)
+    add("--decode", nargs=1, action="append", default=[], metavar="URL", help="a decode worker URL; repeat for more")
+    add("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    add("--port", type=int, default=30000, help="port to listen on, 0 = any free one (default %(default)s)")
+    add("--pd-disaggregation", action="store_true", help="accepted for sglang_router compatibility; implied")
+
+    g = p.add_argument_group("policies")
+    g.add_argument("--policy", default="round_robin", choices=POLICY_NAMES,
+                   help="pairing policy of both sides unless overridden (default %(default)s)")
+    g.add_argument("--prefill-policy", choices=POLICY_NAMES, help="policy of the prefill side")
+    g.add_argument("--decode-policy", choices=POLICY_NAMES, help="policy of the decode side")
+    ca = CacheAwareConfig()
+    g.add_argument("--cache-threshold", type=float, default=ca.cache_threshold,
+                   help="cache_aware: prefix match ratio that wins a worker (default %(default)s)")
+    g.add_argument("--balance-abs-threshold", type=int, default=ca.balance_abs_threshold,
+                   help="cache_aware: in-flight difference that switches to least load (default %(default)s)")
+    g.add_argument("--balance-rel-threshold", type=float, default=ca.balance_rel_threshold,
+                   help="cache_aware: in-flight ratio that switches to least load (default %(default)s)")
+    g.add_argument("--eviction-interval-secs", type=float, default=ca.eviction_interval_secs,
+                   help="cache_aware: seconds between tree trims (default %(default)s)")
+    g.add_argument("--max-tree-size", type=int, default=ca.max_tree_size,
+                   help="cache_aware: characters kept per worker tree (default %(default)s)")
+
+    g = p.add_argument_group("retries (before the first byte reaches the client, each on a fresh pair)")
+    r = RetryConfig()
+    g.add_argument("--retry-max-retries", type=int, default=r.max_retries,
+                   help="attempts in all, 1 = no retry (default %(default)s)")
+    g.add_argument("--retry-initial-backoff-ms", type=float, default=r.initial_backoff_ms)
+    g.add_argument("--retry-max-backoff-ms", type=float, default=r.max_backoff_ms)
+    g.add_argument("--retry-backoff-multiplier", type=float, default=r.backoff_multiplier)
+    g.add_argument("--retry-jitter-factor", type=float, default=r.jitter_factor)
+    g.add_argument("--disable-retries", action="store_true", help="same as --retry-max-retries 1")
+
+    g = p.add_argument_group("circuit breaker (per worker)")
+    cb = CircuitBreakerConfig()
+    g.add_argument("--cb-failure-threshold", type=int, default=cb.failure_threshold,
+                   help="consecutive failures that open a worker's circuit (default %(default)s)")
+    g.add_argument("--cb-success-threshold", type=int, default=cb.success_threshold,
+                   help="half-open successes that close it (default %(default)s)")
+    g.add_argument("--cb-timeout-duration-secs", type=float, default=cb.timeout_duration_secs,
+                   help="seconds open before trial requests (default %(default)s)")
+    g.add_argument("--cb-window-duration-secs", type=float, default=cb.window_duration_secs,
+                   help="failures further apart do not add up (default %(default)s)")
+    g.add_argument("--disable-circuit-breaker", action="store_true")
+
+    g = p.add_argument_group("active health checks")
+    hc = HealthCheckConfig()
+    g.add_argument("--health-check-interval-secs", "--health-check-interval", dest="health_check_interval_secs",
+                   type=float, default=hc.interval_secs, help="seconds between probe rounds, 0 = off (default %(default)s)")
+    g.add_argument("--health-check-timeout-secs", type=float, default=hc.timeout_secs)
+    g.add_argument("--health-failure-threshold", type=int, default=hc.failure_threshold,
+                   help="failed probes in a row that take a worker out (default %(default)s)")
+    g.add_argument("--health-success-threshold", type=int, default=hc.success_threshold,
+                   help="passed probes in a row that put it back (default %(default)s)")
+    g.add_argument("--health-check-endpoint", default=hc.endpoint)
+
+    g = p.add_argument_group("timeouts (seconds)")
+    t = TimeoutConfig()
+    g.add_argument("--connect-timeout-secs", "--connect-timeout", dest="connect_timeout_secs", type=float,
+                   default=t.connect, help="to connect to a worker (default %(default)s)")
+    g.add_argument("--prefill-timeout-secs", type=float, help="dispatch -> the prefill's whole answer")
+    g.add_argument("--first-token-timeout-secs", type=float,
+                   help="dispatch -> decode's first byte (streams) or whole answer; retried")
+    g.add_argument("--stream-idle-timeout-secs", type=float, help="longest silence inside a decode stream")
+    g.add_argument("--request-timeout-secs", "--request-timeout", dest="request_timeout_secs", type=float,
+                   default=t.request, help="one upstream request in total, streams included (default %(default)s)")
+
+    g = p.add_argument_group("limits, keys, logging")
+    g.add_argument("--max-payload-size", type=int, default=512 * 1024 * 1024,
+                   help="largest request body in bytes (default %(default)s)")
+    g.add_argument("--max-connections", type=int, default=1024,
                    help="pooled upstream connections, all workers together (default %(default)s)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"key clients must send as 'Authorization: Bearer KEY'; also sent to the workers "
+                        f"(default ${API_KEY_ENV})")
+    g.add_argument("--admin-api-key", default=os.environ.get(ADMIN_KEY_ENV),
+                   help=f"key of the admin API /workers (default ${ADMIN_KEY_ENV}; none: the api key, else "
+                        f"loopback clients only)")
+    g.add_argument("--request-id-headers", nargs="+", default=["x-request-id"],
+                   help="headers a client request id is read from (default %(default)s)")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
     return p
 
 
@@ -69,20 +144,74 @@ def parse_prefill(values: list[str]) -> PrefillWorkerConfig:
 def config_from_args(argv: Optional[list[str]] = None) -> RouterConfig:
     """Parse ``pdserve router`` arguments into a RouterConfig (exits with usage on bad input)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if not args.prefill or not args.decode:
+    a = parser.parse_args(argv)
+    if not a.prefill or not a.decode:
         parser.error("at least one --prefill and one --decode worker are required")
     try:
         return RouterConfig(
-            prefill=[parse_prefill(v) for v in args.prefill],
-            decode=[v[0] for v in args.decode],
-            host=args.host, port=args.port, policy=args.policy,
-            request_timeout=args.request_timeout, connect_timeout=args.connect_timeout,
-            health_check_interval=args.health_check_interval, max_connections=args.max_connections,
-            log_level=args.log_level,
+            prefill=[parse_prefill(v) for v in a.prefill],
+            decode=[v[0] for v in a.decode],
+            host=a.host, port=a.port,
+            policy=a.policy, prefill_policy=a.prefill_policy, decode_policy=a.decode_policy,
+            cache_aware=CacheAwareConfig(cache_threshold=a.cache_threshold, balance_abs_threshold=a.balance_abs_threshold,
+                                         balance_rel_threshold=a.balance_rel_threshold,
+                                         eviction_interval_secs=a.eviction_interval_secs, max_tree_size=a.max_tree_size),
+            retry=RetryConfig(max_retries=1 if a.disable_retries else a.retry_max_retries,
+                              initial_backoff_ms=a.retry_initial_backoff_ms, max_backoff_ms=a.retry_max_backoff_ms,
+                              backoff_multiplier=a.retry_backoff_multiplier, jitter_factor=a.retry_jitter_factor),
+            circuit_breaker=CircuitBreakerConfig(enabled=not a.disable_circuit_breaker,
+                                                 failure_threshold=a.cb_failure_threshold,
+                                                 success_threshold=a.cb_success_threshold,
+                                                 timeout_duration_secs=a.cb_timeout_duration_secs,
+                                                 window_duration_secs=a.cb_window_duration_secs),
+            health_check=HealthCheckConfig(interval_secs=a.health_check_interval_secs,
+                                           timeout_secs=a.health_check_timeout_secs,
+                                           failure_threshold=a.health_failure_threshold,
+                                           success_threshold=a.health_success_threshold,
+                                           endpoint=a.health_check_endpoint),
+            timeouts=TimeoutConfig(connect=a.connect_timeout_secs, prefill=a.prefill_timeout_secs,
+                                   first_token=a.first_token_timeout_secs, stream_idle=a.stream_idle_timeout_secs,
+                                   request=a.request_timeout_secs),
+            max_payload_size=a.max_payload_size, max_connections=a.max_connections,
+            api_key=a.api_key, admin_api_key=a.admin_api_key, request_id_headers=tuple(a.request_id_headers),
+            log_level=a.log_level,
         )
     except ValueError as e:  # pydantic's ValidationError is a ValueError
         parser.error(str(e))
+
+
+def settings_argv(s) -> list[str]:
+    """``pdserve router`` flags that reproduce RouterSettings ``s`` (host, port, policies,
+    retries, breaker, health checks, timeouts, limits); keys are left out (pass them in the
+    environment). Used by the launcher."""
+    argv = ["--host", s.host, "--port", str(s.port), "--policy", s.policy]
+    if s.prefill_policy:
+        argv += ["--prefill-policy", s.prefill_policy]
+    if s.decode_policy:
+        argv += ["--decode-policy", s.decode_policy]
+    ca, r, cb, hc, t = s.cache_aware, s.retry, s.circuit_breaker, s.health_check, s.timeouts
+    argv += ["--cache-threshold", str(ca.cache_threshold), "--balance-abs-threshold", str(ca.balance_abs_threshold),
+             "--balance-rel-threshold", str(ca.balance_rel_threshold),
+             "--eviction-interval-secs", str(ca.eviction_interval_secs), "--max-tree-size", str(ca.max_tree_size),
+             "--retry-max-retries", str(r.max_retries), "--retry-initial-backoff-ms", str(r.initial_backoff_ms),
+             "--retry-max-backoff-ms", str(r.max_backoff_ms), "--retry-backoff-multiplier", str(r.backoff_multiplier),
+             "--retry-jitter-factor", str(r.jitter_factor),
+             "--cb-failure-threshold", str(cb.failure_threshold), "--cb-success-threshold", str(cb.success_threshold),
+             "--cb-timeout-duration-secs", str(cb.timeout_duration_secs),
+             "--cb-window-duration-secs", str(cb.window_duration_secs),
+             "--health-check-interval-secs", str(hc.interval_secs), "--health-check-timeout-secs", str(hc.timeout_secs),
+             "--health-failure-threshold", str(hc.failure_threshold),
+             "--health-success-threshold", str(hc.success_threshold), "--health-check-endpoint", hc.endpoint,
+             "--connect-timeout-secs", str(t.connect), "--request-timeout-secs", str(t.request),
+             "--max-payload-size", str(s.max_payload_size), "--max-connections", str(s.max_connections),
+             "--request-id-headers", *s.request_id_headers, "--log-level", s.log_level]
+    if not cb.enabled:
+        argv.append("--disable-circuit-breaker")
+    for flag, value in (("--prefill-timeout-secs", t.prefill), ("--first-token-timeout-secs", t.first_token),
+                        ("--stream-idle-timeout-secs", t.stream_idle)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
 
 
 class _Server(uvicorn.Server):
@@ -121,8 +250,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     """Entry point of ``pdserve router``."""
     config = config_from_args(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.info("prefill workers: %s; decode workers: %s",
+    log.info("prefill workers: %s; decode workers: %s; policies: prefill %s, decode %s",
              ", ".join(f"{p.url} (bootstrap {p.bootstrap_host}:{p.bootstrap_port})" for p in config.prefill),
-             ", ".join(config.decode))
+             ", ".join(config.decode), config.side_policy("prefill"), config.side_policy("decode"))
     serve(config)
-

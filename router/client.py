@@ -12,7 +12,7 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 
 def make_session(config: RouterConfig) -> aiohttp.ClientSession:
     """An ``aiohttp.ClientSession`` with a bounded connection pool and the config's timeouts
-    (``request_timeout`` seconds in total per upstream request, ``connect_timeout`` to connect).
+    (``timeouts.request`` seconds in total per upstream request, ``timeouts.connect`` to connect).
 
     Must be called inside a running event loop; close it with ``await session.close()``.
     """
@@ -22,7 +22,7 @@ def make_session(config: RouterConfig) -> aiohttp.ClientSession:
         keepalive_timeout=60,
         ttl_dns_cache=300,
     )
-    timeout = aiohttp.ClientTimeout(total=config.request_timeout, connect=config.connect_timeout)
+    timeout = aiohttp.ClientTimeout(total=config.timeouts.request, connect=config.timeouts.connect)
     # Bodies are relayed byte for byte: ask for no compression, and never decompress.
     return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
                                  skip_auto_headers=("User-Agent", "Accept-Encoding"))

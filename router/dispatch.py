@@ -3,52 +3,59 @@ answer out.
 
 Per request (DESIGN.md, "The PD wire protocol"):
 
-1. Parse the JSON body (400 if malformed), pick a (prefill, decode) pair, stamp the bootstrap
-   fields (one fresh bootstrap room per generated sequence) and a ``rid``.
-2. POST the same bytes to the same route on both workers concurrently, over the shared pool.
-3. The client gets decode's status and body; a stream is relayed SSE event by SSE event as it
-   arrives. With ``return_logprob`` on /generate the prefill's prompt logprobs are prepended.
-4. The prefill's response is always read to the end, in a task of its own that outlives the
-   client's request: closing it early makes the engine abort the bootstrap room.
+1. Check the API key, read the body (413 over ``max_payload_size``), parse it (400 if malformed).
+2. Pick a (prefill, decode) pair with the side policies, stamp the bootstrap fields (one fresh
+   room per generated sequence) and request ids (pd.router.rooms).
+3. POST the same bytes to the same route on both workers concurrently, over the pooled client,
+   with the client's ``X-Request-Id`` (or a new one, returned to the client too).
+4. The client gets decode's status and body; a stream is relayed as it arrives
+   (pd.router.stream). With ``return_logprob`` on /generate the prefill's prompt logprobs are
+   prepended. The prefill's response is always read to the end in a task of its own (closing it
+   early makes the engine abort the room).
 
-Failures: a prefill that answers non-2xx before decode answered ends the request at once with
-the prefill's status and body, and the decode side is settled in the background (aborted by
-POST /abort_request with the rid unless it ends by itself within a short grace); a decode non-2xx
-is returned as is (the prefill is settled likewise, so it does not wait out its bootstrap
-timeout); an unreachable worker gives 502, an upstream timeout 504, both with an OpenAI-style
-error body naming the worker. A client that goes away aborts the decode side.
+Failures before the first byte reaches the client (a side unreachable, timed out, answering
+408/429/5xx, or a stream whose first event is an error) are retried with exponential backoff on a
+fresh pair with fresh rooms, up to ``retry.max_retries`` attempts in all; the side that did not
+fail is aborted at once (pd.router.aborts). A non-retryable answer (e.g. the prefill's 400 for a
+prompt over the context length) goes to the client as the worker sent it, after the other side
+was aborted. Connection errors, timeouts and 5xx count against the worker's circuit breaker.
+A client that goes away before the answer starts gets both sides aborted; after it started, see
+pd.router.stream.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
+import random
 import time
-from dataclasses import dataclass
-from typing import AsyncIterator, Optional
+from typing import Optional
 
 import aiohttp
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from pd.router import logprobs
-from pd.router.client import JSON_HEADERS
+from pd.router.aborts import Aborter, aborted_indexes
+from pd.router.auth import Auth
+from pd.router.background import TaskSet
+from pd.router.config import RouterSettings
 from pd.router.errors import error_body, error_response
-from pd.router.metrics import RouterMetrics
-from pd.router.rooms import stamp
-from pd.router.workers import Pair, Worker, WorkerPool
+from pd.router.metrics import EndpointMetrics, RouterMetrics
+from pd.router.policies import routing_key
+from pd.router.rooms import assign_rids, new_rid, sequence_count, stamp
+from pd.router.stream import Relay, RelayResponse
+from pd.router.tokens import count as count_tokens, wants_usage_injected
+from pd.router.workers import Worker, WorkerPool
 
 log = logging.getLogger("pd.router")
 
-ABORT_TIMEOUT = 5.0  # seconds for one /abort_request; best effort, it must never block a reply
-ABORT_GRACE = 0.2  # seconds a side gets to end by itself after its peer failed, before it is aborted
-ABORT_BACKOFF = (1.0, 2.0, 4.0)  # seconds to wait after each /abort_request for the request to end
-PREFILL_VERDICT_WAIT = 0.5  # seconds a decode error waits for the prefill's outcome (the likelier root cause)
-DISCONNECT_POLL = 0.5  # seconds between checks that the client is still there (before replying)
+RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})  # sglang-router's retryable statuses
+PREFILL_VERDICT_WAIT = 0.25  # seconds a decode error waits for the prefill's outcome (the likelier root cause)
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request" (only ever seen in metrics)
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+_ERROR_EVENT = b'data: {"error"'
 
 
 def _ok(status: Optional[int]) -> bool:
@@ -61,391 +68,486 @@ def _truthy(value) -> bool:
     return bool(value)
 
 
-@dataclass
 class PrefillOutcome:
-    """How the prefill side of one request ended.
+    """How the prefill side of one attempt ended.
 
     Attributes:
         status: HTTP status, None when there was no HTTP answer.
-        body: the whole body when it is needed (an error, or logprobs to merge), else b"".
+        body: the whole body when it is needed (an error, logprobs to merge), else b"".
         content_type: the answer's content type.
         failure: ``connect`` or ``timeout`` when there was no HTTP answer.
         detail: what went wrong, for the error message.
     """
 
-    status: Optional[int]
-    body: bytes = b""
-    content_type: str = "application/json"
-    failure: Optional[str] = None
-    detail: str = ""
+    __slots__ = ("status", "body", "content_type", "failure", "detail")
+
+    def __init__(self, status: Optional[int], body: bytes = b"", content_type: str = "application/json",
+                 failure: Optional[str] = None, detail: str = ""):
+        self.status, self.body, self.content_type, self.failure, self.detail = status, body, content_type, failure, detail
 
     @property
     def ok(self) -> bool:
         return _ok(self.status)
 
 
-class Exchange:
-    """The state of one PD request while it is in flight."""
+class Failure:
+    """An attempt that ended without an answer for the client: what it would get, and whether
+    another attempt may fix it."""
 
-    def __init__(self, route: str, pair: Pair, rids: list[str], stream: bool, merge: bool, payload: bytes,
-                 arrival: float, dispatched: float):
-        self.route = route
-        self.pair = pair
-        self.rids = rids
-        self.stream = stream
-        self.merge = merge
-        self.payload = payload
+    __slots__ = ("status", "body", "content_type", "kind", "retryable")
+
+    def __init__(self, status: int, body: bytes, kind: str, retryable: bool, content_type: str = "application/json"):
+        self.status, self.body, self.kind, self.retryable, self.content_type = status, body, kind, retryable, content_type
+
+    @classmethod
+    def router(cls, status: int, message: str, kind: str, retryable: bool) -> "Failure":
+        """A failure described by the router (an OpenAI-style error body)."""
+        return cls(status, json.dumps(error_body(status, message)).encode(), kind, retryable)
+
+
+class Exchange:
+    """One attempt of one request while it is in flight."""
+
+    __slots__ = ("route", "em", "prefill", "decode", "rids", "seqs", "stream", "merge", "drop_usage", "payload",
+                 "headers", "arrival", "dispatched", "prefill_task", "decode_task", "prefill_aborted",
+                 "decode_aborted", "_decode_open")
+
+    def __init__(self, route: str, em: EndpointMetrics, prefill: Worker, decode: Worker, rids: list[str], seqs: int,
+                 stream: bool, merge: bool, drop_usage: bool, payload: bytes, headers: dict, arrival: float):
+        self.route, self.em = route, em
+        self.prefill, self.decode = prefill, decode
+        self.rids, self.seqs = rids, seqs
+        self.stream, self.merge, self.drop_usage = stream, merge, drop_usage
+        self.payload, self.headers = payload, headers
         self.arrival = arrival
-        self.dispatched = dispatched
+        self.dispatched = time.perf_counter()
         self.prefill_task: Optional[asyncio.Task] = None
-        self.decode_task: Optional[asyncio.Future] = None
+        self.decode_task: Optional[asyncio.Task] = None
+        self.prefill_aborted = self.decode_aborted = False
         self._decode_open = False
 
     def decode_begin(self) -> None:
         self._decode_open = True
-        self.pair.decode.begin()
+        self.decode.begin(self.seqs)
 
     def decode_end(self) -> None:
-        """Idempotent: the decode side is over (in-flight gauge -1 once)."""
+        """Idempotent: the decode side is over (its load counted down once)."""
         if self._decode_open:
             self._decode_open = False
-            self.pair.decode.end()
+            self.decode.end(self.seqs)
 
     def release_decode(self, task: asyncio.Future) -> None:
-        """Close the response of a finished decode request nobody will read (it was aborted)."""
+        """Close the response of an aborted decode request nobody will read."""
         if not task.cancelled() and task.exception() is None:
             task.result().close()
         self.decode_end()
-
-
-class RelayResponse(StreamingResponse):
-    """A StreamingResponse over a ``Relay`` that always closes it: Starlette leaves an async
-    generator unclosed when the client disconnects, and the cleanup (close decode's connection,
-    abort its sequences) must run then, not at garbage collection."""
-
-    def __init__(self, relay: "Relay", **kw):
-        super().__init__(relay.events(), **kw)
-        self.relay = relay
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-            self.relay.close(finished=False)  # no-op when the stream ran to its end
 
 
 class PDDispatcher:
     """Handles /generate, /v1/completions and /v1/chat/completions in PD mode.
 
     Args:
-        pool: the workers and the pairing policy.
+        pool: the workers and the pairing policies.
         metrics: where to record stage latencies and outcomes.
+        settings: retries, timeouts, limits.
+        auth: API keys.
 
-    ``session`` (the shared ``aiohttp.ClientSession``) must be set before the first request.
+    ``session`` (the shared ``aiohttp.ClientSession``) must be set with ``bind`` before the first
+    request.
     """
 
-    def __init__(self, pool: WorkerPool, metrics: RouterMetrics):
+    def __init__(self, pool: WorkerPool, metrics: RouterMetrics, settings: RouterSettings, auth: Auth):
         self.pool = pool
         self.metrics = metrics
+        self.settings = settings
+        self.auth = auth
+        self.tasks = TaskSet()
+        self.aborter = Aborter(self.tasks, auth.worker_headers())
         self.session: Optional[aiohttp.ClientSession] = None
-        self._background: set[asyncio.Task] = set()
+        t = settings.timeouts
+        self.prefill_timeout = aiohttp.ClientTimeout(total=t.prefill or t.request, connect=t.connect)
+        self.first_token_timeout = t.first_token
+        self.stream_idle_timeout = t.stream_idle
+        self.retry = settings.retry
+        self.limit = settings.max_payload_size
+        self.id_headers = settings.request_id_headers
+        self.worker_headers = {"Content-Type": "application/json", **auth.worker_headers()}
 
-    # ---- background work that must outlive the client's request ----------------------------
-    def spawn(self, coro) -> asyncio.Task:
-        """Run ``coro`` in a task the dispatcher keeps a reference to until it ends."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
-
-    async def drain(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for background work (prefill reads, aborts), then
-        cancel what is left. Called at shutdown."""
-        if self._background:
-            _, pending = await asyncio.wait(set(self._background), timeout=timeout)
-            for t in pending:
-                t.cancel()
-
-    def abort(self, worker: Worker, rids: list[str]) -> None:
-        """Fire-and-forget POST /abort_request for each rid (the engine aborts by rid prefix,
-        which reaches the ``rid_i`` items of a batch)."""
-        self.spawn(self._abort(worker, rids))
-
-    async def _abort(self, worker: Worker, rids: list[str]) -> None:
-        for rid in rids:
-            try:
-                async with self.session.post(worker.url + "/abort_request", json={"rid": rid},
-                                             timeout=aiohttp.ClientTimeout(total=ABORT_TIMEOUT)) as r:
-                    await r.read()
-            except UPSTREAM_ERRORS as e:
-                log.warning("abort of rid %s on %s %s failed: %r", rid, worker.role, worker.url, e)
-
-    def settle(self, worker: Worker, rids: list[str], task: asyncio.Future, on_done=None,
-               grace: float = ABORT_GRACE) -> None:
-        """In the background: give ``worker``'s request ``task`` ``grace`` seconds to end by
-        itself, then abort ``rids`` there, repeating with backoff while it has not ended (one
-        /abort_request can overtake the request it aborts, and the engine only aborts sequences
-        it already has). ``on_done(task)`` runs once the task ended (e.g. to release its response).
-
-        Why not abort at once: a peer failure usually ends the other side within milliseconds
-        anyway (the engines tell each other through the bootstrap channel), and an unneeded abort
-        costs the engine a lookup per rid."""
-        self.spawn(self._settle(worker, rids, task, on_done, grace))
-
-    async def _settle(self, worker: Worker, rids: list[str], task: asyncio.Future, on_done, grace: float) -> None:
-        if grace > 0:
-            await asyncio.wait({task}, timeout=grace)
-        for wait in ABORT_BACKOFF:
-            if task.done():
-                break
-            await self._abort(worker, rids)
-            await asyncio.wait({task}, timeout=wait)
-        if not task.done():
-            log.warning("%s %s has not ended %gs after aborting rid %s; waiting for it", worker.role, worker.url,
-                        sum(ABORT_BACKOFF), rids)
-            await asyncio.wait({task})
-        if on_done is not None:
-            on_done(task)
-
-    # ---- bookkeeping ------------------------------------------------------------------------
-    def _finish(self, ex_route: str, arrival: float, status: int, kind: Optional[str] = None) -> None:
-        m = self.metrics
-        m.e2e.labels(ex_route).observe(time.perf_counter() - arrival)
-        m.requests.labels(ex_route, str(status)).inc()
-        if kind is not None:
-            m.errors.labels(ex_route, kind).inc()
-
-    def _upstream_error(self, ex: Exchange, worker: Worker, exc: BaseException) -> Response:
-        """502 (unreachable, connection broken) or 504 (timed out) naming ``worker``."""
-        if isinstance(exc, asyncio.TimeoutError):
-            status, kind = 504, f"{worker.role}_timeout"
-            msg = f"{worker.role} worker {worker.url} timed out on {ex.route}"
-        else:
-            status, kind = 502, f"{worker.role}_connect"
-            if isinstance(exc, aiohttp.ClientConnectorError):
-                worker.mark_unreachable()  # skipped by the pairing policy until a probe passes
-            msg = f"{worker.role} worker {worker.url} is unreachable or broke the connection on {ex.route}: {exc}"
-        log.warning("%s", msg)
-        self._finish(ex.route, ex.arrival, status, kind)
-        return error_response(status, msg)
+    def bind(self, session: aiohttp.ClientSession) -> None:
+        self.session = session
+        self.aborter.session = session
 
     # ---- the request path --------------------------------------------------------------------
-    async def handle(self, request: Request, route: str) -> Response:
-        """Serve one generation request in PD mode.
-
-        Returns decode's response (streamed for ``stream: true``), or the prefill's error, or a
-        router error: 400 malformed JSON, 502 worker unreachable, 504 worker timed out.
-        """
+    async def handle(self, request: Request, route: str, em: EndpointMetrics) -> Response:
+        """Serve one generation request in PD mode: decode's answer (streamed for ``stream:
+        true``), a worker's own error, or a router error (400 malformed, 401 key, 413 too large,
+        502 unreachable, 503 no worker, 504 timed out), always with ``X-Request-Id``."""
         arrival = time.perf_counter()
-        raw = await request.body()
+        self.metrics.in_flight.inc()
+        resp: Optional[Response] = None
+        try:
+            resp = await self._serve(request, route, em, arrival)
+            return resp
+        finally:
+            if not isinstance(resp, RelayResponse):  # a stream counts itself down when it ends
+                self.metrics.in_flight.dec()
+
+    def _finish(self, em: EndpointMetrics, arrival: float, status: int, kind: Optional[str] = None) -> None:
+        em.e2e.observe(time.perf_counter() - arrival)
+        em.request(status)
+        if kind is not None:
+            em.error(kind)
+
+    def _reject(self, em: EndpointMetrics, arrival: float, status: int, kind: str, msg: str, req_id: str) -> Response:
+        self._finish(em, arrival, status, kind)
+        return error_response(status, msg, headers={"X-Request-Id": req_id})
+
+    async def _serve(self, request: Request, route: str, em: EndpointMetrics, arrival: float) -> Response:
+        headers = request.headers
+        req_id = None
+        for h in self.id_headers:
+            req_id = headers.get(h)
+            if req_id:
+                break
+        req_id = req_id or new_rid()
+        if not self.auth.client_ok(request):
+            return self._reject(em, arrival, 401, "unauthorized", "missing or invalid API key "
+                                "(send 'Authorization: Bearer KEY')", req_id)
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return self._reject(em, arrival, 413, "payload_too_large", f"request body of {declared} bytes exceeds "
+                                f"the limit of {self.limit} bytes (--max-payload-size)", req_id)
+        raw = await (request.body() if declared is not None else self._read_limited(request))
+        if raw is None:
+            return self._reject(em, arrival, 413, "payload_too_large", f"request body exceeds the limit of "
+                                f"{self.limit} bytes (--max-payload-size)", req_id)
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
-            self._finish(route, arrival, 400, "invalid_request")
-            return error_response(400, f"malformed JSON body: {e}")
+            return self._reject(em, arrival, 400, "invalid_request", f"malformed JSON body: {e}", req_id)
         if not isinstance(body, dict):
-            self._finish(route, arrival, 400, "invalid_request")
-            return error_response(400, "the request body must be a JSON object")
-        pair = self.pool.pick()
-        rids = stamp(route, body, pair.prefill)
-        payload = json.dumps(body, ensure_ascii=False).encode()
-        dispatched = time.perf_counter()
-        self.metrics.queue.labels(route).observe(dispatched - arrival)
-        ex = Exchange(route, pair, rids, _truthy(body.get("stream", False)),
-                      logprobs.wants_input_logprobs(route, body), payload, arrival, dispatched)
-        ex.prefill_task = self.spawn(self._read_prefill(ex))
+            return self._reject(em, arrival, 400, "invalid_request", "the request body must be a JSON object", req_id)
 
-        # Until the answer starts, watch for the client leaving (Starlette only notices once
-        # it sends): a waiting decode would otherwise run to the end for nobody.
-        core = asyncio.ensure_future(self._respond(ex))
-        watch = asyncio.ensure_future(self._watch_disconnect(request))
+        count, batch, n = sequence_count(route, body)
+        client_rid = body.get("rid")
+        key = routing_key(route, body) if self.pool.needs_key else None
+        stream = _truthy(body.get("stream", False))
+        merge = logprobs.wants_input_logprobs(route, body)
+        drop_usage = stream and route != "/generate" and wants_usage_injected(body)
+        upstream_headers = dict(self.worker_headers, **{"X-Request-Id": req_id})
+
+        # Until the answer starts, watch for the client leaving (Starlette only notices once it
+        # sends): a decode would otherwise run to the end for nobody.
+        me = asyncio.current_task()
+        watching = [True]  # cleared before returning, so a late disconnect cannot cancel the reply
+
+        def on_gone(t: asyncio.Task) -> None:
+            if watching[0] and not t.cancelled():
+                me.cancel()
+
+        gone = asyncio.get_running_loop().create_task(_wait_disconnect(request))
+        gone.add_done_callback(on_gone)
+        ex: Optional[Exchange] = None
+        attempt = 0
         try:
-            await asyncio.wait({core, watch}, return_when=asyncio.FIRST_COMPLETED)
+            while True:
+                attempt += 1
+                prefill = self.pool.pick_prefill(key)
+                decode = self.pool.pick_decode(key) if prefill is not None else None
+                if prefill is None or decode is None:
+                    failure = Failure.router(503, self.pool.unavailable_reason("prefill" if prefill is None else "decode"),
+                                             "no_worker", True)
+                else:
+                    rids = assign_rids(body, count, batch, n, client_rid)
+                    stamp(body, count, batch, prefill)
+                    payload = json.dumps(body, ensure_ascii=False).encode()
+                    ex = Exchange(route, em, prefill, decode, rids, count, stream, merge, drop_usage, payload,
+                                  upstream_headers, arrival)
+                    if attempt == 1:
+                        em.queue.observe(ex.dispatched - arrival)
+                    result = await self._attempt(ex)
+                    if isinstance(result, Response):
+                        result.headers["X-Request-Id"] = req_id
+                        return result
+                    failure = result
+                    ex = None
+                if not failure.retryable or attempt >= self.retry.max_retries:
+                    self._finish(em, arrival, failure.status, failure.kind)
+                    if attempt > 1:
+                        log.warning("request %s failed after %d attempts: %s %s", req_id, attempt, failure.status,
+                                    failure.body[:300])
+                    return Response(failure.body, status_code=failure.status, media_type=failure.content_type,
+                                    headers={"X-Request-Id": req_id})
+                em.retries.inc()
+                await asyncio.sleep(self._backoff(attempt))
+        except asyncio.CancelledError:
+            if not gone.done() or gone.cancelled():
+                raise  # not the client leaving (e.g. shutdown)
+            me.uncancel()
+            if ex is not None:
+                self._abort_both(ex)
+            self._finish(em, arrival, CLIENT_CLOSED, "client_disconnect")
+            return Response(status_code=CLIENT_CLOSED)
         finally:
-            watch.cancel()
-            if not core.done():
-                core.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await core
-        if not core.cancelled():
-            return core.result()
-        if ex.decode_task is not None and not ex.decode_task.done():
-            self.settle(pair.decode, rids, ex.decode_task, ex.release_decode, grace=0)
-        else:
-            self.abort(pair.decode, rids)
-        self._finish(route, arrival, CLIENT_CLOSED, "client_disconnect")
-        return Response(status_code=CLIENT_CLOSED)
+            watching[0] = False
+            gone.cancel()
 
-    @staticmethod
-    async def _watch_disconnect(request: Request) -> None:
-        while not await request.is_disconnected():
-            await asyncio.sleep(DISCONNECT_POLL)
+    async def _read_limited(self, request: Request) -> Optional[bytes]:
+        """The body of a request without Content-Length (chunked), or None over the limit."""
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.limit:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
 
-    async def _read_prefill(self, ex: Exchange) -> PrefillOutcome:
-        """POST to the prefill and read its answer to the end; never raises."""
-        w = ex.pair.prefill
-        w.begin()
+    def _backoff(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
+        r = self.retry
+        base = min(r.initial_backoff_ms * r.backoff_multiplier ** (attempt - 1), r.max_backoff_ms)
+        return base * random.uniform(1 - r.jitter_factor, 1 + r.jitter_factor) / 1000.0
+
+    # ---- one attempt -------------------------------------------------------------------------
+    async def _attempt(self, ex: Exchange):
+        """Run one attempt: a Response for the client (committed), or a Failure."""
+        ex.prefill_task = self.tasks.spawn(self._read_prefill(ex))
+        ex.decode_task = asyncio.get_running_loop().create_task(self._open_decode(ex))
         try:
-            async with self.session.post(w.url + ex.route, data=ex.payload, headers=JSON_HEADERS) as resp:
-                keep = ex.merge or not _ok(resp.status)
-                chunks = []
-                async for chunk in resp.content.iter_any():
-                    if keep:
-                        chunks.append(chunk)
-                return PrefillOutcome(resp.status, b"".join(chunks), resp.content_type)
-        except asyncio.TimeoutError as e:
-            return PrefillOutcome(None, failure="timeout", detail=repr(e))
-        except UPSTREAM_ERRORS as e:
-            if isinstance(e, aiohttp.ClientConnectorError):
-                w.mark_unreachable()
-            return PrefillOutcome(None, failure="connect", detail=str(e) or repr(e))
-        finally:
-            w.end()
-            self.metrics.prefill.labels(ex.route).observe(time.perf_counter() - ex.dispatched)
-
-    async def _open_decode(self, ex: Exchange) -> aiohttp.ClientResponse:
-        ex.decode_begin()
-        try:
-            return await self.session.post(ex.pair.decode.url + ex.route, data=ex.payload, headers=JSON_HEADERS)
-        except BaseException:
-            ex.decode_end()
+            if self.first_token_timeout is None:
+                return await self._exchange(ex)
+            async with asyncio.timeout(self.first_token_timeout):
+                return await self._exchange(ex)
+        except TimeoutError:
+            # the first-token deadline passed: blame the side still working
+            side = ex.prefill if not ex.prefill_task.done() else ex.decode
+            self._abort_both(ex)
+            side.breaker.record_failure()
+            return Failure.router(504, f"{side.role} worker {side.url} gave no first token within "
+                                       f"{self.first_token_timeout:g}s on {ex.route} (timeouts.first_token)",
+                                  f"{side.role}_timeout", True)
+        except asyncio.CancelledError:
+            self._abort_both(ex)
             raise
 
-    def _prefill_failed(self, ex: Exchange, pre: PrefillOutcome) -> Response:
-        """The client gets the prefill's own error (its status and body), or 502/504."""
-        w = ex.pair.prefill
-        if pre.status is None:
-            status, kind = (504, "prefill_timeout") if pre.failure == "timeout" else (502, "prefill_connect")
-            what = "timed out" if pre.failure == "timeout" else "is unreachable or broke the connection"
-            msg = f"prefill worker {w.url} {what} on {ex.route}: {pre.detail}"
-            log.warning("%s", msg)
-            self._finish(ex.route, ex.arrival, status, kind)
-            return error_response(status, msg)
-        self._finish(ex.route, ex.arrival, pre.status, "prefill_status")
-        return Response(pre.body, status_code=pre.status, media_type=pre.content_type)
-
-    async def _respond(self, ex: Exchange) -> Response:
-        # Not awaited directly: if this coroutine is cancelled (client gone) the decode request
-        # stays open until its abort lands (see handle / settle).
-        decode_task = ex.decode_task = asyncio.ensure_future(self._open_decode(ex))
-        done, _ = await asyncio.wait({ex.prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
+    async def _exchange(self, ex: Exchange):
+        decode_task = ex.decode_task
+        done, _ = await asyncio.wait((ex.prefill_task, decode_task), return_when=asyncio.FIRST_COMPLETED)
         if decode_task not in done:
             pre = ex.prefill_task.result()
             if not pre.ok:
-                # Decode has produced nothing yet: answer now, abort and release decode's side.
-                self.settle(ex.pair.decode, ex.rids, decode_task, ex.release_decode)
-                return self._prefill_failed(ex, pre)
-            await asyncio.wait({decode_task})
+                # Decode has produced nothing yet: abort it, answer with the prefill's failure.
+                self._abort_decode(ex)
+                return self._prefill_failure(ex, pre)
+            await asyncio.wait((decode_task,))
         try:
             resp = decode_task.result()
         except UPSTREAM_ERRORS as e:
-            self.settle(ex.pair.prefill, ex.rids, ex.prefill_task)
-            return self._upstream_error(ex, ex.pair.decode, e)
-        return await self._decode_answer(ex, resp)
-
-    async def _decode_answer(self, ex: Exchange, resp: aiohttp.ClientResponse) -> Response:
-        """Decode answered (headers in): relay its status and body."""
+            self._abort_prefill(ex)
+            ex.decode.breaker.record_failure()
+            return self._decode_error(ex, e)
         if not _ok(resp.status):
-            try:
-                data = await resp.read()
-            except UPSTREAM_ERRORS as e:
-                data = json.dumps(error_body(resp.status, f"decode worker {ex.pair.decode.url}: {e}")).encode()
-            finally:
-                resp.release()
-                ex.decode_end()
-            # A decode error is often only the echo of a failed prefill (its bootstrap server is
-            # gone): give the prefill's outcome a moment, so the client gets the root cause.
-            await asyncio.wait({ex.prefill_task}, timeout=PREFILL_VERDICT_WAIT)
-            # The prefill would otherwise wait for this decode until its bootstrap timeout.
-            self.settle(ex.pair.prefill, ex.rids, ex.prefill_task)
-            pre = ex.prefill_task.result() if ex.prefill_task.done() else None
-            if pre is not None and pre.status is not None and not pre.ok:
-                return self._prefill_failed(ex, pre)  # the root cause, when it is already known
-            self._finish(ex.route, ex.arrival, resp.status, "decode_status")
-            return Response(data, status_code=resp.status, media_type=resp.content_type)
+            return await self._decode_status(ex, resp)
         if ex.stream:
-            return RelayResponse(Relay(self, ex, resp), status_code=resp.status, media_type=resp.content_type,
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return await self._decode_stream(ex, resp)
         try:
             data = await resp.read()
         except UPSTREAM_ERRORS as e:
             resp.close()
-            return self._upstream_error(ex, ex.pair.decode, e)
-        except asyncio.CancelledError:
-            resp.close()
-            raise
-        finally:
             ex.decode_end()
-        self.metrics.ttft.labels(ex.route).observe(time.perf_counter() - ex.arrival)
+            self._abort_prefill(ex)
+            ex.decode.breaker.record_failure()
+            return self._decode_error(ex, e)
+        except BaseException:
+            resp.close()
+            ex.decode_end()
+            raise
+        resp.release()
+        ex.decode_end()
+        ex.decode.breaker.record_success()
+        em = ex.em
+        em.ttft.observe(time.perf_counter() - ex.arrival)
         if ex.merge:
             pre = await asyncio.shield(ex.prefill_task)  # being cancelled must not cancel the prefill read
             if pre.ok:
                 data = logprobs.merge_full(data, logprobs.prefill_inputs(pre.body, stream=False))
-        self._finish(ex.route, ex.arrival, resp.status)
+        p, c = count_tokens(data)
+        em.prompt_tokens.inc(p)
+        em.completion_tokens.inc(c)
+        self._finish(em, ex.arrival, resp.status)
         return Response(data, status_code=resp.status, media_type=resp.content_type)
 
-
-class Relay:
-    """Relays decode's SSE stream for one request, event by event as it arrives (prompt logprobs
-    merged in when asked); on a broken upstream it ends with an error chunk and ``[DONE]`` like
-    the engines do. ``close()`` releases everything exactly once, whether the stream ended or
-    the client left (or never read a byte)."""
-
-    def __init__(self, dispatcher: "PDDispatcher", ex: Exchange, resp: aiohttp.ClientResponse):
-        self.d = dispatcher
-        self.ex = ex
-        self.resp = resp
-        self.kind: Optional[str] = None
-        self._closed = False
-
-    async def events(self) -> AsyncIterator[bytes]:
-        ex, m, route = self.ex, self.d.metrics, self.ex.route
-        first, last_event = True, None
-        inputs: Optional[dict] = None
-        buf = b""
+    async def _read_prefill(self, ex: Exchange) -> PrefillOutcome:
+        """POST to the prefill and read its answer to the end; never raises. Sequences the
+        prefill reports as aborted get their decode sides aborted too."""
+        w = ex.prefill
+        w.begin(ex.seqs)
+        out: PrefillOutcome
         try:
-            async for chunk in self.resp.content.iter_any():
-                now = time.perf_counter()
-                if first:
-                    m.ttft.labels(route).observe(now - ex.arrival)
-                    first = False
-                buf += chunk
-                while (cut := buf.find(b"\n\n")) >= 0:
-                    event, buf = buf[:cut], buf[cut + 2:]
-                    if event.startswith(logprobs.SSE_DATA) and not event.startswith(logprobs.SSE_DONE):
-                        if last_event is not None:
-                            m.itl.labels(route).observe(now - last_event)
-                        last_event = now
-                        if ex.merge:
-                            if inputs is None:
-                                # shield: being cancelled here must not cancel the prefill read
-                                pre = await asyncio.shield(ex.prefill_task)
-                                inputs = logprobs.prefill_inputs(pre.body, stream=True) if pre.ok else {}
-                            event = logprobs.merge_event(event, inputs)
-                    yield event + b"\n\n"
-            if buf.strip():
-                yield buf
+            async with self.session.post(w.url + ex.route, data=ex.payload, headers=ex.headers,
+                                         timeout=self.prefill_timeout) as resp:
+                chunks = [chunk async for chunk in resp.content.iter_any()]
+                raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                out = PrefillOutcome(resp.status, raw, resp.content_type)
+        except asyncio.TimeoutError as e:
+            out = PrefillOutcome(None, failure="timeout", detail=repr(e))
         except UPSTREAM_ERRORS as e:
-            self.kind = "decode_timeout" if isinstance(e, asyncio.TimeoutError) else "decode_stream"
-            msg = f"decode worker {ex.pair.decode.url} broke the stream on {route}: {e!r}"
-            log.warning("%s", msg)
-            yield b"data: " + json.dumps(error_body(502, msg)).encode() + b"\n\n" + logprobs.SSE_DONE + b"\n\n"
-        self.close(finished=True)
+            out = PrefillOutcome(None, failure="connect", detail=str(e) or repr(e))
+        finally:
+            w.end(ex.seqs)
+            ex.em.prefill.observe(time.perf_counter() - ex.dispatched)
+        if not ex.prefill_aborted:
+            if out.ok:
+                w.breaker.record_success()
+                aborted = aborted_indexes(ex.route, out.body, ex.stream)
+                if aborted and not ex.decode_aborted:
+                    rids = [ex.rids[i] for i in sorted(aborted) if i < len(ex.rids)]
+                    log.info("prefill %s aborted %d of %d sequences; aborting them on decode %s", w.url, len(aborted),
+                             ex.seqs, ex.decode.url)
+                    self.aborter.abort(ex.decode, rids)
+            elif out.status is None or out.status >= 500:
+                w.breaker.record_failure()
+        if out.ok and not ex.merge:
+            out.body = b""  # not needed any more
+        return out
 
-    def close(self, finished: bool) -> None:
-        """Release decode's connection and record the outcome; idempotent. ``finished`` False
-        means the client left early: drop the connection and abort decode's sequences."""
-        if self._closed:
+    async def _open_decode(self, ex: Exchange) -> aiohttp.ClientResponse:
+        ex.decode_begin()
+        try:
+            return await self.session.post(ex.decode.url + ex.route, data=ex.payload, headers=ex.headers)
+        except BaseException:
+            ex.decode_end()
+            raise
+
+    # ---- aborting ----------------------------------------------------------------------------
+    def _abort_prefill(self, ex: Exchange) -> None:
+        """Abort the prefill side if its request still runs (it would wait for a decode that
+        will not come until its bootstrap timeout)."""
+        if ex.prefill_aborted or ex.prefill_task is None or ex.prefill_task.done():
             return
-        self._closed = True
-        ex = self.ex
-        status = self.resp.status
-        if finished:
-            self.resp.release()
-        else:
-            self.resp.close()
-            self.d.abort(ex.pair.decode, ex.rids)
-            status, self.kind = CLIENT_CLOSED, "client_disconnect"
-        ex.decode_end()
-        self.d._finish(ex.route, ex.arrival, status, self.kind)
+        ex.prefill_aborted = True
+        self.aborter.abort(ex.prefill, ex.rids, ex.prefill_task)
+
+    def _abort_decode(self, ex: Exchange) -> None:
+        """Abort the decode side and release its response once its request ended."""
+        if ex.decode_aborted:
+            return
+        ex.decode_aborted = True
+        task = ex.decode_task
+        if task is None:
+            return
+        if task.done():
+            if not task.cancelled() and task.exception() is None:
+                resp = task.result()
+                if not resp.closed:
+                    resp.close()  # dropping the connection aborts it on the engine too
+                    ex.decode_end()
+                    self.aborter.abort(ex.decode, ex.rids)
+            return
+        self.aborter.abort(ex.decode, ex.rids, task, ex.release_decode)
+
+    def abort_after_break(self, ex: Exchange, resp: aiohttp.ClientResponse) -> None:
+        """Decode's stream broke or the client left mid-stream: drop decode's connection, abort
+        its sequences, and the prefill's if its request still runs."""
+        if not ex.decode_aborted:
+            ex.decode_aborted = True
+            resp.close()
+            self.aborter.abort(ex.decode, ex.rids)
+        self._abort_prefill(ex)
+
+    def _abort_both(self, ex: Exchange) -> None:
+        self._abort_decode(ex)
+        self._abort_prefill(ex)
+
+    # ---- failures ----------------------------------------------------------------------------
+    def _prefill_failure(self, ex: Exchange, pre: PrefillOutcome) -> Failure:
+        """The prefill's own error (its status and body), or 502/504 when it gave no answer."""
+        w = ex.prefill
+        if pre.status is None:
+            timeout = pre.failure == "timeout"
+            what = "timed out (timeouts.prefill)" if timeout else "is unreachable or broke the connection"
+            msg = f"prefill worker {w.url} {what} on {ex.route}: {pre.detail}"
+            log.warning("%s", msg)
+            return Failure.router(504 if timeout else 502, msg, "prefill_timeout" if timeout else "prefill_connect", True)
+        return Failure(pre.status, pre.body, "prefill_status", pre.status in RETRYABLE_STATUS, pre.content_type)
+
+    def _decode_error(self, ex: Exchange, exc: BaseException) -> Failure:
+        """502 (unreachable, connection broken) or 504 (timed out) naming the decode worker."""
+        w = ex.decode
+        if isinstance(exc, asyncio.TimeoutError):
+            msg = f"decode worker {w.url} timed out on {ex.route}"
+            log.warning("%s", msg)
+            return Failure.router(504, msg, "decode_timeout", True)
+        msg = f"decode worker {w.url} is unreachable or broke the connection on {ex.route}: {exc}"
+        log.warning("%s", msg)
+        return Failure.router(502, msg, "decode_connect", True)
+
+    async def _decode_status(self, ex: Exchange, resp: aiohttp.ClientResponse) -> Failure:
+        """Decode answered non-2xx: its error, or the prefill's when that is the root cause."""
+        try:
+            data = await resp.read()
+        except UPSTREAM_ERRORS as e:
+            data = json.dumps(error_body(resp.status, f"decode worker {ex.decode.url}: {e}")).encode()
+        finally:
+            resp.release()
+            ex.decode_end()
+        if resp.status >= 500:
+            ex.decode.breaker.record_failure()
+        # A decode error is often only the echo of a failed prefill (its bootstrap server is gone):
+        # give the prefill's outcome a moment, so the client gets the root cause.
+        if not ex.prefill_task.done():
+            await asyncio.wait((ex.prefill_task,), timeout=PREFILL_VERDICT_WAIT)
+        self._abort_prefill(ex)
+        if ex.prefill_task.done() and not ex.prefill_aborted:
+            pre = ex.prefill_task.result()
+            if pre.status is not None and not pre.ok:
+                return self._prefill_failure(ex, pre)
+        return Failure(resp.status, data, "decode_status", resp.status in RETRYABLE_STATUS, resp.content_type)
+
+    async def _decode_stream(self, ex: Exchange, resp: aiohttp.ClientResponse):
+        """Decode answered a stream with 2xx: read its first chunk before committing, so a stream
+        that starts with an error is still retried."""
+        try:
+            first = await resp.content.readany()
+        except UPSTREAM_ERRORS as e:
+            resp.close()
+            ex.decode_end()
+            self._abort_prefill(ex)
+            ex.decode.breaker.record_failure()
+            return self._decode_error(ex, e)
+        except BaseException:
+            resp.close()
+            ex.decode_end()
+            raise
+        if first.startswith(_ERROR_EVENT):
+            failure = self._stream_error(ex, first)
+            if failure is not None:
+                resp.close()
+                ex.decode_end()
+                self._abort_prefill(ex)
+                return failure
+        ex.decode.breaker.record_success()
+        relay = Relay(self, ex, resp, first)
+        return RelayResponse(relay, status_code=resp.status, media_type=resp.content_type,
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def _stream_error(self, ex: Exchange, first: bytes) -> Optional[Failure]:
+        """A Failure when the stream's first event is an engine error (before any token)."""
+        event = first.split(b"\n\n", 1)[0]
+        try:
+            err = json.loads(event[len(logprobs.SSE_DATA):]).get("error")
+        except (ValueError, AttributeError):
+            return None
+        if not isinstance(err, dict):
+            return None
+        status = err.get("code") if isinstance(err.get("code"), int) and 400 <= err.get("code") < 600 else 500
+        if status >= 500:
+            ex.decode.breaker.record_failure()
+        return Failure(status, json.dumps({"error": err}).encode(), "decode_status", status in RETRYABLE_STATUS)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client has gone away (the ASGI server's ``http.disconnect``)."""
+    receive = request.receive
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -8,8 +8,10 @@ from typing import Optional
 
 from starlette.responses import Response
 
-_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError", 499: "ClientClosedRequest",
-          502: "BadGatewayError", 503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
+          405: "MethodNotAllowedError", 409: "ConflictError", 413: "PayloadTooLargeError",
+          499: "ClientClosedRequest", 502: "BadGatewayError", 503: "ServiceUnavailableError",
+          504: "GatewayTimeoutError"}
 
 
 def error_body(status: int, message: str, param: Optional[str] = None) -> dict:
@@ -18,9 +20,10 @@ def error_body(status: int, message: str, param: Optional[str] = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def error_response(status: int, message: str, param: Optional[str] = None, extra: Optional[dict] = None) -> Response:
+def error_response(status: int, message: str, param: Optional[str] = None, extra: Optional[dict] = None,
+                   headers: Optional[dict] = None) -> Response:
     """A JSON error response; ``extra`` keys are added next to ``error`` (e.g. which workers failed)."""
     body = error_body(status, message, param)
     if extra:
         body.update(extra)
-    return Response(json.dumps(body).encode(), status_code=status, media_type="application/json")
+    return Response(json.dumps(body).encode(), status_code=status, media_type="application/json", headers=headers)

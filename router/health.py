@@ -1,5 +1,10 @@
-"""Worker health: periodic GET /health probes (feed the pairing policy and the
-``pdserve_router_worker_healthy`` gauge) and the /health_generate fan-out."""
+"""Active health checks of every worker (they take failing workers out of routing and put them
+back once they pass again) and the /health_generate fan-out.
+
+A worker is taken out after ``failure_threshold`` failed probes in a row and put back after
+``success_threshold`` passed probes in a row (sglang-router's ``--health-*`` semantics). The
+result feeds ``Worker.healthy``, the policies' filter and ``pdserve_router_worker_healthy``.
+"""
 
 from __future__ import annotations
 
@@ -9,19 +14,20 @@ from typing import Optional
 
 import aiohttp
 
+from pd.router.config import HealthCheckConfig
 from pd.router.workers import Worker, WorkerPool
 
 log = logging.getLogger("pd.router")
 
-PROBE_TIMEOUT = 5.0  # seconds for one GET /health
 # seconds for one GET /health_generate; the engines give up after 20 s (SGLang's default)
 HEALTH_GENERATE_TIMEOUT = 25.0
 
 
-async def probe(session: aiohttp.ClientSession, worker: Worker, path: str, timeout: float) -> Optional[str]:
+async def probe(session: aiohttp.ClientSession, worker: Worker, path: str, timeout: float,
+                headers: Optional[dict] = None) -> Optional[str]:
     """GET ``path`` on ``worker``; None when it answered 200, else what went wrong."""
     try:
-        async with session.get(worker.url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+        async with session.get(worker.url + path, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             await r.read()
             return None if r.status == 200 else f"HTTP {r.status}"
     except asyncio.TimeoutError:
@@ -31,43 +37,56 @@ async def probe(session: aiohttp.ClientSession, worker: Worker, path: str, timeo
 
 
 class HealthMonitor:
-    """Probes every worker's /health every ``interval`` seconds (0 = never) and records the
-    result on the worker (``Worker.set_healthy``).
+    """Probes every worker's health endpoint every ``interval_secs`` (0 = never).
 
     Args:
         pool: the workers.
-        interval: seconds between probe rounds.
+        config: interval, timeout, thresholds, endpoint.
+        headers: headers of every probe (e.g. the worker API key).
     """
 
-    def __init__(self, pool: WorkerPool, interval: float):
+    def __init__(self, pool: WorkerPool, config: HealthCheckConfig, headers: Optional[dict] = None):
         self.pool = pool
-        self.interval = interval
+        self.cfg = config
+        self.headers = headers
         self.session: Optional[aiohttp.ClientSession] = None
         self._task: Optional[asyncio.Task] = None
 
-    async def check_all(self, path: str = "/health", timeout: float = PROBE_TIMEOUT) -> list[dict]:
-        """Probe every worker concurrently; returns the failures as
-        ``[{"worker", "role", "error"}]`` (empty when all answered 200)."""
+    def record(self, w: Worker, err: Optional[str]) -> None:
+        """Count one probe result and take the worker out / put it back at the thresholds."""
+        if err is None:
+            w.health_failures = 0
+            w.health_successes += 1
+            if not w.healthy and w.health_successes >= self.cfg.success_threshold:
+                log.warning("%s worker %s passes its health checks again: back in routing", w.role, w.url)
+                w.set_healthy(True)
+        else:
+            w.health_successes = 0
+            w.health_failures += 1
+            if w.healthy and w.health_failures >= self.cfg.failure_threshold:
+                log.warning("%s worker %s failed %d health checks in a row (%s): taken out of routing", w.role, w.url,
+                            w.health_failures, err)
+                w.set_healthy(False)
+
+    async def check_all(self) -> None:
+        """One probe round over every worker, concurrently."""
         workers = self.pool.all
-        results = await asyncio.gather(*(probe(self.session, w, path, timeout) for w in workers))
-        failed = []
+        results = await asyncio.gather(*(probe(self.session, w, self.cfg.endpoint, self.cfg.timeout_secs, self.headers)
+                                         for w in workers))
         for w, err in zip(workers, results):
-            if err is not None and w.healthy:
-                log.warning("%s worker %s failed %s: %s", w.role, w.url, path, err)
-            elif err is None and not w.healthy:
-                log.info("%s worker %s is healthy again", w.role, w.url)
-            w.set_healthy(err is None)
-            if err is not None:
-                failed.append({"worker": w.url, "role": w.role, "error": err})
-        return failed
+            self.record(w, err)
 
     async def health_generate(self) -> list[dict]:
-        """Fan GET /health_generate out to every worker; the failures (see ``check_all``)."""
-        return await self.check_all("/health_generate", HEALTH_GENERATE_TIMEOUT)
+        """GET /health_generate on every worker concurrently; the failures as
+        ``[{"worker", "role", "error"}]`` (empty when all answered 200). Does not change routing."""
+        workers = self.pool.all
+        results = await asyncio.gather(*(probe(self.session, w, "/health_generate", HEALTH_GENERATE_TIMEOUT,
+                                               self.headers) for w in workers))
+        return [{"worker": w.url, "role": w.role, "error": err} for w, err in zip(workers, results) if err is not None]
 
     def start(self, session: aiohttp.ClientSession) -> None:
         self.session = session
-        if self.interval > 0:
+        if self.cfg.interval_secs > 0:
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
@@ -80,8 +99,8 @@ class HealthMonitor:
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self.interval)
             try:
                 await self.check_all()
             except Exception:  # a probe bug must not end health checking
                 log.exception("health probe round failed")
+            await asyncio.sleep(self.cfg.interval_secs)

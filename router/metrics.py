@@ -8,6 +8,17 @@ Per-request stages, all labelled by ``endpoint`` (the route, e.g. ``/generate``)
 - TTFT: arrival -> first byte of decode's body (streams) or the full response (non-streaming);
 - ITL (inter-token latency): between consecutive decode SSE data chunks;
 - E2E: arrival -> the last byte handed to the client.
+
+Series of every generation endpoint, every error kind and every worker exist from the start (at 0),
+so dashboards and rate() see stable label sets; a removed worker's series are dropped.
+
+Names (a dashboard contract; keep them): ``pdserve_router_{queue,prefill,ttft,inter_token,e2e}_seconds``,
+``pdserve_router_requests_total{endpoint,status}``, ``pdserve_router_errors_total{endpoint,kind}``,
+``pdserve_router_retries_total{endpoint}``, ``pdserve_router_requests_in_flight``,
+``pdserve_router_prompt_tokens_total{endpoint}``, ``pdserve_router_completion_tokens_total{endpoint}``,
+``pdserve_router_worker_inflight{worker,role}``, ``pdserve_router_worker_healthy{worker,role}``,
+``pdserve_router_worker_circuit_state{worker,role}`` (0 closed, 1 half-open, 2 open),
+``pdserve_router_policy_decisions_total{role,policy,worker}``.
 """
 
 from __future__ import annotations
@@ -23,17 +34,64 @@ ITL_BUCKETS = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03
                0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 8)
 E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 120, 300, 600, 1200, 1800)
 
+# Values of the ``kind`` label of pdserve_router_errors_total.
+ERROR_KINDS = (
+    "invalid_request",      # malformed body (400)
+    "payload_too_large",    # body over --max-payload-size (413)
+    "unauthorized",         # missing or wrong API key (401)
+    "no_worker",            # no available prefill or decode worker (503)
+    "prefill_status", "decode_status",    # the worker answered non-2xx
+    "prefill_connect", "decode_connect",  # could not reach it, or it broke the connection
+    "prefill_timeout", "decode_timeout",  # a stage timeout passed
+    "decode_stream",        # decode's stream broke after the first byte reached the client
+    "client_disconnect",    # the client went away before the answer ended
+)
+
+
+class EndpointMetrics:
+    """The per-request series of one endpoint, bound once (no label lookups on the hot path)."""
+
+    __slots__ = ("endpoint", "queue", "prefill", "ttft", "itl", "e2e", "retries", "prompt_tokens",
+                 "completion_tokens", "_requests", "_errors", "_owner")
+
+    def __init__(self, owner: "RouterMetrics", endpoint: str):
+        self._owner = owner
+        self.endpoint = endpoint
+        self.queue = owner.queue.labels(endpoint)
+        self.prefill = owner.prefill.labels(endpoint)
+        self.ttft = owner.ttft.labels(endpoint)
+        self.itl = owner.itl.labels(endpoint)
+        self.e2e = owner.e2e.labels(endpoint)
+        self.retries = owner.retries.labels(endpoint)
+        self.prompt_tokens = owner.prompt_tokens.labels(endpoint)
+        self.completion_tokens = owner.completion_tokens.labels(endpoint)
+        self._requests = {"200": owner.requests.labels(endpoint, "200")}
+        self._errors = {k: owner.errors.labels(endpoint, k) for k in ERROR_KINDS}
+
+    def request(self, status: int) -> None:
+        """Count one answered request with HTTP ``status``."""
+        key = str(status)
+        child = self._requests.get(key)
+        if child is None:
+            child = self._requests[key] = self._owner.requests.labels(self.endpoint, key)
+        child.inc()
+
+    def error(self, kind: str) -> None:
+        """Count one failure of ``kind`` (one of ERROR_KINDS)."""
+        child = self._errors.get(kind)
+        if child is None:
+            child = self._errors[kind] = self._owner.errors.labels(self.endpoint, kind)
+        child.inc()
+
 
 class RouterMetrics:
     """All router metrics, in a private ``CollectorRegistry``.
 
-    Error ``kind`` values: ``invalid_request`` (malformed body), ``{prefill,decode}_status``
-    (the worker answered non-2xx), ``{prefill,decode}_connect`` (could not reach it),
-    ``{prefill,decode}_timeout``, ``decode_stream`` (decode's stream broke after HTTP 200),
-    ``client_disconnect``.
+    Args:
+        endpoints: the routes whose series are created up front.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, endpoints: tuple[str, ...] = ()) -> None:
         r = self.registry = CollectorRegistry()
         ep = ["endpoint"]
         self.queue = Histogram("pdserve_router_queue_seconds", "Router queue time: arrival to dispatch to the workers.",
@@ -52,10 +110,42 @@ class RouterMetrics:
                                 ["endpoint", "status"], registry=r)
         self.errors = Counter("pdserve_router_errors", "Failed requests, by endpoint and failure kind.",
                               ["endpoint", "kind"], registry=r)
-        self.inflight = Gauge("pdserve_router_worker_inflight", "Requests in flight to a worker.",
-                              ["worker", "role"], registry=r)
-        self.healthy = Gauge("pdserve_router_worker_healthy", "1 if the worker's last health probe passed, else 0.",
-                             ["worker", "role"], registry=r)
+        self.retries = Counter("pdserve_router_retries", "Requests sent again to a fresh (prefill, decode) pair "
+                               "after a failure before the first byte reached the client.", ep, registry=r)
+        self.prompt_tokens = Counter("pdserve_router_prompt_tokens", "Prompt tokens of answered requests, as the "
+                                     "engines reported them.", ep, registry=r)
+        self.completion_tokens = Counter("pdserve_router_completion_tokens", "Generated tokens of answered requests, "
+                                         "as the engines reported them.", ep, registry=r)
+        self.in_flight = Gauge("pdserve_router_requests_in_flight", "Client requests the router is serving now.",
+                               registry=r)
+        wl = ["worker", "role"]
+        self.inflight = Gauge("pdserve_router_worker_inflight", "Requests in flight to a worker.", wl, registry=r)
+        self.healthy = Gauge("pdserve_router_worker_healthy", "1 while the worker passes its health checks, else 0.",
+                             wl, registry=r)
+        self.circuit = Gauge("pdserve_router_worker_circuit_state",
+                             "Circuit breaker of the worker: 0 closed, 1 half-open, 2 open.", wl, registry=r)
+        self.decisions = Counter("pdserve_router_policy_decisions", "Workers picked by the pairing policy.",
+                                 ["role", "policy", "worker"], registry=r)
+        self.endpoints = {e: EndpointMetrics(self, e) for e in endpoints}
+
+    def endpoint(self, endpoint: str) -> EndpointMetrics:
+        """The bound series of ``endpoint`` (created on first use for routes not known up front)."""
+        m = self.endpoints.get(endpoint)
+        if m is None:
+            m = self.endpoints[endpoint] = EndpointMetrics(self, endpoint)
+        return m
+
+    def drop_worker(self, url: str, role: str, policy: str) -> None:
+        """Remove a worker's series (it left the pool)."""
+        for g in (self.inflight, self.healthy, self.circuit):
+            try:
+                g.remove(url, role)
+            except KeyError:
+                pass
+        try:
+            self.decisions.remove(role, policy, url)
+        except KeyError:
+            pass
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every router metric."""

@@ -1,8 +1,8 @@
 """Stamping a request body with the PD bootstrap fields: one fresh bootstrap room per generated
-sequence, plus the chosen prefill's bootstrap host and port, plus a router request id.
+sequence, the chosen prefill's bootstrap host and port, and request ids the router can abort by.
 
 How many sequences a body generates (SGLang's expansion, which the reference engine follows:
-P prompts x ``n`` samples, prompt-major, a room list of length P*n indexed by ``p * n + s``):
+P prompts x ``n`` samples, prompt-major, lists of length P*n indexed by ``p * n + s``):
 
 - ``/generate``: P = len(text) for a list of strings, len(input_ids) for a list of token-id lists,
   else 1 (not a batch); ``n`` from ``sampling_params.n`` (a dict, or a list of dicts that must agree).
@@ -12,12 +12,22 @@ P prompts x ``n`` samples, prompt-major, a room list of length P*n indexed by ``
 
 A single sequence of a non-batch request gets scalar fields; anything else gets lists of length
 P*n. Client-supplied bootstrap fields are always replaced (a client must not pick rooms).
+
+Request ids: SGLang's /abort_request finds a request by its exact id first (tokenizer manager),
+so the router must know every sequence's id. Without a client ``rid`` the router sends one per
+sequence: ``pdr-<hex>`` for a single sequence, a list ``pdr-<hex>-<i>`` for a batch with ``n`` 1
+(``i`` zero-padded to one width: no id is a prefix of another, so a prefix-matching abort of one
+never hits a sibling). With ``n > 1`` a list is not portable (SGLang wants one id per prompt, the
+reference engine one per sequence), so the router sends a scalar ``pdr-<hex>``, which both expand to
+``pdr-<hex>_<i>`` (SGLang then replaces the ids of parallel samples by random ones: those can only
+be aborted by closing the connection). A client's scalar ``rid`` on a batch becomes ``rid_i`` in
+the engines (SGLang's rule); a client's list is used as is.
 """
 
 from __future__ import annotations
 
+import os
 import random
-import uuid
 from typing import Optional
 
 from pd.router.workers import Worker
@@ -25,16 +35,17 @@ from pd.router.workers import Worker
 ROOM_LIMIT = 2**63  # rooms are drawn from [0, 2^63): they fit a signed 64-bit int everywhere
 
 _rng = random.SystemRandom()  # rooms must not repeat across router processes started together
+_getrandbits = _rng.getrandbits
 
 
 def new_room() -> int:
     """A fresh random bootstrap room in [0, 2^63)."""
-    return _rng.randrange(ROOM_LIMIT)
+    return _getrandbits(63)
 
 
 def new_rid() -> str:
-    """A router-generated request id (the engines expand it to ``rid_i`` for batch items)."""
-    return "pdr-" + uuid.uuid4().hex
+    """A router-generated request id."""
+    return "pdr-" + os.urandom(16).hex()
 
 
 def _as_n(value) -> Optional[int]:
@@ -42,7 +53,7 @@ def _as_n(value) -> Optional[int]:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
 
-def _generate_shape(body: dict) -> tuple[int, bool]:
+def _generate_shape(body: dict) -> tuple[int, bool, int]:
     text, ids = body.get("text"), body.get("input_ids")
     if isinstance(text, list):
         prompts, batch = len(text), True
@@ -53,20 +64,21 @@ def _generate_shape(body: dict) -> tuple[int, bool]:
     sp = body.get("sampling_params")
     if isinstance(sp, list):
         sp = sp[0] if sp else None
-    n = _as_n(sp.get("n", 1)) if isinstance(sp, dict) else 1
-    return prompts * (n or 1), batch
+    n = (_as_n(sp.get("n", 1)) if isinstance(sp, dict) else 1) or 1
+    return prompts * n, batch, n
 
 
-def _completion_shape(body: dict) -> tuple[int, bool]:
+def _completion_shape(body: dict) -> tuple[int, bool, int]:
     prompt = body.get("prompt")
     n = _as_n(body.get("n", 1)) or 1
     if isinstance(prompt, list) and prompt and not all(isinstance(x, int) for x in prompt):
-        return len(prompt) * n, True  # list of strings or of token-id lists
-    return n, False
+        return len(prompt) * n, True, n  # list of strings or of token-id lists
+    return n, False, n
 
 
-def _chat_shape(body: dict) -> tuple[int, bool]:
-    return _as_n(body.get("n", 1)) or 1, False
+def _chat_shape(body: dict) -> tuple[int, bool, int]:
+    n = _as_n(body.get("n", 1)) or 1
+    return n, False, n
 
 
 SHAPES = {
@@ -76,8 +88,9 @@ SHAPES = {
 }
 
 
-def sequence_count(route: str, body: dict) -> tuple[int, bool]:
-    """(number of generated sequences, is the request a batch) for a body sent to ``route``.
+def sequence_count(route: str, body: dict) -> tuple[int, bool, int]:
+    """(number of generated sequences, is the request a batch, samples per prompt ``n``) for a
+    body sent to ``route``.
 
     Raises:
         KeyError: ``route`` is not a generation route.
@@ -85,26 +98,39 @@ def sequence_count(route: str, body: dict) -> tuple[int, bool]:
     return SHAPES[route](body)
 
 
-def stamp(route: str, body: dict, prefill: Worker) -> list[str]:
-    """Add bootstrap_host/port/room (one room per generated sequence) and a ``rid`` to ``body``
-    in place.
+def assign_rids(body: dict, count: int, batch: bool, n: int, client_rid) -> list[str]:
+    """Set ``body["rid"]`` for one attempt and return every sequence's id, in sequence order.
 
-    Returns:
-        The rid prefixes that /abort_request needs to reach every sequence of this request (the
-        client's own rid(s) when given, else the router's).
+    ``client_rid`` is the client's original ``rid`` (None when it sent none): kept as is. An empty
+    list means the ids are unknown (a client list of the wrong length: the engine rejects it).
     """
-    count, batch = sequence_count(route, body)
+    if client_rid is None:
+        base = new_rid()
+        if count == 1 and not batch:
+            body["rid"] = base
+            return [base]
+        if n > 1:
+            body["rid"] = base
+            return [f"{base}_{i}" for i in range(count)]
+        width = len(str(count - 1))
+        rids = [f"{base}-{i:0{width}d}" for i in range(count)]
+        body["rid"] = rids
+        return rids
+    body["rid"] = client_rid
+    if isinstance(client_rid, str):
+        return [client_rid] if count == 1 and not batch else [f"{client_rid}_{i}" for i in range(count)]
+    if isinstance(client_rid, list) and len(client_rid) == count and all(isinstance(r, str) for r in client_rid):
+        return list(client_rid)
+    return []
+
+
+def stamp(body: dict, count: int, batch: bool, prefill: Worker) -> None:
+    """Add bootstrap_host/port/room to ``body`` in place: one fresh room per generated sequence."""
     if count == 1 and not batch:
         body["bootstrap_host"] = prefill.bootstrap_host
         body["bootstrap_port"] = prefill.bootstrap_port
-        body["bootstrap_room"] = new_room()
+        body["bootstrap_room"] = _getrandbits(63)
     else:
         body["bootstrap_host"] = [prefill.bootstrap_host] * count
         body["bootstrap_port"] = [prefill.bootstrap_port] * count
-        body["bootstrap_room"] = [new_room() for _ in range(count)]
-    rid = body.get("rid")
-    if rid is None:
-        rid = body["rid"] = new_rid()
-    if isinstance(rid, list):
-        return [r for r in rid if isinstance(r, str) and r]
-    return [rid] if isinstance(rid, str) and rid else []
+        body["bootstrap_room"] = [_getrandbits(63) for _ in range(count)]

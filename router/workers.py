@@ -1,120 +1,233 @@
-"""Workers as the router sees them, and the pairing policy that picks one prefill and one decode
-per request (round-robin, separately per side, skipping workers that failed their last probe)."""
+"""Workers as the router sees them, and the pool that pairs one prefill with one decode per request.
+
+A worker gets requests only while it is *available*: its active health checks pass (``healthy``),
+its circuit breaker allows it (pd.router.circuit) and it is not draining. The pool's membership
+changes at runtime (admin API): lists are replaced, never mutated, so a request iterating one is
+never disturbed.
+"""
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
-from typing import Optional
+import asyncio
+from typing import TYPE_CHECKING, Optional
 
-from prometheus_client import Gauge
+from pd.router.circuit import CLOSED, CircuitBreaker
+from pd.router.config import CircuitBreakerConfig, RouterConfig, normalize_url
+from pd.router.policies import Policy, make_policy
 
-from pd.router.config import RouterConfig
+if TYPE_CHECKING:
+    from pd.router.metrics import RouterMetrics
+
+ROLES = ("prefill", "decode")
 
 
-@dataclass(eq=False)
 class Worker:
     """One upstream engine.
 
     Attributes:
         url: ``http://host:port``.
         role: ``prefill`` or ``decode``.
-        bootstrap_port: a prefill's bootstrap server port (None on a decode).
-        bootstrap_host: a prefill's host as the decode reaches it (None on a decode).
-        healthy: False after a failed probe or connection error, until a probe passes again.
-        probed: whether background probes run (only then may a connection error mark the worker
-            unhealthy: nothing else would ever mark it healthy again).
+        bootstrap_port / bootstrap_host: a prefill's bootstrap server (None on a decode).
+        healthy: False while active health checks fail (see pd.router.health).
+        draining: True once an operator drains it: no new requests, in-flight ones finish.
+        breaker: its circuit breaker.
+        inflight: requests in flight to it.
+        load: generated sequences in flight to it (a batch of 33 counts 33), the policies' load.
     """
 
-    url: str
-    role: str
-    bootstrap_port: Optional[int] = None
-    bootstrap_host: Optional[str] = None
-    healthy: bool = True
-    probed: bool = True
-    _inflight: Optional[Gauge] = field(default=None, repr=False)
-    _healthy: Optional[Gauge] = field(default=None, repr=False)
+    __slots__ = ("url", "role", "bootstrap_port", "bootstrap_host", "healthy", "draining", "breaker", "inflight",
+                 "load", "health_failures", "health_successes", "_g_inflight", "_g_healthy", "_g_circuit",
+                 "decisions", "_idle")
 
-    def bind_metrics(self, inflight: Gauge, healthy: Gauge) -> None:
-        """Attach the per-worker gauges (labels worker=url, role)."""
-        self._inflight = inflight.labels(worker=self.url, role=self.role)
-        self._healthy = healthy.labels(worker=self.url, role=self.role)
-        self._healthy.set(1 if self.healthy else 0)
+    def __init__(self, url: str, role: str, bootstrap_port: Optional[int] = None, bootstrap_host: Optional[str] = None,
+                 breaker: Optional[CircuitBreakerConfig] = None):
+        if role not in ROLES:
+            raise ValueError(f"worker role must be one of {ROLES}, got {role!r}")
+        self.url = url
+        self.role = role
+        self.bootstrap_port = bootstrap_port
+        self.bootstrap_host = bootstrap_host
+        self.healthy = True
+        self.draining = False
+        self.breaker = CircuitBreaker(breaker or CircuitBreakerConfig(), self._circuit_changed)
+        self.inflight = 0
+        self.load = 0
+        self.health_failures = 0  # consecutive failed probes
+        self.health_successes = 0  # consecutive passed probes
+        self._g_inflight = self._g_healthy = self._g_circuit = self.decisions = None
+        self._idle: Optional[asyncio.Future] = None
+
+    def __repr__(self) -> str:
+        return f"Worker({self.role} {self.url})"
+
+    def available(self) -> bool:
+        """May this worker get a new request now?"""
+        return self.healthy and not self.draining and self.breaker.allows()
+
+    def state(self) -> str:
+        """Why the worker is (not) available, in one word, for errors and the admin API."""
+        if self.draining:
+            return "draining"
+        if not self.healthy:
+            return "unhealthy"
+        if not self.breaker.allows():
+            return "circuit_open"
+        return "available"
+
+    # ---- metrics --------------------------------------------------------------------------------
+    def bind_metrics(self, metrics: "RouterMetrics", policy: str) -> None:
+        """Attach this worker's series (labels worker=url, role); they exist from now on."""
+        self._g_inflight = metrics.inflight.labels(self.url, self.role)
+        self._g_healthy = metrics.healthy.labels(self.url, self.role)
+        self._g_circuit = metrics.circuit.labels(self.url, self.role)
+        self.decisions = metrics.decisions.labels(self.role, policy, self.url)
+        self._g_inflight.set(self.inflight)
+        self._g_healthy.set(1 if self.healthy else 0)
+        self._g_circuit.set(self.breaker.state)
+
+    def _circuit_changed(self, state: int) -> None:
+        if self._g_circuit is not None:
+            self._g_circuit.set(state)
 
     def set_healthy(self, ok: bool) -> None:
         self.healthy = ok
-        if self._healthy is not None:
-            self._healthy.set(1 if ok else 0)
+        if self._g_healthy is not None:
+            self._g_healthy.set(1 if ok else 0)
 
-    def mark_unreachable(self) -> None:
-        """A connection to this worker failed: skip it until the next probe passes."""
-        if self.probed and self.healthy:
-            self.set_healthy(False)
+    # ---- load -----------------------------------------------------------------------------------
+    def begin(self, seqs: int) -> None:
+        """A request for ``seqs`` sequences to this worker started."""
+        self.inflight += 1
+        self.load += seqs
+        if self._g_inflight is not None:
+            self._g_inflight.inc()
 
-    def begin(self) -> None:
-        """A request to this worker started (in-flight gauge +1)."""
-        if self._inflight is not None:
-            self._inflight.inc()
+    def end(self, seqs: int) -> None:
+        """A request started with ``begin(seqs)`` finished."""
+        self.inflight -= 1
+        self.load -= seqs
+        if self._g_inflight is not None:
+            self._g_inflight.dec()
+        if self.inflight == 0 and self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
 
-    def end(self) -> None:
-        """A request to this worker finished (in-flight gauge -1)."""
-        if self._inflight is not None:
-            self._inflight.dec()
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until nothing is in flight; True if it got there."""
+        if self.inflight == 0:
+            return True
+        if self._idle is None or self._idle.done():
+            self._idle = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._idle), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
-
-class RoundRobin:
-    """Round-robin over a fixed list, preferring healthy workers; if none is healthy it still
-    returns one (the request then fails with that worker's error instead of a router guess)."""
-
-    def __init__(self, workers: list[Worker]):
-        if not workers:
-            raise ValueError("RoundRobin needs at least one worker")
-        self.workers = workers
-        self._next = itertools.count()
-
-    def pick(self) -> Worker:
-        n = len(self.workers)
-        start = next(self._next)
-        for k in range(n):
-            w = self.workers[(start + k) % n]
-            if w.healthy:
-                return w
-        return self.workers[start % n]
-
-
-@dataclass(frozen=True)
-class Pair:
-    """The (prefill, decode) pair serving one request."""
-
-    prefill: Worker
-    decode: Worker
+    def describe(self) -> dict:
+        """The worker as the admin API lists it."""
+        return {
+            "url": self.url, "worker_type": self.role, "bootstrap_port": self.bootstrap_port,
+            "bootstrap_host": self.bootstrap_host, "state": self.state(), "is_healthy": self.healthy,
+            "draining": self.draining, "circuit": {0: "closed", 1: "half_open", 2: "open"}[self.breaker.state],
+            "inflight": self.inflight, "load": self.load,
+        }
 
 
 class WorkerPool:
-    """All workers of a router and the pairing policy.
+    """All workers of a router and one pairing policy per side.
 
     Args:
-        config: the router config (workers and policy).
+        config: the router config (initial workers, policies, breaker settings).
+        metrics: where per-worker series live (None in unit tests).
     """
 
-    def __init__(self, config: RouterConfig):
-        self.prefill = [Worker(p.url, "prefill", p.bootstrap_port, p.bootstrap_host) for p in config.prefill]
-        self.decode = [Worker(u, "decode") for u in config.decode]
-        for w in self.all:
-            w.probed = config.health_check_interval > 0
-        if config.policy != "round_robin":  # the config validator already restricts this
-            raise ValueError(f"unknown policy {config.policy!r}")
-        self._prefill_policy = RoundRobin(self.prefill)
-        self._decode_policy = RoundRobin(self.decode)
+    def __init__(self, config: RouterConfig, metrics: Optional["RouterMetrics"] = None):
+        self.config = config
+        self.metrics = metrics
+        self.policies: dict[str, Policy] = {role: make_policy(config.side_policy(role), role, config) for role in ROLES}
+        self.prefill: list[Worker] = []
+        self.decode: list[Worker] = []
+        for p in config.prefill:
+            self.add(p.url, "prefill", p.bootstrap_port)
+        for url in config.decode:
+            self.add(url, "decode")
 
     @property
     def all(self) -> list[Worker]:
         return self.prefill + self.decode
 
-    def bind_metrics(self, inflight: Gauge, healthy: Gauge) -> None:
-        for w in self.all:
-            w.bind_metrics(inflight, healthy)
+    @property
+    def needs_key(self) -> bool:
+        """Whether a policy looks at the prompt (only then is a routing key computed)."""
+        return any(p.uses_key for p in self.policies.values())
 
-    def pick(self) -> Pair:
-        """The next (prefill, decode) pair; each side advances its own round-robin cursor."""
-        return Pair(self._prefill_policy.pick(), self._decode_policy.pick())
+    def get(self, url: str) -> Optional[Worker]:
+        url = normalize_url(url)
+        for w in self.prefill + self.decode:
+            if w.url == url:
+                return w
+        return None
+
+    def add(self, url: str, role: str, bootstrap_port: Optional[int] = None) -> Worker:
+        """Add a worker; it gets requests at once (until health checks or its breaker say otherwise).
+
+        Raises:
+            ValueError: bad URL or role, a prefill without a bootstrap port, or the URL is
+                already a worker.
+        """
+        from urllib.parse import urlsplit
+
+        url = normalize_url(url)
+        if role not in ROLES:
+            raise ValueError(f"worker_type must be one of {ROLES}, got {role!r}")
+        if self.get(url) is not None:
+            raise ValueError(f"{url} is already a worker")
+        if role == "prefill":
+            if bootstrap_port is None or not 1 <= int(bootstrap_port) <= 65535:
+                raise ValueError(f"a prefill worker needs a bootstrap_port in 1..65535, got {bootstrap_port!r}")
+            w = Worker(url, role, int(bootstrap_port), urlsplit(url).hostname, self.config.circuit_breaker)
+        else:
+            w = Worker(url, role, breaker=self.config.circuit_breaker)
+        if self.metrics is not None:
+            w.bind_metrics(self.metrics, self.policies[role].name)
+        if role == "prefill":
+            self.prefill = self.prefill + [w]
+        else:
+            self.decode = self.decode + [w]
+        return w
+
+    def remove(self, url: str) -> Worker:
+        """Take a worker out for good (requests in flight to it finish on their own connections).
+
+        Raises:
+            KeyError: no such worker.
+        """
+        w = self.get(url)
+        if w is None:
+            raise KeyError(url)
+        if w.role == "prefill":
+            self.prefill = [x for x in self.prefill if x is not w]
+        else:
+            self.decode = [x for x in self.decode if x is not w]
+        self.policies[w.role].forget(w)
+        if self.metrics is not None:
+            self.metrics.drop_worker(w.url, w.role, self.policies[w.role].name)
+        return w
+
+    def pick_prefill(self, key: Optional[str]) -> Optional[Worker]:
+        """A prefill worker for a request with routing key ``key``; None when none is available."""
+        return self.policies["prefill"].select(self.prefill, key)
+
+    def pick_decode(self, key: Optional[str]) -> Optional[Worker]:
+        """A decode worker for a request with routing key ``key``; None when none is available."""
+        return self.policies["decode"].select(self.decode, key)
+
+    def unavailable_reason(self, role: str) -> str:
+        """Why no ``role`` worker can take a request, naming each one's state."""
+        workers = self.prefill if role == "prefill" else self.decode
+        if not workers:
+            return f"no {role} workers are registered"
+        return f"no {role} worker is available: " + ", ".join(f"{w.url} ({w.state()})" for w in workers)
+
+    def circuit_states(self) -> dict[str, int]:
+        return {w.url: w.breaker.state for w in self.all if w.breaker.state != CLOSED}

@@ -1,57 +1,83 @@
-"""Router units without processes: room stamping, logprob merging, pairing, config and CLI parsing."""
+"""Router units without processes: rooms and request ids, logprob merging, policies, the radix
+tree, circuit breakers, abort detection, token counting, config/CLI parsing, keys, metrics."""
 
 import json
+import random
+from types import SimpleNamespace
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from pd.router.cli import config_from_args, parse_prefill
-from pd.router.config import RouterConfig
+from pd.router.aborts import aborted_indexes
+from pd.router.auth import Auth, key_matches
+from pd.router.circuit import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from pd.router.cli import config_from_args, parse_prefill, settings_argv
+from pd.router.config import CircuitBreakerConfig, RouterConfig
 from pd.router.logprobs import merge_event, merge_full, prefill_inputs, wants_input_logprobs
-from pd.router.rooms import ROOM_LIMIT, sequence_count, stamp
+from pd.router.metrics import ERROR_KINDS, RouterMetrics
+from pd.router.policies import POLICIES, routing_key
+from pd.router.radix import RadixTree
+from pd.router.rooms import ROOM_LIMIT, assign_rids, sequence_count, stamp
+from pd.router.tokens import UsageTap, count, wants_usage_injected
 from pd.router.workers import Worker, WorkerPool
 
 PREFILL = Worker("http://10.0.0.7:30000", "prefill", 8998, "10.0.0.7")
+ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 
 
+# ---- rooms and request ids ----------------------------------------------------------------------
 @pytest.mark.parametrize("route,body,expected", [
-    ("/generate", {"text": "hi"}, (1, False)),
-    ("/generate", {"text": ["a", "b", "c"]}, (3, True)),
-    ("/generate", {"text": ["a"]}, (1, True)),
-    ("/generate", {"input_ids": [1, 2, 3]}, (1, False)),
-    ("/generate", {"input_ids": [[1, 2], [3]]}, (2, True)),
-    ("/generate", {"text": "hi", "sampling_params": {"n": 3}}, (3, False)),
-    ("/generate", {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 2}]}, (4, True)),
-    ("/v1/completions", {"prompt": "hi"}, (1, False)),
-    ("/v1/completions", {"prompt": [1, 2, 3]}, (1, False)),
-    ("/v1/completions", {"prompt": [[1, 2], [3]], "n": 2}, (4, True)),
-    ("/v1/completions", {"prompt": ["a", "b", "c"]}, (3, True)),
-    ("/v1/chat/completions", {"messages": [], "n": 3}, (3, False)),
-    ("/v1/chat/completions", {"messages": [], "n": "three"}, (1, False)),  # the engine rejects it
+    ("/generate", {"text": "hi"}, (1, False, 1)),
+    ("/generate", {"text": ["a", "b", "c"]}, (3, True, 1)),
+    ("/generate", {"text": ["a"]}, (1, True, 1)),
+    ("/generate", {"input_ids": [1, 2, 3]}, (1, False, 1)),
+    ("/generate", {"input_ids": [[1, 2], [3]]}, (2, True, 1)),
+    ("/generate", {"text": "hi", "sampling_params": {"n": 3}}, (3, False, 3)),
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 2}]}, (4, True, 2)),
+    ("/v1/completions", {"prompt": "hi"}, (1, False, 1)),
+    ("/v1/completions", {"prompt": [1, 2, 3]}, (1, False, 1)),
+    ("/v1/completions", {"prompt": [[1, 2], [3]], "n": 2}, (4, True, 2)),
+    ("/v1/completions", {"prompt": ["a", "b", "c"]}, (3, True, 1)),
+    ("/v1/chat/completions", {"messages": [], "n": 3}, (3, False, 3)),
+    ("/v1/chat/completions", {"messages": [], "n": "three"}, (1, False, 1)),  # the engine rejects it
 ])
 def test_sequence_count(route, body, expected):
     assert sequence_count(route, body) == expected
 
 
-def test_stamp_scalar_replaces_client_fields_and_adds_rid():
+def test_stamp_replaces_client_fields_with_fresh_rooms():
     body = {"text": "hi", "bootstrap_room": 7, "bootstrap_host": "evil", "bootstrap_port": 1}
-    rids = stamp("/generate", body, PREFILL)
+    stamp(body, 1, False, PREFILL)
     assert body["bootstrap_host"] == "10.0.0.7" and body["bootstrap_port"] == 8998
     assert isinstance(body["bootstrap_room"], int) and body["bootstrap_room"] != 7
-    assert 0 <= body["bootstrap_room"] < ROOM_LIMIT
-    assert rids == [body["rid"]] and body["rid"].startswith("pdr-")
-
-
-def test_stamp_lists_one_room_per_sequence_and_keeps_client_rid():
-    body = {"prompt": ["a", "b", "c"], "n": 2, "rid": "mine", "bootstrap_room": [1, 1]}
-    assert stamp("/v1/completions", body, PREFILL) == ["mine"]
+    body = {"prompt": ["a", "b", "c"], "n": 2, "bootstrap_room": [1, 1]}
+    stamp(body, 6, True, PREFILL)
     rooms = body["bootstrap_room"]
     assert len(rooms) == 6 and len(set(rooms)) == 6 and all(0 <= r < ROOM_LIMIT for r in rooms)
     assert body["bootstrap_host"] == ["10.0.0.7"] * 6 and body["bootstrap_port"] == [8998] * 6
-    body = {"messages": [], "n": 3, "rid": ["x", "y", "z"]}
-    assert stamp("/v1/chat/completions", body, PREFILL) == ["x", "y", "z"]
-    assert len(set(body["bootstrap_room"])) == 3
 
 
+def test_assign_rids_per_sequence():
+    body = {}
+    (rid,) = assign_rids(body, 1, False, 1, None)
+    assert body["rid"] == rid and rid.startswith("pdr-")
+    rids = assign_rids(body, 33, True, 1, None)
+    assert body["rid"] == rids and len(set(rids)) == 33
+    # fixed width: no id is a prefix of another (a prefix-matching abort of one hits no sibling)
+    assert not any(a != b and b.startswith(a) for a in rids for b in rids)
+    again = assign_rids(body, 33, True, 1, None)
+    assert not set(again) & set(rids)  # fresh ids per attempt
+    # n > 1: a scalar both engines expand to rid_i
+    rids = assign_rids(body, 6, True, 3, None)
+    assert isinstance(body["rid"], str) and rids == [f"{body['rid']}_{i}" for i in range(6)]
+    # client ids are kept
+    assert assign_rids(body, 1, False, 1, "mine") == ["mine"] and body["rid"] == "mine"
+    assert assign_rids(body, 3, True, 1, "mine") == ["mine_0", "mine_1", "mine_2"]
+    assert assign_rids(body, 2, True, 1, ["x", "y"]) == ["x", "y"]
+    assert assign_rids(body, 3, True, 1, ["x", "y"]) == []  # wrong length: the engine rejects it
+
+
+# ---- logprobs -------------------------------------------------------------------------------
 def test_merge_full_and_stream_events():
     pre = [{"meta_info": {"input_token_logprobs": [[None, 1, None], [-1.0, 2, None]]}},
            {"meta_info": {"input_token_logprobs": [[None, 3, None]], "input_top_logprobs": [None]}}]
@@ -62,7 +88,6 @@ def test_merge_full_and_stream_events():
     assert merged[0]["meta_info"]["input_token_logprobs"] == [[None, 1, None], [-1.0, 2, None]]
     assert merged[0]["meta_info"]["output_token_logprobs"] == [[-0.5, 9, None]]
     assert merged[1]["meta_info"]["input_top_logprobs"] == [None]
-    # streams: the prefill's last chunk per index wins
     sse = b"".join(b"data: " + json.dumps(dict(p, index=i)).encode() + b"\n\n" for i, p in enumerate(pre))
     sse = b'data: {"index": 0, "meta_info": {"input_token_logprobs": []}}\n\n' + sse + b"data: [DONE]\n\n"
     inputs = prefill_inputs(sse, stream=True)
@@ -79,26 +104,266 @@ def test_wants_input_logprobs():
     assert not wants_input_logprobs("/v1/completions", {"return_logprob": True})
 
 
-def test_round_robin_per_side_skips_unhealthy():
-    cfg = RouterConfig.from_urls([("http://p1:1", 10), ("http://p2:1", 11)], ["http://d1:1", "http://d2:1", "http://d3:1"])
-    pool = WorkerPool(cfg)
-    pairs = [pool.pick() for _ in range(6)]
-    assert [p.prefill.url for p in pairs] == ["http://p1:1", "http://p2:1"] * 3
-    assert [p.decode.url for p in pairs] == ["http://d1:1", "http://d2:1", "http://d3:1"] * 2
+# ---- policies -------------------------------------------------------------------------------
+def pool_of(prefill=2, decode=3, **kw) -> WorkerPool:
+    cfg = RouterConfig.from_urls([(f"http://p{i}:1", 10 + i) for i in range(prefill)],
+                                 [f"http://d{i}:1" for i in range(decode)], **kw)
+    return WorkerPool(cfg, RouterMetrics())
+
+
+def test_round_robin_per_side_skips_unavailable():
+    pool = pool_of()
+    picks = [(pool.pick_prefill(None).url, pool.pick_decode(None).url) for _ in range(6)]
+    assert [p for p, _ in picks] == ["http://p0:1", "http://p1:1"] * 3
+    assert [d for _, d in picks] == ["http://d0:1", "http://d1:1", "http://d2:1"] * 2
     pool.decode[1].set_healthy(False)
-    assert {pool.pick().decode.url for _ in range(6)} == {"http://d1:1", "http://d3:1"}
-    for w in pool.decode:
-        w.set_healthy(False)
-    assert pool.pick().decode in pool.decode  # none healthy: still answers (with that worker's error)
+    pool.decode[2].draining = True
+    assert {pool.pick_decode(None).url for _ in range(6)} == {"http://d0:1"}
+    for _ in range(10):
+        pool.decode[0].breaker.record_failure()
+    assert pool.decode[0].breaker.state == OPEN
+    assert pool.pick_decode(None) is None
+    assert "d0:1 (circuit_open)" in pool.unavailable_reason("decode")
+    assert "d1:1 (unhealthy)" in pool.unavailable_reason("decode")
+    assert "d2:1 (draining)" in pool.unavailable_reason("decode")
 
 
-def test_cli_parsing():
+def test_separate_policies_and_decision_counts():
+    pool = pool_of(policy="random", decode_policy="least_load")
+    assert pool.policies["prefill"].name == "random" and pool.policies["decode"].name == "least_load"
+    random.seed(3)
+    seen = {pool.pick_prefill(None).url for _ in range(40)}
+    assert seen == {"http://p0:1", "http://p1:1"}
+    m = pool.metrics
+    total = sum(s.value for f in text_string_to_metric_families(m.render().decode())
+                if f.name == "pdserve_router_policy_decisions" for s in f.samples
+                if s.name.endswith("_total") and s.labels["role"] == "prefill" and s.labels["policy"] == "random")
+    assert total == 40
+
+
+def test_least_load_and_power_of_two():
+    pool = pool_of(policy="least_load")
+    d0, d1, d2 = pool.decode
+    d0.begin(5)
+    d1.begin(1)
+    assert pool.pick_decode(None) is d2
+    d2.begin(33)  # a batch counts its sequences
+    assert pool.pick_decode(None) is d1
+    d1.end(1)
+    d2.end(33)
+    assert {pool.pick_decode(None) for _ in range(4)} == {d1, d2}  # ties rotate
+    pool = pool_of(decode=2, policy="power_of_two")
+    a, b = pool.decode
+    a.begin(3)
+    assert all(pool.pick_decode(None) is b for _ in range(20))
+
+
+def test_cache_aware_prefers_the_worker_holding_the_prefix_unless_imbalanced():
+    pool = pool_of(prefill=3, policy="cache_aware", cache_aware={"balance_abs_threshold": 4, "balance_rel_threshold": 1.5})
+    sys_prompt = "You are a helpful assistant. " * 20
+    first = pool.pick_prefill(sys_prompt + "question one")
+    assert all(pool.pick_prefill(sys_prompt + f"question {i}") is first for i in range(2, 8))
+    # an unrelated prompt goes to an empty cache (the smallest tree), not to `first`
+    other = pool.pick_prefill("Completely different text " * 10)
+    assert other is not first
+    # out of balance: the least loaded worker wins despite the cached prefix
+    first.begin(10)
+    chosen = pool.pick_prefill(sys_prompt + "question 9")
+    assert chosen is not first and chosen.load == 0
+    first.end(10)
+    # a removed worker's tree is dropped
+    pool.remove(first.url)
+    assert first.url not in pool.policies["prefill"].trees
+
+
+def test_routing_key():
+    assert routing_key("/generate", {"text": "abc"}) == "abc"
+    assert routing_key("/generate", {"text": ["abc", "d"]}) == "abc"
+    assert routing_key("/generate", {"input_ids": [65, 66]}) == "AB"
+    assert routing_key("/generate", {"input_ids": [[65], [66]]}) == "A"
+    assert routing_key("/v1/completions", {"prompt": "p"}) == "p"
+    key = routing_key("/v1/chat/completions", {"messages": [{"role": "system", "content": "S"},
+                                                            {"role": "user", "content": [{"type": "text", "text": "U"}]}]})
+    assert key.startswith("system\x00S") and "user\x00U" in key
+    assert routing_key("/generate", {"input_ids": [-1]}) is None
+    assert routing_key("/v1/completions", {}) is None
+
+
+def test_every_policy_is_one_registered_class():
+    assert set(POLICIES) == {"round_robin", "random", "least_load", "power_of_two", "cache_aware"}
+    for name in POLICIES:  # each one serves a pool end to end
+        pool = pool_of(policy=name)
+        assert pool.pick_prefill("x") in pool.prefill and pool.pick_decode("x") in pool.decode
+
+
+# ---- radix tree -------------------------------------------------------------------------------
+def test_radix_tree_match_insert_evict():
+    t = RadixTree()
+    t.insert("hello world", 1.0)
+    assert t.match("hello there") == 6 and t.match("hello world!") == 11 and t.match("x") == 0
+    t.insert("hello there", 2.0)  # splits the "hello world" edge
+    assert t.size == len("hello world") + len("there")
+    assert t.match("hello there") == 11 and t.match("hello world") == 11
+    t.insert("goodbye", 3.0)
+    t.evict(t.size - 1)  # the least recently used leaf ("world") goes first
+    assert t.match("hello world") == 6 and t.match("hello there") == 11 and t.match("goodbye") == 7
+    t.evict(0)
+    assert t.size == 0 and t.match("hello") == 0
+
+
+# ---- circuit breaker ----------------------------------------------------------------------------
+def test_circuit_breaker_states():
+    now = [0.0]
+    changes = []
+    cb = CircuitBreaker(CircuitBreakerConfig(failure_threshold=3, success_threshold=2, timeout_duration_secs=10,
+                                             window_duration_secs=5), changes.append, clock=lambda: now[0])
+    cb.record_failure()
+    cb.record_failure()
+    cb.record_success()  # a success resets the streak
+    cb.record_failure()
+    cb.record_failure()
+    assert cb.state == CLOSED
+    now[0] = 20.0  # failures further apart than the window do not add up
+    cb.record_failure()
+    assert cb.state == CLOSED
+    cb.record_failure()
+    cb.record_failure()
+    assert cb.state == OPEN and not cb.allows()
+    now[0] = 31.0
+    assert cb.allows() and cb.state == HALF_OPEN
+    cb.record_failure()  # a failed trial re-opens
+    assert cb.state == OPEN and not cb.allows()
+    now[0] = 42.0
+    assert cb.allows()
+    cb.record_success()
+    assert cb.state == HALF_OPEN
+    cb.record_success()
+    assert cb.state == CLOSED
+    assert changes == [OPEN, HALF_OPEN, OPEN, HALF_OPEN, CLOSED]
+    off = CircuitBreaker(CircuitBreakerConfig(enabled=False, failure_threshold=1))
+    off.record_failure()
+    assert off.state == CLOSED and off.allows()
+
+
+# ---- aborts and tokens ------------------------------------------------------------------------
+def test_aborted_indexes_every_route_shape():
+    ab, ok = {"type": "abort", "message": "Aborted"}, {"type": "length", "length": 1}
+    gen = [{"meta_info": {"finish_reason": fr}} for fr in (ok, ab, ok, ab)]
+    assert aborted_indexes("/generate", json.dumps(gen).encode(), False) == {1, 3}
+    assert aborted_indexes("/generate", json.dumps(gen[1]).encode(), False) == {0}
+    sse = b"".join(b"data: " + json.dumps(dict(g, index=i)).encode() + b"\n\n" for i, g in enumerate(gen))
+    assert aborted_indexes("/generate", sse + b"data: [DONE]\n\n", True) == {1, 3}
+    chat = {"choices": [{"index": i, "finish_reason": "abort" if i % 2 else "stop"} for i in range(4)]}
+    assert aborted_indexes("/v1/chat/completions", json.dumps(chat).encode(), False) == {1, 3}
+    chunks = b"".join(b"data: " + json.dumps({"choices": [c]}).encode() + b"\n\n" for c in chat["choices"])
+    assert aborted_indexes("/v1/completions", chunks, True) == {1, 3}
+    assert aborted_indexes("/generate", json.dumps(gen[0]).encode(), False) == set()
+
+
+def test_token_counts_and_usage_tap():
+    gen = [{"meta_info": {"prompt_tokens": 5, "completion_tokens": 7, "cached_tokens": 2}},
+           {"meta_info": {"prompt_tokens": 3, "completion_tokens": 1}}]
+    assert count(json.dumps(gen).encode()) == (8, 8)
+    usage = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 9, "total_tokens": 13,
+                                      "prompt_tokens_details": {"cached_tokens": 1}}}
+    assert count(json.dumps(usage).encode()) == (4, 9)
+    tap = UsageTap(generate=True, drop_usage=False)
+    assert tap.event(b'data: {"meta_info": {"finish_reason": null, "prompt_tokens": 5, "completion_tokens": 1}}')
+    assert tap.event(b'data: {"meta_info": {"finish_reason": {"type": "length"}, "prompt_tokens": 5, "completion_tokens": 2}}')
+    assert (tap.prompt, tap.completion) == (5, 2)
+    tap = UsageTap(generate=False, drop_usage=True)
+    assert tap.event(b'data: {"choices": [{"index": 0, "text": "x"}], "usage": null}')
+    assert not tap.event(b"data: " + json.dumps(usage).encode())
+    assert (tap.prompt, tap.completion) == (4, 9)
+    body = {"stream": True}
+    assert wants_usage_injected(body) and body["stream_options"] == {"include_usage": True}
+    assert not wants_usage_injected({"stream_options": {"include_usage": True}})
+
+
+# ---- config, CLI, keys ------------------------------------------------------------------------
+def test_cli_parsing_and_flags_round_trip():
     cfg = config_from_args(["--prefill", "http://a:1", "9000", "--prefill", "b:2", "--prefill", "http://c:3", "none",
-                            "--decode", "http://d:4/", "--port", "0", "--request-timeout", "5"])
+                            "--decode", "http://d:4/", "--port", "0", "--request-timeout", "5",
+                            "--prefill-policy", "cache_aware", "--decode-policy", "power_of_two",
+                            "--retry-max-retries", "3", "--cb-failure-threshold", "4", "--disable-circuit-breaker",
+                            "--health-check-interval-secs", "0.5", "--stream-idle-timeout-secs", "2",
+                            "--max-payload-size", "1000", "--request-id-headers", "x-trace-id", "x-request-id"])
     assert [(p.url, p.bootstrap_port, p.bootstrap_host) for p in cfg.prefill] == [
         ("http://a:1", 9000, "a"), ("http://b:2", 8998, "b"), ("http://c:3", 8998, "c")]
-    assert cfg.decode == ["http://d:4"] and cfg.port == 0 and cfg.request_timeout == 5
+    assert cfg.decode == ["http://d:4"] and cfg.port == 0 and cfg.timeouts.request == 5
+    assert cfg.side_policy("prefill") == "cache_aware" and cfg.side_policy("decode") == "power_of_two"
+    assert cfg.retry.max_retries == 3 and cfg.circuit_breaker.failure_threshold == 4
+    assert not cfg.circuit_breaker.enabled and cfg.health_check.interval_secs == 0.5
+    assert cfg.timeouts.stream_idle == 2 and cfg.max_payload_size == 1000
+    assert cfg.request_id_headers == ("x-trace-id", "x-request-id")
+    assert config_from_args(["--disable-retries", "--prefill", "http://a:1", "--decode", "http://d:1"]).retry.max_retries == 1
+    workers = ["--prefill", "http://a:1", "9000", "--prefill", "http://b:2", "--prefill", "http://c:3",
+               "--decode", "http://d:4"]
+    assert config_from_args(settings_argv(cfg) + workers) == cfg
     with pytest.raises(ValueError):
         parse_prefill(["http://a:1", "x"])
     with pytest.raises(SystemExit):
         config_from_args(["--prefill", "http://a:1", "1", "2", "--decode", "http://d:1"])
+    with pytest.raises(SystemExit):
+        config_from_args(["--prefill", "http://a:1", "--decode", "http://a:1"])  # one worker twice
+
+
+def test_config_rejects_unknown_keys_and_bad_values():
+    with pytest.raises(ValueError, match="retyr"):
+        RouterConfig.from_urls(["http://a:1"], ["http://d:1"], retyr={})
+    with pytest.raises(ValueError, match="max_retries"):
+        RouterConfig.from_urls(["http://a:1"], ["http://d:1"], retry={"max_retries": 0})
+    with pytest.raises(ValueError, match="policy"):
+        RouterConfig.from_urls(["http://a:1"], ["http://d:1"], policy="fastest")
+    with pytest.raises(ValueError, match="endpoint"):
+        RouterConfig.from_urls(["http://a:1"], ["http://d:1"], health_check={"endpoint": "health"})
+
+
+def test_keys():
+    assert key_matches("Bearer s3cret", "s3cret") and key_matches("bearer s3cret", "s3cret")
+    assert not key_matches("Bearer s3cre", "s3cret") and not key_matches(None, "s3cret")
+    assert not key_matches("Basic s3cret", "s3cret")
+
+    def req(auth=None, host="127.0.0.1"):
+        return SimpleNamespace(headers={"authorization": auth} if auth else {}, client=SimpleNamespace(host=host))
+
+    open_ = Auth(None, None)
+    assert open_.client_ok(req()) and open_.admin_ok(req()) and not open_.admin_ok(req(host="10.1.2.3"))
+    keyed = Auth("k", "adm")
+    assert not keyed.client_ok(req()) and keyed.client_ok(req("Bearer k"))
+    assert keyed.admin_ok(req("Bearer adm")) and not keyed.admin_ok(req("Bearer k"))
+    assert Auth("k", None).admin_ok(req("Bearer k", host="10.1.2.3"))
+    assert keyed.worker_headers() == {"Authorization": "Bearer k"} and open_.worker_headers() == {}
+
+
+# ---- metrics ----------------------------------------------------------------------------------
+def samples(m: RouterMetrics) -> dict:
+    out = {}
+    for fam in text_string_to_metric_families(m.render().decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_metric_series_exist_from_the_start_and_leave_with_their_worker():
+    pool = WorkerPool(RouterConfig.from_urls([("http://p:1", 5)], ["http://d:1"]), RouterMetrics(ROUTES))
+    s = samples(pool.metrics)
+    for ep in ROUTES:
+        e = (("endpoint", ep),)
+        for name in ("pdserve_router_retries_total", "pdserve_router_prompt_tokens_total",
+                     "pdserve_router_completion_tokens_total", "pdserve_router_e2e_seconds_count",
+                     "pdserve_router_queue_seconds_count", "pdserve_router_ttft_seconds_count"):
+            assert s[(name, e)] == 0, (name, ep)
+        assert s[("pdserve_router_requests_total", (("endpoint", ep), ("status", "200")))] == 0
+        for kind in ERROR_KINDS:
+            assert s[("pdserve_router_errors_total", (("endpoint", ep), ("kind", kind)))] == 0
+    assert s[("pdserve_router_requests_in_flight", ())] == 0
+    w = (("role", "decode"), ("worker", "http://d:1"))
+    assert s[("pdserve_router_worker_inflight", w)] == 0 and s[("pdserve_router_worker_healthy", w)] == 1
+    assert s[("pdserve_router_worker_circuit_state", w)] == 0
+    assert s[("pdserve_router_policy_decisions_total", (("policy", "round_robin"),) + w)] == 0
+    pool.decode[0].breaker.cfg = CircuitBreakerConfig(failure_threshold=1)
+    pool.decode[0].breaker.record_failure()
+    assert samples(pool.metrics)[("pdserve_router_worker_circuit_state", w)] == OPEN
+    pool.remove("http://d:1")
+    assert not any(dict(k[1]).get("worker") == "http://d:1" for k in samples(pool.metrics))

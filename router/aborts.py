@@ -1,0 +1,133 @@
+"""Aborting one side of a PD request, and finding the sequences a worker reports as aborted.
+
+When one side of a room fails (or the client leaves), the other side must let go of it at once:
+a decode waiting for KV that never comes holds pages until its waiting timeout (minutes on SGLang),
+and a prefill whose decode is gone holds its KV until its bootstrap timeout. The router therefore
+aborts the other side immediately and deterministically:
+
+1. ``POST /abort_request {"rid": ...}`` for every sequence id of the request, all at once;
+2. while the side's HTTP request is still running, the abort is sent again at growing intervals
+   (``RESEND``): an abort can overtake the request it aborts on another connection, and an
+   engine only aborts sequences it already has;
+3. if the request still has not ended, the router drops its connection (SGLang aborts requests
+   whose client went away, and the reference engine too).
+
+A worker can also abort some sequences on its own and answer 200 (finish reason ``abort``, e.g. a
+prefill that lost its rooms): ``aborted_indexes`` finds them in the answer so the matching decode
+sequences are aborted too, not left waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Callable, Optional
+
+import aiohttp
+
+from pd.router.background import TaskSet
+from pd.router.logprobs import SSE_DATA, SSE_DONE, sse_events
+
+log = logging.getLogger("pd.router")
+
+ABORT_TIMEOUT = 5.0  # seconds for one /abort_request; best effort, it never blocks a reply
+RESEND = (0.05, 0.1, 0.2, 0.4, 0.8)  # seconds between abort resends while the request runs
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+
+
+class Aborter:
+    """Sends aborts in the background.
+
+    Args:
+        tasks: where the background tasks live.
+        headers: headers of every /abort_request (e.g. the worker API key).
+    """
+
+    def __init__(self, tasks: TaskSet, headers: dict[str, str]):
+        self.tasks = tasks
+        self.headers = headers
+        self.session: Optional[aiohttp.ClientSession] = None
+
+    def abort(self, worker, rids: list[str], request: Optional[asyncio.Future] = None,
+              on_done: Optional[Callable[[asyncio.Future], None]] = None) -> None:
+        """Abort ``rids`` on ``worker`` now. ``request`` is our HTTP request to that worker (a task
+        or future), if still open: aborts are resent while it runs, then it is cancelled;
+        ``on_done(request)`` runs once it ended (e.g. to release its response)."""
+        self.tasks.spawn(self._abort(worker, rids, request, on_done))
+
+    async def _abort(self, worker, rids, request, on_done) -> None:
+        try:
+            await self.send(worker, rids)
+            if request is None:
+                return
+            for wait in RESEND:
+                if request.done():
+                    break
+                await asyncio.wait({request}, timeout=wait)
+                if request.done():
+                    break
+                await self.send(worker, rids)
+            if not request.done():
+                log.warning("%s %s had not ended %.2fs after aborting %s; dropping its connection", worker.role,
+                            worker.url, sum(RESEND), rids[:3])
+                request.cancel()
+                await asyncio.wait({request})
+        finally:
+            if request is not None and on_done is not None:
+                on_done(request)
+
+    async def send(self, worker, rids: list[str]) -> None:
+        """POST /abort_request for each of ``rids`` concurrently; failures are logged, not raised."""
+        if rids:
+            await asyncio.gather(*(self._post(worker, rid) for rid in rids))
+
+    async def _post(self, worker, rid: str) -> None:
+        try:
+            async with self.session.post(worker.url + "/abort_request", json={"rid": rid}, headers=self.headers,
+                                         timeout=aiohttp.ClientTimeout(total=ABORT_TIMEOUT)) as r:
+                await r.read()
+        except UPSTREAM_ERRORS as e:
+            log.warning("abort of rid %s on %s %s failed: %r", rid, worker.role, worker.url, e)
+
+
+def _generate_aborted(obj) -> bool:
+    meta = obj.get("meta_info") if isinstance(obj, dict) else None
+    fr = meta.get("finish_reason") if isinstance(meta, dict) else None
+    return isinstance(fr, dict) and fr.get("type") == "abort"
+
+
+def _openai_aborted(obj) -> list[int]:
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    if not isinstance(choices, list):
+        return []
+    return [c.get("index", 0) for c in choices if isinstance(c, dict) and c.get("finish_reason") == "abort"]
+
+
+def aborted_indexes(route: str, raw: bytes, stream: bool) -> set[int]:
+    """Sequence indexes (prompt-major, as the bootstrap rooms) that ``raw``, a worker's whole 2xx
+    answer to ``route``, reports as finished with reason ``abort``."""
+    if b"abort" not in raw:
+        return set()
+    if stream:
+        objs = []
+        for event in sse_events(raw):
+            if event.startswith(SSE_DATA) and not event.startswith(SSE_DONE):
+                try:
+                    objs.append(json.loads(event[len(SSE_DATA):]))
+                except ValueError:
+                    pass
+    else:
+        try:
+            obj = json.loads(raw)
+        except ValueError:
+            return set()
+        objs = obj if isinstance(obj, list) and route == "/generate" else [obj]
+    out: set[int] = set()
+    for i, obj in enumerate(objs):
+        if route == "/generate":
+            if _generate_aborted(obj):
+                out.add(obj.get("index", 0) if stream else i)
+        else:
+            out.update(_openai_aborted(obj))
+    return out

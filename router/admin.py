@@ -1,0 +1,160 @@
+"""The admin API: list, add, drain, restore and remove workers at runtime (the launcher uses it when a
+worker comes back on new ports, and drains every worker before stopping them).
+
+Routes (JSON bodies; ``Authorization: Bearer ADMIN_KEY``, see pd.router.auth):
+
+- ``GET /workers``: ``{"workers": [...], "total", "stats": {"prefill_count", "decode_count"}}``;
+  each worker: url, worker_type, bootstrap_host/port, state (available / unhealthy / circuit_open
+  / draining), is_healthy, draining, circuit (closed / half_open / open), inflight, load.
+- ``POST /workers`` ``{"url", "worker_type": "prefill"|"decode", "bootstrap_port"}``: add one
+  (201; 409 when the URL is already a worker; 400 for bad fields).
+- ``POST /workers/drain`` ``{"url", "timeout_secs": 30, "remove": false}``: no new requests go to
+  the worker; answers once nothing is in flight there (``"drained": true``) or after
+  ``timeout_secs`` (``false``), and removes it afterwards with ``remove``.
+- ``POST /workers/activate`` ``{"url"}``: undo a drain and close its circuit breaker (the health
+  checks still decide whether it is healthy).
+- ``DELETE /workers?url=URL``: remove it now (requests in flight finish on their connections).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Optional
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from pd.router.auth import Auth
+from pd.router.errors import error_response
+from pd.router.health import HealthMonitor
+from pd.router.workers import WorkerPool
+
+log = logging.getLogger("pd.router")
+
+DEFAULT_DRAIN_TIMEOUT = 30.0  # seconds
+
+
+def _json(obj, status: int = 200) -> Response:
+    return Response(json.dumps(obj).encode(), status_code=status, media_type="application/json")
+
+
+class AdminAPI:
+    """Admin routes over one pool.
+
+    Args:
+        pool: the workers.
+        auth: key checks.
+        health: the health monitor (its thresholds apply to restored workers).
+    """
+
+    def __init__(self, pool: WorkerPool, auth: Auth, health: HealthMonitor):
+        self.pool = pool
+        self.auth = auth
+        self.health = health
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/workers", self._guard(self.list_workers), methods=["GET"]),
+            Route("/workers", self._guard(self.add_worker), methods=["POST"]),
+            Route("/workers", self._guard(self.remove_worker), methods=["DELETE"]),
+            Route("/workers/drain", self._guard(self.drain_worker), methods=["POST"]),
+            Route("/workers/activate", self._guard(self.activate_worker), methods=["POST"]),
+        ]
+
+    def _guard(self, handler):
+        async def guarded(request: Request) -> Response:
+            if not self.auth.admin_ok(request):
+                if self.auth.admin_api_key or self.auth.api_key:
+                    return error_response(401, "the admin API needs 'Authorization: Bearer ADMIN_KEY'")
+                return error_response(403, "the admin API without an admin key is only open to loopback clients "
+                                           "(start the router with --admin-api-key)")
+            return await handler(request)
+
+        return guarded
+
+    @staticmethod
+    async def _body(request: Request) -> tuple[Optional[dict], Optional[Response]]:
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except (ValueError, UnicodeDecodeError) as e:
+            return None, error_response(400, f"malformed JSON body: {e}")
+        if not isinstance(body, dict):
+            return None, error_response(400, "the request body must be a JSON object")
+        return body, None
+
+    def _find(self, url) -> tuple[Optional[object], Optional[Response]]:
+        if not isinstance(url, str) or not url:
+            return None, error_response(400, "url is required", "url")
+        try:
+            w = self.pool.get(url)
+        except ValueError as e:
+            return None, error_response(400, str(e), "url")
+        if w is None:
+            return None, error_response(404, f"{url} is not a worker of this router", "url")
+        return w, None
+
+    async def list_workers(self, request: Request) -> Response:
+        workers = [w.describe() for w in self.pool.all]
+        return _json({"workers": workers, "total": len(workers),
+                      "stats": {"prefill_count": len(self.pool.prefill), "decode_count": len(self.pool.decode)}})
+
+    async def add_worker(self, request: Request) -> Response:
+        body, err = await self._body(request)
+        if err:
+            return err
+        url, role = body.get("url"), body.get("worker_type", body.get("role"))
+        if not isinstance(url, str) or not url:
+            return error_response(400, "url is required", "url")
+        try:
+            w = self.pool.add(url, role, body.get("bootstrap_port"))
+        except ValueError as e:
+            status = 409 if "already a worker" in str(e) else 400
+            return error_response(status, str(e))
+        except TypeError as e:
+            return error_response(400, f"bootstrap_port: {e}", "bootstrap_port")
+        log.warning("admin: added %s worker %s", w.role, w.url)
+        return _json({"worker": w.describe()}, 201)
+
+    async def remove_worker(self, request: Request) -> Response:
+        w, err = self._find(request.query_params.get("url"))
+        if err:
+            return err
+        self.pool.remove(w.url)
+        log.warning("admin: removed %s worker %s (%d requests in flight finish on their own)", w.role, w.url,
+                    w.inflight)
+        return _json({"removed": w.describe()})
+
+    async def drain_worker(self, request: Request) -> Response:
+        body, err = await self._body(request)
+        if err:
+            return err
+        w, err = self._find(body.get("url"))
+        if err:
+            return err
+        timeout = body.get("timeout_secs", DEFAULT_DRAIN_TIMEOUT)
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0:
+            return error_response(400, "timeout_secs must be a number >= 0", "timeout_secs")
+        w.draining = True
+        log.warning("admin: draining %s worker %s (%d requests in flight)", w.role, w.url, w.inflight)
+        drained = await w.wait_idle(float(timeout))
+        removed = False
+        if body.get("remove") and self.pool.get(w.url) is w:
+            self.pool.remove(w.url)
+            removed = True
+        return _json({"worker": w.describe(), "drained": drained, "removed": removed})
+
+    async def activate_worker(self, request: Request) -> Response:
+        body, err = await self._body(request)
+        if err:
+            return err
+        w, err = self._find(body.get("url"))
+        if err:
+            return err
+        w.draining = False
+        w.breaker.reset()
+        w.health_failures = w.health_successes = 0
+        w.set_healthy(True)
+        log.warning("admin: %s worker %s is back in routing", w.role, w.url)
+        return _json({"worker": w.describe()})

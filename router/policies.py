@@ -1,0 +1,205 @@
+"""Pairing policies: which prefill (and, separately, which decode) worker serves a request.
+
+Every policy is the same pipeline, filter -> score -> pick:
+
+- filter: the workers that are available (healthy, circuit not open, not draining);
+- score: a number per candidate, lower is better (e.g. its load);
+- pick: the best score, ties broken round-robin so equal workers share the traffic.
+
+A new policy is one small subclass overriding ``score`` (or ``pick`` when it is not a minimum)
+and registered in ``POLICIES``. The policies:
+
+- ``round_robin``: each side cycles through its candidates.
+- ``random``: uniform choice.
+- ``least_load``: fewest generated sequences in flight (a batch of 33 counts 33).
+- ``power_of_two``: two random candidates, the less loaded one wins.
+- ``cache_aware``: the worker whose recent prompts share the longest prefix with this one (an
+  approximate radix tree per worker, pd.router.radix), unless the load is out of balance
+  (sglang-router's rule: max - min > ``balance_abs_threshold`` and max > min x
+  ``balance_rel_threshold`` -> least loaded); below ``cache_threshold`` matched, the worker with
+  the smallest tree (most free cache) wins.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from typing import TYPE_CHECKING, ClassVar, Optional, Sequence
+
+from pd.router.config import RouterSettings
+from pd.router.radix import RadixTree
+
+if TYPE_CHECKING:
+    from pd.router.workers import Worker
+
+_MAX_CHAR = 0x10FFFF
+
+
+class Policy:
+    """Base policy: filter -> score -> pick.
+
+    Args:
+        role: ``prefill`` or ``decode`` (for metrics and messages).
+        settings: router settings (policy tuning).
+    """
+
+    name: ClassVar[str] = ""
+    uses_key: ClassVar[bool] = False  # True: select() needs the request's routing key
+
+    def __init__(self, role: str, settings: RouterSettings):
+        self.role = role
+        self._turn = itertools.count()
+
+    def select(self, workers: Sequence["Worker"], key: Optional[str]) -> Optional["Worker"]:
+        """The worker for one request, or None when no worker is available. Counts the decision
+        in ``pdserve_router_policy_decisions_total``."""
+        candidates = [w for w in workers if w.available()]
+        if not candidates:
+            return None
+        chosen = candidates[0] if len(candidates) == 1 else self.pick(candidates, key)
+        self.picked(chosen, key)
+        if chosen.decisions is not None:
+            chosen.decisions.inc()
+        return chosen
+
+    def score(self, candidates: Sequence["Worker"], key: Optional[str]) -> list:
+        """Per candidate, lower is better."""
+        raise NotImplementedError
+
+    def pick(self, candidates: Sequence["Worker"], key: Optional[str]) -> "Worker":
+        """The lowest score; ties go round-robin."""
+        scores = self.score(candidates, key)
+        best = min(scores)
+        tied = [w for w, s in zip(candidates, scores) if s == best]
+        return tied[next(self._turn) % len(tied)]
+
+    def picked(self, worker: "Worker", key: Optional[str]) -> None:
+        """Hook after a decision (the cache-aware policy records the prompt)."""
+
+    def forget(self, worker: "Worker") -> None:
+        """Hook when a worker leaves the pool."""
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def pick(self, candidates, key):
+        return candidates[next(self._turn) % len(candidates)]
+
+
+class Random(Policy):
+    name = "random"
+
+    def pick(self, candidates, key):
+        return random.choice(candidates)
+
+
+class LeastLoad(Policy):
+    name = "least_load"
+
+    def score(self, candidates, key):
+        return [w.load for w in candidates]
+
+
+class PowerOfTwo(Policy):
+    name = "power_of_two"
+
+    def pick(self, candidates, key):
+        a, b = random.sample(candidates, 2)
+        return a if a.load <= b.load else b
+
+
+class CacheAware(Policy):
+    name = "cache_aware"
+    uses_key = True
+
+    def __init__(self, role: str, settings: RouterSettings):
+        super().__init__(role, settings)
+        self.cfg = settings.cache_aware
+        self.trees: dict[str, RadixTree] = {}
+        self._next_eviction = time.monotonic() + self.cfg.eviction_interval_secs
+
+    def tree(self, worker: "Worker") -> RadixTree:
+        t = self.trees.get(worker.url)
+        if t is None:
+            t = self.trees[worker.url] = RadixTree()
+        return t
+
+    def pick(self, candidates, key):
+        loads = [w.load for w in candidates]
+        lo, hi = min(loads), max(loads)
+        if not key or (hi - lo > self.cfg.balance_abs_threshold and hi > lo * self.cfg.balance_rel_threshold):
+            return super().pick(candidates, key)  # the least loaded
+        matched = [self.tree(w).match(key) for w in candidates]
+        best = max(matched)
+        if best / len(key) > self.cfg.cache_threshold:
+            tied = [w for w, m in zip(candidates, matched) if m == best]
+        else:  # no useful cache anywhere: the emptiest cache, then the least load
+            sizes = [(self.tree(w).size, w.load) for w in candidates]
+            low = min(sizes)
+            tied = [w for w, s in zip(candidates, sizes) if s == low]
+        return tied[next(self._turn) % len(tied)]
+
+    def score(self, candidates, key):
+        return [w.load for w in candidates]
+
+    def picked(self, worker, key):
+        if not key:
+            return
+        now = time.monotonic()
+        self.tree(worker).insert(key, now)
+        if now >= self._next_eviction:
+            self._next_eviction = now + self.cfg.eviction_interval_secs
+            for t in self.trees.values():
+                t.evict(self.cfg.max_tree_size)
+
+    def forget(self, worker):
+        self.trees.pop(worker.url, None)
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (RoundRobin, Random, LeastLoad, PowerOfTwo, CacheAware)}
+
+
+def make_policy(name: str, role: str, settings: RouterSettings) -> Policy:
+    """The policy called ``name`` for side ``role``.
+
+    Raises:
+        ValueError: unknown policy name.
+    """
+    try:
+        return POLICIES[name](role, settings)
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
+
+
+def routing_key(route: str, body: dict) -> Optional[str]:
+    """The prompt as a string for prefix matching, or None when it has none the router can read.
+
+    /generate: ``text``, or ``input_ids`` with one character per token id; /v1/completions:
+    ``prompt`` likewise; /v1/chat/completions: the messages' roles and text contents joined. A
+    batch is keyed by its first prompt (one prefill serves the whole batch).
+    """
+    if route == "/v1/chat/completions":
+        msgs = body.get("messages")
+        if not isinstance(msgs, list):
+            return None
+        parts = []
+        for m in msgs:
+            if isinstance(m, dict):
+                content = m.get("content")
+                if isinstance(content, list):  # OpenAI content parts: keep the text ones
+                    content = "".join(p.get("text", "") for p in content if isinstance(p, dict)
+                                      and isinstance(p.get("text"), str))
+                parts.append(f"{m.get('role', '')}\x00{content if isinstance(content, str) else ''}\x00")
+        return "".join(parts) or None
+    prompt = body.get("text") if route == "/generate" else body.get("prompt")
+    if route == "/generate" and prompt is None:
+        prompt = body.get("input_ids")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch
+    if isinstance(prompt, str):
+        return prompt or None
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and 0 <= t <= _MAX_CHAR for t in prompt):
+        return "".join(map(chr, prompt))
+    return None

@@ -1,0 +1,148 @@
+"""Relaying decode's SSE stream to the client once the answer has started (no retries from here).
+
+Chunks are passed on as they arrive, cut at event boundaries (``\\n\\n``); per data event the
+inter-token latency is observed, the token counts are read (pd.router.tokens), and with
+``return_logprob`` on /generate the prefill's prompt logprobs are prepended. A decode stream that
+breaks or stays silent longer than ``timeouts.stream_idle`` ends with an error chunk and
+``data: [DONE]``, as the engines end their own failed streams. A client that leaves mid-stream
+gets both sides aborted (pd.router.aborts) and the decode connection dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, AsyncIterator, Optional
+
+import aiohttp
+from starlette.responses import StreamingResponse
+
+from pd.router import logprobs
+from pd.router.errors import error_body
+from pd.router.tokens import UsageTap
+
+if TYPE_CHECKING:
+    from pd.router.dispatch import Exchange, PDDispatcher
+
+log = logging.getLogger("pd.router")
+
+CLIENT_CLOSED = 499
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+_DATA = logprobs.SSE_DATA
+_DONE = logprobs.SSE_DONE
+
+
+class RelayResponse(StreamingResponse):
+    """A StreamingResponse over a ``Relay`` that always closes it: Starlette leaves an async
+    generator unclosed when the client disconnects, and the cleanup (drop decode's connection,
+    abort both sides) must run then, not at garbage collection."""
+
+    def __init__(self, relay: "Relay", **kw):
+        super().__init__(relay.events(), **kw)
+        self.relay = relay
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            self.relay.close(finished=False)  # no-op when the stream ran to its end
+
+
+class Relay:
+    """Relays decode's stream for one request. ``close()`` releases everything exactly once,
+    whether the stream ended or the client left (or never read a byte).
+
+    Args:
+        dispatcher: the owner (metrics, aborts, timeouts).
+        ex: the attempt being answered.
+        resp: decode's open response.
+        first: the first chunk of its body, already read.
+    """
+
+    def __init__(self, dispatcher: "PDDispatcher", ex: "Exchange", resp: aiohttp.ClientResponse, first: bytes):
+        self.d = dispatcher
+        self.ex = ex
+        self.resp = resp
+        self.first = first
+        self.kind: Optional[str] = None
+        self.tap = UsageTap(ex.route == "/generate", ex.drop_usage)
+        self._closed = False
+
+    async def events(self) -> AsyncIterator[bytes]:
+        ex, em, tap = self.ex, self.ex.em, self.tap
+        idle = self.d.stream_idle_timeout
+        content = self.resp.content
+        now = time.perf_counter()
+        em.ttft.observe(now - ex.arrival)
+        inputs: Optional[dict] = None
+        last_event: Optional[float] = None
+        buf = self.first
+        try:
+            while True:
+                out = []
+                while (cut := buf.find(b"\n\n")) >= 0:
+                    event, buf = buf[:cut], buf[cut + 2:]
+                    if event.startswith(_DATA) and not event.startswith(_DONE):
+                        if last_event is not None:
+                            em.itl.observe(now - last_event)
+                        last_event = now
+                        if not tap.event(event):
+                            continue
+                        if ex.merge:
+                            if inputs is None:
+                                # shield: being cancelled here must not cancel the prefill read
+                                pre = await asyncio.shield(ex.prefill_task)
+                                inputs = logprobs.prefill_inputs(pre.body, stream=True) if pre.ok else {}
+                            event = logprobs.merge_event(event, inputs)
+                    out.append(event)
+                    out.append(b"\n\n")
+                if out:
+                    yield b"".join(out)
+                if idle is None:
+                    chunk = await content.readany()
+                else:
+                    async with asyncio.timeout(idle):
+                        chunk = await content.readany()
+                if not chunk:
+                    break
+                now = time.perf_counter()
+                buf += chunk
+            if buf.strip():
+                yield buf
+        except UPSTREAM_ERRORS as e:
+            if isinstance(e, TimeoutError) and idle is not None:
+                self.kind = "decode_timeout"
+                msg = f"decode worker {ex.decode.url} sent nothing for {idle:g}s on {ex.route} (timeouts.stream_idle)"
+            else:
+                self.kind = "decode_timeout" if isinstance(e, asyncio.TimeoutError) else "decode_stream"
+                msg = f"decode worker {ex.decode.url} broke the stream on {ex.route}: {e!r}"
+            log.warning("%s", msg)
+            ex.decode.breaker.record_failure()
+            self.d.abort_after_break(ex, self.resp)
+            yield b"data: " + json.dumps(error_body(502, msg)).encode() + b"\n\n" + _DONE + b"\n\n"
+        self.close(finished=True)
+
+    def close(self, finished: bool) -> None:
+        """Release decode's connection and record the outcome; idempotent. ``finished`` False
+        means the client left early: drop the connection and abort both sides."""
+        if self._closed:
+            return
+        self._closed = True
+        ex, em = self.ex, self.ex.em
+        status = self.resp.status
+        if finished:
+            self.resp.release()
+        else:
+            self.resp.close()
+            status, self.kind = CLIENT_CLOSED, "client_disconnect"
+            self.d.abort_after_break(ex, self.resp)
+        ex.decode_end()
+        if self.tap.prompt:
+            em.prompt_tokens.inc(self.tap.prompt)
+        if self.tap.completion:
+            em.completion_tokens.inc(self.tap.completion)
+        self.d._finish(em, ex.arrival, status, self.kind)
+        self.d.metrics.in_flight.dec()
