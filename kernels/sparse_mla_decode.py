@@ -171,12 +171,19 @@ def _sparse_mla_fwd_kernel(
 
 
 @triton.jit
-def _deq_chunk(kc8_ptr, tok_base, sc_base, valid, C: tl.constexpr, DOT_F32: tl.constexpr):
-    """Dequantize nope columns [64 C, 64 C + 64) of BLOCK_N gathered tokens -> bf16 [BLOCK_N, 64] (fp32 under
-    the interpreter): fp8 e4m3 * 2**(UE8M0 scale byte C - 127), exact in bf16."""
+def _raw_chunk(kc8_ptr, tok_base, sc_base, valid, C: tl.constexpr):
+    """Issue the loads of nope columns [64 C, 64 C + 64) of BLOCK_N gathered tokens: (fp8 bytes [BLOCK_N, 64],
+    UE8M0 scale byte [BLOCK_N]). Kept apart from the dequantization so a tile's loads all go out at once."""
     c64 = tl.arange(0, 64)
     raw = tl.load(kc8_ptr + (tok_base + C * 64)[:, None] + c64[None, :], mask=valid[:, None], other=0)
     sc = tl.load(kc8_ptr + sc_base + C, mask=valid, other=127)
+    return raw, sc
+
+
+@triton.jit
+def _deq_chunk(raw, sc, DOT_F32: tl.constexpr):
+    """fp8 e4m3 bytes [BLOCK_N, 64] * 2**(UE8M0 scale byte - 127) -> bf16 (fp32 under the interpreter),
+    exact in bf16."""
     scale = (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     k = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
     if DOT_F32:
@@ -267,30 +274,44 @@ def _sparse_mla_fwd_chunked_kernel(
     a6 = tl.zeros([BLOCK_H, 64], tl.float32)
     a7 = tl.zeros([BLOCK_H, 64], tl.float32)
     idx_row = idx_ptr + pid_bs.to(tl.int64) * TOPK
+    # Latency, not bandwidth, bounds this loop: every global round trip (index list, then the gathered
+    # records) costs ~1 us. So the next tile's indices are fetched one tile ahead, and all of a tile's loads
+    # (7 nope chunks + scales + rope) are issued before its first dot: the shared-memory barrier each dot
+    # needs would otherwise serialize one round trip per chunk.
+    offs_n = start + tl.arange(0, BLOCK_N)
+    tok_next = tl.load(idx_row + offs_n, mask=offs_n < end, other=-1)
     for n in range(start, end, BLOCK_N):
-        offs_n = n + tl.arange(0, BLOCK_N)
-        tok = tl.load(idx_row + offs_n, mask=offs_n < end, other=-1)
+        tok = tok_next
+        offs_n = n + BLOCK_N + tl.arange(0, BLOCK_N)
+        tok_next = tl.load(idx_row + offs_n, mask=offs_n < end, other=-1)
         valid = tok >= 0
         tok = tl.where(valid, tok, 0)
         page_base = (tok // PAGE_SIZE).to(tl.int64) * page_stride
         off = tok % PAGE_SIZE
         tok_base = page_base + off * 576
         sc_base = page_base + PAGE_SIZE * 576 + off * 8
-        k0 = _deq_chunk(kc8_ptr, tok_base, sc_base, valid, 0, DOT_F32)
-        qk = tl.dot(q0, tl.trans(k0), input_precision=DOT_PREC)
-        k1 = _deq_chunk(kc8_ptr, tok_base, sc_base, valid, 1, DOT_F32)
-        qk = tl.dot(q1, tl.trans(k1), qk, input_precision=DOT_PREC)
-        k2 = _deq_chunk(kc8_ptr, tok_base, sc_base, valid, 2, DOT_F32)
-        qk = tl.dot(q2, tl.trans(k2), qk, input_precision=DOT_PREC)
-        k3 = _deq_chunk(kc8_ptr, tok_base, sc_base, valid, 3, DOT_F32)
-        qk = tl.dot(q3, tl.trans(k3), qk, input_precision=DOT_PREC)
-        k4 = _deq_chunk(kc8_ptr, tok_base, sc_base, valid, 4, DOT_F32)
-        qk = tl.dot(q4, tl.trans(k4), qk, input_precision=DOT_PREC)
-        k5 = _deq_chunk(kc8_ptr, tok_base, sc_base, valid, 5, DOT_F32)
-        qk = tl.dot(q5, tl.trans(k5), qk, input_precision=DOT_PREC)
-        k6 = _deq_chunk(kc8_ptr, tok_base, sc_base, valid, 6, DOT_F32)
-        qk = tl.dot(q6, tl.trans(k6), qk, input_precision=DOT_PREC)
+        r0, s0 = _raw_chunk(kc8_ptr, tok_base, sc_base, valid, 0)
+        r1, s1 = _raw_chunk(kc8_ptr, tok_base, sc_base, valid, 1)
+        r2, s2 = _raw_chunk(kc8_ptr, tok_base, sc_base, valid, 2)
+        r3, s3 = _raw_chunk(kc8_ptr, tok_base, sc_base, valid, 3)
+        r4, s4 = _raw_chunk(kc8_ptr, tok_base, sc_base, valid, 4)
+        r5, s5 = _raw_chunk(kc8_ptr, tok_base, sc_base, valid, 5)
+        r6, s6 = _raw_chunk(kc8_ptr, tok_base, sc_base, valid, 6)
         k7 = _rope_chunk(kc16_ptr, tok_base, valid, DOT_F32)
+        k0 = _deq_chunk(r0, s0, DOT_F32)
+        qk = tl.dot(q0, tl.trans(k0), input_precision=DOT_PREC)
+        k1 = _deq_chunk(r1, s1, DOT_F32)
+        qk = tl.dot(q1, tl.trans(k1), qk, input_precision=DOT_PREC)
+        k2 = _deq_chunk(r2, s2, DOT_F32)
+        qk = tl.dot(q2, tl.trans(k2), qk, input_precision=DOT_PREC)
+        k3 = _deq_chunk(r3, s3, DOT_F32)
+        qk = tl.dot(q3, tl.trans(k3), qk, input_precision=DOT_PREC)
+        k4 = _deq_chunk(r4, s4, DOT_F32)
+        qk = tl.dot(q4, tl.trans(k4), qk, input_precision=DOT_PREC)
+        k5 = _deq_chunk(r5, s5, DOT_F32)
+        qk = tl.dot(q5, tl.trans(k5), qk, input_precision=DOT_PREC)
+        k6 = _deq_chunk(r6, s6, DOT_F32)
+        qk = tl.dot(q6, tl.trans(k6), qk, input_precision=DOT_PREC)
         qk = tl.dot(q7, tl.trans(k7), qk, input_precision=DOT_PREC) * sm_scale_log2
 
         qk = tl.where(valid[None, :], qk, float("-inf"))
