@@ -690,24 +690,21 @@ def memory(args, logdir: Path, name: str) -> dict:
 
 
 # ---- profile ------------------------------------------------------------------------------------
-PACKAGES = (("pd.router", ("pd/router/",)), ("starlette", ("starlette/",)), ("fastapi", ("fastapi/",)),
-            ("uvicorn", ("uvicorn/",)), ("aiohttp", ("aiohttp/",)), ("prometheus_client", ("prometheus_client/",)),
-            ("json", ("json/",)), ("anyio", ("anyio/",)), ("asyncio", ("asyncio/",)))
-# Frames every stack starts with (the process's entry point down to the event loop): not work.
-ROOT_FRAMES = ("<module> (<string>)", "main (pd/cli.py)", "main (pd/router/cli.py)", "serve (pd/router/cli.py)",
-               "Server.run (uvicorn/server.py)", "asyncio_run (uvicorn/_compat.py)", "run (asyncio/runners.py)",
-               "Runner.run (asyncio/runners.py)", "run (uvloop/__init__.py)", "<module> (pdserve)")
-# A sample whose innermost Python frame is the loop's own run(): time inside the C event loop
+# A sample whose innermost Python frame is the event loop's run(): time inside the C event loop
 # (uvloop: epoll, socket reads/writes, httptools parsing, scheduling callbacks).
 EVENT_LOOP = "event loop (uvloop C code: I/O, HTTP parsing, scheduling)"
+LOOP_RUN = re.compile(r"^(Runner\.run \(asyncio/runners\.py\)|run \(uvloop/__init__\.py\))$")
 
 
 def _package(frame: str) -> str:
-    for name, marks in PACKAGES:
-        if any(m in frame for m in marks):
-            return name
-    m = re.search(r"\(([^:)]+)", frame)
-    return m.group(1) if m else frame
+    """``func (path/file.py)`` -> ``pd.router``, ``aiohttp``, ``asyncio``, ``json``, ... (py-spy
+    shortens paths to the part below site-packages or the source root)."""
+    m = re.search(r"\(([^:)]+)\)?$", frame)
+    path = m.group(1) if m else frame
+    if re.match(r"(pd/)?router/", path):
+        return "pd.router"
+    top = path.split("/", 1)[0]
+    return top.removesuffix(".py") if "/" in path or path.endswith(".py") else path
 
 
 def analyze_profile(collapsed: str, top: int = 25) -> dict:
@@ -724,7 +721,9 @@ def analyze_profile(collapsed: str, top: int = 25) -> dict:
         n = int(count)
         total += n
         frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";") if f]  # fold the lines of one function
-        work = [f for f in frames if f not in ROOT_FRAMES]
+        # The entry point down to the loop's run() is in every stack: only what runs above it is work.
+        runs = [i for i, f in enumerate(frames) if LOOP_RUN.match(f)]
+        work = frames[runs[-1] + 1:] if runs else frames
         leaf = work[-1] if work else EVENT_LOOP
         own[leaf] += n
         pkg_own[EVENT_LOOP if leaf == EVENT_LOOP else _package(leaf)] += n
