@@ -18,11 +18,14 @@ aot = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
                          reason="AOT compile needs the compiler, not the interpreter")
 
 
-def compile_for(fn, signature: dict, constexprs: dict, cc: int, num_warps: int = 4, num_stages: int = 2):
+def compile_for(fn, signature: dict, constexprs: dict, cc: int, num_warps: int = 4, num_stages: int = 2,
+                aligned: tuple = ()):
     """Compile the ``@triton.jit`` function ``fn`` for compute capability ``cc`` (120 or 90).
 
     ``signature`` maps each runtime argument to a Triton type string ("*bf16", "i32", "fp32", ...); every
-    name in ``constexprs`` is added as "constexpr". Returns the compiled kernel (``.asm["ptx"]``,
+    name in ``constexprs`` is added as "constexpr". ``aligned`` names arguments to specialize as divisible by
+    16, as the launcher does at run time for 16-byte-aligned pointers (vector loads and cp.async pipelining,
+    hence the real shared-memory use, depend on it). Returns the compiled kernel (``.asm["ptx"]``,
     ``.metadata.shared`` in bytes). Raises whatever Triton raises when the kernel does not lower.
     """
     import triton
@@ -30,7 +33,8 @@ def compile_for(fn, signature: dict, constexprs: dict, cc: int, num_warps: int =
     from triton.compiler import ASTSource
 
     sig = dict(signature, **{k: "constexpr" for k in constexprs})
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", cc, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
