@@ -10,15 +10,18 @@ TORCH  ?= torch==2.13.0
 
 install: $(VENV)/.installed
 
+# Debian packages when root: Mooncake's libraries, and prometheus (with promtool) for the monitoring
+# tests, which start their own Prometheus; RUNLEVEL=1 keeps the package's own service from starting.
 $(VENV)/.installed: pyproject.toml
 	@if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null; then \
-	  dpkg -s libibverbs1 librdmacm1 libnuma1 >/dev/null 2>&1 || \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 librdmacm1 libnuma1); \
+	  dpkg -s libibverbs1 librdmacm1 libnuma1 prometheus >/dev/null 2>&1 || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive RUNLEVEL=1 apt-get install -y -qq --no-install-recommends \
+	    libibverbs1 librdmacm1 libnuma1 prometheus); \
 	fi
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e ".[cpu,dev]"
+	$(PIP) install -q -e ".[cpu,dev,monitoring]"
 	# The pinned SGLang (pyproject's gpu extra) without its GPU dependencies: contract tests parse our
 	# command lines with its own argument parser.
 	$(PIP) install -q --no-deps "$$($(PY) -c 'from pd.engines.sglang import pinned_sglang_requirement as r; print(r())')"
