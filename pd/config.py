@@ -66,13 +66,40 @@ class Speculative(_Strict):
     moe_a2a_backend: Optional[str] = None
 
 
+class KernelSwitches(_Strict):
+    """pdserve's Triton kernels in SGLang workers, through the ``pdserve`` SGLang plugin
+    (kernels/sglang_plugin.py; the worker env it gets is listed by ``pdserve plan``).
+
+    ``pdserve_kernels: true`` switches all three on; a mapping picks, e.g. ``{indexer: false}`` (a mapping
+    without ``enabled`` means enabled).
+
+    Attributes:
+        enabled: master switch (``PDSERVE_KERNELS``).
+        sparse_mla: sparse-MLA decode (``PDSERVE_SPARSE_MLA``).
+        indexer: DSA lightning indexer scores + top-k (``PDSERVE_INDEXER``).
+        mxfp4_moe: the MTP draft's MXFP4 MoE (``PDSERVE_MXFP4_MOE``).
+        force: also on GPUs outside the sm_120 family (``PDSERVE_KERNELS_FORCE``; for trying them on
+            H100/H200).
+    """
+
+    enabled: bool = False
+    sparse_mla: bool = True
+    indexer: bool = True
+    mxfp4_moe: bool = True
+    force: bool = False
+
+    def kernels(self) -> dict[str, bool]:
+        """Kernel name -> on, as ``pd.kernels.sglang_plugin.worker_env`` takes it."""
+        return {"sparse_mla": self.sparse_mla, "indexer": self.indexer, "mxfp4_moe": self.mxfp4_moe}
+
+
 class SGLangSettings(_Strict):
     """Engine settings shared by every SGLang worker (flags named as SGLang's).
 
     Attributes:
         quantization: always set it explicitly; auto-detection once left it unset, which disarmed
             the guard routing the draft MoE to a safe backend.
-        pdserve_kernels: switch our Triton kernels on in the workers (SGLang plugin env).
+        pdserve_kernels: our Triton kernels in the workers (``true``, or per kernel: KernelSwitches).
         launch_command: what starts a server, before its flags; default
             ``[<python>, -m, sglang.launch_server]``. A wrapper (numactl, a container entry, the
             tests' stand-in server) goes here.
@@ -86,8 +113,18 @@ class SGLangSettings(_Strict):
     trust_remote_code: bool = False
     enable_metrics: bool = True
     speculative: Optional[Speculative] = None
-    pdserve_kernels: bool = False
+    pdserve_kernels: KernelSwitches = Field(default_factory=KernelSwitches)
     launch_command: Optional[list[str]] = None
+
+    @field_validator("pdserve_kernels", mode="before")
+    @classmethod
+    def _kernels_shorthand(cls, v):
+        # `true` / `false`, or a mapping that implies enabled unless it says otherwise
+        if isinstance(v, bool):
+            return {"enabled": v}
+        if isinstance(v, dict) and "enabled" not in v:
+            return {**v, "enabled": True}
+        return v
 
 
 class Group(_Strict):

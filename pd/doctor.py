@@ -694,7 +694,7 @@ def check_context_length(ctx: Context) -> list[Finding]:
     m = ctx.model
     if m is not None and not m.dsa:
         return [Finding("ok", "context-length", "the model has no DSA indexer")]
-    if ctx.cfg.sglang.pdserve_kernels:
+    if ctx.cfg.sglang.pdserve_kernels.enabled and ctx.cfg.sglang.pdserve_kernels.indexer:
         return [Finding("ok", "context-length", "sglang.pdserve_kernels: the pdserve indexer's cost follows the real sequence")]
     out = []
     for cl, rs in ctx.by_value("context_length").items():

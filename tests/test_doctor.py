@@ -350,13 +350,16 @@ def test_unknown_extra_flag_is_refused_with_candidates(monkeypatch):
 
 # ---- 4. warnings -------------------------------------------------------------------------------
 def test_context_length_far_above_need_with_the_stock_indexer(tmp_path):
-    f = of(run(profile(tmp_path, DSV4_CONFIG, context_length=None)), "context-length")
+    stock = {"pdserve_kernels": False}  # the shipped profile switches the pdserve indexer on
+    f = of(run(profile(tmp_path, DSV4_CONFIG, context_length=None, **stock)), "context-length")
     assert [x.level for x in f] == ["warning"] and "1048576 from config.json max_position_embeddings" in f[0].message
     assert "pdserve_kernels" in f[0].fix
-    assert of(run(profile(context_length=131072)), "context-length")[0].level == "warning"
-    assert of(run(profile(context_length=65536)), "context-length")[0].level == "ok"
+    assert of(run(profile(context_length=131072, **stock)), "context-length")[0].level == "warning"
+    assert of(run(profile(context_length=65536, **stock)), "context-length")[0].level == "ok"
     assert of(run(profile(context_length=131072, pdserve_kernels=True)), "context-length")[0].level == "ok"
-    llama = profile(context_length=None)
+    assert of(run(profile(context_length=131072, pdserve_kernels={"indexer": False})),
+              "context-length")[0].level == "warning"
+    llama = profile(context_length=None, **stock)
     llama["model_path"] = ckpt(tmp_path, "llama", architectures=["LlamaForCausalLM"], max_position_embeddings=131072)
     assert of(run(llama), "context-length")[0].message == "the model has no DSA indexer"
 

@@ -20,7 +20,10 @@ What the pinned source (0.5.23) requires of a PD pair, and how we meet it:
 - TP may differ between prefill and decode.
 
 Env: ``MC_FORCE_TCP=1`` when no RDMA device is configured; ``NCCL_DEBUG=WARN`` so NCCL failures
-reach the log that ``pdserve diagnose`` reads; the pdserve kernel switches when enabled.
+reach the log that ``pdserve diagnose`` reads; with ``sglang.pdserve_kernels`` on, the switches of our SGLang
+plugin (``pd.kernels.sglang_plugin.worker_env``: ``SGLANG_PLUGINS`` naming ``pdserve``, ``PDSERVE_KERNELS=1``
+and one ``PDSERVE_*`` per kernel). A group's ``env`` still overrides single switches; its
+``SGLANG_PLUGINS`` allow-list is extended with ``pdserve`` rather than replacing it.
 """
 
 from __future__ import annotations
@@ -33,9 +36,8 @@ from typing import Optional
 
 from pd.config import PDConfig
 from pd.engines.commands import EngineCommand
-
-# Environment switches of our SGLang plugin (kernels/sglang_plugin.py, wired by the kernel issues).
-KERNEL_ENV = {"SGLANG_PLUGINS": "pdserve", "PDSERVE_KERNELS": "1"}
+from pd.kernels.sglang_plugin import PLUGIN_ALLOW_LIST
+from pd.kernels.sglang_plugin import worker_env as plugin_env
 
 
 class SGLangArgError(ValueError):
@@ -123,9 +125,10 @@ def sglang_command(cfg: PDConfig, role: str, host: str, port: int, bootstrap_por
     env = {"NCCL_DEBUG": "WARN"}
     if cfg.transfer.protocol == "tcp":
         env["MC_FORCE_TCP"] = "1"
-    if s.pdserve_kernels:
-        env.update(KERNEL_ENV)
-    env.update(g.env)
+    kernels = s.pdserve_kernels
+    if kernels.enabled:
+        env.update(plugin_env(kernels.kernels(), force=kernels.force, allow_list=g.env.get(PLUGIN_ALLOW_LIST)))
+    env.update({k: v for k, v in g.env.items() if not (kernels.enabled and k == PLUGIN_ALLOW_LIST)})
     return EngineCommand(argv=argv, env=env, ready_path="/health_generate", args_start=len(prefix))
 
 
