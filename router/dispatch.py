@@ -279,6 +279,8 @@ class PDDispatcher:
                     return Response(failure.body, status_code=failure.status, media_type=failure.content_type,
                                     headers={"X-Request-Id": req_id})
                 em.retries.inc()
+                log.warning("request %s attempt %d failed (%s %s: %s); retrying on a fresh pair", req_id, attempt,
+                            failure.status, failure.kind, failure.body[:200])
                 await asyncio.sleep(self._backoff(attempt))
         except asyncio.CancelledError:
             if not gone.done() or gone.cancelled():
@@ -500,7 +502,7 @@ class PDDispatcher:
         self._abort_prefill(ex)
         if ex.prefill_task.done() and not ex.prefill_aborted:
             pre = ex.prefill_task.result()
-            if pre.status is not None and not pre.ok:
+            if not pre.ok:
                 return self._prefill_failure(ex, pre)
         return Failure(resp.status, data, "decode_status", resp.status in RETRYABLE_STATUS, resp.content_type)
 

@@ -115,12 +115,20 @@ async def test_chat_n3(engines, stream, logprobs):
         d, _ = openai_stream_result(dec, True)
         assert r == d and sorted(d) == [0, 1, 2]
         texts = [d[i]["text"] for i in range(3)]
+        lp_lens = [len(d[i]["lp"]) for i in range(3)]
+        finishes = [d[i]["finish"] for i in range(3)]
     else:
         assert strip_volatile(dec["choices"]) == strip_volatile(ref["choices"])
         texts = [c["message"]["content"] for c in dec["choices"]]
-        if logprobs:
-            assert all(len(c["logprobs"]["content"]) == c_len for c, c_len in
-                       zip(dec["choices"], [16] * 3) if c["finish_reason"] == "length")
+        lp_lens = [len((c["logprobs"] or {}).get("content") or []) for c in dec["choices"]]
+        finishes = [c["finish_reason"] for c in dec["choices"]]
+        if logprobs:  # one logprob per generated token, all choices together
+            assert sum(lp_lens) == dec["usage"]["completion_tokens"]
+    if logprobs:
+        # every choice has one logprob per token: 16 when cut by max_tokens, 1..16 when stopped
+        assert all(n == 16 if f == "length" else 1 <= n <= 16 for n, f in zip(lp_lens, finishes)), (lp_lens, finishes)
+    else:
+        assert lp_lens == [0, 0, 0]
     assert len(set(texts)) > 1, "the three samples should differ"
 
 

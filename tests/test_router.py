@@ -15,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines import ROOT, ManagedProcess, free_port, metric, spawn
+from pd.router.app import GENERATION_ROUTES
 from pdclient import final_generate_chunks as final_chunks, parse_sse, stream_then_disconnect, strip_volatile
 
 GREEDY = {"temperature": 0}
@@ -128,7 +129,7 @@ async def test_generate_single_with_logprobs(engines, router, stream):
     meta = got["meta_info"]
     assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"] == len(body["text"].encode())
     assert len(meta["input_top_logprobs"]) == meta["prompt_tokens"]
-    assert len(got["output_ids"]) == 16
+    assert len(got["output_ids"]) == 16 == len(meta["output_token_logprobs"]) == meta["completion_tokens"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -205,6 +206,143 @@ async def test_chat_n3_openai_client(engines, router, stream):
     assert texts == ref_texts and len(set(texts)) > 1
 
 
+# Every generation route the router exposes, with a body of 2 sequences: a route added without
+# an entry here fails test_every_generation_route_runs_pd.
+ROUTE_BODIES = {
+    "/generate": ({"text": ["route check a", "route check b"], "sampling_params": {"max_new_tokens": 3, **GREEDY}}, 2),
+    "/v1/completions": ({"model": "builtin:tiny", "prompt": "route check", "n": 2, "max_tokens": 3,
+                         "temperature": 0.5, "seed": 3}, 2),
+    "/v1/chat/completions": ({"model": "builtin:tiny", "messages": [{"role": "user", "content": "route check"}],
+                              "n": 2, "max_tokens": 3, "temperature": 0.5, "seed": 3}, 2),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_every_generation_route_runs_pd(engines, router, stream):
+    assert set(ROUTE_BODIES) == set(GENERATION_ROUTES)
+    for route, (body, seqs) in ROUTE_BODIES.items():
+        before = prefill_hits(engines)
+        await routed_answer(router, route, dict(body, stream=stream))
+        assert prefill_hits(engines) - before == seqs, route  # no route silently runs decode-only
+
+
+@pytest.mark.parametrize("kind", ["text", "input_ids"])
+async def test_generate_batch_of_33_in_input_order(engines, router, kind):
+    prompts = [f"item {i} " + "x" * i for i in range(33)]
+    body = {kind: prompts if kind == "text" else [list(p.encode()) for p in prompts],
+            "sampling_params": {"max_new_tokens": 3, **GREEDY}}
+    ref = await null_answer(engines, "/generate", body)
+    before = prefill_hits(engines)
+    got = await routed_answer(router, "/generate", body)
+    assert prefill_hits(engines) - before == 33
+    assert [g["meta_info"]["prompt_tokens"] for g in got] == [len(p.encode()) for p in prompts]
+    assert [g["output_ids"] for g in got] == [r["output_ids"] for r in ref]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_completions_list_prompt_with_n(engines, router, stream):
+    body = {"model": "builtin:tiny", "prompt": ["Once upon a time", "def main():"], "n": 3, "max_tokens": 6,
+            "temperature": 0.9, "seed": 77, "stream": stream}
+    ref = await null_answer(engines, "/v1/completions", dict(body, stream=False))
+    before = prefill_hits(engines)
+    got = await routed_answer(router, "/v1/completions", body)
+    assert prefill_hits(engines) - before == 6
+    ref_texts = {c["index"]: c["text"] for c in ref["choices"]}
+    if stream:
+        texts: dict = {}
+        for c in got[:-1]:
+            for ch in c["choices"]:
+                texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
+        assert got[-1] == "[DONE]"
+    else:
+        texts = {c["index"]: c["text"] for c in got["choices"]}
+    assert sorted(texts) == list(range(6)) and texts == ref_texts
+    assert len(set(texts.values())) > 1  # samples differ: each had its own room and seed
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_openai_logprob_lengths(engines, router, stream):
+    body = {"model": "builtin:tiny", "messages": [{"role": "user", "content": "count"}], "n": 2, "max_tokens": 7,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2, "stream": stream,
+            "stream_options": {"include_usage": True} if stream else None}
+    got = await routed_answer(router, "/v1/chat/completions", body)
+    if stream:
+        n_lp: dict = {}
+        for c in got[:-1]:
+            for ch in c["choices"]:
+                n_lp[ch["index"]] = n_lp.get(ch["index"], 0) + len((ch.get("logprobs") or {}).get("content") or [])
+        usage = next(c["usage"] for c in got[:-1] if c.get("usage"))
+        assert got[-1] == "[DONE]"
+    else:
+        n_lp = {c["index"]: len(c["logprobs"]["content"]) for c in got["choices"]}
+        usage = got["usage"]
+    assert sorted(n_lp) == [0, 1] and all(v >= 1 for v in n_lp.values())
+    assert sum(n_lp.values()) == usage["completion_tokens"]
+
+
+async def test_long_streams_arrive_whole(engines, router):
+    body = {"text": "long", "stream": True, "sampling_params": {"max_new_tokens": 500, "ignore_eos": True, **GREEDY}}
+    got = await routed_answer(router, "/generate", body)
+    assert got[-1] == "[DONE]" and "[DONE]" not in got[:-1]
+    final = final_chunks(got)[0]
+    assert len(final["output_ids"]) == final["meta_info"]["completion_tokens"] == 500
+    assert final["meta_info"]["finish_reason"]["type"] == "length"
+    body = {"model": "builtin:tiny", "prompt": "long", "max_tokens": 500, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    got = await routed_answer(router, "/v1/completions", body)
+    assert got[-1] == "[DONE]" and got[-2]["usage"]["completion_tokens"] == 500
+    assert sum(1 for c in got[:-1] for ch in c["choices"] if ch["finish_reason"] == "length") == 1
+
+
+SHORT_CASES = {
+    "max_tokens_1": {"max_tokens": 1},
+    "min_tokens_small_max": {"max_tokens": 4, "min_tokens": 3},
+    "stop_string": {"max_tokens": 24},  # the stop string is taken from the unconstrained output below
+}
+
+
+@pytest.mark.parametrize("case", sorted(SHORT_CASES))
+@pytest.mark.parametrize("stream", [False, True])
+async def test_short_and_stopped_generations_equal_null(engines, router, case, stream):
+    body = {"model": "builtin:tiny", "prompt": "The weather today", "temperature": 0, "stream": stream,
+            **SHORT_CASES[case]}
+    if case == "stop_string":  # a stop string that does occur: two characters from the middle of the output
+        free = (await null_answer(engines, "/v1/completions", dict(body, stream=False)))["choices"][0]["text"]
+        assert len(free) > 8, free
+        body["stop"] = [free[6:8]]
+    ref = await null_answer(engines, "/v1/completions", dict(body, stream=False))
+    got = await routed_answer(router, "/v1/completions", body)
+    if stream:
+        assert got[-1] == "[DONE]"
+        text = "".join(ch["text"] for c in got[:-1] for ch in c["choices"])
+        finish = [ch["finish_reason"] for c in got[:-1] for ch in c["choices"] if ch["finish_reason"]]
+    else:
+        text, finish = got["choices"][0]["text"], [got["choices"][0]["finish_reason"]]
+    assert text == ref["choices"][0]["text"] and finish == [ref["choices"][0]["finish_reason"]]
+    if not stream:
+        assert got["usage"] == ref["usage"]
+        if case == "max_tokens_1":
+            assert got["usage"]["completion_tokens"] == 1
+        if case == "min_tokens_small_max":
+            assert 3 <= got["usage"]["completion_tokens"] <= 4
+    if case == "stop_string":
+        assert finish == ["stop"] and body["stop"][0] not in text
+
+
+async def test_concurrent_streams_abort_no_room(engines, router):
+    # 40 at once fit the test engines' 4 s PD timeouts on 2 CPU cores; 200 at once run against
+    # stand-in engines in test_router_faults.py.
+    aborted = {s: metric(engines[s], "pdserve_engine_aborted_requests_total") for s in ("prefill", "decode")}
+    body = {"text": "many at once", "stream": True, "sampling_params": {"max_new_tokens": 3, "ignore_eos": True, **GREEDY}}
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=40)) as c:
+        rs = await asyncio.gather(*(c.post(router.url + "/generate", json=body) for _ in range(40)))
+    assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200][:1]
+    finals = [final_chunks(parse_sse(r.content))[0] for r in rs]
+    assert all(len(f["output_ids"]) == 3 for f in finals)
+    assert {s: metric(engines[s], "pdserve_engine_aborted_requests_total") for s in ("prefill", "decode")} == aborted
+    await assert_decode_idle(engines)
+
+
 async def test_concurrent_requests_round_trip(engines, router):
     body = {"text": "queue me", "sampling_params": {"max_new_tokens": 4, **GREEDY}}
     results = await asyncio.gather(*(routed_answer(router, "/generate", body) for _ in range(12)))
@@ -264,9 +402,11 @@ async def test_dead_prefill_gives_502_promptly_and_decode_is_released(engines, r
 async def test_client_disconnect_mid_stream_aborts_decode(engines, router):
     body = {"text": "stream forever", "stream": True,
             "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0}}
+    aborted = metric(engines["decode"], "pdserve_engine_aborted_requests_total")
     async with httpx.AsyncClient(timeout=30) as c:
         await stream_then_disconnect(c, router.url + "/generate", body)
     await assert_decode_idle(engines)
+    assert metric(engines["decode"], "pdserve_engine_aborted_requests_total") == aborted + 1
 
 
 # ---- info routes and metrics -------------------------------------------------------------------
