@@ -1,0 +1,556 @@
+"""Fused MoE with MXFP4 expert weights and bf16 activations (Triton; sm_120a and sm_90a): the draft MoE of
+DeepSeek-V4's MTP layer.
+
+``fused_moe_mxfp4(hidden_states, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, ...) -> [T, H] bf16``
+computes, per token, the top-k routed experts' gate/up projections, the (clamped) SwiGLU, the down projection,
+and the routing-weighted sum over k. The weight layout is SGLang's (``Fp8MoEMethod`` for ``is_fp4_experts``
+checkpoints, srt/layers/quantization/fp8.py; gate rows first, low nibble = even column, one UE8M0 byte per 32
+values along K) and the exact computation, rounding points included, is documented in
+``pd.kernels.mxfp4_moe_reference``, so the plugin passes SGLang's tensors straight through.
+
+Kernels (weights are never dequantized in memory):
+  * ``_gate_up_kernel``: one program per (row block, BN columns of the intermediate): streams the packed gate
+    and up rows of its expert over K = H and feeds them to ``tl.dot_scaled(x, None, "bf16", w, scale,
+    "e2m1")``. On sm_90 / sm_120 (no bf16 x e2m1 tensor-core instruction) Triton lowers that to what this
+    kernel needs: the packed bytes go global -> shared (cp.async) -> registers in the mma operand layout, are
+    turned into bf16 in registers (a PRMT lookup table per 8 values; a cvt instruction on Triton builds that
+    have it for sm_120), multiplied by the bf16 ``2 ** (scale - 127)``, and fed to mma.sync with fp32
+    accumulation. The epilogue rounds gate/up to bf16, clamps, applies SiLU(gate) * up and stores h (bf16).
+  * ``_down_kernel``: the same over K = I for the down projection; multiplies by the routing weight and either
+    stores the per-pair rows (fp32) for ``_topk_sum_kernel``, or (``pair_token`` path) loops over a token's k
+    experts and writes the summed bf16 output itself.
+  * ``_align_kernel`` (``sorted`` path): one program groups the (token, slot) pairs by expert into blocks of
+    BM rows (histogram + scan + atomic cursors), so each expert's weights are read once per block.
+Paths: ``pair`` / ``pair_token`` give every (token, slot) pair its own programs (no sorting; for the draft's
+small T the routed experts of a token are distinct and shared ones are served from L2); ``sorted`` reads each
+routed expert once per BM rows, for larger T. ``DEFAULT_CONFIGS`` picks by the number of pairs; all paths
+launch fixed grids computed from shapes alone and read routing on the device, so a call is CUDA-graph
+capturable (no host sync).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+GROUP = 32  # values per UE8M0 scale
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _rne_bf16(x):
+    """fp32 -> nearest bf16 (ties to even), kept in fp32 (the interpreter truncates in ``.to(tl.bfloat16)``)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_bf16_f32(x, ROUND: tl.constexpr):
+    if ROUND:
+        return _rne_bf16(x)
+    return x.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, blk_exp_ptr, nblk_ptr, cursor_ptr, P, max_rows, E,
+                  E_BINS: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr):
+    """Group the P (token, slot) pairs by expert: rows [BM b, BM b + BM) of ``sorted`` hold pair ids of expert
+    ``blk_exp[b]`` (padding = P); ``nblk`` = number of blocks. Ids outside [0, E) are dropped."""
+    bins = tl.arange(0, E_BINS)
+    cnt = tl.zeros([E_BINS], tl.int32)
+    for s in range(0, P, CHUNK):
+        offs = s + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
+        ok = (offs < P) & (ids >= 0) & (ids < E)
+        cnt += tl.histogram(tl.where(ok, ids, E_BINS - 1), E_BINS)
+    cnt = tl.where(bins < E, cnt, 0)  # bin E_BINS - 1 >= E collects the dropped pairs
+    nb = (cnt + BM - 1) // BM
+    start = tl.cumsum(nb, 0) - nb
+    tl.store(nblk_ptr, tl.sum(nb, 0))
+    tl.store(cursor_ptr + bins, start * BM)
+    for s in range(0, max_rows, CHUNK):
+        offs = s + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + offs, tl.full([CHUNK], 0, tl.int32) + P, mask=offs < max_rows)
+    tl.debug_barrier()  # cursors and padding visible to every thread before the scatter
+    for s in range(0, P, CHUNK):
+        offs = s + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
+        ok = (offs < P) & (ids >= 0) & (ids < E)
+        pos = tl.atomic_add(cursor_ptr + tl.where(ok, ids, 0), 1, mask=ok)
+        tl.store(sorted_ptr + pos, offs, mask=ok)
+        tl.store(blk_exp_ptr + pos // BM, ids, mask=ok)
+
+
+@triton.jit
+def _rows_of(pid_m, ids_ptr, sorted_ptr, blk_exp_ptr, nblk_ptr, P, E, SORTED: tl.constexpr, BM: tl.constexpr):
+    """(expert, pair ids [BM], row mask [BM], active) of row block ``pid_m``: a sorted block, or pair ``pid_m``
+    alone in row 0."""
+    offs_m = tl.arange(0, BM)
+    if SORTED:
+        active = pid_m < tl.load(nblk_ptr)  # the grid is an upper bound; both buffers span it
+        e = tl.load(blk_exp_ptr + pid_m)
+        rows = tl.load(sorted_ptr + pid_m * BM + offs_m)
+        rmask = rows < P
+    else:
+        e = tl.load(ids_ptr + pid_m).to(tl.int32)
+        active = (e >= 0) & (e < E)
+        rows = pid_m + offs_m * 0
+        rmask = offs_m == 0
+    return e, rows, rmask, active
+
+
+@triton.jit
+def _swiglu_bf16(g, u, limit, HAS_LIMIT: tl.constexpr, ROUND: tl.constexpr):
+    """bf16(silu(min(g, L)) * clamp(u, -L, L)) as fp32, g and u first rounded to bf16 (the GEMM output SGLang
+    clamps is bf16; SiLU and the product in fp32)."""
+    g = _to_bf16_f32(g, ROUND)
+    u = _to_bf16_f32(u, ROUND)
+    if HAS_LIMIT:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    return _to_bf16_f32(g / (1.0 + tl.exp(-g)) * u, ROUND)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, s_ptr, ids_ptr, sorted_ptr, blk_exp_ptr, nblk_ptr, h_ptr, part_ptr,
+    stride_xt, limit, P, E,
+    H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, SORTED: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    UP_FIRST: tl.constexpr, SPLIT: tl.constexpr, ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """Program (row block, BN intermediate columns, K split). SPLIT == 1: h[pair] = SwiGLU, bf16. SPLIT > 1:
+    fp32 partial gate / up sums of K range ``pid_k`` to part[pid_k, pair, 0:I] / [I:2I] (``_swiglu_kernel``
+    finishes)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    e, rows, rmask, active = _rows_of(pid_m, ids_ptr, sorted_ptr, blk_exp_ptr, nblk_ptr, P, E, SORTED, BM)
+    if active:
+        tok = (rows // TOPK).to(tl.int64)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        if UP_FIRST:
+            g_row = offs_n + I
+            u_row = offs_n
+        else:
+            g_row = offs_n
+            u_row = offs_n + I
+        e64 = e.to(tl.int64)
+        k0 = pid_k * (H // SPLIT)
+        w_base = w_ptr + e64 * (2 * I * (H // 2)) + k0 // 2
+        s_base = s_ptr + e64 * (2 * I * (H // 32)) + k0 // 32
+        kb = tl.arange(0, BK // 2)
+        ks = tl.arange(0, BK // 32)
+        wg_ptrs = w_base + g_row[:, None] * (H // 2) + kb[None, :]
+        wu_ptrs = w_base + u_row[:, None] * (H // 2) + kb[None, :]
+        sg_ptrs = s_base + g_row[:, None] * (H // 32) + ks[None, :]
+        su_ptrs = s_base + u_row[:, None] * (H // 32) + ks[None, :]
+        x_ptrs = x_ptr + tok[:, None] * stride_xt + k0 + tl.arange(0, BK)[None, :]
+        acc_g = tl.zeros([BM, BN], tl.float32)
+        acc_u = tl.zeros([BM, BN], tl.float32)
+        for _ in range(0, H // SPLIT // BK):
+            x = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
+            wg = tl.load(wg_ptrs)
+            wu = tl.load(wu_ptrs)
+            sg = tl.load(sg_ptrs)
+            su = tl.load(su_ptrs)
+            acc_g = tl.dot_scaled(x, None, "bf16", tl.trans(wg), sg, "e2m1", acc_g, fast_math=True)
+            acc_u = tl.dot_scaled(x, None, "bf16", tl.trans(wu), su, "e2m1", acc_u, fast_math=True)
+            x_ptrs += BK
+            wg_ptrs += BK // 2
+            wu_ptrs += BK // 2
+            sg_ptrs += BK // 32
+            su_ptrs += BK // 32
+        r64 = rows.to(tl.int64)[:, None]
+        if SPLIT == 1:
+            hv = _swiglu_bf16(acc_g, acc_u, limit, HAS_LIMIT, ROUND)
+            tl.store(h_ptr + r64 * I + offs_n[None, :], hv.to(tl.bfloat16), mask=rmask[:, None])
+        else:
+            part = part_ptr + (pid_k * P + r64) * (2 * I) + offs_n[None, :]
+            tl.store(part, acc_g, mask=rmask[:, None])
+            tl.store(part + I, acc_u, mask=rmask[:, None])
+
+
+@triton.jit
+def _swiglu_kernel(part_ptr, ids_ptr, h_ptr, limit, P, E, I: tl.constexpr, SPLIT: tl.constexpr,
+                   HAS_LIMIT: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr):
+    """h[pair] = SwiGLU of the K-split partial sums (summed in split order: deterministic)."""
+    pair = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(ids_ptr + pair).to(tl.int32)
+    if (e >= 0) & (e < E):
+        g = tl.zeros([BLOCK], tl.float32)
+        u = tl.zeros([BLOCK], tl.float32)
+        for s in tl.static_range(SPLIT):
+            row = part_ptr + (s * P + pair).to(tl.int64) * (2 * I)
+            g += tl.load(row + offs)
+            u += tl.load(row + I + offs)
+        hv = _swiglu_bf16(g, u, limit, HAS_LIMIT, ROUND)
+        tl.store(h_ptr + pair.to(tl.int64) * I + offs, hv.to(tl.bfloat16))
+
+
+@triton.jit
+def _down_tile(h_ptr, w_base, s_base, rows, rmask, offs_n, k0, KLEN: tl.constexpr, I: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """[BM, BN] fp32 = h[rows, k0:k0+KLEN] @ W_down[expert][offs_n, k0:k0+KLEN]^T."""
+    kb = tl.arange(0, BK // 2)
+    ks = tl.arange(0, BK // 32)
+    w_ptrs = w_base + offs_n[:, None] * (I // 2) + k0 // 2 + kb[None, :]
+    s_ptrs = s_base + offs_n[:, None] * (I // 32) + k0 // 32 + ks[None, :]
+    a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * I + k0 + tl.arange(0, BK)[None, :]
+    acc = tl.zeros([BM, BN], tl.float32)
+    for _ in range(0, KLEN // BK):
+        a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+        w = tl.load(w_ptrs)
+        s = tl.load(s_ptrs)
+        acc = tl.dot_scaled(a, None, "bf16", tl.trans(w), s, "e2m1", acc, fast_math=True)
+        a_ptrs += BK
+        w_ptrs += BK // 2
+        s_ptrs += BK // 32
+    return acc
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, sorted_ptr, blk_exp_ptr, nblk_ptr, y_ptr, out_ptr,
+    stride_ot, scaling, P, E,
+    H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr,
+    ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """MODE 0: sorted row blocks, 1: one pair per program (both write the routing-weighted rows of K split
+    ``pid_k`` to y[pid_k, pair] fp32 for _topk_sum_kernel); MODE 2 (SPLIT 1): one token per program, its k
+    experts summed here, bf16 out[token] written."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    w_stride_e = H * (I // 2)
+    s_stride_e = H * (I // 32)
+    if MODE == 2:
+        offs_m = tl.arange(0, BM)
+        total = tl.zeros([BN], tl.float32)
+        for j in tl.static_range(TOPK):
+            pair = pid_m * TOPK + j
+            e = tl.load(ids_ptr + pair).to(tl.int32)
+            if (e >= 0) & (e < E):
+                rows = pair + offs_m * 0
+                acc = _down_tile(h_ptr, w_ptr + e.to(tl.int64) * w_stride_e, s_ptr + e.to(tl.int64) * s_stride_e,
+                                 rows, offs_m == 0, offs_n, 0, I, I, BM, BN, BK)
+                wt = tl.load(tw_ptr + pair).to(tl.float32) * scaling
+                total += tl.sum(tl.where(offs_m[:, None] == 0, acc, 0.0), axis=0) * wt
+        if ROUND:
+            total = _rne_bf16(total)
+        tl.store(out_ptr + pid_m.to(tl.int64) * stride_ot + offs_n, total.to(tl.bfloat16))
+    else:
+        e, rows, rmask, active = _rows_of(pid_m, ids_ptr, sorted_ptr, blk_exp_ptr, nblk_ptr, P, E, MODE == 0, BM)
+        if active:
+            acc = _down_tile(h_ptr, w_ptr + e.to(tl.int64) * w_stride_e, s_ptr + e.to(tl.int64) * s_stride_e,
+                             rows, rmask, offs_n, pid_k * (I // SPLIT), I // SPLIT, I, BM, BN, BK)
+            wt = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32) * scaling
+            y_ptrs = y_ptr + (pid_k * P + rows.to(tl.int64))[:, None] * H + offs_n[None, :]
+            tl.store(y_ptrs, acc * wt[:, None], mask=rmask[:, None])
+
+
+@triton.jit
+def _topk_sum_kernel(y_ptr, ids_ptr, out_ptr, stride_ot, P, E, H: tl.constexpr, TOPK: tl.constexpr,
+                     SPLIT: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = bf16(sum over the token's valid pairs and K splits of y[split, pair]) (y carries the routing
+    weight), in a fixed order."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(TOPK):
+        pair = t * TOPK + j
+        e = tl.load(ids_ptr + pair + offs * 0).to(tl.int32)  # broadcast: a vector mask for the row
+        ok = (offs < H) & (e >= 0) & (e < E)
+        for s in tl.static_range(SPLIT):
+            acc += tl.load(y_ptr + (s * P + pair).to(tl.int64) * H + offs, mask=ok, other=0.0)
+    if ROUND:
+        acc = _rne_bf16(acc)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(tl.bfloat16), mask=offs < H)
+
+
+# ---------------------------------------------------------------------------------------------------- configs
+
+# Tile configs (BN: output columns per program, BK: K per step). BN >= 16 * num_warps: with 16-row tiles the
+# warps split N, and fewer columns per warp made Triton convert the same weights in several warps. Every entry
+# fits sm_120's 99 KiB of shared memory with 16- and 64-row blocks and compiles to mma.sync there
+# (tests/test_mxfp4_moe.py checks all of them, and sm_90a).
+TILE_CONFIGS = [
+    dict(BN=BN, BK=BK, num_warps=w, num_stages=st)
+    for BN, BK, w, st in [(16, 256, 1, 4), (32, 256, 2, 3), (32, 128, 2, 4), (64, 256, 2, 3), (64, 128, 4, 3),
+                          (128, 128, 4, 3)]
+]
+BM_CHOICES = (16, 32, 64)
+SPLIT_CHOICES = (1, 2, 4, 8)
+PATHS = ("pair_token", "pair", "sorted")
+
+# Default plan per number of (token, slot) pairs P = T * k: the first entry with P <= bound.
+#   path: pair_token (gate/up per pair; down per token, k-sum fused: 2 launches), pair (+ sum kernel), sorted
+#   (+ align kernel: each routed expert read once per BM rows); split_*: K splits for more programs at tiny T
+#   (gate/up partials finished by _swiglu_kernel, down partials summed by _topk_sum_kernel).
+DEFAULT_CONFIGS = [
+    (12, dict(path="pair", BM=16, split_gate_up=4, split_down=4,
+              gate_up=dict(BN=32, BK=256, num_warps=2, num_stages=3),
+              down=dict(BN=32, BK=256, num_warps=2, num_stages=3))),
+    (1024, dict(path="sorted", BM=16, split_gate_up=1, split_down=1,
+                gate_up=dict(BN=32, BK=256, num_warps=2, num_stages=3),
+                down=dict(BN=32, BK=256, num_warps=2, num_stages=3))),
+    (math.inf, dict(path="sorted", BM=64, split_gate_up=1, split_down=1,
+                    gate_up=dict(BN=64, BK=128, num_warps=4, num_stages=3),
+                    down=dict(BN=64, BK=128, num_warps=4, num_stages=3))),
+]
+
+
+def default_config(num_pairs: int) -> dict:
+    """The launch plan ``fused_moe_mxfp4`` uses for ``num_pairs`` = T * k (see DEFAULT_CONFIGS)."""
+    for bound, cfg in DEFAULT_CONFIGS:
+        if num_pairs <= bound:
+            return cfg
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------------------------------------------- host side
+
+def as_ue8m0(scale: torch.Tensor) -> torch.Tensor:
+    """MXFP4 scales as the UE8M0 bytes the kernel reads.
+
+    uint8 and float8_e8m0fnu are returned as a uint8 view (no copy). fp32/bf16/fp16 scales (SGLang keeps the
+    loaded scales as fp32 powers of two in ``w13_weight_scale_inv``) are converted to ``log2(s) + 127`` once;
+    do that at weight-load time, not per call (it reads every scale and synchronizes to validate).
+
+    Raises:
+        ValueError: a float scale that is not a power of two in [2**-127, 2**127], or another dtype.
+    """
+    if scale.dtype in (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8)):
+        return scale.view(torch.uint8)
+    if scale.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"scale must be uint8 / float8_e8m0fnu bytes or float powers of two, got {scale.dtype}")
+    mant, exp = torch.frexp(scale.float())
+    if not bool(((mant == 0.5) & (exp - 1 >= -127) & (exp - 1 <= 127)).all()):
+        raise ValueError("scale: float MXFP4 scales must be powers of two in [2**-127, 2**127]")
+    return (exp + 126).to(torch.uint8)
+
+
+def _check_weight(name, w, shape, dev):
+    if not isinstance(w, torch.Tensor) or w.dtype not in (torch.uint8, torch.int8):
+        raise ValueError(f"{name} must be a uint8/int8 tensor of packed e2m1 pairs {shape}, got "
+                         f"{getattr(w, 'dtype', type(w).__name__)}")
+    if tuple(w.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(w.shape)}")
+    if not w.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if w.device != dev:
+        raise ValueError(f"{name} must be on {dev}, got {w.device}")
+    return w.view(torch.uint8)
+
+
+def _check_scale(name, s, shape, dev):
+    ok_dtypes = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
+    if not isinstance(s, torch.Tensor) or s.dtype not in ok_dtypes:
+        raise ValueError(f"{name} must be UE8M0 bytes (uint8 or float8_e8m0fnu) {shape}, got "
+                         f"{getattr(s, 'dtype', type(s).__name__)} (float scales: convert once with as_ue8m0)")
+    if tuple(s.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(s.shape)}")
+    if not s.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if s.device != dev:
+        raise ValueError(f"{name} must be on {dev}, got {s.device}")
+    return s.view(torch.uint8)
+
+
+def _check_config(cfg: dict, h: int, inter: int) -> None:
+    if not isinstance(cfg, dict) or cfg.get("path") not in PATHS:
+        raise ValueError(f"config: path must be one of {PATHS}, got {cfg!r}")
+    if cfg.get("BM", 16) not in BM_CHOICES:
+        raise ValueError(f"config: BM must be one of {BM_CHOICES}")
+    for part, n_dim, k_dim in (("gate_up", inter, h), ("down", h, inter)):
+        c = cfg.get(part)
+        if not isinstance(c, dict) or set(c) != {"BN", "BK", "num_warps", "num_stages"}:
+            raise ValueError(f"config: {part} must be a dict with BN, BK, num_warps, num_stages")
+        if c["BN"] not in (16, 32, 64, 128) or n_dim % c["BN"]:
+            raise ValueError(f"config: {part} BN must be 16/32/64/128 and divide {n_dim}, got {c['BN']}")
+        if c["BK"] not in (128, 256):  # halved to 128 where it does not divide K / split (_fit_bk)
+            raise ValueError(f"config: {part} BK must be 128 or 256, got {c['BK']}")
+        sp = cfg.get(f"split_{part}", 1)
+        if sp not in SPLIT_CHOICES or k_dim % (sp * 128):
+            raise ValueError(f"config: split_{part} must be one of {SPLIT_CHOICES} with {k_dim} % (split * 128) == 0,"
+                             f" got {sp}")
+    if cfg["path"] == "pair_token" and cfg.get("split_down", 1) != 1:
+        raise ValueError("config: the pair_token path sums over k in the down kernel, so split_down must be 1")
+
+
+def _fit_bk(cfg: dict, k_len: int) -> dict:
+    """The config with BK halved until it divides the K range of one program (I = 128 n at any TP size)."""
+    c = dict(cfg)
+    while k_len % c["BK"]:
+        c["BK"] //= 2
+    return c
+
+
+def max_sorted_blocks(num_pairs: int, num_experts: int, bm: int) -> int:
+    """Upper bound of sum_e ceil(count_e / bm) over experts (the sorted path's grid; shapes only)."""
+    return (num_pairs + min(num_experts, num_pairs) * (bm - 1)) // bm
+
+
+def fused_moe_mxfp4(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+    routed_scaling_factor: float | None = None,
+    up_first: bool = False,
+    out: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Top-k routed MoE with MXFP4 experts (computation: ``pd.kernels.mxfp4_moe_reference``).
+
+    Args:
+        hidden_states: [T, H] bfloat16 (row stride free, unit column stride).
+        w13: [E, 2 I, H / 2] uint8/int8, contiguous: gate rows [0, I), up rows [I, 2 I) (``up_first=True``:
+            FlashInfer's [up; gate]); two e2m1 per byte, low nibble = even column.
+        w13_scale: [E, 2 I, H / 32] UE8M0 (uint8 or float8_e8m0fnu), contiguous.
+        w2: [E, H, I / 2] uint8/int8, contiguous. w2_scale: [E, H, I / 32] UE8M0, contiguous.
+        topk_weights: [T, k] float32/bfloat16/float16, contiguous. topk_ids: [T, k] int32/int64, contiguous;
+            values in [0, E) or -1 (pair skipped, e.g. an expert on another rank); others are skipped too.
+        swiglu_limit: SwiGLU clamp L (gate <= L, |up| <= L); DeepSeek-V4 uses config.swiglu_limit = 10.0. None:
+            no clamp (SGLang's default).
+        routed_scaling_factor: multiplies the output (None: 1; pass None when it is folded into topk_weights).
+        out: optional [T, H] bfloat16 output buffer with unit column stride.
+        config: launch plan override (benchmarks): {"path": "pair_token"|"pair"|"sorted", "BM": 16|32|64,
+            "split_gate_up": 1|2|4|8, "split_down": ..., "gate_up": {BN, BK, num_warps, num_stages},
+            "down": {...}}; default ``default_config(T * k)``.
+    Returns:
+        [T, H] bfloat16 (``out`` when given).
+    Raises:
+        ValueError: naming the argument, for a wrong dtype, shape, layout or device, H or I not a multiple of
+        128, a bad swiglu_limit / routed_scaling_factor / config; raised before any launch.
+    Requires H % 128 == 0 and I % 128 == 0 (DeepSeek-V4: H = 4096, I = 2048 / TP). Capturable in a CUDA graph
+    (fixed grids from shapes, routing read on the device, workspaces from the caching allocator).
+    """
+    out, stages = _plan(hidden_states, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
+                        routed_scaling_factor, up_first, out, config)
+    for _, launch in stages:
+        launch()
+    return out
+
+
+def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit, routed_scaling_factor, up_first,
+          out, config):
+    """Validate, allocate, and return (out, [(stage name, launch callable), ...]); the stages run in order."""
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2:
+        raise ValueError(f"hidden_states must be a bfloat16 tensor [T, H], got "
+                         f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+    t, h = x.shape
+    if x.stride(1) != 1:
+        raise ValueError("hidden_states must have unit column stride")
+    if h % 128 or h == 0:
+        raise ValueError(f"hidden_states: hidden size H must be a positive multiple of 128, got {h}")
+    dev = x.device
+    if not isinstance(w13, torch.Tensor) or w13.dim() != 3:
+        raise ValueError(f"w13 must be a 3-D tensor [E, 2 I, H / 2], got {tuple(getattr(w13, 'shape', ()))}")
+    n_exp, two_i = w13.shape[0], w13.shape[1]
+    inter = two_i // 2
+    if two_i % 2 or inter % 128 or inter == 0:
+        raise ValueError(f"w13: dim 1 must be 2 I with I a positive multiple of 128, got {two_i}")
+    w13u = _check_weight("w13", w13, (n_exp, two_i, h // 2), dev)
+    s13u = _check_scale("w13_scale", w13_scale, (n_exp, two_i, h // GROUP), dev)
+    w2u = _check_weight("w2", w2, (n_exp, h, inter // 2), dev)
+    s2u = _check_scale("w2_scale", w2_scale, (n_exp, h, inter // GROUP), dev)
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64) \
+            or topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_ids.shape[1] < 1:
+        raise ValueError(f"topk_ids must be an int32/int64 tensor [{t}, k], got "
+                         f"{getattr(topk_ids, 'dtype', None)} {tuple(getattr(topk_ids, 'shape', ()))}")
+    k = topk_ids.shape[1]
+    if not topk_ids.is_contiguous() or topk_ids.device != dev:
+        raise ValueError(f"topk_ids must be contiguous and on {dev}")
+    if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype not in (torch.float32, torch.bfloat16,
+                                                                                   torch.float16) \
+            or tuple(topk_weights.shape) != (t, k):
+        raise ValueError(f"topk_weights must be a float32/bfloat16/float16 tensor [{t}, {k}], got "
+                         f"{getattr(topk_weights, 'dtype', None)} {tuple(getattr(topk_weights, 'shape', ()))}")
+    if not topk_weights.is_contiguous() or topk_weights.device != dev:
+        raise ValueError(f"topk_weights must be contiguous and on {dev}")
+    if swiglu_limit is not None and not (isinstance(swiglu_limit, (int, float)) and math.isfinite(swiglu_limit)
+                                         and swiglu_limit > 0):
+        raise ValueError(f"swiglu_limit must be None or a positive finite float, got {swiglu_limit!r}")
+    scaling = 1.0 if routed_scaling_factor is None else routed_scaling_factor
+    if not isinstance(scaling, (int, float)) or not math.isfinite(scaling):
+        raise ValueError(f"routed_scaling_factor must be None or a finite float, got {routed_scaling_factor!r}")
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or tuple(out.shape) != (t, h) \
+                or out.stride(1) != 1 or out.device != dev:
+            raise ValueError(f"out must be a bfloat16 tensor [{t}, {h}] with unit column stride on {dev}")
+    cfg = config if config is not None else default_config(t * k)
+    _check_config(cfg, h, inter)
+    if out is None:
+        out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+    if t == 0:
+        return out, []
+
+    p = t * k
+    path = cfg["path"]
+    sp_gu, sp_dn = cfg.get("split_gate_up", 1), cfg.get("split_down", 1)
+    gu = _fit_bk(cfg["gate_up"], h // sp_gu)
+    dn = _fit_bk(cfg["down"], inter // sp_dn)
+    if _INTERPRET:  # the interpreter's cost is per program step, not per byte
+        gu = dict(gu, num_warps=4, num_stages=1)
+        dn = dict(dn, num_warps=4, num_stages=1)
+    ids = topk_ids
+    limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
+    has_limit = swiglu_limit is not None
+    hbuf = torch.empty(p, inter, dtype=torch.bfloat16, device=dev)
+    part = torch.empty(sp_gu, p, 2 * inter, dtype=torch.float32, device=dev) if sp_gu > 1 else hbuf
+    common = dict(H=h, I=inter, TOPK=k, ROUND=_INTERPRET)
+    stages = []
+    if path == "sorted":
+        bm = cfg.get("BM", 16)
+        n_blk = max_sorted_blocks(p, n_exp, bm)
+        sorted_ids = torch.empty(n_blk * bm, dtype=torch.int32, device=dev)
+        blk_exp = torch.empty(n_blk, dtype=torch.int32, device=dev)
+        meta = torch.empty(1 + triton.next_power_of_2(n_exp + 1), dtype=torch.int32, device=dev)
+        nblk, cursor = meta[:1], meta[1:]
+        stages.append(("align", lambda: _align_kernel[(1,)](
+            ids, sorted_ids, blk_exp, nblk, cursor, p, n_blk * bm, n_exp, E_BINS=cursor.numel(), BM=bm,
+            CHUNK=64 if _INTERPRET else 1024, num_warps=4)))
+        grid_m = n_blk
+    else:
+        bm = 16
+        sorted_ids, blk_exp, nblk = ids, ids, ids  # unused
+        grid_m = p
+    sorted_mode = path == "sorted"
+    stages.append(("gate_up", lambda: _gate_up_kernel[(grid_m, inter // gu["BN"], sp_gu)](
+        x, w13u, s13u, ids, sorted_ids, blk_exp, nblk, hbuf, part, x.stride(0), limit, p, n_exp,
+        SORTED=sorted_mode, HAS_LIMIT=has_limit, UP_FIRST=bool(up_first), SPLIT=sp_gu, BM=bm, BN=gu["BN"],
+        BK=gu["BK"], num_warps=gu["num_warps"], num_stages=gu["num_stages"], **common)))
+    if sp_gu > 1:
+        blk = math.gcd(inter, 1024)
+        stages.append(("swiglu", lambda: _swiglu_kernel[(p, inter // blk)](
+            part, ids, hbuf, limit, p, n_exp, I=inter, SPLIT=sp_gu, HAS_LIMIT=has_limit, ROUND=_INTERPRET,
+            BLOCK=blk, num_warps=4)))
+    if path == "pair_token":
+        stages.append(("down", lambda: _down_kernel[(t, h // dn["BN"], 1)](
+            hbuf, w2u, s2u, ids, topk_weights, ids, ids, ids, out, out, out.stride(0), float(scaling), p, n_exp,
+            MODE=2, SPLIT=1, BM=16, BN=dn["BN"], BK=dn["BK"], num_warps=dn["num_warps"],
+            num_stages=dn["num_stages"], **common)))
+        return out, stages
+    y = torch.empty(sp_dn, p, h, dtype=torch.float32, device=dev)
+    stages.append(("down", lambda: _down_kernel[(grid_m, h // dn["BN"], sp_dn)](
+        hbuf, w2u, s2u, ids, topk_weights, sorted_ids, blk_exp, nblk, y, out, out.stride(0), float(scaling), p,
+        n_exp, MODE=0 if sorted_mode else 1, SPLIT=sp_dn, BM=bm, BN=dn["BN"], BK=dn["BK"],
+        num_warps=dn["num_warps"], num_stages=dn["num_stages"], **common)))
+    block = min(1024, h)
+    stages.append(("sum", lambda: _topk_sum_kernel[(t, triton.cdiv(h, block))](
+        y, ids, out, out.stride(0), p, n_exp, H=h, TOPK=k, SPLIT=sp_dn, ROUND=_INTERPRET, BLOCK=block,
+        num_warps=4)))
+    return out, stages

@@ -1,0 +1,81 @@
+"""Interpreter correctness cases for pd.kernels.mxfp4_moe, run in a subprocess by tests/test_mxfp4_moe.py
+(TRITON_INTERPRET must be set before triton decorates the kernels, so it cannot share a process with the AOT
+tests). Prints one JSON line per case."""
+
+import json
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+from pd.kernels.mxfp4_moe import default_config, fused_moe_mxfp4  # noqa: E402
+from pd.kernels.mxfp4_moe_reference import fused_moe_mxfp4_reference  # noqa: E402
+
+
+def make_inputs(t, h, inter, e, k, g, *, skip=0, shared=False, skip_token0=False):
+    """Random packed codes (every e2m1 value) and scales 2^-4..2^-1, so |gate| > 10 for a few percent of the
+    entries (the clamp matters). ``shared``: tokens draw from few experts (several row blocks per expert)."""
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    w13 = torch.randint(0, 256, (e, 2 * inter, h // 2), generator=g, dtype=torch.uint8)
+    s13 = torch.randint(123, 127, (e, 2 * inter, h // 32), generator=g, dtype=torch.uint8)
+    w2 = torch.randint(0, 256, (e, h, inter // 2), generator=g, dtype=torch.uint8)
+    s2 = torch.randint(121, 125, (e, h, inter // 32), generator=g, dtype=torch.uint8)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(torch.int32)
+    if shared:
+        ids = torch.stack([torch.randperm(2, generator=g)[:k] for _ in range(t)]).to(torch.int32)
+    flat = ids.view(-1)
+    flat[torch.randperm(flat.numel(), generator=g)[:skip]] = -1
+    if skip_token0:
+        ids[0] = -1
+    wts = torch.rand(t, k, generator=g)
+    return x, w13, s13, w2, s2, wts, ids
+
+
+def run_case(name, t, h, inter, e, k, *, path, bm=16, splits=(1, 1), limit=10.0, scaling=None, up_first=False,
+             skip=0, shared=False, skip_token0=False, ids64=False, wbf16=False, int8=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, w13, s13, w2, s2, wts, ids = make_inputs(t, h, inter, e, k, g, skip=skip, shared=shared,
+                                                skip_token0=skip_token0)
+    if ids64:
+        ids = ids.long()
+    if wbf16:
+        wts = wts.to(torch.bfloat16)
+    cfg = dict(default_config(t * k), path=path, BM=bm, split_gate_up=splits[0], split_down=splits[1])
+    out = torch.full((t, h), float("nan"), dtype=torch.bfloat16)  # poisoned: every element must be written
+    kw = dict(swiglu_limit=limit, routed_scaling_factor=scaling, up_first=up_first)
+    ww13, ww2 = (w13.view(torch.int8), w2.view(torch.int8)) if int8 else (w13, w2)
+    res = fused_moe_mxfp4(x, ww13, s13, ww2, s2, wts, ids, out=out, config=cfg, **kw)
+    ref = fused_moe_mxfp4_reference(x, w13, s13, w2, s2, wts, ids, **kw)
+    rel = ((res.double() - ref).norm() / ref.norm()).item()
+    r = dict(name=name, rel=rel, nan=bool(torch.isnan(res).any()), same_buffer=res.data_ptr() == out.data_ptr())
+    if limit is not None:  # how much the clamp changes the answer (the case must exercise it)
+        ref_nl = fused_moe_mxfp4_reference(x, w13, s13, w2, s2, wts, ids, **dict(kw, swiglu_limit=None))
+        r["clamp_effect"] = ((ref_nl - ref).norm() / ref.norm()).item()
+    if skip_token0:  # a token whose every slot is skipped must come out as exact zeros
+        r["all_skipped_row_zero"] = bool((res[0] == 0).all())
+    return r
+
+
+CASES = [
+    ("pair_token", dict(t=3, h=128, inter=128, e=6, k=3, path="pair_token", scaling=1.5, skip=1)),
+    ("pair_ids64_wbf16_int8", dict(t=3, h=128, inter=128, e=5, k=2, path="pair", ids64=True, wbf16=True,
+                                   int8=True)),
+    ("pair_split2x2_skip", dict(t=2, h=256, inter=256, e=5, k=3, path="pair", splits=(2, 2), skip=1)),
+    ("sorted_split2x1_up_first", dict(t=4, h=256, inter=128, e=3, k=2, path="sorted", splits=(2, 1),
+                                      up_first=True, scaling=2.0)),
+    ("sorted_multiblock_skip", dict(t=20, h=128, inter=128, e=3, k=2, path="sorted", shared=True, skip=5)),
+    ("sorted_bm32_up_first_nolimit", dict(t=5, h=128, inter=256, e=4, k=2, path="sorted", bm=32, limit=None,
+                                          up_first=True)),
+    ("pair_token_h256_bk256", dict(t=2, h=256, inter=128, e=4, k=2, path="pair_token", scaling=0.5)),
+    ("sorted_all_skipped_token", dict(t=3, h=128, inter=128, e=4, k=2, path="sorted", skip_token0=True)),
+    ("pair_token_all_skipped_token", dict(t=2, h=128, inter=128, e=4, k=2, path="pair_token", skip_token0=True)),
+]
+
+if __name__ == "__main__":
+    names = sys.argv[1:]
+    for i, (name, kw) in enumerate(CASES):
+        if names and name not in names:
+            continue
+        print(json.dumps(run_case(name, seed=i, **kw)), flush=True)
