@@ -21,8 +21,9 @@ and query preparation (SGLang's own methods, same arguments), then ``dsa_indexer
 which returns request-local compressed positions [T, 1, 512] (valid ones first, -1 after). The adapter maps
 them through the page table to pool slots (``page_table[t, p // 64] * 64 + p % 64``, as SGLang's
 ``topk_transform_paged`` does) and writes slots (and, when the metadata keeps them, the raw positions) in
-place into the buffers the attention reads. Prefill rows, the FP4 index cache, hisparse and top-k capture
-stay on SGLang's path (logged once).
+place into the buffers the attention reads. Prefill rows, the FP4 index cache, hisparse, top-k capture and
+head counts / page sizes the kernel does not take stay on SGLang's path (logged once); they are decided before
+the query is prepared, so SGLang's method then runs from the start (the compressor runs once either way).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ SGLANG_MEMBERS = {
     "sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBackend":
         ("forward_metadata", "token_to_kv_pool", "hisparse_coordinator"),
     "sglang.srt.layers.attention.dsv4.indexer.C4IndexerBackendMixin": ("debug_use_external_c4_sparse_indices",),
-    "sglang.srt.layers.attention.dsv4.indexer.C4Indexer": ("use_fp4_indexer", "layer_id"),
+    "sglang.srt.layers.attention.dsv4.indexer.C4Indexer": ("use_fp4_indexer", "layer_id", "n_heads"),
     "sglang.srt.layers.attention.deepseek_v4_backend.DSV4Metadata": ("indexer_metadata", "core_metadata"),
     "sglang.srt.layers.attention.deepseek_v4_backend.DSV4AttnMetadata":
         ("positions", "c4_sparse_page_indices", "c4_sparse_raw_indices"),
@@ -71,6 +72,13 @@ def unsupported_reason(backend, c4_indexer, forward_batch) -> str | None:
         return f"{forward_batch.forward_mode.name} rows (ours serves decode / target-verify / draft-extend-v2)"
     if c4_indexer.use_fp4_indexer:
         return "the FP4 index-K cache (ours reads the fp8 + fp32-scale layout)"
+    from .indexer import SUPPORTED_HEADS, SUPPORTED_PAGE_SIZES
+
+    if c4_indexer.n_heads not in SUPPORTED_HEADS:
+        return f"{c4_indexer.n_heads} index heads (ours: {SUPPORTED_HEADS})"
+    page = backend.forward_metadata.indexer_metadata.compressed_page_size
+    if page not in SUPPORTED_PAGE_SIZES:
+        return f"index-K page size {page} (ours: {SUPPORTED_PAGE_SIZES})"
     if getattr(backend, "hisparse_coordinator", None) is not None:
         return "hierarchical sparse attention (hisparse) swaps pages after the top-k"
     if get_global_indexer_capturer() is not None:

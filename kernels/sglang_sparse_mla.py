@@ -15,7 +15,8 @@
    flattens lengths to [T], cuts attn_sink to H and makes it fp32. Calls whose caches our kernel does not
    read (another bytes-per-token layout, e.g. DSv4.1's 528/288; a page size outside
    ``sparse_mla_decode.SUPPORTED_PAGE_SIZES`` - the c128 cache has 256/128 = 2 tokens per page), a
-   head_dim_v other than 512 or a head count that is not a multiple of 16 go to SGLang's function; when
+   head_dim_v other than 512, a head count that is not a multiple of 16, or anything else the kernel's own
+   checks refuse (ValueError, raised before any launch) go to SGLang's function; when
    that function's FlashInfer decode needs 64 padded heads (see 2.) the adapter pads q and attn_sink with
    zeros and cuts the output back.
 
@@ -154,12 +155,15 @@ def flash_mla_with_kvcache_sm120(original, *args, **kwargs):
     if args or not takes_device(kwargs["q"].device):
         return original(*args, **kwargs)
     reason = unsupported_reason(kwargs)
-    if reason is not None:
-        fall_back(KERNEL, reason)
-        return _sglang_call(original, kwargs)
-    from .sparse_mla_decode import sparse_mla_decode
+    if reason is None:
+        from .sparse_mla_decode import sparse_mla_decode
 
-    return sparse_mla_decode(**to_pdserve_args(kwargs))
+        try:
+            return sparse_mla_decode(**to_pdserve_args(kwargs))
+        except ValueError as e:  # raised by the kernel's checks, before any launch
+            reason = f"the kernel refused the call: {e}"
+    fall_back(KERNEL, reason)
+    return _sglang_call(original, kwargs)
 
 
 def kernel_num_heads(original, self, num_tokens):

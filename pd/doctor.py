@@ -716,6 +716,27 @@ def check_context_length(ctx: Context) -> list[Finding]:
     return out or [Finding("ok", "context-length", f"context length <= {CONTEXT_LENGTH_LIMIT}")]
 
 
+def check_pdserve_plugin(ctx: Context) -> list[Finding]:
+    """With ``sglang.pdserve_kernels`` on, this Python must expose pdserve's SGLang plugin: SGLang finds
+    plugins only through installed package metadata, and without it the workers start, silently, without
+    our kernels."""
+    if not ctx.sglang or not ctx.cfg.sglang.pdserve_kernels.enabled:
+        return []
+    from importlib.metadata import entry_points
+
+    from pd.kernels.sglang_plugin import ENTRY_POINT_GROUP, PLUGIN_NAME
+
+    want = "pd.kernels.sglang_plugin:register"
+    if any(e.name == PLUGIN_NAME and e.value == want for e in entry_points(group=ENTRY_POINT_GROUP)):
+        return [Finding("ok", "pdserve-plugin", f"SGLang workers load pdserve's plugin ({want})")]
+    level = "warning" if ctx.cfg.sglang.launch_command else "error"  # a wrapper may run another Python
+    return [Finding(level, "pdserve-plugin",
+                    f"sglang.pdserve_kernels is on, but {sys.executable} has no '{PLUGIN_NAME}' entry point in "
+                    f"{ENTRY_POINT_GROUP}: SGLang workers would run without pdserve's kernels",
+                    "pip install -e . (this checkout) in the Python that runs the workers; a stale "
+                    "pdserve.egg-info in the working directory also hides the installed metadata: delete it")]
+
+
 def ib_devices() -> Optional[list[str]]:
     """RDMA devices listed in /sys/class/infiniband, None when the directory does not exist."""
     try:
@@ -750,7 +771,7 @@ def check_kv_transfer(ctx: Context) -> list[Finding]:
 CHECKS: list[Callable[[Context], list[Finding]]] = [
     check_gpu_arch, check_model_config, check_engine_args, check_quantization, check_moe_backend_arch,
     check_spec_moe_explicit, check_speculative_draft, check_pd_consistency, check_gpus, check_router_port,
-    check_context_length, check_kv_transfer,
+    check_context_length, check_pdserve_plugin, check_kv_transfer,
 ]
 
 

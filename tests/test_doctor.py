@@ -364,6 +364,17 @@ def test_context_length_far_above_need_with_the_stock_indexer(tmp_path):
     assert of(run(llama), "context-length")[0].message == "the model has no DSA indexer"
 
 
+def test_pdserve_kernels_need_the_plugin_installed(monkeypatch):
+    assert [x.level for x in of(run(profile()), "pdserve-plugin")] == ["ok"]
+    assert of(run(profile(pdserve_kernels=False)), "pdserve-plugin") == []
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kw: [])
+    (f,) = of(run(profile()), "pdserve-plugin")
+    assert f.level == "error" and "without pdserve's kernels" in f.message and "pip install -e ." in f.fix
+    assert of(run(profile(launch_command=["wrapper", "sglang"])), "pdserve-plugin")[0].level == "warning"
+
+
 def test_kv_transfer_tcp_warning_and_missing_rdma_device(tmp_path, monkeypatch):
     assert of(run(profile()), "kv-transfer")[0].level == "warning"
     ib = tmp_path / "infiniband"
