@@ -1,0 +1,637 @@
+"""DSA lightning-indexer decode step: scores + exact top-k over each request's live range (Triton; sm_120a, sm_90a).
+
+``dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512, page_size=64) -> indices``
+[B, S, topk] int32: for every query token, the logical positions of its ``topk`` highest indexer scores,
+ascending, or all live positions then -1 when the live range is not longer than ``topk``. Cache layout, score
+formula, weight scaling and the causal live range of each query token (MTP verify, S > 1) are documented in
+``pd.kernels.indexer_reference``, the torch reference (SGLang 0.5.23's DSA / DSv4 index-key cache:
+``[num_pages, page_size * 132]`` uint8, per page ``page_size x 128`` fp8 e4m3 keys then ``page_size`` fp32 scales).
+
+Why it exists: a decode step must cost O(live length), not O(--context-length). Both kernels read the lengths on
+the device, so the launch is fixed for a given (batch, S, block-table width) and can be captured in a CUDA graph;
+nothing past a request's length is read, scored or sorted.
+
+1. ``_index_scores_kernel``, grid (B, n_split): program (b, j) scores its share of request b's live tiles
+   (``BLOCK_N`` tokens; the share is computed on the device from ``seq_lens``, at least ``MIN_TILES`` tiles, so
+   programs past the live range do nothing). Per tile it gathers the fp8 keys and scales through the block table
+   once, and for each of the S query tokens computes ``[H, BLOCK_N] = q . k^T`` with ``tl.dot`` (bf16 x bf16, or
+   fp8 x fp8 for an fp8 query; mma.sync on sm_120, wgmma where Triton picks it on sm_90), then
+   ``sum_h relu(.) * w_h * scale_k``. It stores the fp32 scores and, per group of ``GROUP`` = 8 positions, their
+   max. Requests whose longest query token sees <= topk positions are skipped (their answer needs no scores).
+2. ``_select_topk_kernel``, grid (B * S): exact top-k of one query token's live scores, on order-preserving int32
+   keys of the fp32 scores. The topk-th largest group max ``t0`` is a lower bound of the topk-th largest score
+   (the group maxima are distinct positions), so only groups whose max is >= t0 can hold a selected position:
+   ~topk groups (more only with ties), i.e. ~8 * topk candidates. Those are gathered into registers and the exact
+   threshold T (largest key with >= topk keys >= T) is found by a 4-way search on the key range (one packed
+   3-count reduction per step, <= 16 steps); keys > T are taken and keys == T fill the rest in position order.
+   Set-equal to ``torch.topk`` up to ties. Fallbacks keep it exact on any input: group maxima that do not fit
+   registers (live length > TILE_G * 8) are searched in memory, and more than CAP_C candidate groups (mass ties)
+   search the whole live row in memory.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .indexer_reference import BYTES_PER_TOKEN, INDEX_DIM
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+GROUP = 8  # positions per group max
+SUPPORTED_HEADS = (16, 32, 64, 128)
+SUPPORTED_PAGE_SIZES = tuple(2 ** i for i in range(9))  # 1 .. 256
+MAX_TOPK = 2048
+MAX_S = 8
+
+
+@triton.jit
+def _order_key(x):
+    """fp32 -> int32 whose signed order is the float order (-0.0 sorts just below +0.0; NaN above +inf)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+# ------------------------------------------------------------------------------------------------ scores
+
+@triton.jit
+def _load_k_tile(kc32_ptr, ks_ptr, bt_row, t, t_end, l_max, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys of tile t as packed int32 [BLOCK_N, 32] (4 fp8 each, little-endian) and fp32 scales [BLOCK_N]; zeros
+    outside [0, l_max) or when t >= t_end. Packed, a prefetched tile costs 1 register per 4 keys instead of 4."""
+    pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    inb = pos < tl.where(t < t_end, l_max, 0)
+    page = tl.load(bt_row + pos // PAGE, mask=inb, other=0).to(tl.int64)
+    off = pos % PAGE
+    d = tl.arange(0, 32)
+    k = tl.load(kc32_ptr + (page * (PAGE * 33) + off * 32)[:, None] + d[None, :], mask=inb[:, None], other=0)
+    ksc = tl.load(ks_ptr + page * (PAGE * 33) + PAGE * 32 + off, mask=inb, other=0.0)
+    return k, ksc
+
+
+@triton.jit
+def _unpack_fp8(kw, BLOCK_N: tl.constexpr):
+    """int32 [BLOCK_N, 32] holding 4 fp8 e4m3 each -> fp8 [BLOCK_N, 128] in memory order."""
+    b0 = (kw & 0xFF).to(tl.uint8)
+    b1 = ((kw >> 8) & 0xFF).to(tl.uint8)
+    b2 = ((kw >> 16) & 0xFF).to(tl.uint8)
+    b3 = ((kw >> 24) & 0xFF).to(tl.uint8)
+    k = tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [BLOCK_N, 128])
+    return k.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _load_q(q_ptr, w_ptr, qs_ptr, b, s0, S, stride_qb, stride_qs, stride_qh, stride_wb, stride_ws,
+            S_P2: tl.constexpr, H: tl.constexpr, HAS_QS: tl.constexpr, DOT_F32: tl.constexpr):
+    """Query tokens s0 .. s0 + S - 1 of request b stacked as rows (s, h): q [S_P2 * H, 128], weights [S_P2 * H]
+    (fp32, times the query scales when given); rows s >= S are zero."""
+    r = tl.arange(0, S_P2 * H)
+    s = r // H
+    h = r % H
+    d = tl.arange(0, 128)
+    ok = s < S
+    s = s + s0
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (s * stride_qs + h * stride_qh)[:, None] + d[None, :],
+                mask=ok[:, None], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    w_off = b.to(tl.int64) * stride_wb + s * stride_ws + h
+    w = tl.load(w_ptr + w_off, mask=ok, other=0.0).to(tl.float32)
+    if HAS_QS:
+        w = w * tl.load(qs_ptr + w_off, mask=ok, other=0.0)
+    return q, w
+
+
+@triton.jit
+def _row_len(len_ptr, b, s, S, max_len, LEN_2D: tl.constexpr):
+    """Live length of query token s (scalar or vector) of request b (see indexer_reference.live_lengths)."""
+    if LEN_2D:
+        ln = tl.load(len_ptr + b * S + s).to(tl.int32)
+    else:
+        ln = tl.load(len_ptr + b).to(tl.int32) - S + 1 + s
+    return tl.minimum(tl.maximum(ln, 0), max_len)
+
+
+@triton.jit
+def _index_scores_kernel(
+    q_ptr, w_ptr, qs_ptr, kc32_ptr, ks_ptr, bt_ptr, len_ptr, score_ptr, gmax_ptr,
+    stride_qb, stride_qs, stride_qh, stride_wb, stride_ws, stride_bt,
+    max_len, ng_buf, n_split, topk, S_ALL, s0,
+    S: tl.constexpr, S_P2: tl.constexpr, H: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    G: tl.constexpr, LEN_2D: tl.constexpr, HAS_QS: tl.constexpr, Q_FP8: tl.constexpr, MIN_TILES: tl.constexpr,
+    DOT_F32: tl.constexpr, TOKENS_M: tl.constexpr = True, PREFETCH: tl.constexpr = True,
+    DOT_PREC: tl.constexpr = "tf32",
+):
+    # this launch scores query tokens s0 .. s0 + S - 1 (S <= 4) of the S_ALL per request
+    b = tl.program_id(0)
+    sp = tl.program_id(1)
+    so = tl.arange(0, S_P2)
+    lens = tl.where(so < S, _row_len(len_ptr, b, s0 + tl.minimum(so, S - 1), S_ALL, max_len, LEN_2D), 0)
+    l_max = tl.max(lens, 0)  # the longest query token bounds the scan; shorter ones mask their tail
+    n_tiles = tl.cdiv(l_max, BLOCK_N)
+    per = tl.maximum(tl.cdiv(n_tiles, n_split), MIN_TILES)
+    t_begin = sp * per
+    t_end = tl.minimum(t_begin + per, n_tiles)
+    t_end = tl.where(l_max > topk, t_end, t_begin)  # <= topk live positions: no scores needed
+
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    rows = b.to(tl.int64) * S_ALL + s0 + so  # [S_P2] output rows
+    q, w = _load_q(q_ptr, w_ptr, qs_ptr, b, s0, S, stride_qb, stride_qs, stride_qh, stride_wb, stride_ws,
+                   S_P2, H, HAS_QS, DOT_F32)
+    if PREFETCH:  # hand-pipelined: the gather of tile t + 1 is in flight while tile t is scored
+        k, ksc = _load_k_tile(kc32_ptr, ks_ptr, bt_row, t_begin, t_end, l_max, PAGE, BLOCK_N)
+    for t in range(t_begin, t_end):
+        if PREFETCH:
+            cur_k = k
+            cur_ksc = ksc
+            k, ksc = _load_k_tile(kc32_ptr, ks_ptr, bt_row, t + 1, t_end, l_max, PAGE, BLOCK_N)
+        else:
+            cur_k, cur_ksc = _load_k_tile(kc32_ptr, ks_ptr, bt_row, t, t_end, l_max, PAGE, BLOCK_N)
+        kf = _unpack_fp8(cur_k, BLOCK_N)
+        if DOT_F32:
+            kop = kf.to(tl.float32)
+        elif Q_FP8:
+            kop = kf
+        else:
+            kop = kf.to(tl.bfloat16)
+        if TOKENS_M:
+            acc = tl.dot(kop, tl.trans(q), input_precision=DOT_PREC)  # [BLOCK_N, S_P2 * H]
+            x = tl.reshape(tl.maximum(acc, 0.0) * w[None, :], [BLOCK_N, S_P2, H])
+            sc = tl.trans(tl.sum(x, 2) * cur_ksc[:, None])  # [S_P2, BLOCK_N]
+        else:
+            acc = tl.dot(q, tl.trans(kop), input_precision=DOT_PREC)  # [S_P2 * H, BLOCK_N]
+            x = tl.reshape(tl.maximum(acc, 0.0) * w[:, None], [S_P2, H, BLOCK_N])
+            sc = tl.sum(x, 1) * cur_ksc[None, :]
+        pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        sc = tl.where(pos[None, :] < lens[:, None], sc, float("-inf"))
+        tl.store(score_ptr + rows[:, None] * max_len + pos[None, :], sc,
+                 mask=(so < S)[:, None] & (pos < l_max)[None, :])
+        gm = tl.max(tl.reshape(sc, [S_P2, BLOCK_N // G, G]), 2)
+        go = t * (BLOCK_N // G) + tl.arange(0, BLOCK_N // G)
+        tl.store(gmax_ptr + rows[:, None] * ng_buf + go[None, :], gm,
+                 mask=(so < S)[:, None] & (go * G < l_max)[None, :])
+
+
+@triton.jit
+def _group_max_kernel(score_ptr, gmax_ptr, len_ptr, stride_row, ng_buf, n_split, max_len, topk,
+                      G: tl.constexpr, BLOCK: tl.constexpr, MIN_TILES: tl.constexpr):
+    """Group maxima of externally computed scores (``topk_from_scores``); same split scheme as the scores."""
+    r = tl.program_id(0)
+    sp = tl.program_id(1)
+    ln = _row_len(len_ptr, r, 0, 1, max_len, True)
+    n_tiles = tl.cdiv(ln, BLOCK)
+    per = tl.maximum(tl.cdiv(n_tiles, n_split), MIN_TILES)
+    t_begin = sp * per
+    t_end = tl.minimum(t_begin + per, n_tiles)
+    t_end = tl.where(ln > topk, t_end, t_begin)
+    for t in range(t_begin, t_end):
+        pos = t * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(score_ptr + r.to(tl.int64) * stride_row + pos, mask=pos < ln, other=float("-inf"))
+        gm = tl.max(tl.reshape(x, [BLOCK // G, G]), 1)
+        go = t * (BLOCK // G) + tl.arange(0, BLOCK // G)
+        tl.store(gmax_ptr + r.to(tl.int64) * ng_buf + go, gm, mask=go * G < ln)
+
+
+# ------------------------------------------------------------------------------------------------ top-k
+
+@triton.jit
+def _count3(keys, valid, m1, m2, m3):
+    """(#keys >= m1, #keys >= m2, #keys >= m3) over valid keys, in one reduction (21-bit fields of an int64)."""
+    v = (keys >= m1).to(tl.int64) + ((keys >= m2).to(tl.int64) << 21) + ((keys >= m3).to(tl.int64) << 42)
+    tot = tl.sum(tl.where(valid, v, 0), 0)
+    return tot & 0x1FFFFF, (tot >> 21) & 0x1FFFFF, (tot >> 42) & 0x1FFFFF
+
+
+@triton.jit
+def _narrow(lo, hi, c1, c2, c3, m1, m2, m3, k):
+    """One 4-way step. Invariant: #(>= lo) >= k and #(>= hi + 1) < k."""
+    new_lo = tl.where(c3 >= k, m3, tl.where(c2 >= k, m2, tl.where(c1 >= k, m1, lo)))
+    new_hi = tl.where(c3 >= k, hi, tl.where(c2 >= k, m3 - 1, tl.where(c1 >= k, m2 - 1, m1 - 1)))
+    return new_lo, new_hi
+
+
+@triton.jit
+def _kth_largest_regs(keys, valid, k):
+    """Largest int32 T with #(valid & keys >= T) >= k, for 1 <= k <= #valid; keys is 1-D, in registers."""
+    lo = tl.min(tl.where(valid, keys, 2147483647), 0).to(tl.int64)
+    hi = tl.max(tl.where(valid, keys, -2147483648), 0).to(tl.int64)
+    while lo < hi:
+        step = (hi - lo + 3) // 4
+        m1 = lo + step
+        m2 = tl.minimum(lo + 2 * step, hi)
+        m3 = tl.minimum(lo + 3 * step, hi)
+        c1, c2, c3 = _count3(keys, valid, m1.to(tl.int32), m2.to(tl.int32), m3.to(tl.int32))
+        lo, hi = _narrow(lo, hi, c1, c2, c3, m1, m2, m3, k)
+    return lo.to(tl.int32)
+
+
+@triton.jit
+def _kth_largest_mem(ptr, n, k, TILE: tl.constexpr):
+    """As _kth_largest_regs for the order keys of fp32 values ptr[0:n], streamed from memory each step."""
+    offs = tl.arange(0, TILE)
+    lo = tl.full([], 2147483647, tl.int32)
+    hi = tl.full([], -2147483648, tl.int32)
+    for i in range(0, n, TILE):
+        m = i + offs < n
+        x = _order_key(tl.load(ptr + i + offs, mask=m, other=0.0))
+        lo = tl.minimum(lo, tl.min(tl.where(m, x, 2147483647), 0))
+        hi = tl.maximum(hi, tl.max(tl.where(m, x, -2147483648), 0))
+    lo = lo.to(tl.int64)
+    hi = hi.to(tl.int64)
+    while lo < hi:
+        step = (hi - lo + 3) // 4
+        m1 = lo + step
+        m2 = tl.minimum(lo + 2 * step, hi)
+        m3 = tl.minimum(lo + 3 * step, hi)
+        c1 = tl.zeros([], tl.int64)
+        c2 = tl.zeros([], tl.int64)
+        c3 = tl.zeros([], tl.int64)
+        for i in range(0, n, TILE):
+            m = i + offs < n
+            x = _order_key(tl.load(ptr + i + offs, mask=m, other=0.0))
+            d1, d2, d3 = _count3(x, m, m1.to(tl.int32), m2.to(tl.int32), m3.to(tl.int32))
+            c1 += d1
+            c2 += d2
+            c3 += d3
+        lo, hi = _narrow(lo, hi, c1, c2, c3, m1, m2, m3, k)
+    return lo.to(tl.int32)
+
+
+@triton.jit
+def _select_topk_kernel(
+    score_ptr, gmax_ptr, cand_ptr, len_ptr, out_ptr,
+    S, max_len, stride_row, ng_buf, topk,
+    LEN_2D: tl.constexpr, G: tl.constexpr, CAP_C: tl.constexpr, TILE_G: tl.constexpr, TILE: tl.constexpr,
+):
+    r = tl.program_id(0)
+    b = r // S
+    s = r % S
+    ln = _row_len(len_ptr, b, s, S, max_len, LEN_2D)
+    out_row = out_ptr + r.to(tl.int64) * topk
+    if ln <= topk:
+        # every live position, then -1 (no scores were computed for such rows)
+        for o in range(0, topk, TILE):
+            idx = o + tl.arange(0, TILE)
+            tl.store(out_row + idx, tl.where(idx < ln, idx, -1), mask=idx < topk)
+    else:
+        srow = score_ptr + r.to(tl.int64) * stride_row
+        grow = gmax_ptr + r.to(tl.int64) * ng_buf
+        crow = cand_ptr + r.to(tl.int64) * CAP_C
+        ng = tl.cdiv(ln, G)
+        # 1) t0 = topk-th largest group max, then 2) the candidate groups (max >= t0), ascending, into crow
+        if ng <= TILE_G:
+            go = tl.arange(0, TILE_G)
+            gm = go < ng
+            gk = _order_key(tl.load(grow + go, mask=gm, other=0.0))
+            if ng <= topk:
+                t0 = tl.full([], -2147483648, tl.int32)
+            else:
+                t0 = _kth_largest_regs(gk, gm, topk)
+            f = gm & (gk >= t0)
+            slot = tl.cumsum(f.to(tl.int32), 0) - 1
+            tl.store(crow + slot, go, mask=f & (slot < CAP_C))
+            n_cand = tl.sum(f.to(tl.int32), 0)
+        else:
+            t0 = _kth_largest_mem(grow, ng, topk, TILE_G)
+            n_cand = tl.zeros([], tl.int32)
+            for g0 in range(0, ng, TILE_G):
+                go = g0 + tl.arange(0, TILE_G)
+                gm = go < ng
+                gk = _order_key(tl.load(grow + go, mask=gm, other=0.0))
+                f = gm & (gk >= t0)
+                slot = n_cand + tl.cumsum(f.to(tl.int32), 0) - 1
+                tl.store(crow + slot, go, mask=f & (slot < CAP_C))
+                n_cand += tl.sum(f.to(tl.int32), 0)
+        tl.debug_barrier()  # the candidate list is re-read by other threads of this program
+        if n_cand <= CAP_C:
+            # 3) exact threshold among the <= CAP_C * G candidates, in registers; 4) write, ascending
+            ci = tl.arange(0, CAP_C)
+            gid = tl.load(crow + ci, mask=ci < n_cand, other=0, cache_modifier=".cg")
+            pos = tl.reshape(gid[:, None] * G + tl.arange(0, G)[None, :], [CAP_C * G])
+            valid = tl.reshape((ci < n_cand)[:, None] & (tl.arange(0, G) < G)[None, :], [CAP_C * G]) & (pos < ln)
+            keys = _order_key(tl.load(srow + pos, mask=valid, other=0.0))
+            thr = _kth_largest_regs(keys, valid, topk)
+            gt = valid & (keys > thr)
+            eq = valid & (keys == thr)
+            need_eq = topk - tl.sum(gt.to(tl.int32), 0)
+            take = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need_eq))
+            slot = tl.cumsum(take.to(tl.int32), 0) - 1
+            tl.store(out_row + slot, pos, mask=take)
+        else:
+            # mass ties among the group maxima: exact threshold over the whole live row, streamed
+            thr = _kth_largest_mem(srow, ln, topk, TILE)
+            n_gt = tl.zeros([], tl.int32)
+            for i in range(0, ln, TILE):
+                p = i + tl.arange(0, TILE)
+                m = p < ln
+                x = _order_key(tl.load(srow + p, mask=m, other=0.0))
+                n_gt += tl.sum((m & (x > thr)).to(tl.int32), 0)
+            need_eq = topk - n_gt
+            n_out = tl.zeros([], tl.int32)
+            n_eq = tl.zeros([], tl.int32)
+            for i in range(0, ln, TILE):
+                p = i + tl.arange(0, TILE)
+                m = p < ln
+                x = _order_key(tl.load(srow + p, mask=m, other=0.0))
+                gt = m & (x > thr)
+                eq = m & (x == thr)
+                take = gt | (eq & (n_eq + tl.cumsum(eq.to(tl.int32), 0) <= need_eq))
+                slot = n_out + tl.cumsum(take.to(tl.int32), 0) - 1
+                tl.store(out_row + slot, p, mask=take)
+                n_out += tl.sum(take.to(tl.int32), 0)
+                n_eq += tl.sum(eq.to(tl.int32), 0)
+
+
+# ------------------------------------------------------------------------------------------------ host side
+
+# Score-kernel configs (fixed, not autotuned, so a launch is capturable). TOKENS_M puts the key tile on the
+# dot's M side (q^T on N; the better register fit for mma.sync), else the stacked queries are M (64 heads per
+# token: wgmma's M on sm_90). Every config compiles for sm_120a with mma.sync and <= 99 KiB of shared memory, and
+# for sm_90a, for 1, 2 and 4 stacked query tokens (tests/test_indexer.py).
+SCORE_CONFIGS = [
+    {"BLOCK_N": bn, "num_warps": w, "num_stages": 1, "TOKENS_M": tm, "PREFETCH": pf}
+    for tm in (True, False) for bn, w, pf in ((64, 4, True), (64, 8, True), (128, 8, True), (64, 4, False))
+]
+# (sm_90?, stacked query tokens) -> config; picked from AOT register counts (no spills), checked on the H200
+DEFAULT_SCORE_CONFIGS = {
+    (False, 1): {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "TOKENS_M": True, "PREFETCH": True},
+    (False, 2): {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "TOKENS_M": True, "PREFETCH": True},
+    (False, 4): {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "TOKENS_M": True, "PREFETCH": True},
+    (True, 1): {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "TOKENS_M": False, "PREFETCH": True},
+    (True, 2): {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "TOKENS_M": False, "PREFETCH": True},
+    (True, 4): {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "TOKENS_M": False, "PREFETCH": True},
+}
+S_CHUNK = 4  # query tokens stacked per score launch (S > 4: several launches)
+SELECT_WARPS = (8, 16)
+DEFAULT_SELECT_WARPS = 8
+TILE_G = 8192  # group maxima held in registers (live length <= 64K tokens)
+MIN_TILES = 4  # tiles per score program at least (fewer, larger programs for short rows)
+PROGRAMS_PER_SM = 4
+
+_NUM_SMS: dict = {}
+_CAPS: dict = {}
+
+
+def _is_sm90(device) -> bool:
+    if device.type != "cuda" or _INTERPRET:
+        return False
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _CAPS:
+        _CAPS[i] = torch.cuda.get_device_capability(i)
+    return _CAPS[i][0] == 9
+
+
+def _num_sms(device) -> int:
+    if device.type != "cuda":
+        return 132
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _NUM_SMS:
+        _NUM_SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _NUM_SMS[i]
+
+
+def candidate_capacity(topk: int) -> int:
+    """Candidate groups held in registers by the select kernel (2x the next power of two of topk)."""
+    return 2 * triton.next_power_of_2(topk)
+
+
+def _workspace_layout(rows: int, max_len: int, topk: int):
+    ng = triton.cdiv(max_len, GROUP)
+    cap = candidate_capacity(topk)
+    return ng, cap, rows * (max_len + ng + cap)
+
+
+def indexer_workspace(batch: int, s: int, max_len: int, topk: int = 512, device="cuda") -> torch.Tensor:
+    """A reusable int32 workspace for ``dsa_indexer_topk(..., workspace=...)``: fp32 scores [B*S, max_len], group
+    maxima [B*S, max_len / 8] and candidate slots [B*S, 2 * next_pow2(topk)] (4.6 bytes per position of the block
+    table). ``max_len`` = block_table.shape[1] * page_size. Allocate once per (max batch, max context) so a CUDA
+    graph captures fixed addresses."""
+    return torch.empty(_workspace_layout(batch * s, max_len, topk)[2], dtype=torch.int32, device=device)
+
+
+def _fail(name, msg):
+    raise ValueError(f"{name}: {msg}")
+
+
+def _check_cache(index_k_cache, page_size):
+    """Flat int32 view of the cache (4 fp8 keys per element) after checking its layout."""
+    if not isinstance(index_k_cache, torch.Tensor):
+        _fail("index_k_cache", f"must be a torch.Tensor, got {type(index_k_cache).__name__}")
+    if index_k_cache.dtype not in (torch.uint8, torch.int8, torch.float8_e4m3fn):
+        _fail("index_k_cache", f"must hold bytes (uint8, int8 or float8_e4m3fn), got {index_k_cache.dtype}")
+    row = page_size * BYTES_PER_TOKEN
+    shape = tuple(index_k_cache.shape)
+    if index_k_cache.dim() == 2:
+        if shape[1] != row:
+            _fail("index_k_cache", f"2-D cache must be [num_pages, page_size * 132] = [P, {row}] for page_size "
+                                   f"{page_size}, got {shape}")
+    elif index_k_cache.dim() == 4:
+        if shape[1:] != (page_size, 1, BYTES_PER_TOKEN):
+            _fail("index_k_cache", f"4-D cache must be [num_pages, {page_size}, 1, 132] (DeepGEMM's view), got {shape}")
+    else:
+        _fail("index_k_cache", f"must be [num_pages, page_size * 132] or [num_pages, page_size, 1, 132], got {shape}")
+    if not index_k_cache.is_contiguous():
+        _fail("index_k_cache", "must be contiguous (SGLang's per-layer page buffer or a view of it)")
+    if index_k_cache.data_ptr() % 16:
+        _fail("index_k_cache", "must be 16-byte aligned")
+    return index_k_cache.view(torch.uint8).reshape(-1).view(torch.int32)
+
+
+def _check_lengths(seq_lens, b, s, dev):
+    if not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype not in (torch.int32, torch.int64):
+        _fail("seq_lens", f"must be an int32/int64 tensor, got {getattr(seq_lens, 'dtype', type(seq_lens).__name__)}")
+    if tuple(seq_lens.shape) not in ((b,), (b, s)) or not seq_lens.is_contiguous():
+        _fail("seq_lens", f"must be contiguous [{b}] (request lengths) or [{b}, {s}] (per query token), got "
+                          f"{tuple(seq_lens.shape)}")
+    if seq_lens.device != dev:
+        _fail("seq_lens", f"must be on {dev} (read on the device), got {seq_lens.device}")
+    return seq_lens.dim() == 2
+
+
+def _check_out(out, shape, dev):
+    if out is None:
+        return torch.empty(shape, dtype=torch.int32, device=dev)
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.int32 or tuple(out.shape) != shape \
+            or not out.is_contiguous() or out.device != dev:
+        _fail("out", f"must be a contiguous int32 tensor {list(shape)} on {dev}")
+    return out
+
+
+def _check_topk(topk):
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_TOPK:
+        _fail("topk", f"must be an int in [1, {MAX_TOPK}], got {topk!r}")
+
+
+def _workspace_views(workspace, rows, max_len, topk, dev):
+    ng, cap, n = _workspace_layout(rows, max_len, topk)
+    if workspace is None:
+        workspace = torch.empty(n, dtype=torch.int32, device=dev)
+    elif not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.int32 or workspace.numel() < n \
+            or not workspace.is_contiguous() or workspace.device != dev:
+        _fail("workspace", f"must be a contiguous int32 tensor of >= {n} elements on {dev} (indexer_workspace())")
+    ws = workspace.view(-1)
+    scores = ws[: rows * max_len].view(torch.float32)
+    gmax = ws[rows * max_len: rows * (max_len + ng)].view(torch.float32)
+    cand = ws[rows * (max_len + ng): n]
+    return scores, gmax, cand, ng, cap
+
+
+def _select_launch(scores, gmax, cand, lens, out, rows, s, max_len, stride_row, ng, cap, topk, len_2d, warps):
+    _select_topk_kernel[(rows,)](
+        scores, gmax, cand, lens, out, s, max_len, stride_row, ng, topk,
+        LEN_2D=len_2d, G=GROUP, CAP_C=cap, TILE_G=TILE_G if not _INTERPRET else _interp_tile_g(),
+        TILE=min(1024, triton.next_power_of_2(topk)) if not _INTERPRET else 16,
+        num_warps=warps,
+    )
+
+
+def _interp_tile_g():
+    # small register tiles under the interpreter so tests reach the streamed (memory) paths at tiny shapes
+    return int(os.environ.get("PD_INDEXER_INTERP_TILE_G", "64"))
+
+
+def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512, page_size=64, out=None, *,
+                     q_scale=None, workspace=None, n_split=None, config=None, select_warps=None):
+    """Top-``topk`` index positions per query token of the DSA lightning indexer (decode / MTP verify).
+
+    Args:
+      q: [B, S, H, 128] bfloat16, or float8_e4m3fn (then ``q_scale`` or weights carry its scales); H in
+         {16, 32, 64, 128}; innermost dim contiguous. S <= 8 (S > 1: MTP verify tokens; up to 4 share one
+         pass over the keys).
+      weights: [B, S, H] float32 or bfloat16 per-head weights, as SGLang passes them (already scaled by
+         n_heads**-0.5 * head_dim**-0.5 and, for an fp8 query, usually by the query scale).
+      index_k_cache: SGLang's index-key buffer of one layer, uint8 [num_pages, page_size * 132] (or its
+         [num_pages, page_size, 1, 132] view; int8 / float8_e4m3fn bytes accepted); layout in
+         ``pd.kernels.indexer_reference``.
+      block_table: int32 [B, max_pages] physical page of each logical page (SGLang's page_table_64); its width
+         sets the max context ``max_len = max_pages * page_size`` that the workspace is sized for.
+      seq_lens: int32/int64 on the device, [B] request lengths including the S query tokens (query token s
+         sees positions [0, seq_lens[b] - S + 1 + s)) or [B, S] per-token live lengths; clamped to
+         [0, max_len].
+      topk: 1 .. 2048 (DSv4: 512). page_size: 1 .. 256, a power of two (SGLang: 64).
+      out: optional int32 [B, S, topk] output (written fully).
+      q_scale: optional float32 [B, S, H] contiguous, multiplied into the weights (fp8 query only).
+      workspace: optional int32 tensor from ``indexer_workspace(B, S, max_len, topk)``; allocated per call when
+         None (inside a CUDA graph capture that is the graph's private pool).
+      n_split, config, select_warps: tuning knobs (benchmarks): score programs per request, score-kernel
+         config (one of SCORE_CONFIGS), warps of the select kernel.
+
+    Returns: int32 [B, S, topk]: ascending logical positions of the topk highest scores in each query token's
+      live range (set-equal to torch.topk up to ties), or 0 .. L-1 then -1 when L <= topk.
+
+    Raises: ValueError naming the argument for a wrong type, dtype, shape, layout, device or value, before any
+      launch. Block-table entries of live pages must be valid page ids of the cache (not checked: that would
+      need a device sync).
+    """
+    if not isinstance(q, torch.Tensor) or q.dtype not in (torch.bfloat16, torch.float8_e4m3fn) or q.dim() != 4 \
+            or q.shape[-1] != INDEX_DIM:
+        _fail("q", f"must be a bfloat16 or float8_e4m3fn tensor [B, S, H, {INDEX_DIM}], got "
+                   f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
+    b, s, h, _ = q.shape
+    if h not in SUPPORTED_HEADS:
+        _fail("q", f"number of heads must be one of {SUPPORTED_HEADS}, got {h}")
+    if not 1 <= s <= MAX_S:
+        _fail("q", f"query tokens per request S must be in [1, {MAX_S}], got {s}")
+    if b < 1:
+        _fail("q", "batch must be >= 1")
+    if q.stride(-1) != 1:
+        _fail("q", "the head dim must be contiguous (stride(-1) == 1)")
+    dev = q.device
+    if not isinstance(weights, torch.Tensor) or weights.dtype not in (torch.float32, torch.bfloat16) \
+            or tuple(weights.shape) != (b, s, h) or weights.stride(-1) != 1:
+        _fail("weights", f"must be a float32/bfloat16 tensor [{b}, {s}, {h}] with stride(-1) == 1, got "
+                         f"{getattr(weights, 'dtype', None)} {tuple(getattr(weights, 'shape', ()))}")
+    if weights.device != dev:
+        _fail("weights", f"must be on {dev}, got {weights.device}")
+    if q_scale is not None:
+        if q.dtype != torch.float8_e4m3fn:
+            _fail("q_scale", "is only valid with a float8_e4m3fn q")
+        if not isinstance(q_scale, torch.Tensor) or q_scale.dtype != torch.float32 \
+                or tuple(q_scale.shape) != (b, s, h) or not q_scale.is_contiguous() or q_scale.device != dev:
+            _fail("q_scale", f"must be a contiguous float32 tensor [{b}, {s}, {h}] on {dev}")
+        if weights.stride() != q_scale.stride():
+            _fail("weights", "must have the same strides as q_scale (both contiguous)")
+    _check_topk(topk)
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size not in SUPPORTED_PAGE_SIZES:
+        _fail("page_size", f"must be a power of two in [1, 256], got {page_size!r}")
+    kc32 = _check_cache(index_k_cache, page_size)
+    if index_k_cache.device != dev:
+        _fail("index_k_cache", f"must be on {dev}, got {index_k_cache.device}")
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 \
+            or block_table.shape[0] != b or block_table.shape[1] < 1 or block_table.stride(1) != 1:
+        _fail("block_table", f"must be an int32 tensor [{b}, max_pages] with stride(1) == 1, got "
+                             f"{getattr(block_table, 'dtype', None)} {tuple(getattr(block_table, 'shape', ()))}")
+    if block_table.device != dev:
+        _fail("block_table", f"must be on {dev}, got {block_table.device}")
+    len_2d = _check_lengths(seq_lens, b, s, dev)
+    out = _check_out(out, (b, s, topk), dev)
+    max_len = block_table.shape[1] * page_size
+    if max_len >= 2 ** 31 // 2:
+        _fail("block_table", f"max context {max_len} tokens is too large")
+    if config is not None and config not in SCORE_CONFIGS:
+        _fail("config", f"must be one of SCORE_CONFIGS, got {config!r}")
+    warps = select_warps or DEFAULT_SELECT_WARPS
+    if warps not in SELECT_WARPS:
+        _fail("select_warps", f"must be one of {SELECT_WARPS}, got {select_warps!r}")
+    if n_split is None:
+        n_split = max(1, min(64, triton.cdiv(PROGRAMS_PER_SM * _num_sms(dev), b)))
+    if isinstance(n_split, bool) or not isinstance(n_split, int) or n_split < 1:
+        _fail("n_split", f"must be a positive int, got {n_split!r}")
+
+    rows = b * s
+    scores, gmax, cand, ng, cap = _workspace_views(workspace, rows, max_len, topk, dev)
+    q_fp8 = q.dtype == torch.float8_e4m3fn
+    qs = q_scale if q_scale is not None else weights
+    sm90 = _is_sm90(dev)
+    for s0 in range(0, s, S_CHUNK):
+        sc = min(S_CHUNK, s - s0)
+        sp2 = triton.next_power_of_2(sc)
+        cfg = dict(config or DEFAULT_SCORE_CONFIGS[(sm90, sp2)])
+        if _INTERPRET:
+            cfg["BLOCK_N"] = 32  # small tiles keep interpreted runs short
+        _index_scores_kernel[(b, n_split)](
+            q, weights, qs, kc32, kc32.view(torch.float32), block_table, seq_lens, scores, gmax,
+            q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1), block_table.stride(0),
+            max_len, ng, n_split, topk, s, s0,
+            S=sc, S_P2=sp2, H=h, PAGE=page_size, BLOCK_N=cfg["BLOCK_N"], G=GROUP, LEN_2D=len_2d,
+            HAS_QS=q_scale is not None, Q_FP8=q_fp8, MIN_TILES=MIN_TILES, DOT_F32=_INTERPRET,
+            TOKENS_M=cfg["TOKENS_M"], PREFETCH=cfg["PREFETCH"], DOT_PREC="ieee" if _INTERPRET else "tf32",
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    _select_launch(scores, gmax, cand, seq_lens, out, rows, s, max_len, max_len, ng, cap, topk, len_2d, warps)
+    return out
+
+
+def topk_from_scores(scores, lengths, topk=512, out=None, *, select_warps=None):
+    """Exact top-k of precomputed scores over each row's live prefix (the select stage of ``dsa_indexer_topk``).
+
+    scores: float32 [R, W], stride(1) == 1; lengths: int32/int64 [R] on the same device (live prefix, clamped to
+    [0, W]); returns int32 [R, topk]: ascending positions of the topk highest scores of ``scores[r, :L]``
+    (set-equal to torch.topk up to ties; NaN ranks above +inf), or 0 .. L-1 then -1 when L <= topk. Capture-safe
+    like ``dsa_indexer_topk``. Raises ValueError naming the argument.
+    """
+    if not isinstance(scores, torch.Tensor) or scores.dtype != torch.float32 or scores.dim() != 2 \
+            or scores.stride(1) != 1 or scores.shape[0] < 1 or scores.shape[1] < 1:
+        _fail("scores", f"must be a float32 tensor [R, W] with stride(1) == 1, got "
+                        f"{getattr(scores, 'dtype', None)} {tuple(getattr(scores, 'shape', ()))}")
+    r, w = scores.shape
+    dev = scores.device
+    _check_topk(topk)
+    if not isinstance(lengths, torch.Tensor) or lengths.dtype not in (torch.int32, torch.int64) \
+            or tuple(lengths.shape) != (r,) or not lengths.is_contiguous() or lengths.device != dev:
+        _fail("lengths", f"must be a contiguous int32/int64 tensor [{r}] on {dev}")
+    out = _check_out(out, (r, topk), dev)
+    warps = select_warps or DEFAULT_SELECT_WARPS
+    if warps not in SELECT_WARPS:
+        _fail("select_warps", f"must be one of {SELECT_WARPS}, got {select_warps!r}")
+    ng = triton.cdiv(w, GROUP)
+    cap = candidate_capacity(topk)
+    gmax = torch.empty(r, ng, dtype=torch.float32, device=dev)
+    cand = torch.empty(r, cap, dtype=torch.int32, device=dev)
+    block = 256 if not _INTERPRET else 32
+    n_split = max(1, min(64, triton.cdiv(PROGRAMS_PER_SM * _num_sms(dev), r)))
+    _group_max_kernel[(r, n_split)](scores, gmax, lengths, scores.stride(0), ng, n_split, w, topk,
+                                    G=GROUP, BLOCK=block, MIN_TILES=MIN_TILES, num_warps=4)
+    _select_launch(scores, gmax, cand, lengths, out, r, 1, w, scores.stride(0), ng, cap, topk, True, warps)
+    return out

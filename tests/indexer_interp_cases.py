@@ -1,0 +1,201 @@
+"""Interpreter correctness cases for pd.kernels.indexer, run in a subprocess by tests/test_indexer.py
+(TRITON_INTERPRET must be set before triton decorates the kernels). Prints one JSON line per case.
+
+Under the interpreter the select kernel keeps only 64 group maxima in registers (PD_INDEXER_INTERP_TILE_G), so
+live lengths > 512 take the streamed group-max path at these tiny shapes."""
+
+import json
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+from pd.kernels.indexer import dsa_indexer_topk, indexer_workspace, topk_from_scores  # noqa: E402
+from pd.kernels.indexer_reference import (  # noqa: E402
+    index_scores_ref, live_lengths, quantize_index_k, score_error_bound, topk_from_scores_ref)
+
+
+def check_rows(out, ref_scores, lengths, topk, bound=None):
+    """Compare selections row by row. Returns a dict of failure counts (all zero = pass).
+
+    Long rows (L > topk): exactly topk distinct live positions, ascending, and no tie-breaking beyond the
+    tolerance: min over selected of (score + bound) >= max over unselected live of (score - bound). With
+    bound None (exact scores) the selected values must also equal torch.topk's values as a multiset.
+    Short rows: exactly 0 .. L-1 then -1."""
+    out = out.reshape(-1, topk).long()
+    sc = ref_scores.reshape(out.shape[0], -1)
+    bd = bound.reshape(out.shape[0], -1) if bound is not None else torch.zeros_like(sc)
+    lens = lengths.reshape(-1).long()
+    bad = dict(short=0, range=0, dup=0, order=0, tie=0, values=0)
+    swaps = 0
+    for r in range(out.shape[0]):
+        L = int(lens[r])
+        o = out[r]
+        if L <= topk:
+            want = torch.where(torch.arange(topk) < L, torch.arange(topk), -1)
+            bad["short"] += int(not torch.equal(o, want))
+            continue
+        if (o < 0).any() or (o >= L).any():
+            bad["range"] += 1
+            continue
+        if o.unique().numel() != topk:
+            bad["dup"] += 1
+        if not bool((o[1:] > o[:-1]).all()):
+            bad["order"] += 1
+        live = sc[r, :L]
+        sel = torch.zeros(L, dtype=torch.bool)
+        sel[o] = True
+        lo_sel = (live[sel] + bd[r, :L][sel]).min()
+        if (~sel).any():
+            hi_rest = (live[~sel] - bd[r, :L][~sel]).max()
+            bad["tie"] += int(bool(lo_sel < hi_rest))
+        ref_set = set(live.topk(topk).indices.tolist())
+        swaps += len(ref_set - set(o.tolist()))
+        if bound is None:
+            got = live[o].sort().values
+            want_v = live.topk(topk).values.sort().values
+            bad["values"] += int(not torch.equal(got, want_v))
+    return dict(bad=bad, swaps_vs_torch_topk=swaps)
+
+
+def _inputs(b, s, h, ps, pool_pages, max_pages, g, q_fp8=False):
+    k = torch.randn(pool_pages * ps, 128, generator=g) * (0.5 + torch.rand(pool_pages * ps, 1, generator=g))
+    kc = quantize_index_k(k, ps)
+    bt = torch.stack([torch.randperm(pool_pages, generator=g)[:max_pages] for _ in range(b)]).to(torch.int32)
+    q = torch.randn(b, s, h, 128, generator=g)
+    if q_fp8:
+        q = (q * 40).to(torch.float8_e4m3fn)
+    else:
+        q = q.to(torch.bfloat16)
+    w = torch.randn(b, s, h, generator=g) * 0.1
+    return q, w, kc, bt
+
+
+def run_indexer(name, b, s, h, ps, topk, lens, max_pages, pool_pages=None, *, q_fp8=False, qscale=False,
+                view4=False, zero_q=False, use_out=False, use_ws=False, seed=0, config=None):
+    g = torch.Generator().manual_seed(seed)
+    q, w, kc, bt = _inputs(b, s, h, ps, pool_pages or max_pages * b, max_pages, g, q_fp8)
+    if zero_q:
+        q = torch.zeros_like(q)  # every score 0: mass ties, the streamed fallback
+    qs = torch.rand(b, s, h, generator=g) + 0.5 if qscale else None
+    seq = torch.tensor(lens, dtype=torch.int32)
+    cache = kc.view(kc.shape[0], ps, 1, 132) if view4 else kc
+    kw = dict(topk=topk, page_size=ps, q_scale=qs)
+    if use_out:
+        buf = torch.full((b + 1, s, topk), 7, dtype=torch.int32)  # last batch row: guard
+        kw["out"] = buf[:b]
+    if use_ws:
+        kw["workspace"] = indexer_workspace(b, s, max_pages * ps, topk, device="cpu")
+    if config:
+        kw["config"] = config
+    out = dsa_indexer_topk(q, w, cache, bt, seq, **kw)
+    if use_out:
+        assert out.data_ptr() == kw["out"].data_ptr()
+    ref = index_scores_ref(q, w, kc, bt, seq, ps, qs)
+    bound = score_error_bound(q, w, kc, bt, ps, qs)
+    lengths = live_lengths(seq, s, max_pages * ps)
+    res = check_rows(out, ref, lengths, topk, bound)
+    if use_out:
+        res["bad"]["guard"] = int(not bool((buf[b] == 7).all()))
+    res.update(name=name, lengths=lengths.tolist())
+    return res
+
+
+def run_select(name, rows, width, topk, lens, kind, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "randn":
+        sc = torch.randn(rows, width, generator=g)
+    elif kind == "few_values":  # heavy ties: 5 distinct values incl. -inf and negative zero
+        vals = torch.tensor([-2.5, -0.0, 0.0, 1.25, float("-inf")])
+        sc = vals[torch.randint(0, 5, (rows, width), generator=g)]
+    elif kind == "grid":  # values on a 1/8 grid: ties at the threshold inside the register candidate path
+        sc = torch.round(torch.randn(rows, width, generator=g) * 8) / 8
+    elif kind == "constant":
+        sc = torch.full((rows, width), 3.0)
+    elif kind == "wide_range":  # magnitudes over 60 binades, both signs
+        sc = torch.randn(rows, width, generator=g) * torch.pow(2.0, torch.randint(-30, 30, (rows, width), generator=g).float())
+    else:
+        raise ValueError(kind)
+    lengths = torch.tensor(lens, dtype=torch.int32)
+    buf = torch.full((rows + 1, topk), -7, dtype=torch.int32)  # last row: guard against writes past the output
+    out = topk_from_scores(sc, lengths, topk, out=buf[:rows])
+    res = check_rows(out, sc.double(), lengths.clamp(0, width), topk, None)
+    res["bad"]["guard"] = int(not bool((buf[rows] == -7).all()))
+    ref = topk_from_scores_ref(sc, lengths.clamp(0, width), topk)
+    res.update(name=name, ref_short_rows_equal=bool(torch.equal(out[lengths <= topk], ref[lengths <= topk])))
+    return res
+
+
+def run_sglang_writer_layout(seed=0):
+    """Layout contract: SGLang 0.5.23's own index-key writer (``_set_k_and_s_triton``, interpreted) fills a
+    buffer byte-identical to ``quantize_index_k``'s, and our kernel reads it back to the same selection."""
+    import types
+
+    # the writer module imports a DSA utils module whose import chain needs GPU-only packages; it only uses two
+    # names from it, for ROCm's preshuffled layout (off on CUDA)
+    stub = types.ModuleType("sglang.srt.layers.attention.dsa.utils")
+    stub.INDEXER_K_CACHE_PRESHUFFLE_TILE = 16
+    stub.aiter_can_use_preshuffle_paged_mqa = lambda: False
+    sys.modules.setdefault(stub.__name__, stub)
+    from sglang.kernels.ops.kvcache.dsa_index_k_cache import _set_k_and_s_triton
+
+    g = torch.Generator().manual_seed(seed)
+    ps, pages = 64, 4
+    ours = quantize_index_k(torch.randn(pages * ps, 128, generator=g), ps)
+    k8 = ours[:, : ps * 128].reshape(pages * ps, 128).view(torch.float8_e4m3fn)
+    scale = ours[:, ps * 128:].contiguous().view(torch.float32).reshape(pages * ps, 1)
+    theirs = torch.zeros_like(ours)
+    loc = torch.randperm(pages * ps, generator=g)  # token slots written in random order
+    _set_k_and_s_triton(buf=theirs, loc=loc, index_k=k8.view(torch.uint8)[loc].view(torch.float8_e4m3fn),
+                        index_k_scale=scale[loc].contiguous(), page_size=ps)
+    q = torch.randn(1, 1, 16, 128, generator=g).to(torch.bfloat16)
+    w = torch.rand(1, 1, 16, generator=g)
+    bt = torch.tensor([[2, 0, 3, 1]], dtype=torch.int32)
+    seq = torch.tensor([200], dtype=torch.int32)
+    same_sel = torch.equal(dsa_indexer_topk(q, w, theirs, bt, seq, topk=32),
+                           dsa_indexer_topk(q, w, ours, bt, seq, topk=32))
+    return dict(name="sglang_writer_layout", bytes_equal=bool(torch.equal(theirs, ours)), same_selection=same_sel)
+
+
+INDEXER_CASES = [
+    # decode, H 64, page 64: short rows (<= topk), all-groups-candidate rows, rows past the register tile
+    ("decode_h64_p64", dict(b=3, s=1, h=64, ps=64, topk=32, lens=[700, 20, 200], max_pages=12)),
+    # MTP verify S=3 with request lengths (causal per token), page 16 < tile, 4-D cache view, out= given
+    ("mtp3_h16_p16_view4_out", dict(b=2, s=3, h=16, ps=16, topk=24, lens=[90, 26], max_pages=8, view4=True,
+                                    use_out=True)),
+    # per-token lengths [B, S], workspace given, length past the block table (clamped)
+    ("len2d_h32_p32_ws", dict(b=2, s=2, h=32, ps=32, topk=16, lens=[[100, 5000], [17, 16]], max_pages=5,
+                              use_ws=True)),
+    # fp8 query with per-head scales
+    ("fp8q_qscale_h16", dict(b=2, s=1, h=16, ps=64, topk=40, lens=[300, 41], max_pages=6, q_fp8=True,
+                             qscale=True)),
+    # every score equal: more candidate groups than the register capacity -> streamed exact fallback
+    ("all_ties_fallback", dict(b=1, s=2, h=16, ps=64, topk=16, lens=[600], max_pages=10, zero_q=True)),
+    # the other dot orientation (stacked queries as M, sm_90's default) without the hand prefetch
+    ("heads_m_no_prefetch", dict(b=1, s=2, h=16, ps=64, topk=20, lens=[333], max_pages=6,
+                                 config={"BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "TOKENS_M": False,
+                                         "PREFETCH": False})),
+    # S = 6 verify tokens: two score launches (4 + 2 stacked tokens)
+    ("mtp6_two_launches", dict(b=2, s=6, h=16, ps=64, topk=24, lens=[130, 40], max_pages=3)),
+]
+
+SELECT_CASES = [
+    ("select_randn", dict(rows=4, width=900, topk=32, lens=[900, 31, 32, 33], kind="randn")),
+    ("select_few_values", dict(rows=3, width=700, topk=40, lens=[700, 300, 0], kind="few_values")),
+    ("select_grid_ties", dict(rows=3, width=400, topk=32, lens=[400, 250, 400], kind="grid")),
+    ("select_constant", dict(rows=2, width=400, topk=16, lens=[400, 17], kind="constant")),
+    ("select_wide_range", dict(rows=2, width=1000, topk=64, lens=[1000, 2000], kind="wide_range")),
+]
+
+if __name__ == "__main__":
+    names = sys.argv[1:]
+    for i, (name, kw) in enumerate(INDEXER_CASES):
+        if not names or name in names:
+            print(json.dumps(run_indexer(name, seed=i, **kw)), flush=True)
+    for i, (name, kw) in enumerate(SELECT_CASES):
+        if not names or name in names:
+            print(json.dumps(run_select(name, seed=100 + i, **kw)), flush=True)
+    if not names or "sglang_writer_layout" in names:
+        print(json.dumps(run_sglang_writer_layout()), flush=True)

@@ -1,0 +1,235 @@
+"""pd.kernels.indexer on CPU: interpreter correctness vs the fp64 reference and torch.topk (subprocess, since
+TRITON_INTERPRET must be set before triton decorates the kernels), the index-key layout against SGLang's own
+writer, input validation, and AOT compilation of every score config for sm_120a (mma.sync, no wgmma,
+<= 101376 B shared) and sm_90a, plus the select and group-max kernels."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from triton_aot import aot, assert_sm120_ok, compile_for
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def interp_results():
+    env = dict(os.environ, TRITON_INTERPRET="1", TRITON_DEFAULT_FP_FUSION="1")
+    p = subprocess.run([sys.executable, os.path.join(HERE, "indexer_interp_cases.py")], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return {r["name"]: r for r in map(json.loads, filter(None, p.stdout.splitlines()))}
+
+
+INDEXER_CASES = ["decode_h64_p64", "mtp3_h16_p16_view4_out", "len2d_h32_p32_ws", "fp8q_qscale_h16",
+                 "all_ties_fallback", "heads_m_no_prefetch", "mtp6_two_launches"]
+SELECT_CASES = ["select_randn", "select_few_values", "select_grid_ties", "select_constant", "select_wide_range"]
+DISTINCT_VALUES = {"select_randn", "select_wide_range"}  # a unique answer: must equal torch.topk's set
+
+
+@pytest.mark.parametrize("name", INDEXER_CASES + SELECT_CASES)
+def test_interpreter_selection_is_exact_up_to_ties(interp_results, name):
+    r = interp_results[name]
+    assert all(v == 0 for v in r["bad"].values()), r
+    if name in DISTINCT_VALUES:
+        assert r["swaps_vs_torch_topk"] == 0, r
+    if name.startswith("select"):
+        assert r["ref_short_rows_equal"], r
+
+
+def test_layout_matches_sglang_writer(interp_results):
+    r = interp_results["sglang_writer_layout"]
+    assert r["bytes_equal"] and r["same_selection"], r
+
+
+# ---------------------------------------------------------------- reference
+
+def test_reference_layout_and_causal_lengths():
+    from pd.kernels.indexer_reference import (cache_fp8_and_scales, dsa_indexer_topk_ref, live_lengths,
+                                              quantize_index_k)
+
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(128, 128, generator=g)
+    kc = quantize_index_k(k, 64)
+    assert kc.shape == (2, 64 * 132) and kc.dtype == torch.uint8
+    # token 5 of page 1: fp8 bytes at 5 * 128, fp32 scale at 64 * 128 + 5 * 4
+    scale = kc[1, 64 * 128 + 20: 64 * 128 + 24].view(torch.float32)
+    assert torch.allclose(scale, k[69].abs().max() / 448)
+    deq = kc[1, 5 * 128: 6 * 128].view(torch.float8_e4m3fn).float() * scale
+    assert ((deq - k[69]).norm() / k[69].norm()) < 0.05
+    k8, sc = cache_fp8_and_scales(kc, 64)
+    assert torch.equal(k8[1, 5].view(torch.uint8), kc[1, 640: 768]) and sc[1, 5] == scale
+    # MTP verify: token s of S sees seq_len - S + 1 + s positions, clamped to [0, max_len]
+    assert live_lengths(torch.tensor([10, 2, 1, 500]), 3, 400).tolist() == [[8, 9, 10], [0, 1, 2], [0, 0, 1],
+                                                                          [400, 400, 400]]
+    assert live_lengths(torch.tensor([[7, 9]]), 2, 8).tolist() == [[7, 8]]
+    # short rows: every live position then -1
+    q = torch.randn(1, 2, 16, 128, generator=g).to(torch.bfloat16)
+    out = dsa_indexer_topk_ref(q, torch.rand(1, 2, 16, generator=g), kc, torch.tensor([[1, 0]], dtype=torch.int32),
+                               torch.tensor([5]), topk=8)
+    assert out.tolist() == [[[0, 1, 2, 3, -1, -1, -1, -1], [0, 1, 2, 3, 4, -1, -1, -1]]]
+
+
+# ---------------------------------------------------------------- validation
+
+def _args(b=2, s=1, h=64, ps=64, pages=4, max_pages=3):
+    from pd.kernels.indexer_reference import quantize_index_k
+
+    return dict(q=torch.zeros(b, s, h, 128, dtype=torch.bfloat16), weights=torch.zeros(b, s, h),
+                index_k_cache=quantize_index_k(torch.randn(pages * ps, 128), ps),
+                block_table=torch.zeros(b, max_pages, dtype=torch.int32),
+                seq_lens=torch.full((b,), 10, dtype=torch.int32), page_size=ps)
+
+
+@pytest.mark.parametrize("mutate, arg", [
+    (lambda a: a.update(q=a["q"].float()), "q"),
+    (lambda a: a.update(q=a["q"][..., :64]), "q"),
+    (lambda a: a.update(q=torch.zeros(2, 1, 48, 128, dtype=torch.bfloat16)), "q"),
+    (lambda a: a.update(q=torch.zeros(2, 9, 64, 128, dtype=torch.bfloat16)), "q"),
+    (lambda a: a.update(q=a["q"].transpose(2, 3).contiguous().transpose(2, 3)), "q"),
+    (lambda a: a.update(weights=a["weights"].double()), "weights"),
+    (lambda a: a.update(weights=a["weights"][:, :, :32]), "weights"),
+    (lambda a: a.update(q_scale=torch.ones(2, 1, 64)), "q_scale"),  # bf16 q
+    (lambda a: a.update(q=a["q"].to(torch.float8_e4m3fn), q_scale=torch.ones(2, 1, 64, dtype=torch.float16)),
+     "q_scale"),
+    (lambda a: a.update(index_k_cache=a["index_k_cache"].float()), "index_k_cache"),
+    (lambda a: a.update(index_k_cache=a["index_k_cache"][:, :8000]), "index_k_cache"),
+    (lambda a: a.update(index_k_cache=a["index_k_cache"].view(4, 64, 132)), "index_k_cache"),
+    (lambda a: a.update(page_size=32), "index_k_cache"),  # cache rows are 64 * 132 bytes
+    (lambda a: a.update(page_size=48), "page_size"),
+    (lambda a: a.update(block_table=a["block_table"].long()), "block_table"),
+    (lambda a: a.update(block_table=torch.zeros(3, 3, dtype=torch.int32)), "block_table"),
+    (lambda a: a.update(block_table=torch.zeros(3, 2, dtype=torch.int32).t()), "block_table"),
+    (lambda a: a.update(seq_lens=a["seq_lens"].float()), "seq_lens"),
+    (lambda a: a.update(seq_lens=torch.zeros(3, dtype=torch.int32)), "seq_lens"),
+    (lambda a: a.update(topk=0), "topk"),
+    (lambda a: a.update(topk=4096), "topk"),
+    (lambda a: a.update(out=torch.zeros(2, 1, 512, dtype=torch.int64)), "out"),
+    (lambda a: a.update(out=torch.zeros(2, 1, 256, dtype=torch.int32)), "out"),
+    (lambda a: a.update(workspace=torch.zeros(10, dtype=torch.int32)), "workspace"),
+    (lambda a: a.update(config={"BLOCK_N": 32, "num_warps": 4}), "config"),
+    (lambda a: a.update(select_warps=3), "select_warps"),
+    (lambda a: a.update(n_split=0), "n_split"),
+])
+def test_validation_errors_name_the_argument(mutate, arg):
+    from pd.kernels.indexer import dsa_indexer_topk
+
+    a = _args()
+    mutate(a)
+    with pytest.raises(ValueError, match=arg):
+        dsa_indexer_topk(**a)
+
+
+@pytest.mark.parametrize("mutate, arg", [
+    (lambda a: a.update(scores=a["scores"].double()), "scores"),
+    (lambda a: a.update(scores=a["scores"].t()), "scores"),
+    (lambda a: a.update(lengths=a["lengths"][:1]), "lengths"),
+    (lambda a: a.update(topk=-1), "topk"),
+])
+def test_topk_from_scores_validation(mutate, arg):
+    from pd.kernels.indexer import topk_from_scores
+
+    a = dict(scores=torch.zeros(2, 100), lengths=torch.tensor([100, 5]), topk=16)
+    mutate(a)
+    with pytest.raises(ValueError, match=arg):
+        topk_from_scores(**a)
+
+
+def test_workspace_size_and_capacity():
+    from pd.kernels.indexer import candidate_capacity, indexer_workspace
+
+    assert candidate_capacity(512) == 1024 and candidate_capacity(300) == 1024 and candidate_capacity(2048) == 4096
+    ws = indexer_workspace(4, 2, 8192, 512, device="cpu")
+    assert ws.dtype == torch.int32 and ws.numel() == 8 * (8192 + 1024 + 1024)
+
+
+def test_default_configs_are_score_configs():
+    from pd.kernels.indexer import DEFAULT_SCORE_CONFIGS, SCORE_CONFIGS
+
+    assert all(c in SCORE_CONFIGS for c in DEFAULT_SCORE_CONFIGS.values())
+    # sm_90 defaults put the 64 stacked heads on M (wgmma's M), sm_120 defaults the key tile
+    assert all(c["TOKENS_M"] != sm90 for (sm90, _), c in DEFAULT_SCORE_CONFIGS.items())
+
+
+# ---------------------------------------------------------------- AOT compile (no GPU needed)
+
+SCORE_SIG = {"q_ptr": "*bf16", "w_ptr": "*fp32", "qs_ptr": "*fp32", "kc32_ptr": "*i32", "ks_ptr": "*fp32",
+             "bt_ptr": "*i32", "len_ptr": "*i32", "score_ptr": "*fp32", "gmax_ptr": "*fp32", "stride_qb": "i32",
+             "stride_qs": "i32", "stride_qh": "i32", "stride_wb": "i32", "stride_ws": "i32", "stride_bt": "i32",
+             "max_len": "i32", "ng_buf": "i32", "n_split": "i32", "topk": "i32", "S_ALL": "i32", "s0": "i32"}
+
+
+def _score_configs():
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    from pd.kernels.indexer import SCORE_CONFIGS
+
+    return SCORE_CONFIGS
+
+
+def _compile_scores(cfg, cc, s_p2=1, fp8=False):
+    from pd.kernels.indexer import GROUP, MIN_TILES, _index_scores_kernel
+
+    const = dict(S=s_p2, S_P2=s_p2, H=64, PAGE=64, BLOCK_N=cfg["BLOCK_N"], G=GROUP, LEN_2D=False, HAS_QS=fp8,
+                 Q_FP8=fp8, MIN_TILES=MIN_TILES, DOT_F32=False, TOKENS_M=cfg["TOKENS_M"], PREFETCH=cfg["PREFETCH"],
+                 DOT_PREC="tf32")
+    sig = dict(SCORE_SIG, q_ptr="*fp8e4nv" if fp8 else "*bf16")
+    return compile_for(_index_scores_kernel, sig, const, cc, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def _cfg_id(c):
+    return f"{'tokM' if c['TOKENS_M'] else 'headM'}_n{c['BLOCK_N']}_w{c['num_warps']}_{'pf' if c['PREFETCH'] else 'nopf'}"
+
+
+@aot
+@pytest.mark.parametrize("cfg", _score_configs(), ids=_cfg_id)
+def test_aot_score_config_sm120a_and_sm90a(cfg):
+    """Every score config: one bf16 query (decode) and 4 stacked verify tokens (the most shared memory) compile
+    for sm_120a to mma.sync within 99 KiB; the decode build also compiles for sm_90a."""
+    assert_sm120_ok(_compile_scores(cfg, 120, s_p2=1))
+    assert_sm120_ok(_compile_scores(cfg, 120, s_p2=4))
+    k = _compile_scores(cfg, 90, s_p2=1)
+    assert "mma" in k.asm["ptx"]
+
+
+@aot
+@pytest.mark.parametrize("sm90", [False, True])
+def test_aot_default_configs_fp8_query(sm90):
+    """fp8 x fp8 dots (fp8 query): the default configs of each arch compile (sm_120a: mma.sync e4m3)."""
+    from pd.kernels.indexer import DEFAULT_SCORE_CONFIGS
+
+    for (is90, s_p2), cfg in DEFAULT_SCORE_CONFIGS.items():
+        if is90 != sm90:
+            continue
+        k = _compile_scores(cfg, 90 if sm90 else 120, s_p2=s_p2, fp8=True)
+        if not sm90:
+            assert_sm120_ok(k)
+            assert "e4m3" in k.asm["ptx"]
+
+
+@aot
+@pytest.mark.parametrize("topk", [512, 2048])
+def test_aot_select_and_group_max(topk):
+    """The select kernel has no dot (compares, reductions, scans: no tensor-core work to do), so sm_120a only
+    needs no wgmma and <= 99 KiB of shared memory; every select warp count compiles for both targets."""
+    from pd.kernels.indexer import (GROUP, MIN_TILES, SELECT_WARPS, TILE_G, _group_max_kernel, _select_topk_kernel,
+                                    candidate_capacity)
+
+    sig = {"score_ptr": "*fp32", "gmax_ptr": "*fp32", "cand_ptr": "*i32", "len_ptr": "*i32", "out_ptr": "*i32",
+           "S": "i32", "max_len": "i32", "stride_row": "i32", "ng_buf": "i32", "topk": "i32"}
+    const = dict(LEN_2D=False, G=GROUP, CAP_C=candidate_capacity(topk), TILE_G=TILE_G, TILE=min(1024, topk))
+    for w in SELECT_WARPS:
+        for cc in (120, 90):
+            k = compile_for(_select_topk_kernel, sig, const, cc, num_warps=w, num_stages=1)
+            if cc == 120:
+                assert_sm120_ok(k, needs_mma=False)
+    if topk == 512:
+        gsig = {"score_ptr": "*fp32", "gmax_ptr": "*fp32", "len_ptr": "*i32", "stride_row": "i32", "ng_buf": "i32",
+                "n_split": "i32", "max_len": "i32", "topk": "i32"}
+        for cc in (120, 90):
+            k = compile_for(_group_max_kernel, gsig, dict(G=GROUP, BLOCK=256, MIN_TILES=MIN_TILES), cc, num_warps=4)
+            if cc == 120:
+                assert_sm120_ok(k, needs_mma=False)
