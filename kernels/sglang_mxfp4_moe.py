@@ -112,7 +112,7 @@ class PdserveMxfp4MoEMethod:
         topk_weights, topk_ids = dispatch_output.topk_output[:2]
         out = fused_moe_mxfp4(
             dispatch_output.hidden_states, layer.w13_weight, layer.w13_weight_scale_inv,
-            layer.w2_weight, layer.w2_weight_scale_inv, topk_weights, topk_ids,
+            layer.w2_weight, layer.w2_weight_scale_inv, topk_weights.contiguous(), topk_ids.contiguous(),
             swiglu_limit=cfg.swiglu_limit,
         )
         return StandardCombineInput(hidden_states=out)
