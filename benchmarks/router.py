@@ -386,8 +386,13 @@ def pdserve_snapshot(rev: str, workdir: Path) -> Path:
 
 
 def contender_argv(name: str, stubs: Stubs, port: int, sglang_router_dir: Path,
-                   pdserve_tree: Optional[Path] = None) -> tuple[list[str], Optional[dict]]:
+                   pdserve_tree: Optional[Path] = None, custom: Optional[dict[str, str]] = None,
+                   ) -> tuple[list[str], Optional[dict]]:
     """Command line and environment that start contender ``name`` on ``port``."""
+    if custom and name in custom:
+        return shlex.split(custom[name].format(python=sys.executable, prefill_url=stubs.prefill_url,
+                                               bootstrap_port=stubs.bootstrap_port, decode_url=stubs.decode_url,
+                                               port=port)), None
     if name == "pdserve":
         flags = ["router", "--prefill", stubs.prefill_url, str(stubs.bootstrap_port), "--decode", stubs.decode_url,
                  "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
@@ -411,7 +416,7 @@ class Contender:
     """One contender: a router process in front of the stubs, or ``direct`` (the decode stub)."""
 
     def __init__(self, name: str, stubs: Stubs, cpus: set[int], logdir: Path, sglang_router_dir: Path, tag: str = "",
-                 pdserve_tree: Optional[Path] = None):
+                 pdserve_tree: Optional[Path] = None, custom: Optional[dict[str, str]] = None):
         self.name = name
         self.proc: Optional[Proc] = None
         self.argv: Optional[list[str]] = None
@@ -420,7 +425,7 @@ class Contender:
             return
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self.argv, env = contender_argv(name, stubs, port, sglang_router_dir, pdserve_tree)
+        self.argv, env = contender_argv(name, stubs, port, sglang_router_dir, pdserve_tree, custom)
         self.proc = Proc(tag + name, self.argv, cpus, logdir, env)
 
     def ready(self, timeout: float = 120) -> None:
@@ -524,7 +529,7 @@ def compare(args, workdir: Path, logdir: Path, own_pgid: int, profile_hook) -> d
     try:
         for name in args.contenders:
             contenders[name] = Contender(name, stubs, args.router_cpus, logdir, args.sglang_router_dir,
-                                         pdserve_tree=args.pdserve_tree)
+                                         pdserve_tree=args.pdserve_tree, custom=args.custom)
         for c in contenders.values():
             c.ready()
         scripts = {m: wrk_script(workdir, m) for m in args.modes}
@@ -580,9 +585,9 @@ def summarize(cells: list[dict], args) -> list[dict]:
                              for c in mine if (mode, conc, "direct", c["round"]) in by]
                     row[f"added_{p}_ms"] = median(diffs) if name != "direct" else 0.0
                 rows.append(row)
-    # Ratios of pdserve to the others in the same cell.
+    # Ratios of pdserve (and any --custom router) to the references in the same cell.
     for row in rows:
-        if row["contender"] != "pdserve":
+        if row["contender"] in ("direct", "gateway", "mini_lb"):
             continue
         for other in ("gateway", "mini_lb"):
             o = next((r for r in rows if (r["mode"], r["concurrency"], r["contender"]) ==
@@ -642,7 +647,7 @@ def memory(args, logdir: Path, name: str) -> dict:
     """RSS of a fresh ``name`` router before / during / after ``args.memory_streams`` slow streams."""
     stubs = Stubs("mem_", args.load_cpus, logdir, token_interval=args.memory_token_interval)
     c = Contender(name, stubs, args.router_cpus, logdir, args.sglang_router_dir, tag="mem_",
-                  pdserve_tree=args.pdserve_tree)
+                  pdserve_tree=args.pdserve_tree, custom=args.custom)
     try:
         c.ready()
         # Warm-up: code paths, pools and caches the router keeps anyway.
@@ -802,12 +807,12 @@ def markdown(result: dict) -> str:
                      f"| {fmt(r['p99_ms'], 2)} | {fmt(r['added_p50_ms'], 2)} | {fmt(r['added_p99_ms'], 2)} "
                      f"| {fmt(r['cpu_contender'], 2)} | {fmt(r['cpu_load'], 2)} | {fmt(r['cpu_foreign'], 2)} "
                      f"| {r['errors']} | {'ok' if r['dispatch_check_ok'] else 'FAIL'} |")
-    lines += ["", "pdserve vs the others (same cell): req/s ratio, p99 ratio; goals: >= 1.0x gateway req/s, >= 5x mini_lb, "
-              "p99 <= 1.5x gateway.", "", "| mode | conc | req/s vs gateway | req/s vs mini_lb | p99 vs gateway |",
-              "|---|---|---|---|---|"]
+    lines += ["", "Ratios to the references (same cell): req/s ratio, p99 ratio; goals: >= 1.0x gateway req/s, >= 5x mini_lb, "
+              "p99 <= 1.5x gateway.", "", "| router | mode | conc | req/s vs gateway | req/s vs mini_lb | p99 vs gateway |",
+              "|---|---|---|---|---|---|"]
     for r in result["summary"]:
-        if r["contender"] == "pdserve":
-            lines.append(f"| {r['mode']} | {r['concurrency']} | {fmt(r.get('rps_vs_gateway'), 2)}x "
+        if "rps_vs_gateway" in r or "rps_vs_mini_lb" in r:
+            lines.append(f"| {r['contender']} | {r['mode']} | {r['concurrency']} | {fmt(r.get('rps_vs_gateway'), 2)}x "
                          f"| {fmt(r.get('rps_vs_mini_lb'), 2)}x | {fmt(r.get('p99_vs_gateway'), 2)}x |")
     if result.get("memory"):
         lines += ["", "Memory: N concurrent slow streams (one token per "
@@ -861,6 +866,10 @@ def parse_args(argv=None):
                    help="where sglang-router is installed with pip --target (default %(default)s)")
     p.add_argument("--pdserve-commit", default=None, metavar="REV",
                    help="measure the router of this git commit (extracted to a temp dir) instead of the working tree")
+    p.add_argument("--custom", action="append", default=[], metavar="NAME=COMMAND",
+                   help="an extra contender (e.g. a router prototype): NAME=COMMAND with placeholders {python} "
+                        "{prefill_url} {bootstrap_port} {decode_url} {port}; it must serve GET /health and "
+                        "POST /generate on {port}; add NAME to --contenders (repeatable)")
     p.add_argument("--quick", action="store_true", help="one short round at c=32, 200 memory streams (smoke test)")
     p.add_argument("--out", type=Path, default=None, help="result JSON path (default benchmarks/results/router_<date>.json)")
     args = p.parse_args(argv)
@@ -868,6 +877,13 @@ def parse_args(argv=None):
         args.duration, args.warmup, args.rounds, args.concurrency = 3.0, 1.0, 1, "32"
         args.memory_streams, args.profile_duration, args.memory_settle = min(args.memory_streams, 200), 5.0, 10.0
     args.contenders = [c for c in args.contenders.split(",") if c]
+    custom = {}
+    for spec in args.custom:
+        name, sep, cmd = spec.partition("=")
+        if not sep or not name or not cmd or name in CONTENDERS:
+            p.error(f"--custom {spec!r}: want NAME=COMMAND with a NAME other than {', '.join(CONTENDERS)}")
+        custom[name] = cmd
+    args.custom = custom
     args.modes = [m for m in args.modes.split(",") if m]
     args.memory_contenders = [c for c in args.memory_contenders.split(",") if c] if args.memory_streams > 0 else []
     try:
@@ -876,8 +892,8 @@ def parse_args(argv=None):
     except ValueError as e:
         p.error(str(e))
     for c in args.contenders + args.memory_contenders:
-        if c not in CONTENDERS:
-            p.error(f"unknown contender {c!r}; choose from {', '.join(CONTENDERS)}")
+        if c not in CONTENDERS and c not in custom:
+            p.error(f"unknown contender {c!r}; choose from {', '.join(CONTENDERS + tuple(custom))}")
     if "direct" not in args.contenders:
         p.error("--contenders must include direct (added latency is measured against it)")
     if "direct" in args.memory_contenders:
@@ -964,7 +980,7 @@ def main(argv=None) -> None:
                    "memory_streams": args.memory_streams, "memory_token_interval_s": args.memory_token_interval,
                    "memory_settle_s": args.memory_settle},
         "goals": GOALS,
-        "contender_commands": res["commands"],
+        "contender_commands": res["commands"], "custom_contenders": args.custom or None,
         "summary": [{k: (rnd(v) if isinstance(v, float) else v) for k, v in r.items()} for r in res["summary"]],
         "memory": mem, "profile": res["profile"],
         "cells": [{**c, "rps": rnd(c["rps"], 1), "cpu_cores": {k: rnd(v) for k, v in c["cpu_cores"].items()}}
