@@ -277,10 +277,10 @@ def _topk_sum_kernel(y_ptr, ids_ptr, out_ptr, stride_ot, P, E, H: tl.constexpr, 
 
 # ---------------------------------------------------------------------------------------------------- configs
 
-# Tile configs (BN: output columns per program, BK: K per step). BN >= 16 * num_warps: with 16-row tiles the
-# warps split N, and fewer columns per warp made Triton convert the same weights in several warps. Every entry
-# fits sm_120's 99 KiB of shared memory with 16- and 64-row blocks and compiles to mma.sync there
-# (tests/test_mxfp4_moe.py checks all of them, and sm_90a).
+# Tile configs (BN: output columns per program, BK: K per step; with BM > 16 rows BK becomes 128). BN >= 16 *
+# num_warps: with 16-row tiles the warps split N, and fewer columns per warp made Triton convert the same
+# weights in several warps. Every entry fits sm_120's 99 KiB of shared memory with 16- and 64-row blocks and
+# compiles to mma.sync there (tests/test_mxfp4_moe.py checks all of them, and sm_90a).
 TILE_CONFIGS = [
     dict(BN=BN, BK=BK, num_warps=w, num_stages=st)
     for BN, BK, w, st in [(16, 256, 1, 4), (32, 256, 2, 3), (32, 128, 2, 4), (64, 256, 2, 3), (64, 128, 4, 3),
@@ -369,7 +369,7 @@ def _check_config(cfg: dict, h: int, inter: int) -> None:
         raise ValueError(f"config: path must be one of {PATHS}, got {cfg!r}")
     if cfg.get("BM", 16) not in BM_CHOICES:
         raise ValueError(f"config: BM must be one of {BM_CHOICES}")
-    for part, n_dim, k_dim in (("gate_up", inter, h), ("down", h, inter)):
+    for part, n_dim in (("gate_up", inter), ("down", h)):
         c = cfg.get(part)
         if not isinstance(c, dict) or set(c) != {"BN", "BK", "num_warps", "num_stages"}:
             raise ValueError(f"config: {part} must be a dict with BN, BK, num_warps, num_stages")
@@ -377,12 +377,17 @@ def _check_config(cfg: dict, h: int, inter: int) -> None:
             raise ValueError(f"config: {part} BN must be 16/32/64/128 and divide {n_dim}, got {c['BN']}")
         if c["BK"] not in (128, 256):  # halved to 128 where it does not divide K / split (_fit_bk)
             raise ValueError(f"config: {part} BK must be 128 or 256, got {c['BK']}")
-        sp = cfg.get(f"split_{part}", 1)
-        if sp not in SPLIT_CHOICES or k_dim % (sp * 128):
-            raise ValueError(f"config: split_{part} must be one of {SPLIT_CHOICES} with {k_dim} % (split * 128) == 0,"
-                             f" got {sp}")
+        if cfg.get(f"split_{part}", 1) not in SPLIT_CHOICES:
+            raise ValueError(f"config: split_{part} must be one of {SPLIT_CHOICES}, got {cfg.get(f'split_{part}')}")
     if cfg["path"] == "pair_token" and cfg.get("split_down", 1) != 1:
         raise ValueError("config: the pair_token path sums over k in the down kernel, so split_down must be 1")
+
+
+def _fit_split(split: int, k_dim: int) -> int:
+    """The requested K split halved until every split is a whole number of 128-wide steps."""
+    while k_dim % (split * 128):
+        split //= 2
+    return split
 
 
 def _fit_bk(cfg: dict, k_len: int) -> dict:
@@ -500,9 +505,11 @@ def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
 
     p = t * k
     path = cfg["path"]
-    sp_gu, sp_dn = cfg.get("split_gate_up", 1), cfg.get("split_down", 1)
+    sp_gu, sp_dn = _fit_split(cfg.get("split_gate_up", 1), h), _fit_split(cfg.get("split_down", 1), inter)
     gu = _fit_bk(cfg["gate_up"], h // sp_gu)
     dn = _fit_bk(cfg["down"], inter // sp_dn)
+    if path == "sorted" and cfg.get("BM", 16) > 16:  # the activation tile grows with BM: keep 99 KiB on sm_120
+        gu["BK"] = dn["BK"] = 128
     if _INTERPRET:  # the interpreter's cost is per program step, not per byte
         gu = dict(gu, num_warps=4, num_stages=1)
         dn = dict(dn, num_warps=4, num_stages=1)

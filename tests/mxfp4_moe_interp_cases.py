@@ -1,22 +1,17 @@
 """Interpreter correctness cases for pd.kernels.mxfp4_moe, run in a subprocess by tests/test_mxfp4_moe.py
 (TRITON_INTERPRET must be set before triton decorates the kernels, so it cannot share a process with the AOT
-tests). Prints one JSON line per case."""
+tests; importing this module for CASES does not touch triton). Prints one JSON line per case."""
 
 import json
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
-
-import torch  # noqa: E402
-
-from pd.kernels.mxfp4_moe import default_config, fused_moe_mxfp4  # noqa: E402
-from pd.kernels.mxfp4_moe_reference import fused_moe_mxfp4_reference  # noqa: E402
-
 
 def make_inputs(t, h, inter, e, k, g, *, skip=0, shared=False, skip_token0=False):
     """Random packed codes (every e2m1 value) and scales 2^-4..2^-1, so |gate| > 10 for a few percent of the
     entries (the clamp matters). ``shared``: tokens draw from few experts (several row blocks per expert)."""
+    import torch
+
     x = torch.randn(t, h, generator=g).to(torch.bfloat16)
     w13 = torch.randint(0, 256, (e, 2 * inter, h // 2), generator=g, dtype=torch.uint8)
     s13 = torch.randint(123, 127, (e, 2 * inter, h // 32), generator=g, dtype=torch.uint8)
@@ -35,6 +30,11 @@ def make_inputs(t, h, inter, e, k, g, *, skip=0, shared=False, skip_token0=False
 
 def run_case(name, t, h, inter, e, k, *, path, bm=16, splits=(1, 1), limit=10.0, scaling=None, up_first=False,
              skip=0, shared=False, skip_token0=False, ids64=False, wbf16=False, int8=False, seed=0):
+    import torch
+
+    from pd.kernels.mxfp4_moe import default_config, fused_moe_mxfp4
+    from pd.kernels.mxfp4_moe_reference import fused_moe_mxfp4_reference
+
     g = torch.Generator().manual_seed(seed)
     x, w13, s13, w2, s2, wts, ids = make_inputs(t, h, inter, e, k, g, skip=skip, shared=shared,
                                                 skip_token0=skip_token0)
@@ -74,6 +74,7 @@ CASES = [
 ]
 
 if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "1"
     names = sys.argv[1:]
     for i, (name, kw) in enumerate(CASES):
         if names and name not in names:

@@ -1,0 +1,291 @@
+"""pd.kernels.mxfp4_moe on CPU: interpreter correctness vs the fp64 reference (subprocess, since
+TRITON_INTERPRET must be set before triton decorates the kernels), the reference's layout, input validation, and
+AOT compilation of every tile config for sm_120a (mma.sync, no wgmma, <= 101376 B shared) and sm_90a."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from triton_aot import aot, assert_sm120_ok, compile_for
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# The output is rounded to bf16 once (~1.6e-3 relative RMS); the interpreter runs land at 1.5e-3 to 2e-3.
+REL_TOL = 4e-3
+
+
+@pytest.fixture(scope="module")
+def interp_results():
+    env = dict(os.environ, TRITON_INTERPRET="1", TRITON_DEFAULT_FP_FUSION="1")
+    p = subprocess.run([sys.executable, os.path.join(HERE, "mxfp4_moe_interp_cases.py")], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return {r["name"]: r for r in map(json.loads, filter(None, p.stdout.splitlines()))}
+
+
+def _case_names():
+    sys.path.insert(0, HERE)
+    from mxfp4_moe_interp_cases import CASES
+
+    return [name for name, _ in CASES]
+
+
+@pytest.mark.parametrize("name", _case_names())
+def test_interpreter_matches_reference(interp_results, name):
+    r = interp_results[name]
+    assert not r["nan"], r  # the output buffer was NaN-poisoned: every element written
+    assert r["same_buffer"], r
+    assert r["rel"] <= REL_TOL, r
+    if "clamp_effect" in r:  # the case's data exercise the SwiGLU clamp (so a missing clamp would fail)
+        assert r["clamp_effect"] > 50 * REL_TOL, r
+    if "all_skipped_row_zero" in r:
+        assert r["all_skipped_row_zero"], r
+
+
+# ---------------------------------------------------------------------------------------------------- reference
+
+def test_dequantize_layout_low_nibble_first_and_scale():
+    from pd.kernels.mxfp4_moe_reference import dequantize_mxfp4
+
+    packed = torch.zeros(1, 16, dtype=torch.uint8)
+    packed[0, 0] = 0x2F  # low nibble 0xF = -6 (column 0), high nibble 0x2 = 1.0 (column 1)
+    packed[0, 1] = 0x91  # column 2: 0x1 = 0.5, column 3: 0x9 = -0.5
+    scale = torch.tensor([[129]], dtype=torch.uint8)  # 2 ** 2
+    w = dequantize_mxfp4(packed, scale)
+    assert w.shape == (1, 32)
+    assert w[0, :4].tolist() == [-24.0, 4.0, 2.0, -2.0]
+    assert (w[0, 4:] == 0).all()
+    # float8_e8m0fnu scales are the same bytes
+    if hasattr(torch, "float8_e8m0fnu"):
+        assert torch.equal(dequantize_mxfp4(packed, scale.view(torch.float8_e8m0fnu)), w)
+
+
+def test_quantize_roundtrip_is_exact_on_e2m1_grid():
+    from pd.kernels.mxfp4_moe_reference import E2M1_VALUES, dequantize_mxfp4, quantize_mxfp4
+
+    g = torch.Generator().manual_seed(0)
+    grid = torch.tensor(E2M1_VALUES)
+    vals = grid[torch.randint(0, 16, (8, 64), generator=g)]
+    vals[:, 0::32] = 6.0  # group amax 6 -> scale 2**0, so the values are exactly representable
+    w = vals * torch.exp2(torch.randint(-5, 5, (8, 2), generator=g).float()).repeat_interleave(32, dim=1)
+    packed, scale = quantize_mxfp4(w)
+    assert packed.shape == (8, 32) and scale.shape == (8, 2) and packed.dtype == scale.dtype == torch.uint8
+    assert torch.equal(dequantize_mxfp4(packed, scale), w)
+    # arbitrary values: within half an e2m1 step of the group's scale * 6 range
+    x = torch.randn(4, 64, generator=g)
+    err = (dequantize_mxfp4(*quantize_mxfp4(x)) - x).abs().max()
+    assert err <= x.abs().max() / 6 * 1.0 + 1e-6
+
+
+def test_reference_gate_up_order_and_clamp():
+    """up_first swaps the halves; the clamp follows DSv4 (gate only from above, up both ways)."""
+    from pd.kernels.mxfp4_moe_reference import fused_moe_mxfp4_reference, swiglu_clamped
+
+    g = torch.tensor([20.0, -20.0, 3.0])
+    u = torch.tensor([-30.0, 5.0, 30.0])
+    got = swiglu_clamped(g, u, 10.0)
+    want = torch.tensor([10.0, -20.0, 3.0]) * torch.sigmoid(torch.tensor([10.0, -20.0, 3.0])) \
+        * torch.tensor([-10.0, 5.0, 10.0])
+    assert torch.allclose(got, want)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 64, generator=gen).bfloat16()
+    w13 = torch.randint(0, 256, (2, 64, 32), generator=gen, dtype=torch.uint8)
+    s13 = torch.full((2, 64, 2), 124, dtype=torch.uint8)
+    w2 = torch.randint(0, 256, (2, 64, 16), generator=gen, dtype=torch.uint8)
+    s2 = torch.full((2, 64, 1), 124, dtype=torch.uint8)
+    ids = torch.tensor([[0, 1], [1, -1]], dtype=torch.int32)
+    wts = torch.rand(2, 2, generator=gen)
+    a = fused_moe_mxfp4_reference(x, w13, s13, w2, s2, wts, ids)
+    swapped = torch.cat([w13[:, 32:], w13[:, :32]], 1)
+    b = fused_moe_mxfp4_reference(x, swapped, s13, w2, s2, wts, ids, up_first=True)
+    assert torch.allclose(a, b)
+
+
+def test_as_ue8m0():
+    from pd.kernels.mxfp4_moe import as_ue8m0
+
+    u8 = torch.tensor([[0, 127, 254]], dtype=torch.uint8)
+    assert as_ue8m0(u8).data_ptr() == u8.data_ptr()
+    f = torch.tensor([[2.0 ** -127, 1.0, 2.0 ** 127]])
+    assert torch.equal(as_ue8m0(f), u8)
+    with pytest.raises(ValueError, match="power"):
+        as_ue8m0(torch.tensor([3.0]))
+    with pytest.raises(ValueError, match="scale"):
+        as_ue8m0(torch.tensor([1], dtype=torch.int32))
+
+
+def test_max_sorted_blocks_bounds_any_routing():
+    from pd.kernels.mxfp4_moe import max_sorted_blocks
+
+    g = torch.Generator().manual_seed(0)
+    for p, e, bm in [(6, 256, 16), (768, 256, 16), (40, 3, 16), (1000, 8, 64), (5, 2, 32)]:
+        for _ in range(20):
+            ids = torch.randint(0, e, (p,), generator=g)
+            need = sum(-(-int(c) // bm) for c in torch.bincount(ids, minlength=e) if c > 0)
+            assert need <= max_sorted_blocks(p, e, bm)
+    assert max_sorted_blocks(6, 256, 16) == 6
+
+
+def test_default_configs_are_valid_and_cover_all_sizes():
+    from pd.kernels.mxfp4_moe import DEFAULT_CONFIGS, TILE_CONFIGS, _check_config, default_config
+
+    for _, cfg in DEFAULT_CONFIGS:
+        _check_config(cfg, 4096, 2048)
+        _check_config(cfg, 4096, 256)  # DSv4 at TP 8
+        for part in ("gate_up", "down"):
+            assert cfg[part] in TILE_CONFIGS, (part, cfg[part])
+    for p in (1, 6, 96, 768, 10 ** 6):
+        assert default_config(p)["path"] in ("pair_token", "pair", "sorted")
+
+
+# ---------------------------------------------------------------------------------------------------- validation
+
+def _inputs(t=2, h=128, inter=128, e=3, k=2):
+    return dict(hidden_states=torch.zeros(t, h, dtype=torch.bfloat16),
+                w13=torch.zeros(e, 2 * inter, h // 2, dtype=torch.uint8),
+                w13_scale=torch.zeros(e, 2 * inter, h // 32, dtype=torch.uint8),
+                w2=torch.zeros(e, h, inter // 2, dtype=torch.uint8),
+                w2_scale=torch.zeros(e, h, inter // 32, dtype=torch.uint8),
+                topk_weights=torch.zeros(t, k), topk_ids=torch.zeros(t, k, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("mutate, arg", [
+    (lambda a: a.update(hidden_states=a["hidden_states"].float()), "hidden_states"),
+    (lambda a: a.update(hidden_states=torch.zeros(2, 96, dtype=torch.bfloat16)), "hidden_states"),
+    (lambda a: a.update(hidden_states=torch.zeros(128, 2, dtype=torch.bfloat16).t()), "hidden_states"),
+    (lambda a: a.update(w13=a["w13"].float()), "w13"),
+    (lambda a: a.update(w13=torch.zeros(3, 256, 32, dtype=torch.uint8)), "w13"),
+    (lambda a: a.update(w13=torch.zeros(3, 200, 64, dtype=torch.uint8)), "w13"),
+    (lambda a: a.update(w13=torch.zeros(3, 64, 256, dtype=torch.uint8).transpose(1, 2)), "w13"),
+    (lambda a: a.update(w13_scale=a["w13_scale"].float()), "w13_scale"),
+    (lambda a: a.update(w13_scale=torch.zeros(3, 256, 8, dtype=torch.uint8)), "w13_scale"),
+    (lambda a: a.update(w2=torch.zeros(3, 128, 128, dtype=torch.uint8)), "w2"),
+    (lambda a: a.update(w2=torch.zeros(2, 128, 64, dtype=torch.uint8)), "w2"),
+    (lambda a: a.update(w2_scale=torch.zeros(3, 128, 2, dtype=torch.int8)), "w2_scale"),
+    (lambda a: a.update(topk_ids=a["topk_ids"].float()), "topk_ids"),
+    (lambda a: a.update(topk_ids=torch.zeros(3, 2, dtype=torch.int32)), "topk_ids"),
+    (lambda a: a.update(topk_ids=torch.zeros(2, 4, dtype=torch.int32)[:, ::2]), "topk_ids"),
+    (lambda a: a.update(topk_weights=torch.zeros(2, 3)), "topk_weights"),
+    (lambda a: a.update(topk_weights=torch.zeros(2, 2, dtype=torch.float64)), "topk_weights"),
+    (lambda a: a.update(swiglu_limit=-1.0), "swiglu_limit"),
+    (lambda a: a.update(swiglu_limit=float("inf")), "swiglu_limit"),
+    (lambda a: a.update(routed_scaling_factor=float("nan")), "routed_scaling_factor"),
+    (lambda a: a.update(out=torch.zeros(2, 128)), "out"),
+    (lambda a: a.update(out=torch.zeros(3, 128, dtype=torch.bfloat16)), "out"),
+    (lambda a: a.update(config=dict(path="magic")), "config"),
+    (lambda a: a.update(config=dict(path="pair", gate_up=dict(BN=48, BK=256, num_warps=2, num_stages=3),
+                                    down=dict(BN=32, BK=256, num_warps=2, num_stages=3))), "config"),
+    (lambda a: a.update(config=dict(path="pair", split_down=3, gate_up=dict(BN=32, BK=256, num_warps=2,
+                                                                            num_stages=3),
+                                    down=dict(BN=32, BK=256, num_warps=2, num_stages=3))), "config"),
+    (lambda a: a.update(config=dict(path="pair_token", split_down=2, gate_up=dict(BN=32, BK=256, num_warps=2,
+                                                                                  num_stages=3),
+                                    down=dict(BN=32, BK=256, num_warps=2, num_stages=3))), "config"),
+])
+def test_validation_errors_name_the_argument(mutate, arg):
+    from pd.kernels.mxfp4_moe import fused_moe_mxfp4
+
+    a = _inputs()
+    mutate(a)
+    with pytest.raises(ValueError, match=arg):
+        fused_moe_mxfp4(**a)
+
+
+def test_empty_batch_returns_empty_output():
+    from pd.kernels.mxfp4_moe import fused_moe_mxfp4
+
+    a = _inputs(t=0)
+    out = fused_moe_mxfp4(**a)
+    assert out.shape == (0, 128) and out.dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------------------- AOT compile
+
+GU_SIG = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "*i32", "sorted_ptr": "*i32",
+          "blk_exp_ptr": "*i32", "nblk_ptr": "*i32", "h_ptr": "*bf16", "part_ptr": "*fp32", "stride_xt": "i32",
+          "limit": "fp32", "P": "i32", "E": "i32"}
+DN_SIG = {"h_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "*i32", "tw_ptr": "*fp32",
+          "sorted_ptr": "*i32", "blk_exp_ptr": "*i32", "nblk_ptr": "*i32", "y_ptr": "*fp32", "out_ptr": "*bf16",
+          "stride_ot": "i32", "scaling": "fp32", "P": "i32", "E": "i32"}
+DIMS = dict(H=4096, I=2048, TOPK=6, ROUND=False)  # DeepSeek-V4-Flash
+
+
+def _aligned(sig, stride):  # what the launcher specializes for 16-byte-aligned tensors and a 4096 stride
+    return tuple(n for n, ty in sig.items() if ty.startswith("*")) + (stride,)
+
+
+def _gate_up(cfg, cc, bm=16, sorted_=True, split=1):
+    from pd.kernels.mxfp4_moe import _gate_up_kernel
+
+    const = dict(DIMS, SORTED=sorted_, HAS_LIMIT=True, UP_FIRST=False, SPLIT=split, BM=bm, BN=cfg["BN"],
+                 BK=cfg["BK"])
+    return compile_for(_gate_up_kernel, GU_SIG, const, cc, cfg["num_warps"], cfg["num_stages"],
+                       aligned=_aligned(GU_SIG, "stride_xt"))
+
+
+def _down(cfg, cc, bm=16, mode=0, split=1):
+    from pd.kernels.mxfp4_moe import _down_kernel
+
+    const = dict(DIMS, MODE=mode, SPLIT=split, BM=bm, BN=cfg["BN"], BK=cfg["BK"])
+    return compile_for(_down_kernel, DN_SIG, const, cc, cfg["num_warps"], cfg["num_stages"],
+                       aligned=_aligned(DN_SIG, "stride_ot"))
+
+
+def _tile_configs():
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    from pd.kernels.mxfp4_moe import TILE_CONFIGS
+
+    return TILE_CONFIGS
+
+
+@aot
+@pytest.mark.parametrize("cfg", _tile_configs(), ids=lambda c: f"n{c['BN']}k{c['BK']}w{c['num_warps']}s{c['num_stages']}")
+def test_aot_sm120a_every_tile_config(cfg):
+    """Both GEMM kernels, 16-row blocks (draft) and 64-row blocks (the sorted path's largest), for sm_120a."""
+    assert_sm120_ok(_gate_up(cfg, 120))
+    assert_sm120_ok(_down(cfg, 120))
+    big = dict(cfg, BK=128)  # what _plan runs with BM > 16
+    assert_sm120_ok(_gate_up(big, 120, bm=64))
+    assert_sm120_ok(_down(big, 120, bm=64))
+
+
+@aot
+def test_aot_sm120a_every_mode_and_split():
+    from pd.kernels.mxfp4_moe import DEFAULT_CONFIGS
+
+    cfg = DEFAULT_CONFIGS[0][1]["gate_up"]
+    assert_sm120_ok(_gate_up(cfg, 120, sorted_=False, split=4))
+    assert_sm120_ok(_down(cfg, 120, mode=1, split=4))
+    assert_sm120_ok(_down(cfg, 120, mode=2))
+
+
+@aot
+def test_aot_small_kernels_sm120a():
+    from pd.kernels.mxfp4_moe import _align_kernel, _swiglu_kernel, _topk_sum_kernel
+
+    k = compile_for(_align_kernel, {"ids_ptr": "*i32", "sorted_ptr": "*i32", "blk_exp_ptr": "*i32",
+                                    "nblk_ptr": "*i32", "cursor_ptr": "*i32", "P": "i32", "max_rows": "i32",
+                                    "E": "i32"}, dict(E_BINS=512, BM=16, CHUNK=1024), 120)
+    assert_sm120_ok(k, needs_mma=False)
+    k = compile_for(_swiglu_kernel, {"part_ptr": "*fp32", "ids_ptr": "*i32", "h_ptr": "*bf16", "limit": "fp32",
+                                     "P": "i32", "E": "i32"},
+                    dict(I=2048, SPLIT=4, HAS_LIMIT=True, ROUND=False, BLOCK=1024), 120)
+    assert_sm120_ok(k, needs_mma=False)
+    k = compile_for(_topk_sum_kernel, {"y_ptr": "*fp32", "ids_ptr": "*i32", "out_ptr": "*bf16",
+                                       "stride_ot": "i32", "P": "i32", "E": "i32"},
+                    dict(H=4096, TOPK=6, SPLIT=4, ROUND=False, BLOCK=1024), 120)
+    assert_sm120_ok(k, needs_mma=False)
+
+
+@aot
+def test_aot_sm90a_default_configs():
+    """The configs the H200 benchmark runs by default compile for sm_90a (tensor-core ops present)."""
+    from pd.kernels.mxfp4_moe import DEFAULT_CONFIGS
+
+    for _, c in DEFAULT_CONFIGS:
+        bm = c.get("BM", 16)
+        assert "mma" in _gate_up(c["gate_up"], 90, bm=bm).asm["ptx"]
+        assert "mma" in _down(c["down"], 90, bm=bm).asm["ptx"]
