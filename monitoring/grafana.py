@@ -144,7 +144,7 @@ def query_variable(name: str, label: str, metric_selector: str, label_name: str)
     (Grafana then substitutes a regex of every value, e.g. ``(a|b)``)."""
     q = f"label_values({metric_selector}, {label_name})"
     return {"name": name, "label": label, "type": "query", "datasource": DS,
-            "query": {"query": q, "refId": "PrometheusVariableQueryEditor-VariableQuery", "qryType": 1},
+            "query": q,  # the classic string form: every Grafana version since 7 loads (and migrates) it
             "definition": q, "refresh": 2, "includeAll": True, "multi": True, "allValue": None, "sort": 1,
             "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, "hide": 0, "regex": "", "options": []}
 

@@ -1,7 +1,7 @@
 """``pdserve render-dashboard``: the PD overview's main panels as one PNG, from a Prometheus URL,
 for a user without Grafana.
 
-    pdserve render-dashboard --prometheus http://localhost:9090 --out pd-overview.png [--range 15m]
+    pdserve render-dashboard --prometheus http://localhost:9090 --out pd-overview.png [--range 15m] [--end TIME]
 
 Draws the panels named in pd.monitoring.dashboards.MAIN_PANELS with the same queries as the
 Grafana dashboard (every template variable at "All", resolved as Grafana does). Needs matplotlib
@@ -57,10 +57,42 @@ def _fmt_seconds(v: float, _pos=None) -> str:
     if v <= 0 or not math.isfinite(v):
         return "0"
     if v < 1e-3:
-        return f"{v * 1e6:g} µs"
+        return f"{v * 1e6:.3g} µs"
     if v < 1:
-        return f"{v * 1e3:g} ms"
-    return f"{v:g} s"
+        return f"{v * 1e3:.3g} ms"
+    return f"{v:.3g} s"
+
+
+def _fmt_range(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
+def parse_time(text: str) -> float:
+    """Seconds since the epoch from a Unix timestamp or an ISO 8601 / RFC 3339 time (UTC if no
+    zone is given).
+
+    Raises:
+        ValueError: naming ``--end`` when ``text`` is neither.
+    """
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        t = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"--end: expected a Unix timestamp or an ISO 8601 time like 2026-11-30T01:13:00Z, got {text!r}") from None
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=dt.timezone.utc)
+    return t.timestamp()
+
+
+# 12 distinguishable line colours (the stage panels have 12 series): tab10 plus two.
+COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+          "#17becf", "#000000", "#b8860b"]
 
 
 def render(prom: Prometheus, out: Path, range_s: float, end: float, step: float, scrape_interval: float) -> dict[str, int]:
@@ -117,12 +149,14 @@ def render(prom: Prometheus, out: Path, range_s: float, end: float, step: float,
                     if not pts:
                         continue
                     ax.plot([x for x, _ in pts], [y for _, y in pts], label=_legend(t["legendFormat"], s["metric"]),
-                            linewidth=1.2)
+                            linewidth=1.2, color=COLORS[n % len(COLORS)])
                     n += 1
             if log and n:
                 ax.set_yscale("log")
             if unit == "s":
                 ax.yaxis.set_major_formatter(FuncFormatter(_fmt_seconds))
+            elif unit == "reqps":
+                ax.set_ylabel("requests / s")
             ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M"))
             ax.grid(True, which="major", alpha=0.3)
             if n:
@@ -132,7 +166,7 @@ def render(prom: Prometheus, out: Path, range_s: float, end: float, step: float,
         ax.set_title(title, fontsize=11)
         drawn[title] = n
     when = dt.datetime.fromtimestamp(end, dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    fig.suptitle(f"pdserve: PD overview  ({prom.url}, {_prom_duration(range_s)} to {when})", fontsize=13)
+    fig.suptitle(f"pdserve: PD overview  ({prom.url}, {_fmt_range(range_s)} to {when})", fontsize=13)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png")
@@ -145,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prometheus", required=True, metavar="URL", help="Prometheus that scrapes the cluster")
     p.add_argument("--out", required=True, type=Path, metavar="FILE.png")
-    p.add_argument("--range", default="15m", help="time range ending now (default %(default)s)")
+    p.add_argument("--range", default="15m", help="time range ending at --end (default %(default)s)")
+    p.add_argument("--end", default=None, help="end of the range: Unix time or ISO 8601, e.g. 2026-11-30T01:13:00Z "
+                                              "(default: now)")
     p.add_argument("--step", default=None, help="resolution (default: range / 240, at least the scrape interval)")
     p.add_argument("--scrape-interval", default="10s",
                    help="Prometheus's scrape_interval, for $__rate_interval (default %(default)s, as monitoring/prometheus.yml)")
@@ -156,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         range_s = parse_duration(args.range, "--range")
         scrape = parse_duration(args.scrape_interval, "--scrape-interval")
         step = parse_duration(args.step, "--step") if args.step else max(scrape, range_s / 240)
+        end = parse_time(args.end) if args.end else time.time()
     except ValueError as e:
         p.error(str(e))
     try:
@@ -165,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     prom = Prometheus(args.prometheus)
     try:
-        drawn = render(prom, args.out, range_s, time.time(), step, scrape)
+        drawn = render(prom, args.out, range_s, end, step, scrape)
     except (PrometheusError, ValueError) as e:
         print(f"pdserve render-dashboard: {e}", file=sys.stderr)
         return 1

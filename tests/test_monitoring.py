@@ -539,6 +539,21 @@ def test_scrape_address():
         scrape_address("127.0.0.1", 0)
 
 
+def test_render_argument_parsing():
+    from pd.monitoring.render import parse_duration, parse_time, rate_interval
+
+    assert parse_duration("15m") == 900 and parse_duration("90") == 90 and parse_duration("1.5h") == 5400
+    with pytest.raises(ValueError, match="--range"):
+        parse_duration("0m", "--range")
+    with pytest.raises(ValueError, match="--range"):
+        parse_duration("soon", "--range")
+    assert parse_time("2026-11-30T01:13:00Z") == parse_time("2026-11-30T01:13:00") == 1796001180.0
+    assert parse_time("1796001180") == 1796001180.0
+    with pytest.raises(ValueError, match="--end"):
+        parse_time("yesterday")
+    assert rate_interval(15, 10) == 40 and rate_interval(60, 10) == 70  # Grafana's $__rate_interval
+
+
 def test_metric_names_tokenizer():
     assert metric_names('histogram_quantile(0.99, sum by (le, endpoint) (rate(a_bucket{x=~"$v", s="5.."}[5m]))) * 0.001') \
         == {"a_bucket"}
