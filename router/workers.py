@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Optional
 
-from pd.router.circuit import CLOSED, CircuitBreaker
+from pd.router.circuit import OPEN, STATE_NAMES, CircuitBreaker
 from pd.router.config import CircuitBreakerConfig, RouterConfig, normalize_url
 from pd.router.policies import Policy, make_policy
 
@@ -70,7 +70,7 @@ class Worker:
             return "draining"
         if not self.healthy:
             return "unhealthy"
-        if not self.breaker.allows():
+        if self.breaker.state == OPEN:
             return "circuit_open"
         return "available"
 
@@ -128,7 +128,7 @@ class Worker:
         return {
             "url": self.url, "worker_type": self.role, "bootstrap_port": self.bootstrap_port,
             "bootstrap_host": self.bootstrap_host, "state": self.state(), "is_healthy": self.healthy,
-            "draining": self.draining, "circuit": {0: "closed", 1: "half_open", 2: "open"}[self.breaker.state],
+            "draining": self.draining, "circuit": STATE_NAMES[self.breaker.state],
             "inflight": self.inflight, "load": self.load,
         }
 
@@ -228,6 +228,3 @@ class WorkerPool:
         if not workers:
             return f"no {role} workers are registered"
         return f"no {role} worker is available: " + ", ".join(f"{w.url} ({w.state()})" for w in workers)
-
-    def circuit_states(self) -> dict[str, int]:
-        return {w.url: w.breaker.state for w in self.all if w.breaker.state != CLOSED}

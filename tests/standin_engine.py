@@ -16,8 +16,8 @@ aborted prefill room is *not* told to the decode unless ``propagate_aborts`` is 
 decode does not learn of it either).
 
 Control (tests only): ``POST /control`` with any of
-``{"faults": [...], "health": STATUS, "propagate_aborts": bool, "token_interval": seconds}``
-appends faults / sets values; ``POST /control/reset`` clears faults and the records;
+``{"faults": [...], "clear_faults": true, "health": STATUS, "propagate_aborts": bool,
+"token_interval": seconds}`` appends faults (after clearing the pending ones) / sets values; ``POST /control/reset`` clears faults and the records;
 ``GET /control`` returns ``{"requests": [...], "aborts": [rid...], "live": [rid...],
 "aborted": [rid...], "finished": n}``. A fault is ``{"kind": K, "count": N (default 1), ...}``,
 used by the next N generation requests:
@@ -30,7 +30,7 @@ used by the next N generation requests:
 - ``stream_error_first``: a stream answers 200 whose first event is an error chunk (code
   ``status``, default 500), then ``[DONE]``.
 - ``drop_mid_stream``: a stream sends ``after`` token events (default 2), then drops the connection.
-- ``delay``: wait ``seconds`` before answering (e.g. to trip a first-token timeout).
+- ``delay``: after the PD handoff, wait ``seconds`` before answering (a slow first token).
 
 Run: ``python tests/standin_engine.py --role prefill --port N --bootstrap-port M``.
 """
@@ -307,8 +307,6 @@ class StandIn:
         for s in seqs:
             self.live[s.rid] = s
         try:
-            if fault and fault["kind"] == "delay":
-                await asyncio.sleep(fault.get("seconds", 1))
             if fault and fault["kind"] == "stall":
                 await asyncio.wait([asyncio.ensure_future(s.abort.wait()) for s in seqs],
                                    return_when=asyncio.FIRST_COMPLETED)
@@ -326,6 +324,11 @@ class StandIn:
                     elif s.finish is None:
                         s.tokens = s.max_tokens
                         s.finish = {"type": "length", "length": s.tokens}
+            if fault and fault["kind"] == "delay":  # after the handoff: a slow first token (an abort ends it)
+                waits = [asyncio.ensure_future(s.abort.wait()) for s in seqs]
+                await asyncio.wait(waits, timeout=fault.get("seconds", 1), return_when=asyncio.FIRST_COMPLETED)
+                for w in waits:
+                    w.cancel()
             return await self.answer(request, route, body, seqs, is_list, fault)
         except asyncio.CancelledError:  # the client went away: SGLang aborts its requests
             for s in seqs:
@@ -370,6 +373,8 @@ class StandIn:
             self.token_interval = self.args.token_interval
             return web.json_response({})
         body = await request.json()
+        if body.get("clear_faults"):
+            self.faults.clear()
         self.faults.extend(body.get("faults", []))
         self.health = body.get("health", self.health)
         self.propagate_aborts = body.get("propagate_aborts", self.propagate_aborts)

@@ -4,7 +4,6 @@ real subprocess (`python -m pd.cli router ...`). Outputs through the router equa
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import time
@@ -14,35 +13,13 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines import ROOT, ManagedProcess, free_port, metric, spawn
+from engines import ROOT, free_port, metric
 from pd.router.app import GENERATION_ROUTES
 from pdclient import final_generate_chunks as final_chunks, parse_sse, stream_then_disconnect, strip_volatile
+from routers import pd_router
 
 GREEDY = {"temperature": 0}
 PREFILL_HITS = ("sglang:per_stage_req_latency_seconds_count", {"stage": "prefill_forward"})
-
-
-# ---- the router under test -------------------------------------------------------------------
-class RouterProc(ManagedProcess):
-    def __init__(self, prefill_url: str, bootstrap_port: int, decode_url: str, log_dir: str):
-        self.port = free_port()
-        self.log_path = os.path.join(log_dir, f"router-{self.port}.log")
-        self.proc = spawn([sys.executable, "-m", "pd.cli", "router", "--prefill", prefill_url, str(bootstrap_port),
-                           "--decode", decode_url, "--port", str(self.port), "--health-check-interval", "0"],
-                          self.log_path)
-
-    def wait_ready(self, timeout: float = 60) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"router not ready in {timeout}s:\n{self.log()[-3000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +31,9 @@ def routers(engines, tmp_path_factory):
     nobody = f"http://127.0.0.1:{free_port()}"
     started = {}
     try:
-        started["good"] = RouterProc(pre.url, pre.bootstrap_port, dec.url, logs)
-        started["dead"] = RouterProc(pre.url, pre.bootstrap_port, nobody, logs)
-        started["dead_prefill"] = RouterProc(nobody, free_port(), dec.url, logs)
+        started["good"] = pd_router(pre.url, pre.bootstrap_port, dec.url, logs)
+        started["dead"] = pd_router(pre.url, pre.bootstrap_port, nobody, logs)
+        started["dead_prefill"] = pd_router(nobody, free_port(), dec.url, logs)
         for r in started.values():
             r.wait_ready()
         yield started
