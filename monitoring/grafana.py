@@ -115,6 +115,7 @@ def mappings(values: dict[int, tuple[str, str]]) -> list[dict]:
 
 
 def state_timeline(title: str, targets: list[dict], states: dict[int, tuple[str, str]], **kw) -> dict:
+    """A state timeline: one band per series, coloured and named by ``states`` (value -> (text, colour))."""
     options = {"showValue": "auto", "mergeValues": True, "alignValue": "left", "rowHeight": 0.9,
                "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
                "tooltip": {"mode": "single", "sort": "none"}}
@@ -123,6 +124,7 @@ def state_timeline(title: str, targets: list[dict], states: dict[int, tuple[str,
 
 
 def stat(title: str, targets: list[dict], *, unit: str = "short", **kw) -> dict:
+    """Big numbers: each series' last value."""
     options = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}, "colorMode": "value",
                "graphMode": "none", "justifyMode": "auto", "orientation": "auto", "textMode": "value_and_name",
                "wideLayout": True, "showPercentChange": False}
@@ -130,11 +132,13 @@ def stat(title: str, targets: list[dict], *, unit: str = "short", **kw) -> dict:
 
 
 def row(title: str) -> dict:
+    """A (never collapsed) row header; the panels after it belong to it."""
     return {"type": "row", "title": title, "collapsed": False, "panels": [], "gridPos": {"h": 1, "w": GRID_WIDTH, "x": 0, "y": 0}}
 
 
 # ---- variables ------------------------------------------------------------------------------------
 def datasource_variable() -> dict:
+    """``$datasource``: any Prometheus datasource, the default one preselected."""
     return {"name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus",
             "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": [], "includeAll": False, "multi": False}
 

@@ -45,6 +45,7 @@ class SLO:
 
 
 def recording_rules() -> list[dict]:
+    """Per-histogram 1m bucket rates (monitoring/stages.py), then the SLO quantiles and error ratio."""
     rules = [{"record": h.record, "expr": h.recording_expr()} for h in HISTOGRAMS]
     requests = "pdserve_router_requests_total"
     total = f"sum by (endpoint) (rate({requests}[5m]))"
@@ -66,6 +67,7 @@ def _alert(name: str, expr: str, for_: str, severity: str, summary: str, descrip
 
 
 def alerting_rules(slo: SLO) -> list[dict]:
+    """Every alert (monitoring/rules_test.yml tests each one)."""
     return [
         _alert("PdserveTTFTP99AboveSLO", f"{TTFT_P99} > {slo.ttft_p99:g}", "5m", "warning",
                f"TTFT p99 on {{{{ $labels.endpoint }}}} is above the {slo.ttft_p99:g}s SLO",

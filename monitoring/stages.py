@@ -54,6 +54,7 @@ class Histogram:
     scale: float = 1.0
 
     def recording_expr(self) -> str:
+        """PromQL of the recording rule ``record``."""
         return f"sum by ({', '.join(('le',) + self.by)}) (rate({self.metric}_bucket[1m]))"
 
 

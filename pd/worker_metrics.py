@@ -42,6 +42,7 @@ class WorkerStateExporter:
             self._infos = [dict(i) for i in infos]
 
     def collect(self):
+        """prometheus_client's collector hook: the metric families of the current snapshot."""
         with self._lock:
             infos = list(self._infos)
         restarts = CounterMetricFamily("pdserve_worker_restarts", "Engine restarts by the worker actor.", labels=LABELS)
@@ -67,6 +68,7 @@ class WorkerStateExporter:
         return self.port
 
     def stop(self) -> None:
+        """Stop serving (idempotent)."""
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
