@@ -39,13 +39,6 @@ SGLANG_SRT = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.ve
 # Panels whose only metrics exist in SGLang and not in the reference engine (no speculative
 # decoding there): their names are checked against the pinned SGLang source instead of for data.
 SGLANG_ONLY_PANELS = {"Speculative accept length", "Speculative accept rate"}
-# Router metrics announced by the router work in progress (router/metrics.py). Until the router
-# exports one of them, the panels using it are reported as waiting instead of failing; once it is
-# exported they are checked like every other panel. Delete this set when all are exported.
-PENDING_ROUTER_METRICS = {
-    "pdserve_router_retries_total", "pdserve_router_worker_circuit_state", "pdserve_router_policy_decisions_total",
-    "pdserve_router_prompt_tokens_total", "pdserve_router_completion_tokens_total", "pdserve_router_requests_in_flight",
-}
 SYNTHETIC = {"up"}  # made by Prometheus itself for every target
 TEST_RATE_INTERVAL = "1m"  # $__rate_interval for the checks (Grafana gives 40s at a 10s scrape interval)
 
@@ -324,44 +317,37 @@ def traffic(stack):
     return dict(sent, before=before)
 
 
-def _check_target(stack, values, exported, dash, panel, t) -> str | None:
-    """None when the query returned a finite value, else why it could not (for the report)."""
+def _has_data(stack, values, exported, dash, panel, t) -> bool:
+    """Whether the query returns a finite value; fails unless the only reason it cannot is an
+    SGLang-only metric (SGLANG_ONLY_PANELS)."""
     expr = g.expand(t["expr"], values, rate_interval=TEST_RATE_INTERVAL)
     result = stack.prom.query(expr)  # raises on a query Prometheus rejects
     if finite_values(result):
-        return None
-    names = metric_names(expr)
-    missing = {n for n in names if n not in exported and not n.startswith("pdserve:")}
+        return True
+    missing = {n for n in metric_names(expr) if n not in exported}
     if panel["title"] in SGLANG_ONLY_PANELS and missing and all(n.startswith("sglang:") for n in missing):
-        return "sglang-only"
-    if missing and missing <= PENDING_ROUTER_METRICS:
-        return "pending: " + ", ".join(sorted(missing))
+        return False
     pytest.fail(f"{dash['title']} / {panel['title']} / {t['refId']}: no data for\n  {expr}\n  result: {result}")
 
 
-def test_every_panel_query_and_recording_rule_returns_data(stack, traffic, capsys):
+def test_every_panel_query_and_recording_rule_returns_data(stack, traffic):
     exported = stack.exported()
-    waiting: dict[str, str] = {}
-    checked = 0
+    empty, checked = set(), 0
     for path in DASHBOARDS:
         dash = json.loads(path.read_text())
         values = g.resolve_variables(dash, stack.prom.label_values)
         for panel, t in g.iter_targets(dash):
-            why = _check_target(stack, values, exported, dash, panel, t)
-            checked += why is None
-            if why:
-                waiting[f"{dash['title']} / {panel['title']} / {t['refId']}"] = why
-    assert {k.split(" / ")[1] for k, v in waiting.items() if v == "sglang-only"} <= SGLANG_ONLY_PANELS
+            if _has_data(stack, values, exported, dash, panel, t):
+                checked += 1
+            else:
+                empty.add(panel["title"])
+    assert empty == SGLANG_ONLY_PANELS and checked >= 60
     for rule in all_rules("record"):
         assert finite_values(stack.prom.query(rule["record"])), f"recording rule {rule['record']} has no data"
     # No rule fails to evaluate (a many-to-many match or a bad aggregate would show here).
     groups = stack.prom._get("/api/v1/rules", {})["groups"]
     bad = [(r["name"], r.get("lastError")) for grp in groups for r in grp["rules"] if r["health"] != "ok"]
     assert not bad, bad
-    assert checked >= 60
-    with capsys.disabled():
-        for k, v in sorted(waiting.items()):
-            print(f"\n  panel target without data here: {k} ({v})", end="")
 
 
 def test_variables_resolve_from_scraped_labels(stack, traffic):
@@ -405,7 +391,7 @@ def test_every_metric_name_is_exported_somewhere(stack, traffic):
             used.setdefault(n, f"rule {r.get('record') or r.get('alert')}")
     assert len(used) >= 40
     unknown = {n: where for n, where in used.items()
-               if n not in exported | sglang | recorded | SYNTHETIC | PENDING_ROUTER_METRICS}
+               if n not in exported | sglang | recorded | SYNTHETIC}
     assert not unknown, unknown
     # Engine names the reference engine exports are SGLang's own (same dashboards on both engines).
     ours = {n for n in used if n.startswith("sglang:")}
