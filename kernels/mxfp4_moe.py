@@ -121,59 +121,78 @@ def _gate_up_kernel(
     x_ptr, w_ptr, s_ptr, ids_ptr, sorted_ptr, blk_exp_ptr, nblk_ptr, h_ptr, part_ptr,
     stride_xt, limit, P, E,
     H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, SORTED: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    UP_FIRST: tl.constexpr, SPLIT: tl.constexpr, ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr,
+    UP_FIRST: tl.constexpr, SPLIT: tl.constexpr, HALVES: tl.constexpr, ROUND: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr,
 ):
-    """Program (row block, BN intermediate columns, K split). SPLIT == 1: h[pair] = SwiGLU, bf16. SPLIT > 1:
-    fp32 partial gate / up sums of K range ``pid_k`` to part[pid_k, pair, 0:I] / [I:2I] (``_swiglu_kernel``
-    finishes)."""
+    """Program (row block, BN columns, K split). Fused (HALVES False): BN intermediate columns, gate and up rows
+    both; with SPLIT == 1 it writes h[pair] = SwiGLU (bf16). Otherwise it writes fp32 partial sums of its K
+    range to part[pid_k, pair, 0:I] (gate) / [I:2I] (up) for ``_swiglu_kernel``; with HALVES each program
+    covers BN of the 2 I rows of w13 (one accumulator: half the registers, more programs)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     e, rows, rmask, active = _rows_of(pid_m, ids_ptr, sorted_ptr, blk_exp_ptr, nblk_ptr, P, E, SORTED, BM)
     if active:
         tok = (rows // TOPK).to(tl.int64)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        if UP_FIRST:
-            g_row = offs_n + I
-            u_row = offs_n
-        else:
-            g_row = offs_n
-            u_row = offs_n + I
         e64 = e.to(tl.int64)
         k0 = pid_k * (H // SPLIT)
         w_base = w_ptr + e64 * (2 * I * (H // 2)) + k0 // 2
         s_base = s_ptr + e64 * (2 * I * (H // 32)) + k0 // 32
         kb = tl.arange(0, BK // 2)
         ks = tl.arange(0, BK // 32)
-        wg_ptrs = w_base + g_row[:, None] * (H // 2) + kb[None, :]
-        wu_ptrs = w_base + u_row[:, None] * (H // 2) + kb[None, :]
-        sg_ptrs = s_base + g_row[:, None] * (H // 32) + ks[None, :]
-        su_ptrs = s_base + u_row[:, None] * (H // 32) + ks[None, :]
         x_ptrs = x_ptr + tok[:, None] * stride_xt + k0 + tl.arange(0, BK)[None, :]
-        acc_g = tl.zeros([BM, BN], tl.float32)
-        acc_u = tl.zeros([BM, BN], tl.float32)
-        for _ in range(0, H // SPLIT // BK):
-            x = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
-            wg = tl.load(wg_ptrs)
-            wu = tl.load(wu_ptrs)
-            sg = tl.load(sg_ptrs)
-            su = tl.load(su_ptrs)
-            acc_g = tl.dot_scaled(x, None, "bf16", tl.trans(wg), sg, "e2m1", acc_g, fast_math=True)
-            acc_u = tl.dot_scaled(x, None, "bf16", tl.trans(wu), su, "e2m1", acc_u, fast_math=True)
-            x_ptrs += BK
-            wg_ptrs += BK // 2
-            wu_ptrs += BK // 2
-            sg_ptrs += BK // 32
-            su_ptrs += BK // 32
         r64 = rows.to(tl.int64)[:, None]
-        if SPLIT == 1:
-            hv = _swiglu_bf16(acc_g, acc_u, limit, HAS_LIMIT, ROUND)
-            tl.store(h_ptr + r64 * I + offs_n[None, :], hv.to(tl.bfloat16), mask=rmask[:, None])
+        if HALVES:
+            w_row = pid_n * BN + tl.arange(0, BN)
+            w_ptrs = w_base + w_row[:, None] * (H // 2) + kb[None, :]
+            sc_ptrs = s_base + w_row[:, None] * (H // 32) + ks[None, :]
+            acc = tl.zeros([BM, BN], tl.float32)
+            for _ in range(0, H // SPLIT // BK):
+                x = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
+                acc = tl.dot_scaled(x, None, "bf16", tl.trans(tl.load(w_ptrs)), tl.load(sc_ptrs), "e2m1", acc,
+                                    fast_math=True)
+                x_ptrs += BK
+                w_ptrs += BK // 2
+                sc_ptrs += BK // 32
+            if UP_FIRST:  # part keeps [gate | up]
+                col = (w_row + I) % (2 * I)
+            else:
+                col = w_row
+            tl.store(part_ptr + (pid_k * P + r64) * (2 * I) + col[None, :], acc, mask=rmask[:, None])
         else:
-            part = part_ptr + (pid_k * P + r64) * (2 * I) + offs_n[None, :]
-            tl.store(part, acc_g, mask=rmask[:, None])
-            tl.store(part + I, acc_u, mask=rmask[:, None])
+            offs_n = pid_n * BN + tl.arange(0, BN)
+            if UP_FIRST:
+                g_row = offs_n + I
+                u_row = offs_n
+            else:
+                g_row = offs_n
+                u_row = offs_n + I
+            wg_ptrs = w_base + g_row[:, None] * (H // 2) + kb[None, :]
+            wu_ptrs = w_base + u_row[:, None] * (H // 2) + kb[None, :]
+            sg_ptrs = s_base + g_row[:, None] * (H // 32) + ks[None, :]
+            su_ptrs = s_base + u_row[:, None] * (H // 32) + ks[None, :]
+            acc_g = tl.zeros([BM, BN], tl.float32)
+            acc_u = tl.zeros([BM, BN], tl.float32)
+            for _ in range(0, H // SPLIT // BK):
+                x = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
+                wg = tl.load(wg_ptrs)
+                wu = tl.load(wu_ptrs)
+                sg = tl.load(sg_ptrs)
+                su = tl.load(su_ptrs)
+                acc_g = tl.dot_scaled(x, None, "bf16", tl.trans(wg), sg, "e2m1", acc_g, fast_math=True)
+                acc_u = tl.dot_scaled(x, None, "bf16", tl.trans(wu), su, "e2m1", acc_u, fast_math=True)
+                x_ptrs += BK
+                wg_ptrs += BK // 2
+                wu_ptrs += BK // 2
+                sg_ptrs += BK // 32
+                su_ptrs += BK // 32
+            if SPLIT == 1:
+                hv = _swiglu_bf16(acc_g, acc_u, limit, HAS_LIMIT, ROUND)
+                tl.store(h_ptr + r64 * I + offs_n[None, :], hv.to(tl.bfloat16), mask=rmask[:, None])
+            else:
+                part = part_ptr + (pid_k * P + r64) * (2 * I) + offs_n[None, :]
+                tl.store(part, acc_g, mask=rmask[:, None])
+                tl.store(part + I, acc_u, mask=rmask[:, None])
 
 
 @triton.jit
@@ -295,7 +314,7 @@ PATHS = ("pair_token", "pair", "sorted")
 #   (+ align kernel: each routed expert read once per BM rows); split_*: K splits for more programs at tiny T
 #   (gate/up partials finished by _swiglu_kernel, down partials summed by _topk_sum_kernel).
 DEFAULT_CONFIGS = [
-    (12, dict(path="pair", BM=16, split_gate_up=4, split_down=4,
+    (12, dict(path="pair", BM=16, split_gate_up=2, split_down=2,
               gate_up=dict(BN=32, BK=256, num_warps=2, num_stages=3),
               down=dict(BN=32, BK=256, num_warps=2, num_stages=3))),
     (1024, dict(path="sorted", BM=16, split_gate_up=1, split_down=1,
@@ -379,6 +398,8 @@ def _check_config(cfg: dict, h: int, inter: int) -> None:
             raise ValueError(f"config: {part} BK must be 128 or 256, got {c['BK']}")
         if cfg.get(f"split_{part}", 1) not in SPLIT_CHOICES:
             raise ValueError(f"config: split_{part} must be one of {SPLIT_CHOICES}, got {cfg.get(f'split_{part}')}")
+    if not isinstance(cfg.get("gate_up_halves", False), bool):
+        raise ValueError("config: gate_up_halves must be a bool")
     if cfg["path"] == "pair_token" and cfg.get("split_down", 1) != 1:
         raise ValueError("config: the pair_token path sums over k in the down kernel, so split_down must be 1")
 
@@ -433,8 +454,8 @@ def fused_moe_mxfp4(
         routed_scaling_factor: multiplies the output (None: 1; pass None when it is folded into topk_weights).
         out: optional [T, H] bfloat16 output buffer with unit column stride.
         config: launch plan override (benchmarks): {"path": "pair_token"|"pair"|"sorted", "BM": 16|32|64,
-            "split_gate_up": 1|2|4|8, "split_down": ..., "gate_up": {BN, BK, num_warps, num_stages},
-            "down": {...}}; default ``default_config(T * k)``.
+            "split_gate_up": 1|2|4|8, "split_down": ..., "gate_up_halves": bool, "gate_up": {BN, BK,
+            num_warps, num_stages}, "down": {...}}; default ``default_config(T * k)``.
     Returns:
         [T, H] bfloat16 (``out`` when given).
     Raises:
@@ -516,8 +537,10 @@ def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
     ids = topk_ids
     limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
     has_limit = swiglu_limit is not None
+    halves = cfg.get("gate_up_halves", False)
     hbuf = torch.empty(p, inter, dtype=torch.bfloat16, device=dev)
-    part = torch.empty(sp_gu, p, 2 * inter, dtype=torch.float32, device=dev) if sp_gu > 1 else hbuf
+    two_pass = halves or sp_gu > 1  # gate/up partial sums, then _swiglu_kernel
+    part = torch.empty(sp_gu, p, 2 * inter, dtype=torch.float32, device=dev) if two_pass else hbuf
     common = dict(H=h, I=inter, TOPK=k, ROUND=_INTERPRET)
     stages = []
     if path == "sorted":
@@ -536,12 +559,12 @@ def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
         sorted_ids, blk_exp, nblk = ids, ids, ids  # unused
         grid_m = p
     sorted_mode = path == "sorted"
-    stages.append(("gate_up", lambda: _gate_up_kernel[(grid_m, inter // gu["BN"], sp_gu)](
+    stages.append(("gate_up", lambda: _gate_up_kernel[(grid_m, (2 if halves else 1) * inter // gu["BN"], sp_gu)](
         x, w13u, s13u, ids, sorted_ids, blk_exp, nblk, hbuf, part, x.stride(0), limit, p, n_exp,
-        SORTED=sorted_mode, HAS_LIMIT=has_limit, UP_FIRST=bool(up_first), SPLIT=sp_gu, BM=bm, BN=gu["BN"],
-        BK=gu["BK"], num_warps=gu["num_warps"], num_stages=gu["num_stages"], **common)))
-    if sp_gu > 1:
-        blk = math.gcd(inter, 1024)
+        SORTED=sorted_mode, HAS_LIMIT=has_limit, UP_FIRST=bool(up_first), SPLIT=sp_gu, HALVES=halves, BM=bm,
+        BN=gu["BN"], BK=gu["BK"], num_warps=gu["num_warps"], num_stages=gu["num_stages"], **common)))
+    if two_pass:
+        blk = math.gcd(inter, 256)  # small blocks: enough programs at T = 1
         stages.append(("swiglu", lambda: _swiglu_kernel[(p, inter // blk)](
             part, ids, hbuf, limit, p, n_exp, I=inter, SPLIT=sp_gu, HAS_LIMIT=has_limit, ROUND=_INTERPRET,
             BLOCK=blk, num_warps=4)))
@@ -556,7 +579,7 @@ def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
         hbuf, w2u, s2u, ids, topk_weights, sorted_ids, blk_exp, nblk, y, out, out.stride(0), float(scaling), p,
         n_exp, MODE=0 if sorted_mode else 1, SPLIT=sp_dn, BM=bm, BN=dn["BN"], BK=dn["BK"],
         num_warps=dn["num_warps"], num_stages=dn["num_stages"], **common)))
-    block = min(1024, h)
+    block = 256  # enough programs at T = 1 (the row is read k * split times)
     stages.append(("sum", lambda: _topk_sum_kernel[(t, triton.cdiv(h, block))](
         y, ids, out, out.stride(0), p, n_exp, H=h, TOPK=k, SPLIT=sp_dn, ROUND=_INTERPRET, BLOCK=block,
         num_warps=4)))

@@ -28,8 +28,8 @@ def make_inputs(t, h, inter, e, k, g, *, skip=0, shared=False, skip_token0=False
     return x, w13, s13, w2, s2, wts, ids
 
 
-def run_case(name, t, h, inter, e, k, *, path, bm=16, splits=(1, 1), limit=10.0, scaling=None, up_first=False,
-             skip=0, shared=False, skip_token0=False, ids64=False, wbf16=False, int8=False, seed=0):
+def run_case(name, t, h, inter, e, k, *, path, bm=16, splits=(1, 1), halves=False, limit=10.0, scaling=None,
+             up_first=False, skip=0, shared=False, skip_token0=False, ids64=False, wbf16=False, int8=False, seed=0):
     import torch
 
     from pd.kernels.mxfp4_moe import default_config, fused_moe_mxfp4
@@ -42,7 +42,8 @@ def run_case(name, t, h, inter, e, k, *, path, bm=16, splits=(1, 1), limit=10.0,
         ids = ids.long()
     if wbf16:
         wts = wts.to(torch.bfloat16)
-    cfg = dict(default_config(t * k), path=path, BM=bm, split_gate_up=splits[0], split_down=splits[1])
+    cfg = dict(default_config(t * k), path=path, BM=bm, split_gate_up=splits[0], split_down=splits[1],
+               gate_up_halves=halves)
     out = torch.full((t, h), float("nan"), dtype=torch.bfloat16)  # poisoned: every element must be written
     kw = dict(swiglu_limit=limit, routed_scaling_factor=scaling, up_first=up_first)
     ww13, ww2 = (w13.view(torch.int8), w2.view(torch.int8)) if int8 else (w13, w2)
@@ -65,6 +66,9 @@ CASES = [
     ("pair_split2x2_skip", dict(t=2, h=256, inter=256, e=5, k=3, path="pair", splits=(2, 2), skip=1)),
     ("sorted_split2x1_up_first", dict(t=4, h=256, inter=128, e=3, k=2, path="sorted", splits=(2, 1),
                                       up_first=True, scaling=2.0)),
+    ("pair_halves_up_first", dict(t=3, h=128, inter=128, e=4, k=2, path="pair", halves=True, up_first=True)),
+    ("sorted_halves_split2_skip", dict(t=6, h=256, inter=128, e=3, k=2, path="sorted", halves=True,
+                                       splits=(2, 1), skip=2)),
     ("sorted_multiblock_skip", dict(t=20, h=128, inter=128, e=3, k=2, path="sorted", shared=True, skip=5)),
     ("sorted_bm32_up_first_nolimit", dict(t=5, h=128, inter=256, e=4, k=2, path="sorted", bm=32, limit=None,
                                           up_first=True)),

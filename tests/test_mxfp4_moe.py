@@ -217,11 +217,11 @@ def _aligned(sig, stride):  # what the launcher specializes for 16-byte-aligned 
     return tuple(n for n, ty in sig.items() if ty.startswith("*")) + (stride,)
 
 
-def _gate_up(cfg, cc, bm=16, sorted_=True, split=1):
+def _gate_up(cfg, cc, bm=16, sorted_=True, split=1, halves=False):
     from pd.kernels.mxfp4_moe import _gate_up_kernel
 
-    const = dict(DIMS, SORTED=sorted_, HAS_LIMIT=True, UP_FIRST=False, SPLIT=split, BM=bm, BN=cfg["BN"],
-                 BK=cfg["BK"])
+    const = dict(DIMS, SORTED=sorted_, HAS_LIMIT=True, UP_FIRST=False, SPLIT=split, HALVES=halves, BM=bm,
+                 BN=cfg["BN"], BK=cfg["BK"])
     return compile_for(_gate_up_kernel, GU_SIG, const, cc, cfg["num_warps"], cfg["num_stages"],
                        aligned=_aligned(GU_SIG, "stride_xt"))
 
@@ -246,6 +246,7 @@ def _tile_configs():
 def test_aot_sm120a_every_tile_config(cfg):
     """Both GEMM kernels, 16-row blocks (draft) and 64-row blocks (the sorted path's largest), for sm_120a."""
     assert_sm120_ok(_gate_up(cfg, 120))
+    assert_sm120_ok(_gate_up(cfg, 120, halves=True))
     assert_sm120_ok(_down(cfg, 120))
     big = dict(cfg, BK=128)  # what _plan runs with BM > 16
     assert_sm120_ok(_gate_up(big, 120, bm=64))
@@ -287,5 +288,5 @@ def test_aot_sm90a_default_configs():
 
     for _, c in DEFAULT_CONFIGS:
         bm = c.get("BM", 16)
-        assert "mma" in _gate_up(c["gate_up"], 90, bm=bm).asm["ptx"]
+        assert "mma" in _gate_up(c["gate_up"], 90, bm=bm, halves=c.get("gate_up_halves", False)).asm["ptx"]
         assert "mma" in _down(c["down"], 90, bm=bm).asm["ptx"]

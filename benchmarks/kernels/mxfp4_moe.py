@@ -1,0 +1,336 @@
+"""Device benchmark for pd.kernels.mxfp4_moe (run on the GPU machine, not in CI).
+
+  python benchmarks/kernels/mxfp4_moe.py [--out DIR] [--budget SECONDS] [--no-sweep]
+
+DeepSeek-V4-Flash draft MoE shapes: 256 experts, top-6, hidden 4096, moe intermediate 2048, MXFP4 weights
+(random e2m1 bytes and UE8M0 scales), bf16 hidden states, SwiGLU clamp 10, uniformly random distinct experts per
+token (the most distinct experts, i.e. the most weight bytes, a routing can touch).
+1. correctness at real shapes, T in {1, 16, 64, 128}, every path (pair_token, pair with and without K splits,
+   sorted), -1 slots and int64 ids included: ||out - ref|| / ||ref|| against the torch reference (dequantize,
+   fp32 matmuls with TF32 off, the kernel's bf16 rounding points); output buffer NaN-poisoned first;
+2. timing (median of CUDA-graph replays via triton.testing.do_bench_cudagraph; ROT routing/input sets cycled
+   inside the graph so the weights come from HBM, not L2): the default plan, per-stage times of the default plan,
+   and a sweep over paths, K splits and tile configs; the dequantize-to-bf16 + torch grouped-matmul baseline in
+   the same run (events; it synchronizes for torch.unique);
+3. the weight-bandwidth floor: bytes of the distinct routed experts' weights + scales (+ activations) at
+   4.3 TB/s (DESIGN.md's figure) and at the copy bandwidth measured here; % of floor = floor / time;
+4. writes mxfp4_moe_<date>.json (device, date, versions, command, every number) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+try:
+    from pd.kernels import mxfp4_moe as mx
+    from pd.kernels.mxfp4_moe_reference import fused_moe_mxfp4_reference
+except ImportError:  # a checkout without `pip install -e .` (the device image)
+    _kdir = os.path.join(os.path.dirname(__file__), "..", "..", "kernels")
+    _spec = importlib.util.spec_from_file_location("pd_kernels", os.path.join(_kdir, "__init__.py"),
+                                                   submodule_search_locations=[_kdir])
+    _pkg = importlib.util.module_from_spec(_spec)
+    sys.modules["pd_kernels"] = _pkg
+    _spec.loader.exec_module(_pkg)
+    from pd_kernels import mxfp4_moe as mx
+    from pd_kernels.mxfp4_moe_reference import fused_moe_mxfp4_reference
+
+E, H, I, K = 256, 4096, 2048, 6
+LIMIT = 10.0
+HBM_BPS = 4.3e12
+ROT = 4
+TS = (1, 16, 64, 128)
+EXPERT_BYTES = 2 * I * H // 2 + 2 * I * H // 32 + H * I // 2 + H * I // 32  # w13 + scales + w2 + scales
+
+
+def make_weights(dev, seed=0):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, device=dev, dtype=torch.uint8)
+    s13 = torch.randint(120, 124, (E, 2 * I, H // 32), generator=g, device=dev, dtype=torch.uint8)
+    w2 = torch.randint(0, 256, (E, H, I // 2), generator=g, device=dev, dtype=torch.uint8)
+    s2 = torch.randint(116, 120, (E, H, I // 32), generator=g, device=dev, dtype=torch.uint8)
+    return w13, s13, w2, s2
+
+
+def make_routing(t, dev, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(t, H, generator=g).to(torch.bfloat16).to(dev)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)]).to(torch.int32).to(dev)
+    wts = torch.rand(t, K, generator=g).to(dev)
+    return x, ids, wts / wts.sum(1, keepdim=True)
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+SWEEP_TILES = [dict(c) for c in mx.TILE_CONFIGS if c["BN"] <= 64]
+
+
+def variants(t):
+    """(name, config) pairs timed for T tokens: the default, then paths x K splits x tile configs (pair paths
+    only where they can win: tiny T), and gate/up in separate programs (``gate_up_halves``)."""
+    base = mx.default_config(t * K)
+    out = [("default", base)]
+    tile0 = dict(BN=32, BK=256, num_warps=2, num_stages=3)
+    tiles = [tile0] + [c for c in SWEEP_TILES if c != tile0]
+
+    def add(path, sg, sd, gu, dn, halves=False):
+        name = (f"{path}_s{sg}x{sd}{'_halves' if halves else ''}_gu{gu['BN']}k{gu['BK']}w{gu['num_warps']}"
+                f"s{gu['num_stages']}_dn{dn['BN']}k{dn['BK']}w{dn['num_warps']}s{dn['num_stages']}")
+        out.append((name, dict(path=path, BM=16, split_gate_up=sg, split_down=sd, gate_up_halves=halves,
+                               gate_up=gu, down=dn)))
+
+    if t <= 4:
+        for sg, sd in [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (8, 1), (8, 2)]:
+            add("pair", sg, sd, tile0, tile0)
+        for c in tiles[1:]:
+            add("pair", 2, 2, c, tile0)
+            add("pair", 2, 2, tile0, c)
+        add("pair", 2, 2, tile0, tile0, halves=True)
+        add("pair", 4, 2, tile0, tile0, halves=True)
+        add("pair_token", 2, 1, tile0, dict(BN=16, BK=256, num_warps=1, num_stages=4))
+        add("sorted", 2, 2, tile0, tile0)
+    else:
+        paths = ("sorted", "pair", "pair_token") if t <= 16 else ("sorted",)
+        for path in paths:
+            add(path, 1, 1, tile0, tile0)
+        for c in tiles[1:]:
+            add("sorted", 1, 1, c, tile0)
+            add("sorted", 1, 1, tile0, c)
+        for c in (tile0, dict(BN=64, BK=256, num_warps=2, num_stages=3), dict(BN=32, BK=128, num_warps=2,
+                                                                               num_stages=4)):
+            add("sorted", 1, 1, c, tile0, halves=True)
+    return out
+
+
+def bench_graph(fns, rep_ms):
+    """Median us per call of one input set: fns[i]() for i in range(ROT) captured in one graph."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench_cudagraph(lambda: [f() for f in fns], rep=rep_ms, return_mode="median")
+    return ms * 1e3 / len(fns)
+
+
+# ------------------------------------------------------------------------------------- dequantize + torch baseline
+
+def _lut_pairs(dev):
+    """byte -> int32 holding the two bf16 e2m1 values (low nibble in the low half)."""
+    vals = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+    bits = vals.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    b = torch.arange(256)
+    return (bits[b & 15] | (bits[b >> 4] << 16)).to(torch.int32).to(dev)
+
+
+def dequant_bf16(packed, scale, lut):
+    """[G, N, K/2] e2m1 + [G, N, K/32] UE8M0 -> [G, N, K] bf16 (torch ops, exact)."""
+    g, n, kh = packed.shape
+    v = torch.index_select(lut, 0, packed.reshape(-1).to(torch.int32)).view(torch.bfloat16).view(g, n, 2 * kh)
+    s = torch.exp2(scale.to(torch.float32) - 127).to(torch.bfloat16).repeat_interleave(32, dim=-1)
+    return v * s
+
+
+def _gmm(a, w, offs, bounds):
+    """a [M, K] (rows grouped by expert) @ w[g]^T per group: torch._grouped_mm when it runs, else mm per group."""
+    if hasattr(torch, "_grouped_mm") and a.is_cuda:
+        try:
+            return torch._grouped_mm(a, w.transpose(1, 2), offs=offs), "torch._grouped_mm"
+        except (RuntimeError, TypeError):
+            pass
+    return torch.cat([a[s:e] @ w[j].T for j, (s, e) in enumerate(bounds)]), "torch.mm per expert"
+
+
+def baseline_moe(x, w13, s13, w2, s2, wts, ids, lut, chunk=16):
+    """Dequantize the distinct routed experts to bf16, then torch grouped matmuls (torch._grouped_mm when it is
+    there, else one mm per expert); SwiGLU with the same clamp and rounding; weighted sum over k."""
+    t, k = ids.shape
+    uniq, inv = torch.unique(ids.long(), return_inverse=True)
+    order = torch.argsort(inv.view(-1), stable=True)
+    tok = order // k
+    counts = torch.bincount(inv.view(-1), minlength=uniq.numel())
+    ends = torch.cumsum(counts, 0)
+    a = x[tok]
+    out = torch.zeros(t, H, dtype=torch.float32, device=x.device)
+    wsorted = wts.reshape(-1)[order].float()
+    starts = (ends - counts).tolist()
+    endl = ends.tolist()
+    for c0 in range(0, uniq.numel(), chunk):
+        sel = uniq[c0:c0 + chunk]
+        r0, r1 = starts[c0], endl[min(c0 + chunk, uniq.numel()) - 1]
+        wgu = dequant_bf16(w13[sel], s13[sel], lut)
+        wd = dequant_bf16(w2[sel], s2[sel], lut)
+        offs = (ends[c0:c0 + chunk] - r0).to(torch.int32)
+        bounds = [(s - r0, e - r0) for s, e in zip(starts[c0:c0 + chunk], endl[c0:c0 + chunk])]
+        gu, impl = _gmm(a[r0:r1], wgu, offs, bounds)
+        gate, up = gu[:, :I].float().clamp(max=LIMIT), gu[:, I:].float().clamp(-LIMIT, LIMIT)
+        hh = (gate * torch.sigmoid(gate) * up).to(torch.bfloat16)
+        y, _ = _gmm(hh, wd, offs, bounds)
+        out.index_add_(0, tok[r0:r1], y.float() * wsorted[r0:r1, None])
+    return out.to(torch.bfloat16), impl
+
+
+# ---------------------------------------------------------------------------------------------------- runs
+
+def correctness(dev, weights, ts):
+    w13, s13, w2, s2 = weights
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cases = []
+    for t in ts:
+        x, ids, wts = make_routing(t, dev, seed=1000 + t)
+        ids[0, -1] = -1  # a skipped slot (expert on another rank)
+        kinds, plans = set(), [("default", None)]
+        for n, c in variants(t)[1:]:  # the first variant of each path / split / halves kind
+            kind = (c["path"], c["split_gate_up"] > 1, c["split_down"] > 1, c["gate_up_halves"])
+            if kind not in kinds:
+                kinds.add(kind)
+                plans.append((n, c))
+        ref = fused_moe_mxfp4_reference(x, w13, s13, w2, s2, wts, ids, swiglu_limit=LIMIT, dtype=torch.float32)
+        for name, cfg in plans:
+            out = torch.full((t, H), float("nan"), dtype=torch.bfloat16, device=dev)
+            mx.fused_moe_mxfp4(x, w13, s13, w2, s2, wts, ids.long() if name == "default" else ids,
+                               swiglu_limit=LIMIT, out=out, config=cfg)
+            torch.cuda.synchronize()
+            c = dict(T=t, plan=name, rel_err=rel(out, ref), nan=bool(torch.isnan(out).any()))
+            c["ok"] = c["rel_err"] <= 4e-3 and not c["nan"]
+            cases.append(c)
+            print("correct", c, flush=True)
+    return cases
+
+
+def timing(dev, weights, deadline, sweep, ts, save):
+    w13, s13, w2, s2 = weights
+    lut = _lut_pairs(dev)
+    rows = []
+    for n_t, t in enumerate(ts):
+        t_deadline = time.time() + (deadline - time.time()) / (len(ts) - n_t)  # an equal share of what is left
+        sets = [make_routing(t, dev, seed=7 * t + r) for r in range(ROT)]
+        distinct = sum(torch.unique(ids).numel() for _, ids, _ in sets) / ROT
+        nbytes = distinct * EXPERT_BYTES + 2 * t * H * 2 + t * K * 8
+        row = dict(T=t, distinct_experts=distinct, floor_bytes=nbytes, floor_us_4p3=nbytes / HBM_BPS * 1e6)
+        outs = [torch.empty(t, H, dtype=torch.bfloat16, device=dev) for _ in range(ROT)]
+
+        def call(cfg):
+            return [lambda i=i: mx.fused_moe_mxfp4(sets[i][0], w13, s13, w2, s2, sets[i][2], sets[i][1],
+                                                   swiglu_limit=LIMIT, out=outs[i], config=cfg)
+                    for i in range(ROT)]
+
+        row["default_config"] = mx.default_config(t * K)
+        row["ours_us"] = bench_graph(call(None), 60)
+        # stages of the default plan (each timed alone over the same ROT sets; inputs from a full run)
+        plans = [mx._plan(sets[i][0], w13, s13, w2, s2, sets[i][2], sets[i][1], LIMIT, None, False, outs[i], None)
+                 for i in range(ROT)]
+        for _, st in plans:
+            for _, f in st:
+                f()
+        row["stages_us"] = {name: bench_graph([plans[i][1][j][1] for i in range(ROT)], 30)
+                            for j, (name, _) in enumerate(plans[0][1])}
+        sw = {}
+        if sweep:
+            for name, cfg in variants(t)[1:]:
+                if time.time() > t_deadline:
+                    row["sweep_truncated"] = True
+                    break
+                try:
+                    sw[name] = bench_graph(call(cfg), 25)
+                except Exception as e:  # noqa: BLE001
+                    sw[name] = repr(e)[:200]
+                    print("variant failed", t, name, sw[name], flush=True)
+        row["sweep_us"] = sw
+        good = {"default": row["ours_us"], **{k: v for k, v in sw.items() if isinstance(v, float)}}
+        best = min(good.items(), key=lambda kv: kv[1])
+        row["best_variant"], row["best_us"] = best
+        x, ids, wts = sets[0]
+        b, row["baseline_impl"] = baseline_moe(x, w13, s13, w2, s2, wts, ids, lut)
+        o = mx.fused_moe_mxfp4(x, w13, s13, w2, s2, wts, ids, swiglu_limit=LIMIT)
+        row["baseline_vs_ours_rel"] = rel(o, b)
+        row["baseline_us"] = triton.testing.do_bench(
+            lambda: baseline_moe(x, w13, s13, w2, s2, wts, ids, lut), rep=120 if t < 64 else 250,
+            return_mode="median") * 1e3
+        rows.append(row)
+        save()
+        print("time", {k: v for k, v in row.items() if k != "sweep_us"}, flush=True)
+    return rows
+
+
+def profile_once(t):
+    """For a profiler (ncu): the default plan at T tokens, 3 calls (the first compiles)."""
+    dev = torch.device("cuda")
+    w13, s13, w2, s2 = make_weights(dev)
+    x, ids, wts = make_routing(t, dev, seed=5)
+    for _ in range(3):
+        mx.fused_moe_mxfp4(x, w13, s13, w2, s2, wts, ids, swiglu_limit=LIMIT)
+    torch.cuda.synchronize()
+
+
+def _finish(res):
+    for r in res.get("timing", []):
+        r["floor_us_copy"] = r["floor_bytes"] / (res["copy_GBps"] * 1e9) * 1e6
+        r["pct_floor_4p3"] = 100 * r["floor_us_4p3"] / r["ours_us"]
+        r["pct_floor_4p3_best"] = 100 * r["floor_us_4p3"] / r["best_us"]
+        r["speedup_vs_baseline"] = r["baseline_us"] / r["ours_us"]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--budget", type=float, default=200.0, help="seconds; the sweeps stop when they run out")
+    ap.add_argument("--ts", default=",".join(map(str, TS)), help="token counts, comma-separated")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--skip-correctness", action="store_true")
+    ap.add_argument("--profile", type=int, default=0, help="only run the default plan at this T (for ncu)")
+    args = ap.parse_args()
+    if args.profile:
+        return profile_once(args.profile)
+    t0 = time.time()
+    ts = [int(v) for v in args.ts.split(",")]
+    dev = torch.device("cuda")
+    res = dict(device=torch.cuda.get_device_name(),
+               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+               torch=torch.__version__, triton=triton.__version__, command=" ".join(["python"] + sys.argv),
+               shapes=dict(E=E, H=H, I=I, topk=K, swiglu_limit=LIMIT), expert_bytes=EXPERT_BYTES,
+               hbm_floor_bps=HBM_BPS, rot_sets=ROT)
+    xb = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    yb = torch.empty_like(xb)
+    res["copy_GBps"] = 2 * xb.numel() / (triton.testing.do_bench(lambda: yb.copy_(xb), return_mode="median")
+                                         * 1e-3) / 1e9
+    del xb, yb
+    weights = make_weights(dev)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"mxfp4_moe_{res['date'][:10]}.json")
+
+    def save():  # after every phase, so a run stopped at its time limit still leaves its numbers
+        res["wall_s"] = time.time() - t0
+        _finish(res)
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+
+    if not args.skip_correctness:
+        res["correctness"] = correctness(dev, weights, ts)
+        res["correct_all_ok"] = all(c["ok"] for c in res["correctness"])
+        save()
+    res["timing"] = []
+    res["timing"] = timing(dev, weights, t0 + args.budget, not args.no_sweep, ts, save)
+    save()
+    print(f"\n{res['device']}  copy {res['copy_GBps']:.0f} GB/s  correctness ok: {res.get('correct_all_ok')}")
+    print(f"{'T':>4} {'experts':>7} {'floor':>7} {'ours':>8} {'%floor':>6} {'best':>8} {'%':>5} {'baseline':>9} "
+          f"{'x':>6}  stages / best variant")
+    for r in res["timing"]:
+        st = " ".join(f"{k}={v:.1f}" for k, v in r["stages_us"].items())
+        print(f"{r['T']:>4} {r['distinct_experts']:7.1f} {r['floor_us_4p3']:7.1f} {r['ours_us']:8.1f} "
+              f"{r['pct_floor_4p3']:6.1f} {r['best_us']:8.1f} {r['pct_floor_4p3_best']:5.1f} {r['baseline_us']:9.1f} "
+              f"{r['speedup_vs_baseline']:6.1f}  {st} / {r['best_variant']}")
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
