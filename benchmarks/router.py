@@ -34,11 +34,14 @@ What is measured
   router gets the same single core and the load side cannot steal it. Per measurement the CPU time
   (cores busy) of the contender, the stubs and wrk is recorded, and the machine's total, so a
   load-side bottleneck (load core ~1.0 busy) or other users of the machine ("foreign" CPU) show.
-  A run with foreign CPU above 0.1 core on average is marked ``preliminary``.
+  A run with foreign CPU above 0.1 core on average is marked ``preliminary``. The router's CPU
+  time per request (``router_cpu_us_per_request``) is reported too: unlike req/s it hardly moves
+  when other processes share the core, so it compares routers fairly on a busy machine.
 * **Memory** (``--memory-streams``, default 1000): a fresh router of each of ``--memory-contenders``
   (default pdserve and gateway), fresh stubs whose decode emits one token every
   ``--memory-token-interval`` s (64 tokens: a ~16 s stream); after a warm-up, N streams are opened
-  at once and read to ``[DONE]``. The router's RSS (sum over its process group, /proc VmRSS) is
+  at once and read to ``[DONE]``, in ``--memory-waves`` (2) waves 10 s apart (a second wave that
+  peaks where the first did shows memory reused, not leaked). The router's RSS (sum over its process group, /proc VmRSS) is
   read before, sampled every 50 ms while they run (peak; VmHWM too), and 1 s, 10 s and
   ``--memory-settle`` s (65: past the 60 s idle keep-alive of pooled upstream connections) after
   the last stream ended. The decode stub's count of concurrently open streams proves all N were open
@@ -518,6 +521,7 @@ def measure(c: Contender, stubs: Stubs, mode: str, script: Path, connections: in
         "cpu_cores": {"contender": cpu_c / wall, "stubs": cpu_s / wall, "wrk": w["cpu_s"] / wall,
                       "foreign": max(0.0, foreign) / wall,
                       **{f"machine_{k}": (busy1[k] - busy0[k]) / wall for k in busy0}},
+        "router_cpu_us_per_request": cpu_c / w["requests"] * 1e6 if w["requests"] and c.proc is not None else None,
         "stub_requests": d, "dispatch_check_ok": check_ok,
     }
 
@@ -578,6 +582,7 @@ def summarize(cells: list[dict], args) -> list[dict]:
                        "errors": sum(c["errors"] for c in mine),
                        "dispatch_check_ok": all(c["dispatch_check_ok"] for c in mine),
                        "cpu_contender": median([c["cpu_cores"]["contender"] for c in mine]),
+                       "router_cpu_us_per_request": median([c["router_cpu_us_per_request"] for c in mine]),
                        "cpu_load": median([c["cpu_cores"]["stubs"] + c["cpu_cores"]["wrk"] for c in mine]),
                        "cpu_foreign": median([c["cpu_cores"]["foreign"] for c in mine])}
                 for p in ("p50", "p99"):
@@ -595,6 +600,8 @@ def summarize(cells: list[dict], args) -> list[dict]:
             if o and o["rps"]:
                 row[f"rps_vs_{other}"] = row["rps"] / o["rps"]
                 row[f"p99_vs_{other}"] = row["p99_ms"] / o["p99_ms"] if o["p99_ms"] else None
+                mine, theirs = row["router_cpu_us_per_request"], o["router_cpu_us_per_request"]
+                row[f"cpu_per_request_vs_{other}"] = mine / theirs if mine and theirs else None
     return rows
 
 
@@ -644,7 +651,9 @@ async def _slow_streams(url: str, n: int, tokens: int, pgid: int, samples: list[
 
 
 def memory(args, logdir: Path, name: str) -> dict:
-    """RSS of a fresh ``name`` router before / during / after ``args.memory_streams`` slow streams."""
+    """RSS of a fresh ``name`` router before / during / after ``args.memory_waves`` waves of
+    ``args.memory_streams`` concurrent slow streams (a second wave peaking where the first did shows
+    memory reused, not leaked)."""
     stubs = Stubs("mem_", args.load_cpus, logdir, token_interval=args.memory_token_interval)
     c = Contender(name, stubs, args.router_cpus, logdir, args.sglang_router_dir, tag="mem_",
                   pdserve_tree=args.pdserve_tree, custom=args.custom)
@@ -660,10 +669,21 @@ def memory(args, logdir: Path, name: str) -> dict:
         before = group_rss_mb(pgid)
         s0 = stubs.stats()
         samples: list[tuple[float, float]] = []
-        print(f"[router bench] memory: {args.memory_streams} slow streams through {name} (RSS {before:.1f} MB)",
-              flush=True)
-        res = asyncio.run(_slow_streams(c.url, args.memory_streams, TOKENS, pgid, samples))
-        s1 = stubs.stats()
+        waves = []
+        for wave in range(args.memory_waves):
+            if wave:
+                time.sleep(10.0)  # between waves: what the first one left behind, then the same load again
+            print(f"[router bench] memory: {args.memory_streams} slow streams through {name}, wave {wave + 1}/"
+                  f"{args.memory_waves} (RSS {group_rss_mb(pgid):.1f} MB)", flush=True)
+            wave_samples: list[tuple[float, float]] = []
+            res = asyncio.run(_slow_streams(c.url, args.memory_streams, TOKENS, pgid, wave_samples))
+            s1 = stubs.stats()
+            res["max_concurrent_streams_at_decode"] = s1["decode"]["max_active_streams"]
+            res["peak_mb"] = rnd(max(r for _, r in wave_samples), 1) if wave_samples else None
+            res["rss_at_start_mb"] = rnd(wave_samples[0][1], 1) if wave_samples else None
+            waves.append(res)
+            t0 = samples[-1][0] + 10.0 if samples else 0.0
+            samples += [(t0 + t, r) for t, r in wave_samples]
         time.sleep(1.0)
         after_1s = group_rss_mb(pgid)
         time.sleep(9.0)
@@ -672,10 +692,14 @@ def memory(args, logdir: Path, name: str) -> dict:
         after_settle = group_rss_mb(pgid)
         peak = max(rss for _, rss in samples) if samples else None
         out = {
-            "contender": name, "command": shlex.join(c.argv), **res,
+            "contender": name, "command": shlex.join(c.argv),
+            "streams": args.memory_streams, "waves": args.memory_waves,
+            "whole_streams": sum(w["whole_streams"] for w in waves),
+            "failures": dict(sum((Counter(w["failures"]) for w in waves), Counter())),
             "token_interval_s": args.memory_token_interval, "tokens_per_stream": TOKENS,
-            "max_concurrent_streams_at_decode": s1["decode"]["max_active_streams"],
-            "prefill_requests": s1["prefill"]["requests"] - s0["prefill"]["requests"],
+            "max_concurrent_streams_at_decode": max(w["max_concurrent_streams_at_decode"] for w in waves),
+            "prefill_requests": stubs.stats()["prefill"]["requests"] - s0["prefill"]["requests"],
+            "per_wave": waves,
             "rss_mb": {"before": rnd(before, 1), "peak_sampled": rnd(peak, 1), "vm_hwm": rnd(group_hwm_mb(pgid), 1),
                        "after_1s": rnd(after_1s, 1), "after_10s": rnd(after_10s, 1),
                        f"after_{args.memory_settle:.0f}s": rnd(after_settle, 1)},
@@ -684,9 +708,10 @@ def memory(args, logdir: Path, name: str) -> dict:
             "settle_s": args.memory_settle, "added_mb_after_settle": rnd(after_settle - before, 1),
             "rss_timeline_mb": [[round(t, 2), round(r, 1)] for t, r in samples[::10]],
         }
-        print(f"[router bench] memory {name}: before {before:.1f} MB peak {peak:.1f} MB after 10 s {after_10s:.1f} MB, "
-              f"after {args.memory_settle:.0f} s {after_settle:.1f} MB; "
-              f"{res['whole_streams']}/{res['streams']} whole streams, max open at decode "
+        print(f"[router bench] memory {name}: before {before:.1f} MB, peak per wave "
+              f"{', '.join(str(w['peak_mb']) for w in waves)} MB, after 10 s {after_10s:.1f} MB, "
+              f"after {args.memory_settle:.0f} s {after_settle:.1f} MB; {out['whole_streams']}/"
+              f"{args.memory_streams * args.memory_waves} whole streams, max open at decode "
               f"{out['max_concurrent_streams_at_decode']}", flush=True)
         return out
     finally:
@@ -796,38 +821,44 @@ def markdown(result: dict) -> str:
              f"CPU {cfg['load_cpus']}; {cfg['rounds']} interleaved rounds x {cfg['duration_s']:.0f} s, medians. "
              f"Stub engines, POST /generate max_new_tokens {TOKENS}; `stream` = {TOKENS}-event SSE streams "
              f"(req/s = streams/s). Added latency = contender minus direct at the same load and round. "
-             f"CPU = cores busy (router / stubs+wrk / other processes on the machine).", "",
+             f"CPU = cores busy (router / stubs+wrk / other processes on the machine); router CPU us/req = the "
+             f"router process's CPU time per request.", "",
              f"Command: `{result['command']}`", ""]
     if result["preliminary"]:
         lines += [f"**Preliminary**: {result['preliminary_reason']}", ""]
-    lines += ["| mode | conc | contender | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | CPU router | CPU load "
-              "| CPU other | errors | PD check |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| mode | conc | contender | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | router CPU us/req "
+              "| CPU router | CPU load | CPU other | errors | PD check |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["summary"]:
         lines.append(f"| {r['mode']} | {r['concurrency']} | {r['contender']} | {fmt(r['rps'], 0)} | {fmt(r['p50_ms'], 2)} "
                      f"| {fmt(r['p99_ms'], 2)} | {fmt(r['added_p50_ms'], 2)} | {fmt(r['added_p99_ms'], 2)} "
-                     f"| {fmt(r['cpu_contender'], 2)} | {fmt(r['cpu_load'], 2)} | {fmt(r['cpu_foreign'], 2)} "
+                     f"| {fmt(r['router_cpu_us_per_request'], 0)} | {fmt(r['cpu_contender'], 2)} | {fmt(r['cpu_load'], 2)} | {fmt(r['cpu_foreign'], 2)} "
                      f"| {r['errors']} | {'ok' if r['dispatch_check_ok'] else 'FAIL'} |")
     lines += ["", "Ratios to the references (same cell): req/s ratio, p99 ratio; goals: >= 1.0x gateway req/s, >= 5x mini_lb, "
-              "p99 <= 1.5x gateway.", "", "| router | mode | conc | req/s vs gateway | req/s vs mini_lb | p99 vs gateway |",
-              "|---|---|---|---|---|---|"]
+              "p99 <= 1.5x gateway. CPU/req = the router's CPU time per request relative to the gateway's (robust "
+              "to other load on the machine: < 1 means cheaper).", "",
+              "| router | mode | conc | req/s vs gateway | req/s vs mini_lb | p99 vs gateway | CPU/req vs gateway |",
+              "|---|---|---|---|---|---|---|"]
     for r in result["summary"]:
         if "rps_vs_gateway" in r or "rps_vs_mini_lb" in r:
-            lines.append(f"| {r['contender']} | {r['mode']} | {r['concurrency']} | {fmt(r.get('rps_vs_gateway'), 2)}x "
-                         f"| {fmt(r.get('rps_vs_mini_lb'), 2)}x | {fmt(r.get('p99_vs_gateway'), 2)}x |")
+            x = lambda k: fmt(r.get(k), 2) + ("x" if r.get(k) is not None else "")  # noqa: E731
+            lines.append(f"| {r['contender']} | {r['mode']} | {r['concurrency']} | {x('rps_vs_gateway')} "
+                         f"| {x('rps_vs_mini_lb')} | {x('p99_vs_gateway')} | {x('cpu_per_request_vs_gateway')} |")
     if result.get("memory"):
         lines += ["", "Memory: N concurrent slow streams (one token per "
                   f"{cfg['memory_token_interval_s']} s, {TOKENS} tokens) through a fresh router; RSS in MB "
                   "(goal: <= 150 MB added, back near baseline).", "",
-                  "| contender | streams | whole | max open at decode | before | peak | added at peak | after 1 s "
-                  f"| after 10 s | after {cfg['memory_settle_s']:.0f} s |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| contender | streams x waves | whole | max open at decode | before | peak per wave | added at peak "
+                  f"| after 1 s | after 10 s | after {cfg['memory_settle_s']:.0f} s |", "|---|---|---|---|---|---|---|---|---|---|"]
         settle_key = f"after_{cfg['memory_settle_s']:.0f}s"
         for mm in result["memory"]:
             if "error" in mm:
                 lines.append(f"| {mm['contender']} | error: {mm['error'][:120]} |")
                 continue
             r = mm["rss_mb"]
-            lines.append(f"| {mm['contender']} | {mm['streams']} | {mm['whole_streams']} "
-                         f"| {mm['max_concurrent_streams_at_decode']} | {fmt(r['before'])} | {fmt(r['peak_sampled'])} "
+            lines.append(f"| {mm['contender']} | {mm['streams']} x {mm.get('waves', 1)} | {mm['whole_streams']} "
+                         f"| {mm['max_concurrent_streams_at_decode']} | {fmt(r['before'])} "
+                         f"| {' / '.join(fmt(w.get('peak_mb')) for w in mm.get('per_wave', [])) or fmt(r['peak_sampled'])} "
                          f"| {fmt(mm['added_mb_peak'])} | {fmt(r['after_1s'])} | {fmt(r['after_10s'])} "
                          f"| {fmt(r.get(settle_key))} |")
     prof = result.get("profile")
@@ -855,6 +886,8 @@ def parse_args(argv=None):
     p.add_argument("--load-cpus", default="1", help="CPUs of the stubs, wrk and this script (default %(default)s)")
     p.add_argument("--memory-streams", type=int, default=1000, help="concurrent slow streams; 0 = skip (default %(default)s)")
     p.add_argument("--memory-token-interval", type=float, default=0.25, help="seconds between tokens of a slow stream")
+    p.add_argument("--memory-waves", type=int, default=2,
+                   help="waves of --memory-streams, 10 s apart (default %(default)s)")
     p.add_argument("--memory-settle", type=float, default=65.0,
                    help="seconds after the streams end for the last RSS reading (default %(default)s: past the "
                         "routers' 60 s idle keep-alive of pooled upstream connections)")
@@ -901,8 +934,8 @@ def parse_args(argv=None):
     for m in args.modes:
         if m not in MODES:
             p.error(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
-    if args.rounds < 1 or args.duration < 1 or any(c < 1 for c in args.concurrency):
-        p.error("--rounds, --duration and --concurrency must be >= 1")
+    if args.rounds < 1 or args.duration < 1 or args.memory_waves < 1 or any(c < 1 for c in args.concurrency):
+        p.error("--rounds, --duration, --memory-waves and --concurrency must be >= 1")
     if args.router_cpus & args.load_cpus:
         print(f"[router bench] warning: router CPUs {sorted(args.router_cpus)} and load CPUs "
               f"{sorted(args.load_cpus)} overlap", file=sys.stderr)
@@ -978,7 +1011,8 @@ def main(argv=None) -> None:
                    "tokens_per_request": TOKENS, "request_body": {m: request_body(m == "stream") for m in args.modes},
                    "load_generator": "wrk -t1 -cC -dD --timeout 30s (closed loop, keep-alive)",
                    "memory_streams": args.memory_streams, "memory_token_interval_s": args.memory_token_interval,
-                   "memory_settle_s": args.memory_settle},
+                   "memory_settle_s": args.memory_settle,
+                   "memory_waves": args.memory_waves},
         "goals": GOALS,
         "contender_commands": res["commands"], "custom_contenders": args.custom or None,
         "summary": [{k: (rnd(v) if isinstance(v, float) else v) for k, v in r.items()} for r in res["summary"]],
