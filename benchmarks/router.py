@@ -100,6 +100,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Optional
 
+from pd.procs import die_with_parent
+
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 SGLANG_ROUTER_DIR = REPO / ".bench" / "sglang-router"
@@ -254,6 +256,18 @@ def machine_busy_seconds() -> dict[str, float]:
 
 
 # ---- processes ----------------------------------------------------------------------------------
+def child_setup(cpus: set[int]):
+    """preexec_fn for every child: pin it to ``cpus`` and have Linux SIGTERM it if this script dies."""
+    def setup() -> None:
+        os.sched_setaffinity(0, cpus)
+        die_with_parent()
+    return setup
+
+
+def _stop_on_signal(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")  # unwinds through the finally blocks that stop the children
+
+
 class Proc:
     """A subprocess in its own process group, pinned to ``cpus``; stopped by its PID (group)."""
 
@@ -263,7 +277,7 @@ class Proc:
         self.log_path = logdir / f"{name}.log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+                                     start_new_session=True, preexec_fn=child_setup(cpus))
 
     @property
     def pid(self) -> int:
@@ -479,7 +493,7 @@ def run_wrk(url: str, script: Path, connections: int, duration: float, cpus: set
     argv = ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(duration))}s", "--timeout", "30s", "-s", str(script),
             url + "/generate"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    r = subprocess.run(argv, capture_output=True, text=True, preexec_fn=lambda: os.sched_setaffinity(0, cpus),
+    r = subprocess.run(argv, capture_output=True, text=True, preexec_fn=child_setup(cpus),
                        timeout=duration + 60)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     line = next((l for l in r.stdout.splitlines() if l.startswith("WRKJSON ")), None)
@@ -790,7 +804,7 @@ def make_profile_hook(args, workdir: Path, out_stacks: Path):
         spy = subprocess.Popen([pyspy, "record", "--pid", str(c.proc.pid), "--duration", str(round(args.profile_duration)),
                                 "--rate", str(PROFILE_RATE), "--format", "raw", "--output", str(raw)],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               preexec_fn=lambda: os.sched_setaffinity(0, args.load_cpus))
+                               preexec_fn=child_setup(args.load_cpus))
         time.sleep(1.0)
         w = run_wrk(c.url, script, conc, args.profile_duration, args.load_cpus)
         spy_out = spy.communicate(timeout=120)[0].decode(errors="replace")
@@ -965,6 +979,10 @@ def preflight(args) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     preflight(args)
+    # Stop the stubs and routers on Ctrl-C / SIGTERM, also when started in the background (where
+    # a shell leaves SIGINT ignored).
+    signal.signal(signal.SIGTERM, _stop_on_signal)
+    signal.signal(signal.SIGINT, _stop_on_signal)
     # Many sockets: 1000 streams are 1000 client + up to 2000 upstream connections in the router.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
