@@ -492,7 +492,8 @@ def _interp_tile_g():
 
 
 def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512, page_size=64, out=None, *,
-                     q_scale=None, workspace=None, n_split=None, config=None, select_warps=None):
+                     q_scale=None, workspace=None, n_split=None, config=None, select_warps=None,
+                     stages=("scores", "select")):
     """Top-``topk`` index positions per query token of the DSA lightning indexer (decode / MTP verify).
 
     Args:
@@ -514,8 +515,8 @@ def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512,
       q_scale: optional float32 [B, S, H] contiguous, multiplied into the weights (fp8 query only).
       workspace: optional int32 tensor from ``indexer_workspace(B, S, max_len, topk)``; allocated per call when
          None (inside a CUDA graph capture that is the graph's private pool).
-      n_split, config, select_warps: tuning knobs (benchmarks): score programs per request, score-kernel
-         config (one of SCORE_CONFIGS), warps of the select kernel.
+      n_split, config, select_warps, stages: benchmark knobs: score programs per request, score-kernel config
+         (one of SCORE_CONFIGS), warps of the select kernel, which of the two kernels to launch.
 
     Returns: int32 [B, S, topk]: ascending logical positions of the topk highest scores in each query token's
       live range (set-equal to torch.topk up to ties), or 0 .. L-1 then -1 when L <= topk.
@@ -584,7 +585,7 @@ def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512,
     q_fp8 = q.dtype == torch.float8_e4m3fn
     qs = q_scale if q_scale is not None else weights
     sm90 = _is_sm90(dev)
-    for s0 in range(0, s, S_CHUNK):
+    for s0 in range(0, s, S_CHUNK) if "scores" in stages else ():
         sc = min(S_CHUNK, s - s0)
         sp2 = triton.next_power_of_2(sc)
         cfg = dict(config or DEFAULT_SCORE_CONFIGS[(sm90, sp2)])
@@ -599,7 +600,8 @@ def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512,
             TOKENS_M=cfg["TOKENS_M"], PREFETCH=cfg["PREFETCH"], DOT_PREC="ieee" if _INTERPRET else "tf32",
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
-    _select_launch(scores, gmax, cand, seq_lens, out, rows, s, max_len, max_len, ng, cap, topk, len_2d, warps)
+    if "select" in stages:
+        _select_launch(scores, gmax, cand, seq_lens, out, rows, s, max_len, max_len, ng, cap, topk, len_2d, warps)
     return out
 
 

@@ -158,3 +158,20 @@ def score_error_bound(q, weights, index_k_cache, block_table, page_size=64, q_sc
     mag = torch.einsum("bshd,bnd->bshn", q.to(torch.float64).abs(), ka)
     mag = (mag * wa[..., None]).sum(2) * ksc[pages, off].to(torch.float64).abs()[:, None, :]
     return 2e-5 * mag
+
+
+def dsa_indexer_topk_naive(q, weights, index_k_cache, block_table, seq_lens, topk=512, page_size=64,
+                           chunk=65536):
+    """The naive GPU baseline (what an indexer without live-length awareness does): bf16 scores over every
+    position of the block table (the max context), masked past the live range, torch.topk, then the short-row
+    fix-up. No host syncs, so it can be captured in a CUDA graph; its work grows with the max context."""
+    sc = index_scores_ref(q, weights, index_k_cache, block_table, seq_lens, page_size, dtype=torch.bfloat16,
+                          chunk=chunk)
+    lens = live_lengths(seq_lens, q.shape[1], block_table.shape[1] * page_size)
+    k = min(topk, sc.shape[-1])
+    top = sc.topk(k, dim=-1).indices.to(torch.int32)
+    if k < topk:
+        top = torch.cat([top, top.new_full((*top.shape[:-1], topk - k), -1)], -1)
+    ar = torch.arange(topk, device=q.device)
+    short = torch.where(ar < lens[..., None], ar, -1).to(torch.int32)
+    return torch.where((lens <= topk)[..., None], short, top)

@@ -1,0 +1,429 @@
+"""Device benchmark for pd.kernels.indexer (DSA lightning-indexer decode step: scores + top-512).
+
+  python benchmarks/kernels/indexer.py [--out DIR] [--quick] [--skip-correctness] [--skip-sweep]
+  TRITON_INTERPRET=1 python benchmarks/kernels/indexer.py --smoke   # CPU: tiny shapes, checks the script only
+
+1. correctness at real shapes against the fp64 torch reference (pd.kernels.indexer_reference): bf16 and fp8
+   queries, S = 1/2/4/6, topk 512 and 2048, page 64 and 128, live lengths from 0 to 100K (the streamed group-max
+   path), every score config, mass ties; the selection must be exact up to ties (a swap with an unselected
+   position is allowed only when the two reference scores differ by less than their fp32 error bounds), and
+   ``topk_from_scores`` must return exactly torch.topk's values;
+2. decode step time (H = 64, S = 1, topk 512, page 64, bf16 query) at actual length 512, 4K, 32K with the block
+   table sized for max context 8K, 128K, 1M, B = 16 and 64: ours and the naive torch indexer (bf16 scores over the
+   whole block table, masked, torch.topk), each captured in one torch.cuda.CUDAGraph (4 input sets cycled inside
+   the graph so the keys are not served from L2) and timed as the median of replays; byte floor = keys read
+   (B * L * 132 B) + logits written and read (B * L * 8 B) at 4.8 TB/s;
+3. a sweep of score configs / splits / select warps at 32K (max 128K), the two kernels timed apart, MTP verify
+   (S = 2, 4) and an fp8 query;
+4. writes indexer_<date>.json (device, date, command, all numbers) and indexer_<date>.md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+try:
+    from pd.kernels import indexer as K
+    from pd.kernels import indexer_reference as R
+except ImportError:  # a checkout without `pip install -e .` (the device machine)
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "kernels")
+    spec = importlib.util.spec_from_file_location("pd_kernels", os.path.join(root, "__init__.py"),
+                                                  submodule_search_locations=[root])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["pd_kernels"] = mod
+    spec.loader.exec_module(mod)
+    from pd_kernels import indexer as K
+    from pd_kernels import indexer_reference as R
+
+HBM_BPS = 4.8e12
+H, D, PS, TOPK = 64, 128, 64, 512
+ROT = 4
+
+
+# ------------------------------------------------------------------------------------------------ inputs
+
+def make_pool(n_pages, dev, seed, ps=PS):
+    """A random index-key cache of n_pages pages (gaussian keys with per-token magnitude, quantized as SGLang
+    does), generated in chunks to bound temporaries."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    out = torch.empty(n_pages, ps * R.BYTES_PER_TOKEN, dtype=torch.uint8, device=dev)
+    step = max(1, (1 << 20) // ps)
+    for p0 in range(0, n_pages, step):
+        n = min(step, n_pages - p0)
+        k = torch.randn(n * ps, D, device=dev, generator=g) * (0.5 + torch.rand(n * ps, 1, device=dev, generator=g))
+        out[p0: p0 + n] = R.quantize_index_k(k, ps)
+    return out
+
+
+def make_tables(b, live, max_ctx, n_pages, dev, gen, ps=PS, sets=1, distinct_offset=0):
+    """`sets` block tables [b, max_ctx / ps]: live pages distinct across requests and sets (after
+    distinct_offset), the rest point at random pages (never read by our kernel, scanned by the naive one)."""
+    max_pages = max_ctx // ps
+    live_pages = triton.cdiv(live, ps)
+    tabs = []
+    for r in range(sets):
+        t = torch.randint(0, n_pages, (b, max_pages), device=dev, generator=gen, dtype=torch.int32)
+        base = distinct_offset + r * b * live_pages
+        t[:, :live_pages] = (base + torch.randperm(b * live_pages, device=dev, generator=gen)
+                             .view(b, live_pages)).to(torch.int32)
+        tabs.append(t)
+    return tabs
+
+
+def make_queries(b, s, dev, gen, fp8=False, sets=1):
+    out = []
+    for _ in range(sets):
+        q = torch.randn(b, s, H, D, device=dev, generator=gen)
+        q = (q * 40).to(torch.float8_e4m3fn) if fp8 else q.to(torch.bfloat16)
+        w = torch.randn(b, s, H, device=dev, generator=gen) * H ** -0.5 * D ** -0.5
+        out.append((q, w))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ checks
+
+def check(out, ref, bound, lens, topk):
+    """Vectorized version of tests/indexer_interp_cases.check_rows on [R, W] reference scores."""
+    out = out.reshape(-1, topk).long()
+    r_, w_ = out.shape[0], ref.shape[-1]
+    ref = ref.reshape(r_, w_)
+    bound = bound.reshape(r_, w_) if bound is not None else torch.zeros_like(ref)
+    lens = lens.reshape(-1).long()
+    ar = torch.arange(topk, device=out.device)
+    short = lens <= topk
+    bad = {}
+    want_short = torch.where(ar[None, :] < lens[:, None], ar[None, :], -1)
+    bad["short"] = int((short & (out != want_short).any(1)).sum())
+    long_ = ~short
+    o = torch.where(long_[:, None], out, 0)
+    bad["range"] = int((long_ & ((o < 0) | (o >= lens[:, None])).any(1)).sum())
+    bad["order"] = int((long_ & (o[:, 1:] <= o[:, :-1]).any(1)).sum())  # ascending => distinct
+    o = o.clamp(0, w_ - 1)
+    sel = torch.zeros(r_, w_, dtype=torch.bool, device=out.device).scatter_(1, o, True)
+    live = torch.arange(w_, device=out.device)[None, :] < lens[:, None]
+    inf = torch.tensor(float("inf"), dtype=ref.dtype, device=ref.device)
+    lo_sel = torch.where(sel & live, ref + bound, inf).amin(1)
+    hi_rest = torch.where(~sel & live, ref - bound, -inf).amax(1)
+    bad["tie"] = int((long_ & (lo_sel < hi_rest)).sum())
+    masked = torch.where(live, ref, -inf)
+    kk = min(topk, w_)
+    ref_top = masked.topk(kk, dim=1)
+    ref_sel = torch.zeros_like(sel).scatter_(1, ref_top.indices, True)
+    swaps = int(((ref_sel & ~sel & live).sum(1) * long_).sum())
+    return bad, swaps
+
+
+def _ref_scores(q, w, kc, bt, seq, ps, qs, topk):
+    """fp64 reference scores / bounds over the live part of the block table only (the rest is -inf)."""
+    s = q.shape[1]
+    lens = R.live_lengths(seq, s, bt.shape[1] * ps)
+    need = max(1, triton.cdiv(int(lens.max()), ps))
+    ref = R.index_scores_ref(q, w, kc, bt[:, :need], seq, ps, qs, torch.float64, chunk=8192)
+    bound = R.score_error_bound(q, w, kc, bt[:, :need], ps, qs)
+    return ref, bound, lens
+
+
+class Deadline:
+    """Stops optional work past a wall-clock budget so one bounded device call always returns its numbers."""
+
+    def __init__(self, seconds):
+        self.end = time.time() + seconds
+        self.skipped = []
+
+    def ok(self, what):
+        if time.time() < self.end:
+            return True
+        self.skipped.append(what)
+        print("deadline: skipped", what, flush=True)
+        return False
+
+
+def correctness(dev, smoke, part, deadline):
+    """part "core" (decode / MTP / fp8 / ties / select-only) or "more" (every config, topk 2048, page 128, S=6,
+    per-token lengths)."""
+    cases = []
+    g = torch.Generator(device=dev).manual_seed(1 if part == "core" else 2)
+
+    def run(name, b, s, lens, max_ctx, topk=TOPK, ps=PS, fp8=False, qscale=False, zero_q=False, config=None):
+        if not deadline.ok("correctness " + name):
+            return
+        n_pages = b * triton.cdiv(max_ctx, ps)
+        kc = make_pool(n_pages, dev, seed=len(cases), ps=ps)
+        bt = make_tables(b, max_ctx, max_ctx, n_pages, dev, g, ps=ps)[0]
+        (q, w), = make_queries(b, s, dev, g, fp8=fp8)
+        if zero_q:
+            q = torch.zeros_like(q)
+        qs = (torch.rand(b, s, H, device=dev, generator=g) + 0.5) if qscale else None
+        seq = torch.tensor(lens, dtype=torch.int32, device=dev)
+        out = torch.full((b, s, topk), -7, dtype=torch.int32, device=dev)  # poisoned
+        K.dsa_indexer_topk(q, w, kc, bt, seq, topk=topk, page_size=ps, out=out, q_scale=qs, config=config)
+        torch.cuda.synchronize() if dev.type == "cuda" else None
+        ref, bound, ln = _ref_scores(q, w, kc, bt, seq, ps, qs, topk)
+        bad, swaps = check(out, ref, bound, ln, topk)
+        c = dict(name=name, B=b, S=s, topk=topk, page_size=ps, fp8=fp8, config=config, max_len=int(ln.max()),
+                 bad=bad, swaps_vs_torch_topk=swaps, ok=all(v == 0 for v in bad.values()))
+        cases.append(c)
+        print("correct", c, flush=True)
+
+    if smoke:
+        run("smoke", 2, 2, [100, 30], 256, topk=16)
+        return cases
+    if part == "more":
+        for cfg in K.SCORE_CONFIGS:
+            run("config_" + "_".join(f"{k}{v}" for k, v in cfg.items() if k != "num_stages"), 4, 1,
+                [513, 9000, 33333, 70000], 131072, config=cfg)
+        run("mtp_s6_two_launches", 4, 6, [600, 5000, 12345, 30000], 32768)
+        run("per_token_lengths_2d", 2, 2, [[1000, 999999], [513, 512]], 32768)  # seq_lens [B, S]
+        run("page128", 4, 1, [600, 9000, 40000, 1000], 65536, ps=128)
+        run("topk2048", 4, 1, [2048, 2049, 50000, 100000], 131072, topk=2048)
+        return cases
+    lens16 = [0, 1, 511, 512, 513, 700, 4096, 8191, 32768, 65536, 70000, 100000, 131072, 3000, 20000, 50000]
+    run("decode_b16_mixed_lengths", 16, 1, lens16, 131072)
+    run("mtp_s2", 8, 2, [2, 513, 514, 1000, 9000, 40000, 40001, 77777], 131072)
+    run("mtp_s4_fp8_qscale", 4, 4, [515, 3000, 20000, 66000], 131072, fp8=True, qscale=True)
+    run("all_ties_zero_q", 2, 1, [40000, 600], 65536, zero_q=True)
+    if deadline.ok("correctness topk_from_scores_randn"):
+        # the select stage alone on exact values: must return torch.topk's values exactly
+        sc = torch.randn(64, 50000, device=dev, generator=g)
+        ln = torch.randint(0, 50001, (64,), device=dev, generator=g, dtype=torch.int32)
+        ln[0], ln[1] = 512, 50000
+        out = K.topk_from_scores(sc, ln, TOPK)
+        bad, swaps = check(out, sc.double(), None, ln, TOPK)
+        vals_ok = True
+        for r in range(64):
+            L = int(ln[r])
+            if L > TOPK:
+                vals_ok &= torch.equal(sc[r, out[r].long()].sort().values, sc[r, :L].topk(TOPK).values.sort().values)
+        c = dict(name="topk_from_scores_randn", bad=bad, swaps_vs_torch_topk=swaps, values_equal=bool(vals_ok),
+                 ok=all(v == 0 for v in bad.values()) and swaps == 0 and bool(vals_ok))
+        cases.append(c)
+        print("correct", c, flush=True)
+    return cases
+
+
+# ------------------------------------------------------------------------------------------------ timing
+
+def time_graph(calls, reps, smoke):
+    """Median microseconds per call: the list of callables is captured in one CUDA graph (warmed up first, so
+    compiles happen outside), replayed `reps` times, each replay timed with events; divided by len(calls)."""
+    for f in calls:
+        f()
+    if smoke:
+        t0 = time.perf_counter()
+        for f in calls:
+            f()
+        return (time.perf_counter() - t0) * 1e6 / len(calls)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in calls:
+            f()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+    del graph
+    return statistics.median(ts) / len(calls)
+
+
+def floor_us(b, live):
+    return b * live * (R.BYTES_PER_TOKEN + 8) / HBM_BPS * 1e6
+
+
+class Setup:
+    """ROT input sets for one (B, S, live, max_ctx): distinct live pages per set and request."""
+
+    def __init__(self, b, s, live, max_ctx, dev, pool, gen, fp8=False):
+        self.b, self.s, self.live, self.max_ctx = b, s, live, max_ctx
+        self.kc = pool
+        n_pages = pool.shape[0]
+        assert ROT * b * triton.cdiv(live, PS) <= n_pages, "pool too small"
+        self.tabs = make_tables(b, live, max_ctx, n_pages, dev, gen, sets=ROT)
+        self.qw = make_queries(b, s, dev, gen, fp8=fp8, sets=ROT)
+        self.seq = torch.full((b,), live, dtype=torch.int32, device=dev)
+        self.ws = K.indexer_workspace(b, s, max_ctx, TOPK, device=dev)
+        self.out = torch.empty(b, s, TOPK, dtype=torch.int32, device=dev)
+
+    def ours(self, **kw):
+        return [lambda i=i: K.dsa_indexer_topk(self.qw[i][0], self.qw[i][1], self.kc, self.tabs[i], self.seq,
+                                               topk=TOPK, out=self.out, workspace=self.ws, **kw)
+                for i in range(ROT)]
+
+    def naive(self):
+        return [lambda: R.dsa_indexer_topk_naive(self.qw[0][0], self.qw[0][1], self.kc, self.tabs[0], self.seq,
+                                                 topk=TOPK, chunk=32768)]
+
+
+def timing(dev, pool, smoke, quick, deadline):
+    g = torch.Generator(device=dev).manual_seed(7)
+    rows = []
+    grid = [(512, 8192), (512, 131072), (512, 1 << 20), (4096, 8192), (4096, 131072), (4096, 1 << 20),
+            (32768, 131072), (32768, 1 << 20)]
+    batches = (16, 64)
+    if smoke:
+        grid, batches = [(20, 256), (300, 512)], (2,)
+    for b in batches:
+        for live, max_ctx in grid:
+            if not deadline.ok(f"timing B={b} live={live} max={max_ctx}"):
+                continue
+            st = Setup(b, 1, live, max_ctx, dev, pool, g)
+            row = dict(B=b, live=live, max_ctx=max_ctx, floor_us=floor_us(b, live))
+            row["ours_us"] = time_graph(st.ours(), 30 if quick else 100, smoke)
+            if not smoke:
+                row["naive_us"] = time_graph(st.naive(), 10, smoke)
+            row["ours_over_floor"] = row["ours_us"] / row["floor_us"]
+            rows.append(row)
+            print("time", row, flush=True)
+            del st
+    return rows
+
+
+def sweep(dev, pool, smoke, deadline):
+    """At live 32K / max 128K (smoke: tiny): every score config, split counts, select warps; stage times; MTP S=2/4;
+    fp8 query."""
+    g = torch.Generator(device=dev).manual_seed(11)
+    live, max_ctx, batches = (32768, 131072, (16, 64)) if not smoke else (300, 512, (2,))
+    res = []
+    for b in batches:
+        st = Setup(b, 1, live, max_ctx, dev, pool, g)
+        base_split = max(1, min(64, triton.cdiv(K.PROGRAMS_PER_SM * K._num_sms(dev), b)))
+        variants = [("default", {})]
+        variants += [("cfg_" + "_".join(f"{k}{v}" for k, v in c.items() if k != "num_stages"), dict(config=c))
+                     for c in K.SCORE_CONFIGS]
+        variants += [(f"n_split_{ns}", dict(n_split=ns)) for ns in (max(1, base_split // 2), base_split * 2)]
+        variants += [(f"select_warps_{w}", dict(select_warps=w)) for w in K.SELECT_WARPS]
+        variants += [("scores_only", dict(stages=("scores",))), ("select_only", dict(stages=("select",)))]
+        for name, kw in variants:
+            if not deadline.ok(f"sweep B={b} {name}"):
+                continue
+            try:
+                t = time_graph(st.ours(**kw), 50, smoke)
+            except Exception as e:  # noqa: BLE001
+                print("variant failed", name, repr(e)[:300], flush=True)
+                continue
+            r = dict(B=b, S=1, live=live, max_ctx=max_ctx, variant=name, us=t, floor_us=floor_us(b, live))
+            res.append(r)
+            print("sweep", r, flush=True)
+        del st
+        for s, fp8 in ((2, False), (4, False), (1, True)):
+            if not deadline.ok(f"sweep B={b} S={s} fp8={fp8}"):
+                continue
+            st = Setup(b, s, live, max_ctx, dev, pool, g, fp8=fp8)
+            t = time_graph(st.ours(), 50, smoke)
+            r = dict(B=b, S=s, live=live, max_ctx=max_ctx, variant="fp8_query" if fp8 else f"mtp_S{s}", us=t,
+                     floor_us=floor_us(b, live) + b * live * 8 * (s - 1) / HBM_BPS * 1e6)
+            res.append(r)
+            print("sweep", r, flush=True)
+            del st
+    return res
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+def to_markdown(res):
+    lines = [f"# DSA indexer decode step on {res['device']} ({res['date']}, torch {res['torch']}, triton {res['triton']})",
+             "", f"Command: `{res['command']}`. Copy bandwidth measured in this run: {res.get('copy_GBps', 0):.0f} GB/s; "
+             f"byte floor = keys read (132 B/position) + logits written and read (8 B/position) at "
+             f"{HBM_BPS / 1e12:.1f} TB/s. H = 64, S = 1, topk 512, page 64, bf16 query; each time is the median of "
+             "CUDA-graph replays (4 input sets per graph for ours).", "",
+             "| B | actual length | max context | ours us | naive torch us | naive / ours | floor us | ours / floor |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in res.get("timing", []):
+        n = r.get("naive_us", float("nan"))
+        lines.append(f"| {r['B']} | {r['live']} | {r['max_ctx']} | {r['ours_us']:.1f} | {n:.1f} | "
+                     f"{n / r['ours_us']:.1f}x | {r['floor_us']:.1f} | {r['ours_over_floor']:.2f} |")
+    lines += ["", "Max-context independence (ours, equal actual length):", ""]
+    by = {(r["B"], r["live"], r["max_ctx"]): r["ours_us"] for r in res.get("timing", [])}
+    for (b, live, mc), t in sorted(by.items()):
+        if mc == 1 << 20:
+            base = by.get((b, live, 8192)) or by.get((b, live, 131072))
+            base_mc = 8192 if (b, live, 8192) in by else 131072
+            if base:
+                lines.append(f"- B={b}, actual {live}: t(1M) / t({base_mc // 1024}K) = {t / base:.3f}")
+    if res.get("sweep"):
+        lines += ["", "Variants at actual 32K, max 128K:", "", "| B | S | variant | us | floor us |", "|---|---|---|---|---|"]
+        for r in res["sweep"]:
+            lines.append(f"| {r['B']} | {r['S']} | {r['variant']} | {r['us']:.1f} | {r['floor_us']:.1f} |")
+    if res.get("correctness"):
+        ok = sum(c["ok"] for c in res["correctness"])
+        lines += ["", f"Correctness: {ok}/{len(res['correctness'])} cases exact up to ties (fp64 reference)."]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
+    ap.add_argument("--skip-correctness", action="store_true")
+    ap.add_argument("--skip-sweep", action="store_true")
+    ap.add_argument("--deadline", type=float, default=1e9, help="seconds of wall time for optional work")
+    args = ap.parse_args()
+    deadline = Deadline(args.deadline)
+    smoke = args.smoke
+    dev = torch.device("cpu" if smoke else "cuda")
+    t0 = time.time()
+    res = dict(device=torch.cuda.get_device_name() if not smoke else "cpu (interpreter smoke run)",
+               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+               torch=torch.__version__, triton=triton.__version__, hbm_floor_bps=HBM_BPS,
+               command="python benchmarks/kernels/indexer.py " + " ".join(sys.argv[1:]))
+    if not smoke:
+        x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+        y = torch.empty_like(x)
+        res["copy_GBps"] = 2 * x.numel() / (triton.testing.do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3) / 1e9
+        del x, y
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"indexer_{res['date'][:10]}")
+
+    def save():  # after every section, so a run cut short still returns what it measured
+        res["wall_s"] = time.time() - t0
+        res["skipped_by_deadline"] = deadline.skipped
+        if "correctness" in res:
+            res["correct_all_ok"] = all(c["ok"] for c in res["correctness"])
+        with open(stem + ".json", "w") as f:
+            json.dump(res, f, indent=1)
+        with open(stem + ".md", "w") as f:
+            f.write(to_markdown(res))
+
+    if not args.skip_correctness:
+        res["correctness"] = correctness(dev, smoke, "core", deadline)
+        save()
+    if not smoke:
+        torch.cuda.empty_cache()
+    # one pool for all timings: 4 sets x B=64 x 32K live tokens of distinct pages (1.1 GB)
+    pool = make_pool(ROT * 64 * 32768 // PS if not smoke else 64, dev, seed=99)
+    res["timing"] = timing(dev, pool, smoke, args.quick, deadline)
+    save()
+    if not args.skip_sweep:
+        res["sweep"] = sweep(dev, pool, smoke, deadline)
+        save()
+    if not args.skip_correctness and not smoke:
+        del pool
+        torch.cuda.empty_cache()
+        res["correctness"] += correctness(dev, smoke, "more", deadline)
+    save()
+    md = to_markdown(res)
+    print(md)
+    print("correctness ok:", res.get("correct_all_ok"), " wall", round(res["wall_s"]), "s; wrote", stem + ".{json,md}")
+
+
+if __name__ == "__main__":
+    main()
