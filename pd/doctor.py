@@ -17,9 +17,25 @@ What the checks know about the pinned SGLang (0.5.23), in our words:
   ``flashinfer_megamoe`` raises unless the device is SM100-family; ``hpc_ops`` is SM90-only.
 - The draft (MTP) MoE backend: ``--speculative-moe-runner-backend`` when given, otherwise the
   target's resolved backend (``flashinfer_megamoe`` becomes ``flashinfer_trtllm`` for the draft).
-  The draft's quantization (``--speculative-draft-model-quantization``) defaults to
-  ``--quantization``; left unset, the checkpoint's format is auto-detected and the guards keyed
-  on the quantization value do not fire.
+  EAGLE's worker (``eagle_worker_v2``) builds the draft under that backend, so it decides the
+  draft's MoE method. The draft's quantization (``--speculative-draft-model-quantization``)
+  defaults to ``--quantization``; left unset, the checkpoint's format is auto-detected and the
+  guards keyed on the quantization value do not fire.
+- MXFP4 routed experts (``ModelConfig.is_fp4_experts``; DeepSeek-V4's layout, MTP layer included)
+  get their MoE method from ``Fp8Config.get_quant_method`` by backend: ``flashinfer_mxfp4``
+  (FlashInfer CUTLASS MXFP8 x MXFP4 on sm_120, CUTLASS on sm_90, otherwise the TRT-LLM method whose
+  kernels are sm_100-only), ``marlin`` (raises off sm_90/sm_120), ``humming``. Every other backend
+  leaves them to ``Fp8MoEMethod``, whose FP8 kernels do not read packed e2m1: under ``triton``
+  (also what ``auto``, ``flashinfer_cutlass`` and ``flashinfer_cutedsl`` become there) the first
+  forward fails "Hidden size mismatch". With ``SGLANG_DSV4_FP4_DEQUANT=1`` the experts are
+  dequantized to FP8 at load and the backend must be ``auto`` (SGLang asserts it). Left ``auto``,
+  the target of a DeepSeek-V4 checkpoint gets ``flashinfer_mxfp4`` from SGLang's model override on
+  sm_90/sm_100/sm_120 (no expert-parallel all-to-all, no dequantization), and
+  ``flashinfer_trtllm_routed`` (sm_100-only) for the NVFP4 hybrid; an explicit ``auto`` for the
+  draft is not resolved by that override.
+- DeepSeek-V4 on CUDA runs 256-token KV pages: its model override replaces any ``--page-size``
+  (the last declaration wins over the command line, with only an info log) and the dsv4
+  attention metadata asserts 256.
 - DeepSeek-V4 with EAGLE requires ``--speculative-eagle-topk 1``.
 
 config.json keys read (the model directory's, and the draft directory's when
@@ -37,7 +53,12 @@ config.json keys read (the model directory's, and the draft directory's when
   routed experts, the MTP layer's included, are MXFP4); ``quant_method == "mxfp4"``;
   ``quant_algo == "MIXED_PRECISION"`` with ``moe_quant_algo == "NVFP4"`` (main experts NVFP4, the
   MTP layer's ``mtp.*`` experts stay MXFP4); a DeepSeek-V4 architecture without
-  ``routed_experts_quant_method`` (SGLang's default, ``SGLANG_DSV4_FP4_EXPERTS=1``: MXFP4).
+  ``routed_experts_quant_method``: as SGLang decides it, by the dtype of one routed expert weight
+  in the safetensors header (``model.safetensors.index.json`` -> shard; U8/I8/F4: MXFP4,
+  F8_E4M3: FP8 experts), else its default ``SGLANG_DSV4_FP4_EXPERTS=1`` (MXFP4).
+
+When config.json cannot be read here, a ``model_path`` whose name says DeepSeek-V4 is taken as one
+(architecture-keyed checks then report warnings, not errors: the guess could be wrong).
 
 GPU detection: ``--assume-gpu`` wins (no device query). Otherwise ``nvidia-smi
 --query-gpu=compute_cap`` first — it counts the node's physical GPUs, which is what the config's
@@ -73,9 +94,30 @@ ARCH_BOUND_MOE_BACKENDS: dict[str, tuple[int, ...]] = {
     "flashinfer_megamoe": (10,),
     "hpc_ops": (9,),
 }
-SAFE_MOE_BACKEND = "triton"  # runs on every CUDA generation, MXFP4 experts included
+# MXFP4 routed experts: Fp8Config.get_quant_method wraps them in an MXFP4 MoE method for these backends;
+# value: the compute-capability majors where that method runs (None: SGLang does not gate it by GPU).
+FP4_EXPERT_METHODS: dict[str, Optional[tuple[int, ...]]] = {
+    "flashinfer_mxfp4": (9, 10, 12),  # CUTLASS on sm_90/sm_12x, TRT-LLM (sm_100-only kernels) on any other GPU
+    "marlin": (9, 12),                # Mxfp4MarlinMoEMethod: "MXFP4 Marlin requires SM90 or SM120"
+    "humming": None,
+}
+# Fp8MoEMethod's own runners that read FP4 experts (their GPU limits are in ARCH_BOUND_MOE_BACKENDS).
+FP4_EXPERT_RUNNERS = ("deep_gemm", "flashinfer_megamoe", "aiter")
+# Backends under which MXFP4 experts end on Fp8MoEMethod's Triton FP8 kernel (auto unless DeepGEMM is on;
+# Fp8MoEMethod has no FlashInfer CUTLASS/CuteDSL FP8 path and switches those to Triton).
+FP4_TO_TRITON_BACKENDS = ("triton", "auto", "flashinfer_cutlass", "flashinfer_cutedsl")
+DEEPGEMM_A2A_BACKENDS = ("deepep", "mooncake", "nixl")  # with these, auto is DeepGEMM in Fp8MoEMethod
+DSV4_AUTO_MXFP4_MAJORS = (9, 10, 12)  # SGLang's DeepSeek-V4 override: auto -> flashinfer_mxfp4 there
+FP4_DEQUANT_ENV = "SGLANG_DSV4_FP4_DEQUANT"  # dequantize MXFP4 experts to FP8 at load (needs backend auto)
+DSV4_PAGE_SIZE = 256  # what DeepSeek-V4's model override sets on CUDA, and what its attention asserts
+TRITON_MOE_BACKEND = "triton"  # FP8/BF16 experts: Triton's fused MoE runs on every CUDA generation
 CONTEXT_LENGTH_LIMIT = 65536  # above this the stock DSA indexer's per-step cost dominates
 DSA_ARCH_PREFIXES = ("DeepseekV4", "DeepseekV32")
+DSV4_ARCH_PREFIX = "DeepseekV4"
+DSV4_NAME = re.compile(r"deepseek[-_ .]?v4", re.IGNORECASE)  # a model_path that names DeepSeek-V4
+# a routed expert's weight in a DeepSeek checkpoint (the key SGLang probes for the expert dtype)
+ROUTED_EXPERT_KEY = re.compile(r"\.experts\.\d+\.(?:w[123]|down_proj|up_proj|gate_proj)\.weight$")
+FP4_SAFETENSORS_DTYPES = ("U8", "I8", "F4")  # packed e2m1 pairs
 IB_SYSFS = "/sys/class/infiniband"
 
 
@@ -226,14 +268,54 @@ def read_model_info(path: str | os.PathLike) -> ModelInfo:
         info.draft_experts_quant = "mxfp4"
         info.draft_experts_source = ("config.json quantization_config.quant_algo=MIXED_PRECISION with moe_quant_algo=NVFP4; "
                                      "the MTP layer's mtp.* experts stay MXFP4")
-    elif arch and arch.startswith("DeepseekV4") and "routed_experts_quant_method" not in q:
-        src = f"architectures[0]={arch} without quantization_config.routed_experts_quant_method (SGLang default: MXFP4 experts)"
-        info.experts_quant = info.draft_experts_quant = "mxfp4"
+    elif arch and arch.startswith(DSV4_ARCH_PREFIX) and "routed_experts_quant_method" not in q:
+        dtype, where = routed_expert_dtype(d)
+        base = f"architectures[0]={arch} without quantization_config.routed_experts_quant_method"
+        if dtype == "F8_E4M3":
+            info.experts_quant = info.draft_experts_quant = info.quant_method
+            src = f"{base}; {where} is F8_E4M3 (FP8 experts)"
+        else:
+            info.experts_quant = info.draft_experts_quant = "mxfp4"
+            src = (f"{base}; {where} is {dtype} (packed MXFP4)" if dtype in FP4_SAFETENSORS_DTYPES
+                   else f"{base}; expert dtype not in a safetensors header here (SGLang default: MXFP4 experts)")
         info.experts_source = info.draft_experts_source = src
     else:
         info.experts_quant = info.draft_experts_quant = info.quant_method
         info.experts_source = info.draft_experts_source = info.quant_source
     return info
+
+
+def routed_expert_dtype(d: Path) -> tuple[Optional[str], str]:
+    """The safetensors dtype (``U8``, ``F8_E4M3``, ...) of one routed expert weight of checkpoint ``d``,
+    read from a shard's JSON header only (the first ``<u64 little-endian length>`` + JSON bytes), the way
+    SGLang decides ``is_fp4_experts`` for DeepSeek-V4. Returns (dtype or None, where it was read); None when
+    there is no index/shard, no routed-expert key, or an unreadable header (never raises)."""
+    try:
+        index = d / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map") or {}
+            key = next((k for k in weight_map if ROUTED_EXPERT_KEY.search(k)), None)
+            if key is None:
+                return None, ""
+            shard = d / weight_map[key]
+        else:
+            shards = sorted(d.glob("*.safetensors"))
+            if not shards:
+                return None, ""
+            shard, key = shards[0], None
+        with open(shard, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n <= 1 << 28:
+                return None, ""
+            header = json.loads(f.read(n))
+        if key is None:
+            key = next((k for k in header if ROUTED_EXPERT_KEY.search(k)), None)
+        meta = header.get(key) if key else None
+        if isinstance(meta, dict) and isinstance(meta.get("dtype"), str):
+            return meta["dtype"], f"{shard.name} {key}"
+    except (OSError, ValueError, AttributeError, TypeError):
+        pass
+    return None, ""
 
 
 # ---- GPU ---------------------------------------------------------------------------------------
@@ -357,8 +439,25 @@ class Context:
             "speculative_draft_model_path": sp.draft_model_path if sp else None,
             "context_length": s.context_length, "page_size": self.cfg.page_size,
             "model_path": self.cfg.model_path, "kv_cache_dtype": s.kv_cache_dtype,
+            "moe_a2a_backend": "none", "speculative_moe_a2a_backend": sp.moe_a2a_backend if sp else None,
         }
         return fallback[attr]
+
+    def env_flag(self, role: str, name: str) -> bool:
+        """Whether a role's ``env`` switches an SGLang boolean variable on (SGLang's EnvBool spelling:
+        true/1/yes/y, any case)."""
+        return str(self.cfg.groups()[role].env.get(name, "")).strip().lower() in ("true", "1", "yes", "y")
+
+    def dsv4(self) -> tuple[bool, bool, str]:
+        """Whether the target is DeepSeek-V4: (is_dsv4, guessed, where from). From config.json's
+        architectures[0]; when it was not read, guessed from a model_path that names DeepSeek-V4."""
+        if self.model is not None:
+            arch = self.model.architecture or "?"
+            return arch.startswith(DSV4_ARCH_PREFIX), False, f"config.json architectures[0]={arch}"
+        name = Path(self.cfg.model_path).name
+        if DSV4_NAME.search(name):
+            return True, True, f"model_path {name} names DeepSeek-V4 (its config.json was not read here)"
+        return False, False, ""
 
     def by_value(self, attr: str, roles=ROLES) -> dict:
         """{value: [roles]} of an effective setting."""
@@ -457,46 +556,221 @@ def check_model_config(ctx: Context) -> list[Finding]:
     return out
 
 
-def _draft_experts(ctx: Context) -> tuple[Optional[str], str]:
+def _target_experts(ctx: Context) -> tuple[Optional[str], str, bool]:
+    """(format, where it was read, guessed) of the target's routed experts."""
+    if ctx.model is not None:
+        return ctx.model.experts_quant, ctx.model.experts_source, False
+    dsv4, guessed, src = ctx.dsv4()
+    if dsv4:
+        return "mxfp4", f"{src}; SGLang's default for DeepSeek-V4 is MXFP4 experts", guessed
+    return None, "", False
+
+
+def _draft_experts(ctx: Context) -> tuple[Optional[str], str, bool]:
+    """(format, where it was read, guessed) of the draft's routed experts (a separate draft checkpoint,
+    else the target's MTP layers)."""
     if ctx.draft is not None:
-        return ctx.draft.experts_quant, ctx.draft.experts_source
-    if ctx.model is not None and ctx.model.mtp_layers:
-        return ctx.model.draft_experts_quant, ctx.model.draft_experts_source
-    return None, ""
+        return ctx.draft.experts_quant, ctx.draft.experts_source, False
+    if ctx.model is not None:
+        return (ctx.model.draft_experts_quant, ctx.model.draft_experts_source, False) if ctx.model.mtp_layers else (None, "", False)
+    if not any(ctx.value(r, "speculative_draft_model_path") for r in ROLES):
+        return _target_experts(ctx)
+    return None, "", False
+
+
+def _suggested_backend(experts: Optional[str], major: Optional[int]) -> Optional[str]:
+    """The MoE backend doctor suggests for experts of this format on this GPU generation; None for
+    MXFP4 experts on a GPU none of SGLang's MXFP4 methods runs on (then: dequantize, see _moe_fix)."""
+    if experts == "mxfp4":
+        return "flashinfer_mxfp4" if major is None or major in FP4_EXPERT_METHODS["flashinfer_mxfp4"] else None
+    if experts in ("nvfp4", "modelopt_fp4"):
+        return "flashinfer_cutlass"  # SGLang's NVFP4 MoE path off sm_100 (its trtllm-gen kernels are SM100-only)
+    return TRITON_MOE_BACKEND
+
+
+def _moe_fix(key: str, experts: Optional[str], gpu: GpuInfo) -> str:
+    b = _suggested_backend(experts, gpu.major)
+    on = gpu.arch or "any GPU"
+    if b is None:
+        return (f"set {key}: auto and {FP4_DEQUANT_ENV}: '1' in prefill.env and decode.env (no MXFP4 MoE kernel of the "
+                f"pinned SGLang runs on {gpu.arch}; the experts are then dequantized to FP8 at load)")
+    if experts == "mxfp4":
+        how = {9: "FlashInfer CUTLASS", 10: "FlashInfer TRT-LLM", 12: "FlashInfer CUTLASS MXFP8 x MXFP4"}.get(gpu.major)
+        return f"set {key}: {b} (MXFP4 experts" + (f" on {how} kernels for {on})" if how else " on sm_90/sm_100/sm_120)")
+    if experts in ("nvfp4", "modelopt_fp4"):
+        return (f"set {key}: {b} (SGLang's NVFP4 MoE off sm_100; its config check wants --quantization "
+                "modelopt_fp4 or modelopt_mixed)")
+    return f"set {key}: {b} (runs on {on})"
+
+
+def resolve_target_moe(ctx: Context, role: str) -> tuple[str, str]:
+    """The MoE backend SGLang runs the target's MoE layers on for ``role``: (backend, how; empty when the
+    argv names it). ``auto`` stays ``auto`` except where SGLang's DeepSeek-V4 override decides it."""
+    given = ctx.value(role, "moe_runner_backend") or "auto"
+    if given != "auto" or not ctx.dsv4()[0]:
+        return given, ""
+    experts = _target_experts(ctx)[0]
+    if experts == "nvfp4":
+        return "flashinfer_trtllm_routed", "SGLang's DeepSeek-V4 override picks it for the FP8+NVFP4 hybrid checkpoint"
+    if (experts == "mxfp4" and ctx.value(role, "moe_a2a_backend") in (None, "none")
+            and not ctx.env_flag(role, FP4_DEQUANT_ENV)
+            and (ctx.gpu.major is None or ctx.gpu.major in DSV4_AUTO_MXFP4_MAJORS)):
+        return "flashinfer_mxfp4", "SGLang's DeepSeek-V4 override picks it for MXFP4 experts on sm_90/sm_100/sm_120"
+    return "auto", ""
+
+
+def resolve_draft_moe(ctx: Context, role: str) -> tuple[str, str]:
+    """The MoE backend the draft is built and run under for ``role``: (backend, how; empty when
+    ``--speculative-moe-runner-backend`` names it)."""
+    given = ctx.value(role, "speculative_moe_runner_backend")
+    if given is not None:
+        return given, ""
+    target, _ = resolve_target_moe(ctx, role)
+    backend = {"flashinfer_megamoe": "flashinfer_trtllm"}.get(target, "auto" if target.startswith("lora_") else target)
+    return backend, f"unset: the draft inherits the target's {target}" + (f" as {backend}" if backend != target else "")
+
+
+def _shown(given: Optional[str], backend: str, how: str) -> str:
+    if not how:
+        return backend
+    return how if given is None else f"{given} ({how}: {backend})"
 
 
 def check_moe_backend_arch(ctx: Context) -> list[Finding]:
-    """Refuse a target or draft MoE backend whose kernels do not exist for this GPU generation
-    (e.g. FlashInfer TRT-LLM, sm_100-only, on sm_120)."""
+    """Refuse a target or draft MoE backend whose kernels do not exist for this GPU generation (e.g.
+    FlashInfer TRT-LLM, sm_100-only, on sm_120), whether named or what SGLang resolves ``auto`` to."""
     if not ctx.sglang:
         return []
     if ctx.gpu.arch is None:
         return [Finding("ok", "moe-backend-arch", "skipped: GPU architecture unknown")]
+    major, spec = ctx.gpu.major, ctx.spec_roles()
+    dq, dsrc, _ = _draft_experts(ctx)
+    tq = _target_experts(ctx)[0]
+    groups: dict = {}
+    for r in ROLES:
+        groups.setdefault(("moe_runner_backend", ctx.value(r, "moe_runner_backend"), *resolve_target_moe(ctx, r)), []).append(r)
+        if r in spec and ctx.value(r, "speculative_moe_runner_backend") is not None:  # unset: reported with the target
+            groups.setdefault(("speculative_moe_runner_backend", ctx.value(r, "speculative_moe_runner_backend"), *resolve_draft_moe(ctx, r)), []).append(r)
     out = []
-    major = ctx.gpu.major
-    spec = ctx.spec_roles()
-    dq, dsrc = _draft_experts(ctx)
-    for attr, what, roles in (("moe_runner_backend", "the target model's MoE", ROLES),
-                              ("speculative_moe_runner_backend", "the draft (MTP) MoE", spec)):
-        for backend, rs in ctx.by_value(attr, roles).items():
-            need = ARCH_BOUND_MOE_BACKENDS.get(backend or "")
-            if not need or major in need:
-                continue
-            gens = "/".join(f"sm_{n}x" for n in need)
-            detail = ""
-            if attr == "speculative_moe_runner_backend" and dq == "mxfp4":
-                detail = f"; the draft's experts are MXFP4 ({dsrc}), which would take FlashInfer's trtllm-gen MXFP4 MoE"
-            inherit = ""
-            if attr == "moe_runner_backend" and spec and any(ctx.value(r, "speculative_moe_runner_backend") is None for r in rs if r in spec):
-                inherit = "; the draft inherits it because sglang.speculative.moe_runner_backend is unset"
-            fix_key = "sglang.speculative.moe_runner_backend" if attr == "speculative_moe_runner_backend" else "sglang.moe_runner_backend"
-            out.append(Finding(
-                "error", "moe-backend-arch",
-                f"{ctx.where(attr, rs)} is {backend} on {_roles(rs)}: {what} would run kernels built only for {gens}, "
-                f"not {ctx.gpu.arch}{detail}{inherit} (startup dies with 'no kernel image is available')",
-                f"set {fix_key}: {SAFE_MOE_BACKEND} (runs on {ctx.gpu.arch}" + (", MXFP4 experts included)" if dq == "mxfp4" else ")")))
+    for (attr, given, backend, how), rs in groups.items():
+        need = ARCH_BOUND_MOE_BACKENDS.get(backend)
+        if not need or major in need:
+            continue
+        gens = "/".join(f"sm_{n}x" for n in need)
+        draft = attr == "speculative_moe_runner_backend"
+        what = "the draft (MTP) MoE" if draft else "the target model's MoE"
+        detail = f"; the draft's experts are MXFP4 ({dsrc})" if draft and dq == "mxfp4" else ""
+        inherit = ""
+        if not draft and any(ctx.value(r, "speculative_moe_runner_backend") is None for r in rs if r in spec):
+            inherit = "; the draft inherits it because sglang.speculative.moe_runner_backend is unset"
+        fix_key = "sglang.speculative.moe_runner_backend" if draft else "sglang.moe_runner_backend"
+        out.append(Finding(
+            "error", "moe-backend-arch",
+            f"{ctx.where(attr, rs)} is {_shown(given, backend, how)} on {_roles(rs)}: "
+            f"{what} would run kernels built only for {gens}, not {ctx.gpu.arch}{detail}{inherit} "
+            "(startup dies with 'no kernel image is available')",
+            _moe_fix(fix_key, dq if draft else tq, ctx.gpu)))
     if not out:
         out.append(Finding("ok", "moe-backend-arch", f"MoE backends run on {ctx.gpu.arch}"))
+    return out
+
+
+def _fp4_problem(backend: str, a2a: Optional[str], dequant: bool, major: Optional[int]) -> Optional[tuple[str, str]]:
+    """Why MXFP4 experts under ``backend`` do not run: (level, reason), or None when they do."""
+    if dequant:
+        if backend == "auto":
+            return None
+        return "error", (f"with {FP4_DEQUANT_ENV}=1 the experts are dequantized to FP8, and SGLang asserts "
+                         f"'{backend} is not compatible with {FP4_DEQUANT_ENV}=1' when it builds the layer")
+    if backend == "auto" and a2a in DEEPGEMM_A2A_BACKENDS:
+        return None  # Fp8MoEMethod's auto is DeepGEMM then, which reads FP4 experts
+    methods = ", ".join(FP4_EXPERT_METHODS)
+    if backend in FP4_TO_TRITON_BACKENDS:
+        return "error", (f"under {backend} SGLang's Fp8Config.get_quant_method leaves them to Fp8MoEMethod, which runs "
+                         "its Triton FP8 MoE kernel on the packed e2m1 weights: the first forward fails 'Hidden size "
+                         f"mismatch' (MXFP4 MoE methods exist for {methods})")
+    if backend in FP4_EXPERT_RUNNERS:
+        return None
+    if backend in FP4_EXPERT_METHODS:
+        majors = FP4_EXPERT_METHODS[backend]
+        if majors and major is not None and major not in majors:
+            where = "/".join(f"sm_{m}x" for m in majors)
+            tail = "; elsewhere it takes the TRT-LLM method, whose kernels are sm_100-only" if backend == "flashinfer_mxfp4" else ""
+            return "error", f"{backend}'s MXFP4 MoE method runs on {where} only{tail}"
+        return None
+    return "warning", (f"{backend} is not one of SGLang's MXFP4 MoE backends ({methods}): the experts go to "
+                       "Fp8MoEMethod's FP8 path for it, which is not known to read packed e2m1")
+
+
+def _plugin_takes_draft_moe(ctx: Context, role: str) -> bool:
+    """pdserve's plugin replaces the draft's MXFP4 MoE method on this GPU (sm_12x, or forced), whatever the
+    runner flags say, unless the layer uses expert parallelism (it then keeps SGLang's method)."""
+    k = ctx.cfg.sglang.pdserve_kernels
+    ep = getattr(ctx.args.get(role), "ep_size", 1) or 1
+    return k.enabled and k.mxfp4_moe and (ctx.gpu.major == 12 or k.force) and ep == 1
+
+
+def check_fp4_experts(ctx: Context) -> list[Finding]:
+    """MXFP4 routed experts (target, and the MTP draft's) need a backend that loads them on this GPU:
+    refuse one that hands them to an FP8-only kernel (e.g. ``triton``), or one whose MXFP4 method does
+    not exist for this GPU generation, or any backend but ``auto`` with SGLANG_DSV4_FP4_DEQUANT=1."""
+    if not ctx.sglang:
+        return []
+    spec = ctx.spec_roles()
+    dsv4 = ctx.dsv4()[0]
+    groups: dict = {}
+    for r in ROLES:
+        dequant = ctx.env_flag(r, FP4_DEQUANT_ENV)
+        a2a = ctx.value(r, "moe_a2a_backend")
+        parts = [("moe_runner_backend", _target_experts(ctx), resolve_target_moe(ctx, r), a2a)]
+        if r in spec:
+            parts.append(("speculative_moe_runner_backend", _draft_experts(ctx), resolve_draft_moe(ctx, r),
+                          ctx.value(r, "speculative_moe_a2a_backend") or a2a))
+        for attr, (experts, src, guessed), (backend, how), a2a_used in parts:
+            if experts != "mxfp4":
+                continue
+            if backend == "auto" and not dsv4 and not dequant and (attr == "moe_runner_backend" or how):
+                continue  # the target's auto is another model's override to decide; not known here
+            problem = _fp4_problem(backend, a2a_used, dequant, ctx.gpu.major)
+            if problem is None:
+                continue
+            level, reason = problem
+            need = ARCH_BOUND_MOE_BACKENDS.get(backend)
+            if level == "warning" and need and ctx.gpu.major is not None and ctx.gpu.major not in need:
+                continue  # refused by moe-backend-arch already
+            plugin = (attr == "speculative_moe_runner_backend" and not dequant and _plugin_takes_draft_moe(ctx, r))
+            key = (attr, ctx.value(r, attr), backend, how, level, reason, src, guessed, dequant, plugin)
+            groups.setdefault(key, []).append(r)
+    out = []
+    for (attr, given, backend, how, level, reason, src, guessed, dequant, plugin), rs in groups.items():
+        draft = attr == "speculative_moe_runner_backend"
+        what = "the draft (MTP) MoE's" if draft else "the target model's"
+        notes = ""
+        if plugin:
+            level = "warning"
+            notes += ("; pdserve's plugin (sglang.pdserve_kernels mxfp4_moe) replaces the draft's MXFP4 MoE method "
+                      f"on {ctx.gpu.arch or 'this GPU'}, so it runs, but not without the plugin")
+        if guessed and level == "error":
+            level = "warning"
+            notes += "; the checkpoint's config.json was not read here, so this is a guess"
+        fix_key = "sglang.speculative.moe_runner_backend" if draft else "sglang.moe_runner_backend"
+        if dequant:
+            envs = " and ".join(f"{r}.env" for r in rs)
+            fix = f"set {fix_key}: auto ({FP4_DEQUANT_ENV}=1 requires it), or drop {FP4_DEQUANT_ENV} from {envs}"
+        else:
+            fix = _moe_fix(fix_key, "mxfp4", ctx.gpu)
+        out.append(Finding(level, "moe-fp4-experts",
+                           f"{ctx.where(attr, rs)} is {_shown(given, backend, how)} on {_roles(rs)}: {what} routed "
+                           f"experts are MXFP4 ({src}); {reason}{notes}", fix))
+    if not out:
+        tq, dq = _target_experts(ctx)[0], _draft_experts(ctx)[0] if spec else None
+        if "mxfp4" not in (tq, dq):
+            out.append(Finding("ok", "moe-fp4-experts", "no MXFP4 routed experts" if ctx.model is not None or ctx.dsv4()[0]
+                               else "skipped: the checkpoint's config.json was not read"))
+        else:
+            guess = " (DeepSeek-V4 guessed from model_path)" if ctx.model is None else ""
+            out.append(Finding("ok", "moe-fp4-experts", "MXFP4 routed experts: the MoE backends in use load them"
+                               + (f" on {ctx.gpu.arch}" if ctx.gpu.arch else "") + guess))
     return out
 
 
@@ -511,7 +785,7 @@ def check_spec_moe_explicit(ctx: Context) -> list[Finding]:
     unset = [r for r in spec if ctx.value(r, "speculative_moe_runner_backend") in (None, "auto")]
     if not unset:
         return [Finding("ok", "spec-moe-backend", "sglang.speculative.moe_runner_backend is explicit")]
-    dq, dsrc = _draft_experts(ctx)
+    dq, dsrc, _ = _draft_experts(ctx)
     level = "error" if ctx.gpu.major == 12 else "warning"
     experts = f" The draft's experts are MXFP4 ({dsrc})." if dq == "mxfp4" else ""
     on = f" on {ctx.gpu.arch}" if ctx.gpu.arch else ""
@@ -519,7 +793,28 @@ def check_spec_moe_explicit(ctx: Context) -> list[Finding]:
                     f"{ctx.where('speculative_moe_runner_backend', unset)} is "
                     f"{ctx.value(unset[0], 'speculative_moe_runner_backend') or 'unset'} on {_roles(unset)}: the draft MoE's "
                     f"kernel is chosen automatically{on}, which once picked an sm_100-only FlashInfer TRT-LLM kernel.{experts}",
-                    f"set sglang.speculative.moe_runner_backend: {SAFE_MOE_BACKEND}")]
+                    _moe_fix("sglang.speculative.moe_runner_backend", dq, ctx.gpu))]
+
+
+def check_page_size(ctx: Context) -> list[Finding]:
+    """DeepSeek-V4 runs 256-token KV pages on CUDA whatever ``page_size`` says: SGLang's model override
+    replaces the value (only an info log says so) and the dsv4 attention asserts 256. Warn when the config
+    asks for another size (it would not be the size that runs)."""
+    if not ctx.sglang:
+        return []
+    dsv4, guessed, src = ctx.dsv4()
+    if not dsv4:
+        return [Finding("ok", "page-size", "no model-imposed page size known" if ctx.model is not None or not src
+                        else "skipped: the checkpoint's config.json was not read")]
+    out = []
+    for ps, rs in ctx.by_value("page_size").items():
+        if ps != DSV4_PAGE_SIZE:
+            out.append(Finding("warning", "page-size",
+                               f"{ctx.where('page_size', rs)} is {ps} on {_roles(rs)}, but DeepSeek-V4 ({src}) runs "
+                               f"{DSV4_PAGE_SIZE}-token KV pages on CUDA: SGLang's model override replaces --page-size "
+                               f"with {DSV4_PAGE_SIZE} (its dsv4 attention asserts {DSV4_PAGE_SIZE}), so the workers "
+                               f"run {DSV4_PAGE_SIZE}, not {ps}", f"set page_size: {DSV4_PAGE_SIZE}"))
+    return out or [Finding("ok", "page-size", f"page_size {DSV4_PAGE_SIZE}, what DeepSeek-V4 runs")]
 
 
 def check_quantization(ctx: Context) -> list[Finding]:
@@ -770,7 +1065,8 @@ def check_kv_transfer(ctx: Context) -> list[Finding]:
 
 CHECKS: list[Callable[[Context], list[Finding]]] = [
     check_gpu_arch, check_model_config, check_engine_args, check_quantization, check_moe_backend_arch,
-    check_spec_moe_explicit, check_speculative_draft, check_pd_consistency, check_gpus, check_router_port,
+    check_fp4_experts, check_spec_moe_explicit, check_speculative_draft, check_page_size, check_pd_consistency,
+    check_gpus, check_router_port,
     check_context_length, check_pdserve_plugin, check_kv_transfer,
 ]
 

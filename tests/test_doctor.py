@@ -28,11 +28,18 @@ NVFP4_HYBRID = {**DSV4_CONFIG, "quantization_config": {"quant_method": "fp8", "q
                                                        "moe_quant_algo": "NVFP4", "group_size": 16}}
 
 
-def ckpt(tmp_path, name="ckpt", **config):
-    d = tmp_path / name
+def ckpt(tmp_path, name=None, **config):
+    d = tmp_path / (name or next(f"ckpt{i}" for i in range(1000) if not (tmp_path / f"ckpt{i}").exists()))
     d.mkdir()
     (d / "config.json").write_text(json.dumps(config))
     return str(d)
+
+
+def safetensors_header(d, tensors, shard="model-00001-of-00002.safetensors"):
+    """A shard holding only a safetensors header ({name: dtype}) plus the index that points at it."""
+    header = json.dumps({k: {"dtype": t, "shape": [1], "data_offsets": [0, 1]} for k, t in tensors.items()}).encode()
+    (d / shard).write_bytes(len(header).to_bytes(8, "little") + header + b"\0")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: shard for k in tensors}}))
 
 
 def profile(tmp_path=None, model=None, **sglang):
@@ -77,6 +84,19 @@ def test_shipped_profile_passes_on_sm120(tmp_path, capsys):
     out = capsys.readouterr().out
     assert e.value.code == 0, out
     assert "0 error(s)" in out and "WARN  [model-config]" in out  # /models/... is not here: a warning
+    # ...and the DeepSeek-V4 rules still apply (by model_path), with nothing to report
+    assert "ok    [moe-fp4-experts] MXFP4 routed experts: the MoE backends in use load them on sm_120" in out
+    assert "ok    [page-size] page_size 256" in out
+
+
+@pytest.mark.parametrize("gpu", [SM120, SM100, SM90], ids=lambda g: g.arch)
+def test_shipped_profile_is_right_without_the_plugin(tmp_path, gpu):
+    """On the real checkpoint's config (MXFP4 experts, MTP layer), without pdserve's plugin taking the draft's
+    MoE: no error and no MoE/page-size warning on any GPU generation the MXFP4 backends serve."""
+    f = run(profile(tmp_path, DSV4_CONFIG, pdserve_kernels=False), gpu)
+    assert D.exit_code(f) == 0, [x for x in f if x.level == "error"]
+    for check in ("moe-backend-arch", "moe-fp4-experts", "spec-moe-backend", "page-size"):
+        assert [x.level for x in of(f, check)] == ["ok"], of(f, check)
 
 
 @pytest.mark.parametrize("spec_backend", ["flashinfer_trtllm", None])
@@ -90,7 +110,8 @@ def test_the_design_md_failure_is_refused_naming_both_causes(tmp_path, capsys, s
     draft_check = "moe-backend-arch" if spec_backend else "spec-moe-backend"
     assert f"ERROR [{draft_check}] sglang.speculative.moe_runner_backend (--speculative-moe-runner-backend)" in out
     assert "MXFP4" in out
-    assert "fix: set sglang.speculative.moe_runner_backend: triton" in out
+    assert "fix: set sglang.speculative.moe_runner_backend: flashinfer_mxfp4" in out
+    assert "moe_runner_backend: triton" not in out  # Triton's FP8 MoE cannot read MXFP4 experts
     # cause 2: quantization left to auto-detection, fix names the checkpoint's value
     assert "ERROR [quantization] sglang.quantization (--quantization) is unset" in out
     assert "fix: set sglang.quantization: fp8 (the checkpoint's config.json quantization_config.quant_method)" in out
@@ -159,6 +180,14 @@ def test_read_model_info_keys(tmp_path):
     assert (h.quant_method, h.experts_quant, h.draft_experts_quant) == ("fp8", "nvfp4", "mxfp4")
     dflt = D.read_model_info(ckpt(tmp_path, "c", architectures=["DeepseekV4ForCausalLM"], quantization_config={"quant_method": "fp8"}))
     assert dflt.draft_experts_quant == "mxfp4" and "SGLang default" in dflt.draft_experts_source
+    # without routed_experts_quant_method SGLang reads one routed expert's dtype from the safetensors header
+    for dtype, want in (("U8", "mxfp4"), ("I8", "mxfp4"), ("F8_E4M3", "fp8")):
+        d = tmp_path / f"hdr-{dtype}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"architectures": ["DeepseekV4ForCausalLM"], "quantization_config": {"quant_method": "fp8"}}))
+        safetensors_header(d, {"model.embed_tokens.weight": "BF16", "model.layers.0.ffn.experts.0.w2.weight": dtype})
+        m = D.read_model_info(d)
+        assert (m.experts_quant, m.draft_experts_quant) == (want, want) and f"is {dtype}" in m.experts_source
     mo = D.read_model_info(ckpt(tmp_path, "d", architectures=["LlamaForCausalLM"],
                                 quantization_config={"quant_method": "modelopt", "quant_algo": "NVFP4"}))
     assert (mo.quant_method, mo.experts_quant, mo.dsa, mo.mtp_layers) == ("modelopt_fp4", "modelopt_fp4", False, 0)
@@ -188,9 +217,14 @@ def test_sm100_only_moe_backends_are_refused_off_sm100(tmp_path):
     d = profile(tmp_path, DSV4_CONFIG, moe_runner_backend="flashinfer_trtllm")
     err = of(run(d, SM120), "moe-backend-arch", "error")
     assert len(err) == 1 and "sglang.moe_runner_backend (--moe-runner-backend) is flashinfer_trtllm" in err[0].message
-    assert err[0].fix == "set sglang.moe_runner_backend: triton (runs on sm_120, MXFP4 experts included)"
+    assert err[0].fix == ("set sglang.moe_runner_backend: flashinfer_mxfp4 (MXFP4 experts on FlashInfer CUTLASS "
+                          "MXFP8 x MXFP4 kernels for sm_120)")
     assert not of(run(d, SM100), "moe-backend-arch", "error")
-    assert of(run(d, SM90), "moe-backend-arch", "error")  # not sm_100 either
+    (err,) = of(run(d, SM90), "moe-backend-arch", "error")  # not sm_100 either
+    assert err.fix.startswith("set sglang.moe_runner_backend: flashinfer_mxfp4 (MXFP4 experts on FlashInfer CUTLASS kernels")
+    fp8 = profile(tmp_path, {**DSV4_CONFIG, "architectures": ["DeepseekV3ForCausalLM"], "quantization_config": {"quant_method": "fp8"}},
+                  moe_runner_backend="flashinfer_trtllm")  # FP8 experts: Triton is the portable choice
+    assert of(run(fp8, SM120), "moe-backend-arch", "error")[0].fix == "set sglang.moe_runner_backend: triton (runs on sm_120)"
     d = profile(speculative={"moe_runner_backend": "flashinfer_trtllm_routed"})
     err = of(run(d, SM120), "moe-backend-arch", "error")
     assert len(err) == 1 and "the draft (MTP) MoE" in err[0].message
@@ -201,13 +235,97 @@ def test_sm100_only_moe_backends_are_refused_off_sm100(tmp_path):
     assert len(err) == 1 and err[0].message.startswith("decode.extra_args (--moe-runner-backend) is flashinfer_megamoe on decode")
     d = profile(moe_runner_backend="hpc_ops")  # SM90-only
     assert of(run(d, SM120), "moe-backend-arch", "error") and not of(run(d, SM90), "moe-backend-arch", "error")
+    # auto is resolved as SGLang resolves it: the FP8+NVFP4 hybrid gets flashinfer_trtllm_routed (sm_100-only)
+    d = profile(tmp_path, NVFP4_HYBRID, moe_runner_backend=None, speculative={"moe_runner_backend": None})
+    (err,) = of(run(d, SM120), "moe-backend-arch", "error")
+    assert "is auto (SGLang's DeepSeek-V4 override picks it for the FP8+NVFP4 hybrid checkpoint: flashinfer_trtllm_routed)" in err.message
+    assert "the draft inherits it" in err.message
+    assert not of(run(d, SM100), "moe-backend-arch", "error")
+
+
+# ---- 3a'. MXFP4 routed experts -----------------------------------------------------------------
+def test_mxfp4_experts_under_triton_are_refused(tmp_path):
+    """Triton's fused MoE is FP8/BF16: SGLang hands it MXFP4 experts through Fp8MoEMethod ("Hidden size mismatch")."""
+    d = profile(tmp_path, DSV4_CONFIG, moe_runner_backend="triton", speculative={"moe_runner_backend": "triton"},
+                pdserve_kernels=False)
+    for gpu in (SM120, SM100, SM90, NOGPU):  # no GPU generation reads packed e2m1 as FP8
+        err = of(run(d, gpu), "moe-fp4-experts", "error")
+        assert [e.message.split(" (")[0] for e in err] == ["sglang.moe_runner_backend", "sglang.speculative.moe_runner_backend"]
+        assert all("routed experts are MXFP4" in e.message and "Hidden size mismatch" in e.message for e in err)
+    err = of(run(d, SM120), "moe-fp4-experts", "error")
+    assert [e.fix.split(" (")[0] for e in err] == ["set sglang.moe_runner_backend: flashinfer_mxfp4",
+                                                   "set sglang.speculative.moe_runner_backend: flashinfer_mxfp4"]
+    # backends that become Triton for these layers, and the draft's explicit auto (SGLang's DSv4 override
+    # resolves only the target's auto)
+    for spec in ("flashinfer_cutlass", "auto"):
+        bad = profile(tmp_path, None, speculative={"moe_runner_backend": spec}, pdserve_kernels=False)
+        bad["model_path"] = d["model_path"]
+        (e,) = of(run(bad, SM120), "moe-fp4-experts", "error")
+        assert e.message.startswith(f"sglang.speculative.moe_runner_backend (--speculative-moe-runner-backend) is {spec}")
+    # the same backends on FP8 experts (a converted checkpoint: the safetensors header says F8_E4M3) are fine
+    fp8 = tmp_path / "fp8-experts"
+    fp8.mkdir()
+    (fp8 / "config.json").write_text(json.dumps({**DSV4_CONFIG, "quantization_config": {"quant_method": "fp8"}}))
+    safetensors_header(fp8, {"model.layers.3.ffn.experts.7.w1.weight": "F8_E4M3"})
+    d["model_path"] = str(fp8)
+    assert [x.level for x in of(run(d, SM120), "moe-fp4-experts")] == ["ok"]
+    # no checkpoint here, but model_path names DeepSeek-V4: a warning (a guess), still naming the fix
+    guess = profile(moe_runner_backend="triton", speculative={"moe_runner_backend": "triton"}, pdserve_kernels=False)
+    f = of(run(guess, SM120), "moe-fp4-experts")
+    assert [x.level for x in f] == ["warning", "warning"] and all("names DeepSeek-V4" in x.message for x in f)
+
+
+@pytest.mark.parametrize("backend,ok_on,bad_on", [
+    ("flashinfer_mxfp4", ("sm_90", "sm_100", "sm_120"), ("sm_89",)),  # CUTLASS sm_90/sm_12x, TRT-LLM sm_100
+    ("marlin", ("sm_90", "sm_120"), ("sm_100", "sm_89")),                 # Mxfp4MarlinMoEMethod raises elsewhere
+    ("humming", ("sm_90", "sm_100", "sm_120"), ()),
+])
+def test_mxfp4_expert_backends_by_gpu_generation(tmp_path, backend, ok_on, bad_on):
+    d = profile(tmp_path, DSV4_CONFIG, moe_runner_backend=backend, speculative={"moe_runner_backend": backend},
+                pdserve_kernels=False)
+    for arch in ok_on:
+        assert [x.level for x in of(run(d, D.GpuInfo(arch)), "moe-fp4-experts")] == ["ok"], arch
+    for arch in bad_on:
+        err = of(run(d, D.GpuInfo(arch)), "moe-fp4-experts", "error")
+        assert len(err) == 2 and f"{backend}'s MXFP4 MoE method runs on" in err[0].message, arch
+    if backend == "flashinfer_mxfp4":  # nothing MXFP4 runs on sm_89: dequantize to FP8
+        assert "auto and SGLANG_DSV4_FP4_DEQUANT: '1'" in of(run(d, D.GpuInfo("sm_89")), "moe-fp4-experts", "error")[0].fix
+
+
+def test_mxfp4_target_left_to_auto_and_dequantization(tmp_path):
+    # auto: SGLang's DeepSeek-V4 override picks flashinfer_mxfp4 on sm_90/sm_100/sm_120; an unset draft inherits it
+    d = profile(tmp_path, DSV4_CONFIG, moe_runner_backend=None, speculative={"moe_runner_backend": None}, pdserve_kernels=False)
+    for gpu in (SM120, SM100, SM90):
+        assert [x.level for x in of(run(d, gpu), "moe-fp4-experts")] == ["ok"]
+    err = of(run(d, D.GpuInfo("sm_89")), "moe-fp4-experts", "error")  # there auto stays auto: Triton
+    assert len(err) == 2 and "is auto on both roles" in err[0].message
+    # SGLANG_DSV4_FP4_DEQUANT=1 dequantizes the experts to FP8 and SGLang asserts the backend is auto
+    deq = copy.deepcopy(d)
+    for role in ("prefill", "decode"):
+        deq[role]["env"] = {"SGLANG_DSV4_FP4_DEQUANT": "1"}
+    assert [x.level for x in of(run(deq, D.GpuInfo("sm_89")), "moe-fp4-experts")] == ["ok"]
+    deq["sglang"]["speculative"]["moe_runner_backend"] = "flashinfer_mxfp4"
+    (e,) = of(run(deq, SM120), "moe-fp4-experts", "error")
+    assert "is not compatible with SGLANG_DSV4_FP4_DEQUANT=1" in e.message
+    assert e.fix.startswith("set sglang.speculative.moe_runner_backend: auto")
+
+
+def test_pdserve_plugin_takes_the_drafts_mxfp4_moe_on_sm120(tmp_path):
+    d = profile(tmp_path, DSV4_CONFIG, speculative={"moe_runner_backend": "triton"}, pdserve_kernels=True)
+    (w,) = of(run(d, SM120), "moe-fp4-experts")
+    assert w.level == "warning" and "pdserve's plugin" in w.message and "not without the plugin" in w.message
+    assert w.fix.startswith("set sglang.speculative.moe_runner_backend: flashinfer_mxfp4")
+    assert of(run(d, SM90), "moe-fp4-experts", "error")  # the plugin serves sm_12x only
+    d["sglang"]["pdserve_kernels"] = {"mxfp4_moe": False}
+    assert of(run(d, SM120), "moe-fp4-experts", "error")
 
 
 # ---- 3b. draft MoE backend left to auto --------------------------------------------------------
 @pytest.mark.parametrize("value", [None, "auto"])
 def test_speculative_moe_backend_must_be_explicit(tmp_path, value):
     d = profile(tmp_path, DSV4_CONFIG, speculative={"moe_runner_backend": value})
-    assert [x.level for x in of(run(d, SM120), "spec-moe-backend")] == ["error"]
+    (e,) = of(run(d, SM120), "spec-moe-backend")
+    assert e.level == "error" and e.fix.startswith("set sglang.speculative.moe_runner_backend: flashinfer_mxfp4")
     assert [x.level for x in of(run(d, SM100), "spec-moe-backend")] == ["warning"]
     assert [x.level for x in of(run(d, NOGPU), "spec-moe-backend")] == ["warning"]
     assert [x.level for x in of(run(profile()), "spec-moe-backend")] == ["ok"]
@@ -250,6 +368,24 @@ def test_speculative_without_a_draft_and_dsv4_topk(tmp_path):
     d["model_path"] = ckpt(tmp_path, "topk", **DSV4_CONFIG)
     err = of(run(d), "draft", "error")
     assert len(err) == 1 and "eagle_topk 1" in err[0].message
+
+
+# ---- 3d'. page size ----------------------------------------------------------------------------
+def test_dsv4_page_size_other_than_256_is_reported(tmp_path):
+    """SGLang replaces a DeepSeek-V4 --page-size with 256 (the dsv4 attention asserts it): say so."""
+    d = profile(tmp_path, DSV4_CONFIG)
+    assert [x.level for x in of(run(d), "page-size")] == ["ok"]
+    d["page_size"] = 64
+    (w,) = of(run(d), "page-size")
+    assert w.level == "warning" and w.message.startswith("page_size (--page-size) is 64 on both roles")
+    assert "runs 256-token KV pages" in w.message and w.fix == "set page_size: 256"
+    guess = profile()  # no checkpoint here: model_path names DeepSeek-V4
+    guess["decode"]["extra_args"] = ["--page-size", "64"]
+    (w,) = of(run(guess), "page-size", "warning")
+    assert w.message.startswith("decode.extra_args (--page-size) is 64 on decode") and "names DeepSeek-V4" in w.message
+    llama = profile(tmp_path, {"architectures": ["LlamaForCausalLM"]}, quantization="unquant")
+    llama["page_size"] = 64
+    assert [x.level for x in of(run(llama), "page-size")] == ["ok"]
 
 
 # ---- 3e/3i. prefill vs decode ------------------------------------------------------------------
