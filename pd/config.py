@@ -21,6 +21,8 @@ from typing import Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pd.router.config import RouterSettings, TimeoutConfig
+
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "local.yaml"
 
 
@@ -164,18 +166,23 @@ class Transfer(_Strict):
         return self
 
 
-class Timeouts(_Strict):
-    """Router timeouts in seconds."""
+class Router(RouterSettings):
+    """The router (``pdserve router``). Keys as pd.router.config.RouterSettings documents them,
+    named after sglang-router's flags: ``policy`` / ``prefill_policy`` / ``decode_policy``
+    (round_robin, random, least_load, power_of_two, cache_aware), ``cache_aware``
+    ({cache_threshold, balance_abs_threshold, ...}), ``retry`` ({max_retries, initial_backoff_ms,
+    ...}), ``circuit_breaker``, ``health_check``, ``timeouts`` ({connect, prefill, first_token,
+    stream_idle, request} seconds), ``max_payload_size``, ``max_connections``, ``api_key``,
+    ``admin_api_key``, ``request_id_headers``, ``log_level``.
 
-    connect: float = Field(10.0, gt=0)
-    request: float = Field(600.0, gt=0)
+    Attributes:
+        drain_timeout_secs: on stop, the launcher drains every worker through the router's admin
+            API and waits up to this long for requests in flight to finish; 0 = stop at once.
+    """
 
-
-class Router(_Strict):
-    host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    policy: Literal["round_robin"] = "round_robin"
-    timeouts: Timeouts = Field(default_factory=Timeouts)
+    timeouts: TimeoutConfig = Field(default_factory=lambda: TimeoutConfig(request=600.0))
+    drain_timeout_secs: float = Field(30.0, ge=0)
 
 
 class Restart(_Strict):

@@ -6,8 +6,10 @@ Steps: connect to Ray; one STRICT_PACK placement group per worker (its TP ranks 
 one EngineWorker actor per engine holding its GPUs; unique ports per node; start every engine and
 wait for readiness; start the router with the workers' URLs and bootstrap ports; print
 ``pdserve: router ready at URL`` and a ``pdserve: workers [...]`` JSON line; serve worker state
-and restarts to Prometheus and keep its targets file current (``monitoring`` config); block. On
-SIGTERM/SIGINT (``ray job stop``, Ctrl-C): stop the router, stop the engines, kill the actors,
+and restarts to Prometheus and keep its targets file current (``monitoring`` config); keep the
+router's workers in step with the actors through its admin API (a worker back on other ports is
+swapped in, a failed one removed); block. On SIGTERM/SIGINT (``ray job stop``, Ctrl-C): drain the
+router's workers (``router.drain_timeout_secs``), stop the router, stop the engines, kill the actors,
 remove the placement groups. Engines and the router also die with their parent process, so a
 SIGKILLed job leaves nothing behind either.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -49,6 +52,10 @@ class Launcher:
         self.actors: list = []
         self.workers: list[dict] = []
         self.router = None
+        # The router's admin API (worker membership, drain on stop) is keyed; the key travels in
+        # the router's environment, never on a command line.
+        self.admin_key = cfg.router.admin_api_key or secrets.token_urlsafe(24)
+        self.membership = None  # pd.router.membership.Membership, once the router answers
         self.exporter = None  # pd.worker_metrics.WorkerStateExporter
         self.targets = None  # pd.prom_targets.TargetsFile
 
@@ -107,23 +114,51 @@ class Launcher:
         self.start_router()
         self.start_monitoring()
 
+    def router_workers(self) -> list[dict]:
+        """The workers a (re)started router begins with: those that are up (all known ones when a
+        side has none up: its health checks sort them out)."""
+        ready = [w for w in self.workers if w.get("state") == "ready" and w.get("url")]
+        if not all(any(w["role"] == role for w in ready) for role in ("prefill", "decode")):
+            ready = [w for w in self.workers if w.get("url")]
+        return ready
+
     def router_argv(self) -> list[str]:
-        r = self.cfg.router
-        argv = [sys.executable, "-m", "pd.cli", "router", "--host", r.host, "--port", str(r.port),
-                "--policy", r.policy, "--request-timeout", str(r.timeouts.request)]
-        for w in self.workers:
+        """``pdserve router`` with the config's router settings and ``router_workers()``."""
+        argv = [sys.executable, "-m", "pd.cli", "router", *self.cfg.router.cli_args()]
+        workers = self.router_workers()
+        for w in workers:
             if w["role"] == "prefill":
                 argv += ["--prefill", w["url"], str(w["bootstrap_port"])]
-        for w in self.workers:
+        for w in workers:
             if w["role"] == "decode":
                 argv += ["--decode", w["url"]]
         return argv
+
+    def router_env(self) -> dict[str, str]:
+        from pd.router.config import ADMIN_KEY_ENV, API_KEY_ENV
+
+        env = dict(os.environ, **{ADMIN_KEY_ENV: self.admin_key})
+        if self.cfg.router.api_key:
+            env[API_KEY_ENV] = self.cfg.router.api_key
+        return env
+
+    def router_admin_url(self) -> str:
+        r = self.cfg.router
+        host = "127.0.0.1" if r.host in ("0.0.0.0", "::", "") else r.host
+        return f"http://[{host}]:{r.port}" if ":" in host else f"http://{host}:{r.port}"
+
+    def sync_router(self, infos: list[dict]) -> None:
+        """Tell the router about workers that moved, left or came back (pd.router.membership)."""
+        self.workers = infos
+        if self.membership is not None:
+            self.membership.sync(infos)
 
     def start_router(self) -> None:
         import subprocess
 
         r = self.cfg.router
-        self.router = popen_group(self.router_argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.router = popen_group(self.router_argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  env=self.router_env())
         threading.Thread(target=self._forward_router_log, args=(self.router,), daemon=True).start()
         url = f"http://{r.host}:{r.port}"
         deadline = time.monotonic() + 60
@@ -138,6 +173,11 @@ class Launcher:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the router did not answer {url}/health within 60s")
             time.sleep(0.2)
+        from pd.router.admin_client import AdminClient
+        from pd.router.membership import Membership
+
+        self.membership = Membership(AdminClient(self.router_admin_url(), self.admin_key), say)
+        self.membership.seed(self.router_workers())
         say(f"router ready at {url}")
 
     def start_monitoring(self) -> None:
@@ -191,6 +231,7 @@ class Launcher:
             except Exception as e:  # an actor died: Ray reports it; keep serving the rest
                 say(f"could not read worker state: {e!r}")
                 continue
+            self.sync_router(infos)
             self.publish(infos)
             for info in infos:
                 key = (info["state"], info["restarts"])
@@ -211,6 +252,10 @@ class Launcher:
         if self.exporter is not None:
             self.exporter.stop()
         if self.router is not None:
+            if self.membership is not None and self.router.poll() is None and self.cfg.router.drain_timeout_secs > 0:
+                say(f"draining the router's workers (up to {self.cfg.router.drain_timeout_secs:g}s for requests in flight)")
+                if not self.membership.drain_all(self.cfg.router.drain_timeout_secs):
+                    say("some requests were still in flight; stopping anyway")
             stop_group(self.router.pid)
         try:
             ray.get([a.stop.remote() for a in self.actors], timeout=30)

@@ -23,13 +23,12 @@ from typing import Optional
 import uvicorn
 
 from pd.router.app import create_app
-from pd.router.config import (DEFAULT_BOOTSTRAP_PORT, POLICY_NAMES, CacheAwareConfig, CircuitBreakerConfig,
-                              HealthCheckConfig, PrefillWorkerConfig, RetryConfig, RouterConfig, TimeoutConfig)
+from pd.router.config import (ADMIN_KEY_ENV, API_KEY_ENV, DEFAULT_BOOTSTRAP_PORT, POLICY_NAMES, CacheAwareConfig,
+                              CircuitBreakerConfig, HealthCheckConfig, PrefillWorkerConfig, RetryConfig, RouterConfig,
+                              TimeoutConfig)
 
 log = logging.getLogger("pd.router")
 
-API_KEY_ENV = "PDSERVE_ROUTER_API_KEY"
-ADMIN_KEY_ENV = "PDSERVE_ROUTER_ADMIN_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,40 +177,6 @@ def config_from_args(argv: Optional[list[str]] = None) -> RouterConfig:
         )
     except ValueError as e:  # pydantic's ValidationError is a ValueError
         parser.error(str(e))
-
-
-def settings_argv(s) -> list[str]:
-    """``pdserve router`` flags that reproduce RouterSettings ``s`` (host, port, policies,
-    retries, breaker, health checks, timeouts, limits); keys are left out (pass them in the
-    environment). Used by the launcher."""
-    argv = ["--host", s.host, "--port", str(s.port), "--policy", s.policy]
-    if s.prefill_policy:
-        argv += ["--prefill-policy", s.prefill_policy]
-    if s.decode_policy:
-        argv += ["--decode-policy", s.decode_policy]
-    ca, r, cb, hc, t = s.cache_aware, s.retry, s.circuit_breaker, s.health_check, s.timeouts
-    argv += ["--cache-threshold", str(ca.cache_threshold), "--balance-abs-threshold", str(ca.balance_abs_threshold),
-             "--balance-rel-threshold", str(ca.balance_rel_threshold),
-             "--eviction-interval-secs", str(ca.eviction_interval_secs), "--max-tree-size", str(ca.max_tree_size),
-             "--retry-max-retries", str(r.max_retries), "--retry-initial-backoff-ms", str(r.initial_backoff_ms),
-             "--retry-max-backoff-ms", str(r.max_backoff_ms), "--retry-backoff-multiplier", str(r.backoff_multiplier),
-             "--retry-jitter-factor", str(r.jitter_factor),
-             "--cb-failure-threshold", str(cb.failure_threshold), "--cb-success-threshold", str(cb.success_threshold),
-             "--cb-timeout-duration-secs", str(cb.timeout_duration_secs),
-             "--cb-window-duration-secs", str(cb.window_duration_secs),
-             "--health-check-interval-secs", str(hc.interval_secs), "--health-check-timeout-secs", str(hc.timeout_secs),
-             "--health-failure-threshold", str(hc.failure_threshold),
-             "--health-success-threshold", str(hc.success_threshold), "--health-check-endpoint", hc.endpoint,
-             "--connect-timeout-secs", str(t.connect), "--request-timeout-secs", str(t.request),
-             "--max-payload-size", str(s.max_payload_size), "--max-connections", str(s.max_connections),
-             "--request-id-headers", *s.request_id_headers, "--log-level", s.log_level]
-    if not cb.enabled:
-        argv.append("--disable-circuit-breaker")
-    for flag, value in (("--prefill-timeout-secs", t.prefill), ("--first-token-timeout-secs", t.first_token),
-                        ("--stream-idle-timeout-secs", t.stream_idle)):
-        if value is not None:
-            argv += [flag, str(value)]
-    return argv
 
 
 class _Server(uvicorn.Server):

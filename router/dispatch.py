@@ -18,7 +18,8 @@ Failures before the first byte reaches the client (a side unreachable, timed out
 fresh pair with fresh rooms, up to ``retry.max_retries`` attempts in all; the side that did not
 fail is aborted at once (pd.router.aborts). A non-retryable answer (e.g. the prefill's 400 for a
 prompt over the context length) goes to the client as the worker sent it, after the other side
-was aborted. Connection errors, timeouts and 5xx count against the worker's circuit breaker.
+was aborted. Sequences one side ends as aborted (finish reason ``abort``) are aborted on the
+other side too. Connection errors, timeouts and 5xx count against the worker's circuit breaker.
 A client that goes away before the answer starts gets both sides aborted; after it started, see
 pd.router.stream.
 """
@@ -367,6 +368,8 @@ class PDDispatcher:
         resp.release()
         ex.decode_end()
         ex.decode.breaker.record_success()
+        if not ex.prefill_task.done() and b"abort" in data:
+            self.abort_prefill_sequences(ex, aborted_indexes(ex.route, data, False))
         em = ex.em
         em.ttft.observe(time.perf_counter() - ex.arrival)
         if ex.merge:
@@ -447,6 +450,16 @@ class PDDispatcher:
                     self.aborter.abort(ex.decode, ex.rids)
             return
         self.aborter.abort(ex.decode, ex.rids, task, ex.release_decode)
+
+    def abort_prefill_sequences(self, ex: Exchange, indexes: set[int]) -> None:
+        """Decode ended these sequences as aborted: if the prefill still works on the request,
+        abort them there too (it would hold their KV until its bootstrap timeout)."""
+        if not indexes or ex.prefill_aborted or ex.prefill_task.done():
+            return
+        if len(indexes) >= ex.seqs:
+            self._abort_prefill(ex)
+        else:
+            self.aborter.abort(ex.prefill, [ex.rids[i] for i in sorted(indexes) if i < len(ex.rids)])
 
     def abort_after_break(self, ex: Exchange, resp: aiohttp.ClientResponse) -> None:
         """Decode's stream broke or the client left mid-stream: drop decode's connection, abort

@@ -2,7 +2,8 @@
 
 Every policy is the same pipeline, filter -> score -> pick:
 
-- filter: the workers that are available (healthy, circuit not open, not draining);
+- filter: the workers that are available (healthy, circuit not open, not draining; when none
+  is, every worker not drained: see ``Policy.select``);
 - score: a number per candidate, lower is better (e.g. its load);
 - pick: the best score, ties broken round-robin so equal workers share the traffic.
 
@@ -23,6 +24,7 @@ and registered in ``POLICIES``. The policies:
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 from typing import TYPE_CHECKING, ClassVar, Optional, Sequence
@@ -32,6 +34,8 @@ from pd.router.radix import RadixTree
 
 if TYPE_CHECKING:
     from pd.router.workers import Worker
+
+log = logging.getLogger("pd.router")
 
 _MAX_CHAR = 0x10FFFF
 
@@ -49,14 +53,28 @@ class Policy:
 
     def __init__(self, role: str, settings: RouterSettings):
         self.role = role
+        self.panic = False
         self._turn = itertools.count()
 
     def select(self, workers: Sequence["Worker"], key: Optional[str]) -> Optional["Worker"]:
-        """The worker for one request, or None when no worker is available. Counts the decision
-        in ``pdserve_router_policy_decisions_total``."""
+        """The worker for one request, or None when there is none to try. Counts the decision
+        in ``pdserve_router_policy_decisions_total``.
+
+        Panic mode (as Envoy's): when health checks or circuit breakers have taken out every
+        worker of this side, all of them that an operator did not drain stay candidates; failing
+        every request outright would turn one worker's restart into an outage for as long as its
+        breaker stays open."""
         candidates = [w for w in workers if w.available()]
         if not candidates:
-            return None
+            candidates = [w for w in workers if not w.draining]
+            if not candidates:
+                return None
+            if not self.panic:
+                self.panic = True
+                log.warning("every %s worker is unhealthy or has its circuit open; trying them anyway", self.role)
+        elif self.panic:
+            self.panic = False
+            log.warning("%s workers are available again", self.role)
         chosen = candidates[0] if len(candidates) == 1 else self.pick(candidates, key)
         self.picked(chosen, key)
         if chosen.decisions is not None:

@@ -5,7 +5,8 @@ inter-token latency is observed, the token counts are read (pd.router.tokens), a
 ``return_logprob`` on /generate the prefill's prompt logprobs are prepended. A decode stream that
 breaks or stays silent longer than ``timeouts.stream_idle`` ends with an error chunk and
 ``data: [DONE]``, as the engines end their own failed streams. A client that leaves mid-stream
-gets both sides aborted (pd.router.aborts) and the decode connection dropped.
+gets both sides aborted (pd.router.aborts) and the decode connection dropped; sequences the
+decode ends as aborted are aborted on the prefill too if it still works on them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import aiohttp
 from starlette.responses import StreamingResponse
 
 from pd.router import logprobs
+from pd.router.aborts import aborted_indexes
 from pd.router.errors import error_body
 from pd.router.tokens import UsageTap
 
@@ -91,6 +93,8 @@ class Relay:
                         last_event = now
                         if not tap.event(event):
                             continue
+                        if b'"abort"' in event and not ex.prefill_task.done():
+                            self.d.abort_prefill_sequences(ex, aborted_indexes(ex.route, event + b"\n\n", True))
                         if ex.merge:
                             if inputs is None:
                                 # shield: being cancelled here must not cancel the prefill read

@@ -227,4 +227,4 @@ class WorkerPool:
         workers = self.prefill if role == "prefill" else self.decode
         if not workers:
             return f"no {role} workers are registered"
-        return f"no {role} worker is available: " + ", ".join(f"{w.url} ({w.state()})" for w in workers)
+        return f"no {role} worker can take requests: " + ", ".join(f"{w.url} ({w.state()})" for w in workers)

@@ -255,6 +255,20 @@ async def test_prefill_aborting_some_rooms_aborts_just_those_on_decode(si, route
     assert sorted(si["d0"].state()["aborts"]) == [f"{rid}_1", f"{rid}_3"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_decode_aborting_its_room_aborts_the_prefill(si, routers, stream):
+    r = routers("single")
+    si["d0"].fault("stall")  # the decode never asks for the KV; the prefill waits for it
+    held = asyncio.create_task(call(r, "/generate", gen(stream=stream)))
+    await until(lambda: si["p0"].state()["live"] != [] and si["d0"].state()["live"] != [], 2.0, "both busy")
+    await asyncio.to_thread(httpx.post, si["d0"].url + "/abort_request", json={"abort_all": True})
+    resp = await held
+    assert resp.status_code == 200
+    rid = si["p0"].state()["requests"][0]["rid"]
+    await until(lambda: si["p0"].state()["live"] == [], 1.0, "prefill released, not after its 20 s timeout")
+    assert rid in si["p0"].state()["aborts"]
+
+
 async def test_client_disconnect_mid_stream_aborts_the_decode(si, routers):
     r = routers("single")
     si["d0"].control(token_interval=0.05)
@@ -585,3 +599,53 @@ async def test_policies_least_load_decode_and_cache_aware_prefill(si, routers):
     assert len(si[other].state()["requests"]) - n[other] == 1
     assert metric(r, "pdserve_router_policy_decisions_total", role="prefill", policy="cache_aware") >= 6
     assert metric(r, "pdserve_router_policy_decisions_total", role="decode", policy="least_load") >= 6
+
+
+async def test_launcher_membership_follows_workers_and_drains(si, routers, logs):
+    """What pd.launch does through the admin API: swap a worker that came back on other ports,
+    drop one that failed for good, put one back after a restart, drain everything on stop."""
+    from pd.router.admin_client import AdminClient
+    from pd.router.membership import Membership
+
+    r = routers("main")
+    admin = AdminClient(r.url, ADMIN_KEY)
+    said: list[str] = []
+    m = Membership(admin, said.append)
+
+    def info(name, proc, state="ready"):
+        return {"name": name, "role": proc.role, "state": state, "url": proc.url, "bootstrap_port": proc.bootstrap_port}
+
+    infos = [info("prefill-0", si["p0"]), info("prefill-1", si["p1"]), info("decode-0", si["d0"]),
+             info("decode-1", si["d1"])]
+    m.seed(infos)
+    moved = StandIn("decode", logs)  # decode-1 restarted on other ports
+    try:
+        wait_up([moved])
+        await asyncio.to_thread(m.sync, infos[:3] + [info("decode-1", moved)])
+        urls = {w["url"] for w in await asyncio.to_thread(admin.workers)}
+        assert si["d1"].url not in urls and moved.url in urls and len(urls) == 4
+        for _ in range(4):
+            assert (await call(r, "/generate", gen(), AUTH)).status_code == 200
+        assert len(moved.state()["requests"]) == 2 and si["d1"].state()["requests"] == []
+        # decode-1 failed for good: removed
+        await asyncio.to_thread(m.sync, infos[:3] + [info("decode-1", moved, "failed")])
+        assert moved.url not in {w["url"] for w in await asyncio.to_thread(admin.workers)}
+        # decode-0 restarts on the same ports: kept; once ready again it is put back at once
+        await asyncio.to_thread(admin.drain, si["d0"].url, 0)
+        await asyncio.to_thread(m.sync, infos[:2] + [info("decode-0", si["d0"], "restarting")])
+        await asyncio.to_thread(m.sync, infos[:3])
+        d0 = next(w for w in await asyncio.to_thread(admin.workers) if w["url"] == si["d0"].url)
+        assert d0["state"] == "available"
+        assert any("removed decode-1" in s for s in said) and any("decode-0 is back" in s for s in said)
+        # stop: drain waits for the request in flight, up to the timeout
+        si["d0"].fault("stall")
+        held = asyncio.create_task(call(r, "/generate", gen(), AUTH, timeout=10))
+        await until(lambda: si["d0"].state()["live"] != [], 2.0, "d0 busy")
+        assert await asyncio.to_thread(m.drain_all, 0.3) is False
+        resp = await call(r, "/generate", gen(), AUTH)
+        assert resp.status_code == 503  # every worker is draining: nothing new starts
+        await asyncio.to_thread(httpx.post, si["d0"].url + "/abort_request", json={"abort_all": True})
+        assert (await held).status_code == 200
+        assert await asyncio.to_thread(m.drain_all, 1.0) is True
+    finally:
+        moved.stop()

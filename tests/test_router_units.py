@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pd.router.aborts import aborted_indexes
 from pd.router.auth import Auth, key_matches
 from pd.router.circuit import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
-from pd.router.cli import config_from_args, parse_prefill, settings_argv
+from pd.router.cli import config_from_args, parse_prefill
 from pd.router.config import CircuitBreakerConfig, RouterConfig
 from pd.router.logprobs import merge_event, merge_full, prefill_inputs, wants_input_logprobs
 from pd.router.metrics import ERROR_KINDS, RouterMetrics
@@ -122,10 +122,17 @@ def test_round_robin_per_side_skips_unavailable():
     for _ in range(10):
         pool.decode[0].breaker.record_failure()
     assert pool.decode[0].breaker.state == OPEN
+    # panic mode: every worker is out, but only an operator's drain keeps one from being tried
+    assert {pool.pick_decode(None).url for _ in range(6)} == {"http://d0:1", "http://d1:1"}
+    pool.decode[0].draining = pool.decode[1].draining = True
     assert pool.pick_decode(None) is None
+    pool.decode[0].draining = False
     assert "d0:1 (circuit_open)" in pool.unavailable_reason("decode")
-    assert "d1:1 (unhealthy)" in pool.unavailable_reason("decode")
+    assert "d1:1 (draining)" in pool.unavailable_reason("decode")
     assert "d2:1 (draining)" in pool.unavailable_reason("decode")
+    pool.decode[1].draining = False
+    pool.decode[1].set_healthy(True)
+    assert {pool.pick_decode(None).url for _ in range(4)} == {"http://d1:1"}  # out of panic
 
 
 def test_separate_policies_and_decision_counts():
@@ -299,7 +306,7 @@ def test_cli_parsing_and_flags_round_trip():
     assert config_from_args(["--disable-retries", "--prefill", "http://a:1", "--decode", "http://d:1"]).retry.max_retries == 1
     workers = ["--prefill", "http://a:1", "9000", "--prefill", "http://b:2", "--prefill", "http://c:3",
                "--decode", "http://d:4"]
-    assert config_from_args(settings_argv(cfg) + workers) == cfg
+    assert config_from_args(cfg.cli_args() + workers) == cfg
     with pytest.raises(ValueError):
         parse_prefill(["http://a:1", "x"])
     with pytest.raises(SystemExit):
@@ -367,3 +374,29 @@ def test_metric_series_exist_from_the_start_and_leave_with_their_worker():
     assert samples(pool.metrics)[("pdserve_router_worker_circuit_state", w)] == OPEN
     pool.remove("http://d:1")
     assert not any(dict(k[1]).get("worker") == "http://d:1" for k in samples(pool.metrics))
+
+
+def test_launcher_router_command_line_and_keys():
+    from pd.config import PDConfig
+    from pd.launch import Launcher
+    from pd.router.config import ADMIN_KEY_ENV, API_KEY_ENV
+
+    cfg = PDConfig.model_validate({"router": {"port": 8123, "prefill_policy": "cache_aware", "api_key": "ck",
+                                              "retry": {"max_retries": 2}, "timeouts": {"first_token": 30}}})
+    launcher = Launcher(cfg)
+    launcher.workers = [
+        {"name": "prefill-0", "role": "prefill", "state": "ready", "url": "http://10.0.0.1:31000", "bootstrap_port": 31001},
+        {"name": "prefill-1", "role": "prefill", "state": "restarting", "url": "http://10.0.0.2:31000", "bootstrap_port": 31001},
+        {"name": "decode-0", "role": "decode", "state": "ready", "url": "http://10.0.0.3:31000", "bootstrap_port": None},
+    ]
+    argv = launcher.router_argv()
+    assert argv[1:4] == ["-m", "pd.cli", "router"] and "ck" not in argv and launcher.admin_key not in argv
+    parsed = config_from_args(argv[4:])
+    assert [p.url for p in parsed.prefill] == ["http://10.0.0.1:31000"] and parsed.decode == ["http://10.0.0.3:31000"]
+    assert parsed.port == 8123 and parsed.side_policy("prefill") == "cache_aware" and parsed.retry.max_retries == 2
+    assert parsed.timeouts.first_token == 30 and parsed.timeouts.request == cfg.router.timeouts.request
+    env = launcher.router_env()
+    assert env[API_KEY_ENV] == "ck" and len(env[ADMIN_KEY_ENV]) >= 24
+    # no decode up: every known worker, so the router can start and its health checks decide
+    launcher.workers[2]["state"] = "restarting"
+    assert len(config_from_args(launcher.router_argv()[4:]).prefill) == 2
