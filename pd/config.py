@@ -55,8 +55,10 @@ class Speculative(_Strict):
     ``eagle_topk`` and the hidden size), so both sides must agree.
 
     Attributes:
-        moe_runner_backend: the draft MoE's backend (``--speculative-moe-runner-backend``); must be
-            explicit on sm_120 (auto picks an sm_100-only FlashInfer TRT-LLM kernel for MXFP4).
+        moe_runner_backend: the draft MoE's backend (``--speculative-moe-runner-backend``); unset, the
+            draft inherits the target's resolved backend, and an explicit ``auto`` lands on Triton, which
+            cannot serve MXFP4 experts. ``pdserve doctor`` says which backends fit the experts and GPU
+            (``flashinfer_mxfp4`` for DSv4's MXFP4 experts on sm_90/sm_120).
     """
 
     algorithm: Literal["EAGLE", "EAGLE3", "NEXTN"] = "EAGLE"
