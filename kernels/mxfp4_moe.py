@@ -25,7 +25,7 @@ Paths: ``pair`` / ``pair_token`` give every (token, slot) pair its own programs 
 small T the routed experts of a token are distinct and shared ones are served from L2); ``sorted`` reads each
 routed expert once per BM rows, for larger T. ``DEFAULT_CONFIGS`` picks by the number of pairs; all paths
 launch fixed grids computed from shapes alone and read routing on the device, so a call is CUDA-graph
-capturable (no host sync).
+capturable (no host sync). H200 numbers and profile: benchmarks/results/mxfp4_moe_2026-11-30.md.
 """
 
 from __future__ import annotations
@@ -313,13 +313,17 @@ PATHS = ("pair_token", "pair", "sorted")
 #   path: pair_token (gate/up per pair; down per token, k-sum fused: 2 launches), pair (+ sum kernel), sorted
 #   (+ align kernel: each routed expert read once per BM rows); split_*: K splits for more programs at tiny T
 #   (gate/up partials finished by _swiglu_kernel, down partials summed by _topk_sum_kernel).
+# From the H200 sweep (benchmarks/results/mxfp4_moe_2026-11-30.md): T = 1 pair with 2 x 2 K splits (sorted
+# 1.2x slower, pair_token 1.3x); T = 16, 64, 128 sorted with 32-column gate/up and 64-column down programs
+# (pair 1.1x slower at T = 16, 1.7-2.7x at 64-128, where experts are shared). The switch at P = 48 (T = 8 for
+# top-6) is not measured: there a pair re-reads ~8% shared experts (from L2) vs the sorted path's extra launch.
 DEFAULT_CONFIGS = [
-    (12, dict(path="pair", BM=16, split_gate_up=2, split_down=2,
+    (48, dict(path="pair", BM=16, split_gate_up=2, split_down=2,
               gate_up=dict(BN=32, BK=256, num_warps=2, num_stages=3),
               down=dict(BN=32, BK=256, num_warps=2, num_stages=3))),
     (1024, dict(path="sorted", BM=16, split_gate_up=1, split_down=1,
                 gate_up=dict(BN=32, BK=256, num_warps=2, num_stages=3),
-                down=dict(BN=32, BK=256, num_warps=2, num_stages=3))),
+                down=dict(BN=64, BK=256, num_warps=2, num_stages=3))),
     (math.inf, dict(path="sorted", BM=64, split_gate_up=1, split_down=1,
                     gate_up=dict(BN=64, BK=128, num_warps=4, num_stages=3),
                     down=dict(BN=64, BK=128, num_warps=4, num_stages=3))),

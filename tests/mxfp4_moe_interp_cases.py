@@ -72,6 +72,7 @@ CASES = [
     ("sorted_multiblock_skip", dict(t=20, h=128, inter=128, e=3, k=2, path="sorted", shared=True, skip=5)),
     ("sorted_bm32_up_first_nolimit", dict(t=5, h=128, inter=256, e=4, k=2, path="sorted", bm=32, limit=None,
                                           up_first=True)),
+    ("sorted_bm64_large_t_default", dict(t=40, h=256, inter=128, e=5, k=2, path="sorted", bm=64, skip=3)),
     ("pair_token_h256_bk256", dict(t=2, h=256, inter=128, e=4, k=2, path="pair_token", scaling=0.5)),
     ("sorted_all_skipped_token", dict(t=3, h=128, inter=128, e=4, k=2, path="sorted", skip_token0=True)),
     ("pair_token_all_skipped_token", dict(t=2, h=128, inter=128, e=4, k=2, path="pair_token", skip_token0=True)),
