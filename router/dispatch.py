@@ -193,14 +193,15 @@ class PDDispatcher:
             if not isinstance(resp, RelayResponse):  # a stream counts itself down when it ends
                 self.metrics.in_flight.dec()
 
-    def _finish(self, em: EndpointMetrics, arrival: float, status: int, kind: Optional[str] = None) -> None:
+    def record(self, em: EndpointMetrics, arrival: float, status: int, kind: Optional[str] = None) -> None:
+        """Count one answered request: E2E latency, status, failure kind."""
         em.e2e.observe(time.perf_counter() - arrival)
         em.request(status)
         if kind is not None:
             em.error(kind)
 
     def _reject(self, em: EndpointMetrics, arrival: float, status: int, kind: str, msg: str, req_id: str) -> Response:
-        self._finish(em, arrival, status, kind)
+        self.record(em, arrival, status, kind)
         return error_response(status, msg, headers={"X-Request-Id": req_id})
 
     async def _serve(self, request: Request, route: str, em: EndpointMetrics, arrival: float) -> Response:
@@ -273,7 +274,7 @@ class PDDispatcher:
                     failure = result
                     ex = None
                 if not failure.retryable or attempt >= self.retry.max_retries:
-                    self._finish(em, arrival, failure.status, failure.kind)
+                    self.record(em, arrival, failure.status, failure.kind)
                     if attempt > 1:
                         log.warning("request %s failed after %d attempts: %s %s", req_id, attempt, failure.status,
                                     failure.body[:300])
@@ -289,7 +290,7 @@ class PDDispatcher:
             me.uncancel()
             if ex is not None:
                 self._abort_both(ex)
-            self._finish(em, arrival, CLIENT_CLOSED, "client_disconnect")
+            self.record(em, arrival, CLIENT_CLOSED, "client_disconnect")
             return Response(status_code=CLIENT_CLOSED)
         finally:
             watching[0] = False
@@ -379,7 +380,7 @@ class PDDispatcher:
         p, c = count_tokens(data)
         em.prompt_tokens.inc(p)
         em.completion_tokens.inc(c)
-        self._finish(em, ex.arrival, resp.status)
+        self.record(em, ex.arrival, resp.status)
         return Response(data, status_code=resp.status, media_type=resp.content_type)
 
     async def _read_prefill(self, ex: Exchange) -> PrefillOutcome:
@@ -443,11 +444,9 @@ class PDDispatcher:
             return
         if task.done():
             if not task.cancelled() and task.exception() is None:
-                resp = task.result()
-                if not resp.closed:
-                    resp.close()  # dropping the connection aborts it on the engine too
-                    ex.decode_end()
-                    self.aborter.abort(ex.decode, ex.rids)
+                task.result().close()  # dropping the connection aborts it on the engine too
+                ex.decode_end()
+                self.aborter.abort(ex.decode, ex.rids)
             return
         self.aborter.abort(ex.decode, ex.rids, task, ex.release_decode)
 

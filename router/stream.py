@@ -148,5 +148,5 @@ class Relay:
             em.prompt_tokens.inc(self.tap.prompt)
         if self.tap.completion:
             em.completion_tokens.inc(self.tap.completion)
-        self.d._finish(em, ex.arrival, status, self.kind)
+        self.d.record(em, ex.arrival, status, self.kind)
         self.d.metrics.in_flight.dec()
