@@ -128,7 +128,11 @@ def _index_scores_kernel(
     sp = tl.program_id(1)
     so = tl.arange(0, S_P2)
     lens = tl.where(so < S, _row_len(len_ptr, b, s0 + tl.minimum(so, S - 1), S_ALL, max_len, LEN_2D), 0)
-    l_max = tl.max(lens, 0)  # the longest query token bounds the scan; shorter ones mask their tail
+    # the longest query token bounds the scan; shorter ones mask their tail (scalars: Triton 3.6's interpreter
+    # keeps a reduced 1-element vector 1-D, which range() rejects)
+    l_max = _row_len(len_ptr, b, s0, S_ALL, max_len, LEN_2D)
+    for i in tl.static_range(1, S):
+        l_max = tl.maximum(l_max, _row_len(len_ptr, b, s0 + i, S_ALL, max_len, LEN_2D))
     n_tiles = tl.cdiv(l_max, BLOCK_N)
     per = tl.maximum(tl.cdiv(n_tiles, n_split), MIN_TILES)
     t_begin = sp * per
@@ -367,7 +371,9 @@ SELECT_WARPS = (8, 16)
 DEFAULT_SELECT_WARPS = 8
 TILE_G = 8192  # group maxima held in registers (live length <= 64K tokens)
 MIN_TILES = 4  # tiles per score program at least (fewer, larger programs for short rows)
-PROGRAMS_PER_SM = 4
+# score programs per SM to aim for: ~3 fit at once (~150 registers x 128 threads), so 8 keeps the last partial
+# wave small; each still gets >= MIN_TILES tiles (the benchmark sweep times half and double this)
+PROGRAMS_PER_SM = 8
 
 _NUM_SMS: dict = {}
 _CAPS: dict = {}
