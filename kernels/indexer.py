@@ -14,9 +14,9 @@ nothing past a request's length is read, scored or sorted.
 1. ``_index_scores_kernel``, grid (B, n_split): program (b, j) scores its share of request b's live tiles
    (``BLOCK_N`` tokens; the share is computed on the device from ``seq_lens``, at least ``MIN_TILES`` tiles, so
    programs past the live range do nothing). Per tile it gathers the fp8 keys and scales through the block table
-   once, and for each of the S query tokens computes ``[H, BLOCK_N] = q . k^T`` with ``tl.dot`` (bf16 x bf16, or
-   fp8 x fp8 for an fp8 query; mma.sync on sm_120, wgmma where Triton picks it on sm_90), then
-   ``sum_h relu(.) * w_h * scale_k``. It stores the fp32 scores and, per group of ``GROUP`` = 8 positions, their
+   once and scores it for all S query tokens at once (up to 4 stacked as one [S * H, 128] operand; S > 4 takes
+   several launches): ``q . k^T`` with one ``tl.dot`` (bf16 x bf16, or fp8 x fp8 for an fp8 query; mma.sync on
+   sm_120, wgmma where Triton picks it on sm_90), then ``sum_h relu(.) * w_h * scale_k`` per token. It stores the fp32 scores and, per group of ``GROUP`` = 8 positions, their
    max. Requests whose longest query token sees <= topk positions are skipped (their answer needs no scores).
 2. ``_select_topk_kernel``, grid (B * S): exact top-k of one query token's live scores, on order-preserving int32
    keys of the fp32 scores. The topk-th largest group max ``t0`` is a lower bound of the topk-th largest score
@@ -357,7 +357,8 @@ SCORE_CONFIGS = [
     {"BLOCK_N": bn, "num_warps": w, "num_stages": 1, "TOKENS_M": tm, "PREFETCH": pf}
     for tm in (True, False) for bn, w, pf in ((64, 4, True), (64, 8, True), (128, 8, True), (64, 4, False))
 ]
-# (sm_90?, stacked query tokens) -> config; picked from AOT register counts (no spills), checked on the H200
+# (sm_90?, stacked query tokens) -> config; picked from AOT register counts (no spills, fewest registers per
+# arch). Not yet timed on a GPU: benchmarks/kernels/indexer.py sweeps every config against them.
 DEFAULT_SCORE_CONFIGS = {
     (False, 1): {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "TOKENS_M": True, "PREFETCH": True},
     (False, 2): {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "TOKENS_M": True, "PREFETCH": True},
