@@ -507,14 +507,17 @@ class PDDispatcher:
             ex.decode_end()
         if resp.status >= 500:
             ex.decode.breaker.record_failure()
+        self._abort_prefill(ex)  # at once: it would wait for this decode until its bootstrap timeout
         # A decode error is often only the echo of a failed prefill (its bootstrap server is gone):
-        # give the prefill's outcome a moment, so the client gets the root cause.
-        if not ex.prefill_task.done():
-            await asyncio.wait((ex.prefill_task,), timeout=PREFILL_VERDICT_WAIT)
-        self._abort_prefill(ex)
-        if ex.prefill_task.done() and not ex.prefill_aborted:
-            pre = ex.prefill_task.result()
-            if not pre.ok:
+        # give the prefill's answer a moment, so the client gets the root cause.
+        task = ex.prefill_task
+        if not task.done():
+            await asyncio.wait((task,), timeout=PREFILL_VERDICT_WAIT)
+        if task.done() and not task.cancelled():
+            pre = task.result()
+            # an error status is the prefill's own answer; no answer at all counts only when it
+            # was not our abort that cut the connection
+            if not pre.ok and (pre.status is not None or not ex.prefill_aborted):
                 return self._prefill_failure(ex, pre)
         return Failure(resp.status, data, "decode_status", resp.status in RETRYABLE_STATUS, resp.content_type)
 
