@@ -5,10 +5,10 @@ Shapes follow SGLang 0.5.23: ``GenerateReqInput`` (sglang/srt/managers/io_struct
 (sglang/srt/entrypoints/openai/protocol.py), including the PD fields ``bootstrap_host``,
 ``bootstrap_port`` and ``bootstrap_room`` (scalar or list).
 
-Expansion of a batch of P prompts with ``n`` samples follows io_struct's
-``_normalize_batch_inputs``: items are sample-major (item ``i = s * P + p``); a list of bootstrap
-values is repeated ``n`` times and indexed by ``i`` (so a router must send a list of ``P * n``
-distinct rooms); a scalar room ``r`` gives item ``i`` the room ``r + i``.
+Expansion of a batch of P prompts with ``n`` samples (``expand``) is prompt-major (item
+``i = p * n + s``, the order SGLang's TokenizerManager sends and returns them in); a list of
+bootstrap rooms has ``P * n`` distinct entries indexed by ``i``; a scalar room ``r`` gives item
+``i`` the room ``r + i``.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class SeqSpec:
     """One generated sequence, the unit the scheduler runs.
 
     Attributes:
-        index: position in the expanded batch (sample-major, see module doc).
+        index: position in the expanded batch (prompt-major, see ``expand``).
         prompt_index / sample_index: which prompt and which of its ``n`` samples.
         prompt_ids: token ids of the prompt.
         seed: sampling seed (request ``seed`` / ``sampling_seed``, else random; sample ``s`` of a
