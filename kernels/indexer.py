@@ -13,20 +13,25 @@ nothing past a request's length is read, scored or sorted.
 
 1. ``_index_scores_kernel``, grid (B, n_split): program (b, j) scores its share of request b's live tiles
    (``BLOCK_N`` tokens; the share is computed on the device from ``seq_lens``, at least ``MIN_TILES`` tiles, so
-   programs past the live range do nothing). Per tile it gathers the fp8 keys and scales through the block table
+   programs past the live range exit at once). Per tile it gathers the fp8 keys and scales through the block table
    once and scores it for all S query tokens at once (up to 4 stacked as one [S * H, 128] operand; S > 4 takes
    several launches): ``q . k^T`` with one ``tl.dot`` (bf16 x bf16, or fp8 x fp8 for an fp8 query; mma.sync on
-   sm_120, wgmma where Triton picks it on sm_90), then ``sum_h relu(.) * w_h * scale_k`` per token. It stores the fp32 scores and, per group of ``GROUP`` = 8 positions, their
-   max. Requests whose longest query token sees <= topk positions are skipped (their answer needs no scores).
+   sm_120, wgmma on sm_90), then ``sum_h relu(.) * w_h * scale_k`` per token. Key tiles are either loaded as fp8
+   and software-pipelined by Triton (asynchronous copies, ``num_stages``) or loaded packed as int32 with a hand
+   prefetch of the next tile (``SCORE_CONFIGS``). It stores the fp32 scores, per group of ``GROUP`` = 8 positions
+   their max, and counts each group max into a per-row histogram of the top 12 bits of its order key (4096
+   1/8-binade bins; relaxed atomics). Requests whose longest query token sees <= topk positions are skipped.
 2. ``_select_topk_kernel``, grid (B * S): exact top-k of one query token's live scores, on order-preserving int32
-   keys of the fp32 scores. The topk-th largest group max ``t0`` is a lower bound of the topk-th largest score
-   (the group maxima are distinct positions), so only groups whose max is >= t0 can hold a selected position:
-   ~topk groups (more only with ties), i.e. ~8 * topk candidates. Those are gathered into registers and the exact
-   threshold T (largest key with >= topk keys >= T) is found by a 4-way search on the key range (one packed
-   3-count reduction per step, <= 16 steps); keys > T are taken and keys == T fill the rest in position order.
-   Set-equal to ``torch.topk`` up to ties. Fallbacks keep it exact on any input: group maxima that do not fit
-   registers (live length > TILE_G * 8) are searched in memory, and more than CAP_C candidate groups (mass ties)
-   search the whole live row in memory.
+   keys of the fp32 scores. (a) From the histogram: the low edge ``t0`` of the bin holding the topk-th largest
+   group max. >= topk groups, hence >= topk distinct positions, reach t0, so t0 <= the topk-th largest score
+   (read, then zeroed for the next call). (b) Candidate groups (max >= t0), then their positions with score >= t0,
+   compacted in position order: every position that can be selected, ~topk of them. (c) The exact threshold T
+   among those by radix select in registers (6 bits a pass, ``tl.histogram``); keys > T are taken and keys == T
+   fill the rest in position order. Set-equal to ``torch.topk`` up to ties. Fallbacks keep it exact on any input,
+   streamed from memory: more candidate groups than ``candidate_capacity`` (mass ties) -> the whole live row; more
+   candidate positions than the register tile -> the candidate list; fewer than topk positions >= t0 (only a stale
+   histogram, e.g. a workspace that skipped a select) -> the whole row. Each query token's select is a few
+   dependent block-wide passes over ~topk-sized tiles, independent of the max context.
 """
 
 from __future__ import annotations
@@ -57,9 +62,9 @@ def _order_key(x):
 # ------------------------------------------------------------------------------------------------ scores
 
 @triton.jit
-def _load_k_tile(kc32_ptr, ks_ptr, bt_row, t, t_end, l_max, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _load_k_packed(kc32_ptr, ks_ptr, bt_row, t, t_end, l_max, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keys of tile t as packed int32 [BLOCK_N, 32] (4 fp8 each, little-endian) and fp32 scales [BLOCK_N]; zeros
-    outside [0, l_max) or when t >= t_end. Packed, a prefetched tile costs 1 register per 4 keys instead of 4."""
+    outside [0, l_max) or when t >= t_end. Packed, a hand-prefetched tile costs 1 register per 4 keys."""
     pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
     inb = pos < tl.where(t < t_end, l_max, 0)
     page = tl.load(bt_row + pos // PAGE, mask=inb, other=0).to(tl.int64)
@@ -79,6 +84,28 @@ def _unpack_fp8(kw, BLOCK_N: tl.constexpr):
     b3 = ((kw >> 24) & 0xFF).to(tl.uint8)
     k = tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [BLOCK_N, 128])
     return k.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _load_k_fp8(k8_ptr, bt_row, t, l_max, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys of tile t as fp8 [BLOCK_N, 128] straight from the cache (16-byte vector loads the software pipeliner
+    turns into asynchronous copies to shared memory); zeros past l_max."""
+    pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    inb = pos < l_max
+    page = tl.load(bt_row + pos // PAGE, mask=inb, other=0).to(tl.int64)
+    d = tl.arange(0, 128)
+    return tl.load(k8_ptr + (page * (PAGE * 132) + (pos % PAGE) * 128)[:, None] + d[None, :], mask=inb[:, None],
+                   other=0.0)
+
+
+@triton.jit
+def _load_k_scales(ks_ptr, bt_row, t, t_end, l_max, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """fp32 key scales [BLOCK_N] of tile t (zeros past l_max or when t >= t_end). Loaded one tile ahead by hand:
+    the pipeliner only makes asynchronous copies of dot operands, and this load waits on its own page lookup."""
+    pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    inb = pos < tl.where(t < t_end, l_max, 0)
+    page = tl.load(bt_row + pos // PAGE, mask=inb, other=0).to(tl.int64)
+    return tl.load(ks_ptr + page * (PAGE * 33) + PAGE * 32 + pos % PAGE, mask=inb, other=0.0)
 
 
 @triton.jit
@@ -114,14 +141,55 @@ def _row_len(len_ptr, b, s, S, max_len, LEN_2D: tl.constexpr):
 
 
 @triton.jit
+def _hist_bin(key, NB: tl.constexpr, SHIFT: tl.constexpr):
+    """Histogram bin of an order key: its top log2(NB) bits (1/8-binade bins for NB = 4096), offset to >= 0."""
+    return (key >> SHIFT) + NB // 2
+
+
+@triton.jit
+def _score_tile(kf, ksc, q, w, t, lens, l_max, rows, so, S, score_ptr, gmax_ptr, hist_ptr, max_len, ng_buf,
+                hist_ok, S_P2: tl.constexpr, H: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
+                Q_FP8: tl.constexpr, DOT_F32: tl.constexpr, TOKENS_M: tl.constexpr, DOT_PREC: tl.constexpr,
+                NB: tl.constexpr, SHIFT: tl.constexpr):
+    """Scores of one key tile (fp8 [BLOCK_N, 128] + scales) for the stacked queries: stores them, their group
+    maxima, and counts the maxima into the per-row histogram the select kernel reads its first bound from."""
+    if DOT_F32:
+        kop = kf.to(tl.float32)
+    elif Q_FP8:
+        kop = kf
+    else:
+        kop = kf.to(tl.bfloat16)
+    if TOKENS_M:
+        acc = tl.dot(kop, tl.trans(q), input_precision=DOT_PREC)  # [BLOCK_N, S_P2 * H]
+        x = tl.reshape(tl.maximum(acc, 0.0) * w[None, :], [BLOCK_N, S_P2, H])
+        sc = tl.trans(tl.sum(x, 2) * ksc[:, None])  # [S_P2, BLOCK_N]
+    else:
+        acc = tl.dot(q, tl.trans(kop), input_precision=DOT_PREC)  # [S_P2 * H, BLOCK_N]
+        x = tl.reshape(tl.maximum(acc, 0.0) * w[:, None], [S_P2, H, BLOCK_N])
+        sc = tl.sum(x, 1) * ksc[None, :]
+    pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    sc = tl.where(pos[None, :] < lens[:, None], sc, float("-inf"))
+    tl.store(score_ptr + rows[:, None] * max_len + pos[None, :], sc,
+             mask=(so < S)[:, None] & (pos < l_max)[None, :])
+    gm = tl.max(tl.reshape(sc, [S_P2, BLOCK_N // G, G]), 2)
+    go = t * (BLOCK_N // G) + tl.arange(0, BLOCK_N // G)
+    tl.store(gmax_ptr + rows[:, None] * ng_buf + go[None, :], gm,
+             mask=(so < S)[:, None] & (go * G < l_max)[None, :])
+    hb = _hist_bin(_order_key(gm), NB, SHIFT)
+    tl.atomic_add(hist_ptr + rows[:, None] * NB + hb, tl.full(hb.shape, 1, tl.int32),
+                  mask=hist_ok[:, None] & (go * G < lens[:, None]), sem="relaxed")
+
+
+@triton.jit
 def _index_scores_kernel(
-    q_ptr, w_ptr, qs_ptr, kc32_ptr, ks_ptr, bt_ptr, len_ptr, score_ptr, gmax_ptr,
+    q_ptr, w_ptr, qs_ptr, kc32_ptr, k8_ptr, ks_ptr, bt_ptr, len_ptr, score_ptr, gmax_ptr, hist_ptr,
     stride_qb, stride_qs, stride_qh, stride_wb, stride_ws, stride_bt,
     max_len, ng_buf, n_split, topk, S_ALL, s0,
     S: tl.constexpr, S_P2: tl.constexpr, H: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     G: tl.constexpr, LEN_2D: tl.constexpr, HAS_QS: tl.constexpr, Q_FP8: tl.constexpr, MIN_TILES: tl.constexpr,
     DOT_F32: tl.constexpr, TOKENS_M: tl.constexpr = True, PREFETCH: tl.constexpr = True,
-    DOT_PREC: tl.constexpr = "tf32",
+    DOT_PREC: tl.constexpr = "tf32", KEYS: tl.constexpr = "fp8", NB: tl.constexpr = 4096,
+    SHIFT: tl.constexpr = 20,
 ):
     # this launch scores query tokens s0 .. s0 + S - 1 (S <= 4) of the S_ALL per request
     b = tl.program_id(0)
@@ -138,49 +206,42 @@ def _index_scores_kernel(
     t_begin = sp * per
     t_end = tl.minimum(t_begin + per, n_tiles)
     t_end = tl.where(l_max > topk, t_end, t_begin)  # <= topk live positions: no scores needed
-
-    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    rows = b.to(tl.int64) * S_ALL + s0 + so  # [S_P2] output rows
-    q, w = _load_q(q_ptr, w_ptr, qs_ptr, b, s0, S, stride_qb, stride_qs, stride_qh, stride_wb, stride_ws,
-                   S_P2, H, HAS_QS, DOT_F32)
-    if PREFETCH:  # hand-pipelined: the gather of tile t + 1 is in flight while tile t is scored
-        k, ksc = _load_k_tile(kc32_ptr, ks_ptr, bt_row, t_begin, t_end, l_max, PAGE, BLOCK_N)
-    for t in range(t_begin, t_end):
-        if PREFETCH:
-            cur_k = k
-            cur_ksc = ksc
-            k, ksc = _load_k_tile(kc32_ptr, ks_ptr, bt_row, t + 1, t_end, l_max, PAGE, BLOCK_N)
-        else:
-            cur_k, cur_ksc = _load_k_tile(kc32_ptr, ks_ptr, bt_row, t, t_end, l_max, PAGE, BLOCK_N)
-        kf = _unpack_fp8(cur_k, BLOCK_N)
-        if DOT_F32:
-            kop = kf.to(tl.float32)
-        elif Q_FP8:
-            kop = kf
-        else:
-            kop = kf.to(tl.bfloat16)
-        if TOKENS_M:
-            acc = tl.dot(kop, tl.trans(q), input_precision=DOT_PREC)  # [BLOCK_N, S_P2 * H]
-            x = tl.reshape(tl.maximum(acc, 0.0) * w[None, :], [BLOCK_N, S_P2, H])
-            sc = tl.trans(tl.sum(x, 2) * cur_ksc[:, None])  # [S_P2, BLOCK_N]
-        else:
-            acc = tl.dot(q, tl.trans(kop), input_precision=DOT_PREC)  # [S_P2 * H, BLOCK_N]
-            x = tl.reshape(tl.maximum(acc, 0.0) * w[:, None], [S_P2, H, BLOCK_N])
-            sc = tl.sum(x, 1) * cur_ksc[None, :]
-        pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        sc = tl.where(pos[None, :] < lens[:, None], sc, float("-inf"))
-        tl.store(score_ptr + rows[:, None] * max_len + pos[None, :], sc,
-                 mask=(so < S)[:, None] & (pos < l_max)[None, :])
-        gm = tl.max(tl.reshape(sc, [S_P2, BLOCK_N // G, G]), 2)
-        go = t * (BLOCK_N // G) + tl.arange(0, BLOCK_N // G)
-        tl.store(gmax_ptr + rows[:, None] * ng_buf + go[None, :], gm,
-                 mask=(so < S)[:, None] & (go * G < l_max)[None, :])
+    if t_end > t_begin:  # idle programs (short rows, splits past the live range) exit before loading anything
+        bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+        rows = b.to(tl.int64) * S_ALL + s0 + so  # [S_P2] output rows
+        # rows the select kernel will bound through the group-max histogram (more than topk groups)
+        hist_ok = (so < S) & (lens > topk) & (tl.cdiv(lens, G) > topk)
+        q, w = _load_q(q_ptr, w_ptr, qs_ptr, b, s0, S, stride_qb, stride_qs, stride_qh, stride_wb, stride_ws,
+                       S_P2, H, HAS_QS, DOT_F32)
+        if KEYS == "fp8":  # fp8 tiles; num_stages > 1 lets Triton's software pipeliner keep loads in flight
+            ksc_next = _load_k_scales(ks_ptr, bt_row, t_begin, t_end, l_max, PAGE, BLOCK_N)
+            for t in range(t_begin, t_end):
+                ksc = ksc_next
+                ksc_next = _load_k_scales(ks_ptr, bt_row, t + 1, t_end, l_max, PAGE, BLOCK_N)
+                kf = _load_k_fp8(k8_ptr, bt_row, t, l_max, PAGE, BLOCK_N)
+                _score_tile(kf, ksc, q, w, t, lens, l_max, rows, so, S, score_ptr, gmax_ptr, hist_ptr, max_len,
+                            ng_buf, hist_ok, S_P2, H, BLOCK_N, G, Q_FP8, DOT_F32, TOKENS_M, DOT_PREC, NB, SHIFT)
+        else:  # packed int32 tiles, hand-pipelined: the gather of tile t + 1 is in flight while t is scored
+            if PREFETCH:
+                k, ksc = _load_k_packed(kc32_ptr, ks_ptr, bt_row, t_begin, t_end, l_max, PAGE, BLOCK_N)
+            for t in range(t_begin, t_end):
+                if PREFETCH:
+                    cur_k = k
+                    cur_ksc = ksc
+                    k, ksc = _load_k_packed(kc32_ptr, ks_ptr, bt_row, t + 1, t_end, l_max, PAGE, BLOCK_N)
+                else:
+                    cur_k, cur_ksc = _load_k_packed(kc32_ptr, ks_ptr, bt_row, t, t_end, l_max, PAGE, BLOCK_N)
+                _score_tile(_unpack_fp8(cur_k, BLOCK_N), cur_ksc, q, w, t, lens, l_max, rows, so, S, score_ptr,
+                            gmax_ptr, hist_ptr, max_len, ng_buf, hist_ok, S_P2, H, BLOCK_N, G, Q_FP8, DOT_F32,
+                            TOKENS_M, DOT_PREC, NB, SHIFT)
 
 
 @triton.jit
-def _group_max_kernel(score_ptr, gmax_ptr, len_ptr, stride_row, ng_buf, n_split, max_len, topk,
-                      G: tl.constexpr, BLOCK: tl.constexpr, MIN_TILES: tl.constexpr):
-    """Group maxima of externally computed scores (``topk_from_scores``); same split scheme as the scores."""
+def _group_max_kernel(score_ptr, gmax_ptr, hist_ptr, len_ptr, stride_row, ng_buf, n_split, max_len, topk,
+                      G: tl.constexpr, BLOCK: tl.constexpr, MIN_TILES: tl.constexpr, NB: tl.constexpr,
+                      SHIFT: tl.constexpr):
+    """Group maxima and their histogram for externally computed scores (``topk_from_scores``); same split scheme
+    as the scores."""
     r = tl.program_id(0)
     sp = tl.program_id(1)
     ln = _row_len(len_ptr, r, 0, 1, max_len, True)
@@ -189,12 +250,16 @@ def _group_max_kernel(score_ptr, gmax_ptr, len_ptr, stride_row, ng_buf, n_split,
     t_begin = sp * per
     t_end = tl.minimum(t_begin + per, n_tiles)
     t_end = tl.where(ln > topk, t_end, t_begin)
+    ln_hist = tl.where(tl.cdiv(ln, G) > topk, ln, 0)  # rows the select kernel bounds through the histogram
     for t in range(t_begin, t_end):
         pos = t * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(score_ptr + r.to(tl.int64) * stride_row + pos, mask=pos < ln, other=float("-inf"))
         gm = tl.max(tl.reshape(x, [BLOCK // G, G]), 1)
         go = t * (BLOCK // G) + tl.arange(0, BLOCK // G)
         tl.store(gmax_ptr + r.to(tl.int64) * ng_buf + go, gm, mask=go * G < ln)
+        hb = _hist_bin(_order_key(gm), NB, SHIFT)
+        tl.atomic_add(hist_ptr + r.to(tl.int64) * NB + hb, tl.full(hb.shape, 1, tl.int32),
+                      mask=go * G < ln_hist, sem="relaxed")
 
 
 # ------------------------------------------------------------------------------------------------ top-k
@@ -216,29 +281,58 @@ def _narrow(lo, hi, c1, c2, c3, m1, m2, m3, k):
 
 
 @triton.jit
-def _kth_largest_regs(keys, valid, k):
-    """Largest int32 T with #(valid & keys >= T) >= k, for 1 <= k <= #valid; keys is 1-D, in registers."""
+def _kth_largest_radix(keys, valid, k, RADIX: tl.constexpr):
+    """Largest int32 T with #(valid & keys >= T) >= k, for 1 <= k <= #valid; keys 1-D in registers.
+
+    Radix select on keys - min: one ``tl.histogram`` of RADIX bits per pass (a ballot-based warp histogram:
+    a few instructions per key, far cheaper than compare-and-count), from the top bit of the live range down,
+    keeping only keys whose higher bits equal the digits chosen so far."""
+    NBR: tl.constexpr = 1 << RADIX
     lo = tl.min(tl.where(valid, keys, 2147483647), 0).to(tl.int64)
     hi = tl.max(tl.where(valid, keys, -2147483648), 0).to(tl.int64)
-    while lo < hi:
-        step = (hi - lo + 3) // 4
-        m1 = lo + step
-        m2 = tl.minimum(lo + 2 * step, hi)
-        m3 = tl.minimum(lo + 3 * step, hi)
-        c1, c2, c3 = _count3(keys, valid, m1.to(tl.int32), m2.to(tl.int32), m3.to(tl.int32))
-        lo, hi = _narrow(lo, hi, c1, c2, c3, m1, m2, m3, k)
-    return lo.to(tl.int32)
+    u = keys.to(tl.int64) - lo
+    one = tl.full([], 1, tl.int64)
+    shift = tl.zeros([], tl.int64)
+    while (one << shift) <= hi - lo:
+        shift += 1
+    prefix = tl.zeros([], tl.int64)
+    kk = tl.zeros([], tl.int32) + k
+    bins = tl.arange(0, NBR)
+    while shift > 0:
+        ns = tl.maximum(shift - RADIX, 0)
+        width = shift - ns
+        match = valid & ((u >> shift) == prefix)
+        dig = ((u >> ns) & ((one << width) - 1)).to(tl.int32)
+        h = tl.histogram(dig, NBR, mask=match)
+        c_ge = tl.cumsum(h, 0, reverse=True)
+        dsel = tl.max(tl.where(c_ge >= kk, bins, 0), 0)
+        kk -= tl.sum(tl.where(bins > dsel, h, 0), 0)
+        prefix = (prefix << width) + dsel
+        shift = ns
+    return (lo + prefix).to(tl.int32)
 
 
 @triton.jit
-def _kth_largest_mem(ptr, n, k, TILE: tl.constexpr):
-    """As _kth_largest_regs for the order keys of fp32 values ptr[0:n], streamed from memory each step."""
-    offs = tl.arange(0, TILE)
+def _stream_keys(srow, idx_ptr, i0, n, INDIRECT: tl.constexpr, TILE: tl.constexpr):
+    """Order keys, mask and positions of items i0 .. i0 + TILE - 1 of a streamed list: row positions i
+    (INDIRECT False) or the positions stored at idx_ptr[i]."""
+    i = i0 + tl.arange(0, TILE)
+    m = i < n
+    if INDIRECT:
+        p = tl.load(idx_ptr + i, mask=m, other=0, cache_modifier=".cg")
+    else:
+        p = i
+    return _order_key(tl.load(srow + p, mask=m, other=0.0)), m, p
+
+
+@triton.jit
+def _kth_largest_mem(srow, idx_ptr, n, k, INDIRECT: tl.constexpr, TILE: tl.constexpr):
+    """As _kth_largest_radix for the n listed scores (see _stream_keys), streamed from memory at each step of a
+    4-way search."""
     lo = tl.full([], 2147483647, tl.int32)
     hi = tl.full([], -2147483648, tl.int32)
     for i in range(0, n, TILE):
-        m = i + offs < n
-        x = _order_key(tl.load(ptr + i + offs, mask=m, other=0.0))
+        x, m, p = _stream_keys(srow, idx_ptr, i, n, INDIRECT, TILE)
         lo = tl.minimum(lo, tl.min(tl.where(m, x, 2147483647), 0))
         hi = tl.maximum(hi, tl.max(tl.where(m, x, -2147483648), 0))
     lo = lo.to(tl.int64)
@@ -252,8 +346,7 @@ def _kth_largest_mem(ptr, n, k, TILE: tl.constexpr):
         c2 = tl.zeros([], tl.int64)
         c3 = tl.zeros([], tl.int64)
         for i in range(0, n, TILE):
-            m = i + offs < n
-            x = _order_key(tl.load(ptr + i + offs, mask=m, other=0.0))
+            x, m, p = _stream_keys(srow, idx_ptr, i, n, INDIRECT, TILE)
             d1, d2, d3 = _count3(x, m, m1.to(tl.int32), m2.to(tl.int32), m3.to(tl.int32))
             c1 += d1
             c2 += d2
@@ -263,114 +356,154 @@ def _kth_largest_mem(ptr, n, k, TILE: tl.constexpr):
 
 
 @triton.jit
+def _select_streamed(srow, idx_ptr, n, topk, out_row, INDIRECT: tl.constexpr, TILE: tl.constexpr):
+    """Exact top-k of n listed scores (ascending list order), streamed: the slow path for inputs that defeat the
+    bounds (mass ties, a stale histogram). Writes the chosen positions in list order."""
+    thr = _kth_largest_mem(srow, idx_ptr, n, topk, INDIRECT, TILE)
+    n_gt = tl.zeros([], tl.int32)
+    for i in range(0, n, TILE):
+        x, m, p = _stream_keys(srow, idx_ptr, i, n, INDIRECT, TILE)
+        n_gt += tl.sum((m & (x > thr)).to(tl.int32), 0)
+    need_eq = topk - n_gt
+    n_out = tl.zeros([], tl.int32)
+    n_eq = tl.zeros([], tl.int32)
+    for i in range(0, n, TILE):
+        x, m, p = _stream_keys(srow, idx_ptr, i, n, INDIRECT, TILE)
+        gt = m & (x > thr)
+        eq = m & (x == thr)
+        take = gt | (eq & (n_eq + tl.cumsum(eq.to(tl.int32), 0) <= need_eq))
+        slot = n_out + tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(out_row + slot, p, mask=take)
+        n_out += tl.sum(take.to(tl.int32), 0)
+        n_eq += tl.sum(eq.to(tl.int32), 0)
+
+
+@triton.jit
 def _select_topk_kernel(
-    score_ptr, gmax_ptr, cand_ptr, len_ptr, out_ptr,
+    score_ptr, gmax_ptr, hist_ptr, scr_ptr, len_ptr, out_ptr,
     S, max_len, stride_row, ng_buf, topk,
-    LEN_2D: tl.constexpr, G: tl.constexpr, CAP_C: tl.constexpr, TILE_G: tl.constexpr, TILE: tl.constexpr,
+    LEN_2D: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, SHIFT: tl.constexpr, CAP_G: tl.constexpr,
+    CAP_P: tl.constexpr, TG: tl.constexpr, TC: tl.constexpr, TILE: tl.constexpr, RADIX: tl.constexpr,
+    CLEAR_HIST: tl.constexpr,
 ):
     r = tl.program_id(0)
     b = r // S
     s = r % S
     ln = _row_len(len_ptr, b, s, S, max_len, LEN_2D)
-    out_row = out_ptr + r.to(tl.int64) * topk
+    r64 = r.to(tl.int64)
+    out_row = out_ptr + r64 * topk
     if ln <= topk:
         # every live position, then -1 (no scores were computed for such rows)
         for o in range(0, topk, TILE):
             idx = o + tl.arange(0, TILE)
             tl.store(out_row + idx, tl.where(idx < ln, idx, -1), mask=idx < topk)
     else:
-        srow = score_ptr + r.to(tl.int64) * stride_row
-        grow = gmax_ptr + r.to(tl.int64) * ng_buf
-        crow = cand_ptr + r.to(tl.int64) * CAP_C
+        srow = score_ptr + r64 * stride_row
+        grow = gmax_ptr + r64 * ng_buf
+        gid_row = scr_ptr + r64 * (CAP_G * (G + 1))  # candidate groups [CAP_G], then their positions [CAP_G * G]
+        pos_row = gid_row + CAP_G
         ng = tl.cdiv(ln, G)
-        # 1) t0 = topk-th largest group max, then 2) the candidate groups (max >= t0), ascending, into crow
-        if ng <= TILE_G:
-            go = tl.arange(0, TILE_G)
+        # 1) t0 <= the topk-th largest score: the low edge of the histogram bin holding the topk-th largest group
+        #    max (>= topk groups, i.e. distinct positions, reach it). Read, then zeroed for the next call.
+        t0 = tl.full([], -2147483648, tl.int32)
+        if ng > topk:
+            bins = tl.arange(0, NB)
+            hrow = hist_ptr + r64 * NB
+            h = tl.load(hrow + bins, cache_modifier=".cg")
+            if CLEAR_HIST:
+                tl.store(hrow + bins, tl.zeros([NB], tl.int32))
+            c_ge = tl.cumsum(h, 0, reverse=True)
+            t0 = ((tl.max(tl.where(c_ge >= topk, bins, 0), 0) - NB // 2) << SHIFT).to(tl.int32)
+        # 2) candidate groups (max >= t0), ascending
+        n_cand = tl.zeros([], tl.int32)
+        for g0 in range(0, ng, TG):
+            go = g0 + tl.arange(0, TG)
             gm = go < ng
-            gk = _order_key(tl.load(grow + go, mask=gm, other=0.0))
-            if ng <= topk:
-                t0 = tl.full([], -2147483648, tl.int32)
-            else:
-                t0 = _kth_largest_regs(gk, gm, topk)
-            f = gm & (gk >= t0)
-            slot = tl.cumsum(f.to(tl.int32), 0) - 1
-            tl.store(crow + slot, go, mask=f & (slot < CAP_C))
-            n_cand = tl.sum(f.to(tl.int32), 0)
-        else:
-            t0 = _kth_largest_mem(grow, ng, topk, TILE_G)
-            n_cand = tl.zeros([], tl.int32)
-            for g0 in range(0, ng, TILE_G):
-                go = g0 + tl.arange(0, TILE_G)
-                gm = go < ng
-                gk = _order_key(tl.load(grow + go, mask=gm, other=0.0))
-                f = gm & (gk >= t0)
-                slot = n_cand + tl.cumsum(f.to(tl.int32), 0) - 1
-                tl.store(crow + slot, go, mask=f & (slot < CAP_C))
-                n_cand += tl.sum(f.to(tl.int32), 0)
-        tl.debug_barrier()  # the candidate list is re-read by other threads of this program
-        if n_cand <= CAP_C:
-            # 3) exact threshold among the <= CAP_C * G candidates, in registers; 4) write, ascending
-            ci = tl.arange(0, CAP_C)
-            gid = tl.load(crow + ci, mask=ci < n_cand, other=0, cache_modifier=".cg")
-            pos = tl.reshape(gid[:, None] * G + tl.arange(0, G)[None, :], [CAP_C * G])
-            valid = tl.reshape((ci < n_cand)[:, None] & (tl.arange(0, G) < G)[None, :], [CAP_C * G]) & (pos < ln)
-            keys = _order_key(tl.load(srow + pos, mask=valid, other=0.0))
-            thr = _kth_largest_regs(keys, valid, topk)
-            gt = valid & (keys > thr)
-            eq = valid & (keys == thr)
-            need_eq = topk - tl.sum(gt.to(tl.int32), 0)
-            take = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need_eq))
-            slot = tl.cumsum(take.to(tl.int32), 0) - 1
-            tl.store(out_row + slot, pos, mask=take)
-        else:
-            # mass ties among the group maxima: exact threshold over the whole live row, streamed
-            thr = _kth_largest_mem(srow, ln, topk, TILE)
-            n_gt = tl.zeros([], tl.int32)
-            for i in range(0, ln, TILE):
-                p = i + tl.arange(0, TILE)
-                m = p < ln
-                x = _order_key(tl.load(srow + p, mask=m, other=0.0))
-                n_gt += tl.sum((m & (x > thr)).to(tl.int32), 0)
-            need_eq = topk - n_gt
-            n_out = tl.zeros([], tl.int32)
-            n_eq = tl.zeros([], tl.int32)
-            for i in range(0, ln, TILE):
-                p = i + tl.arange(0, TILE)
-                m = p < ln
-                x = _order_key(tl.load(srow + p, mask=m, other=0.0))
-                gt = m & (x > thr)
-                eq = m & (x == thr)
-                take = gt | (eq & (n_eq + tl.cumsum(eq.to(tl.int32), 0) <= need_eq))
-                slot = n_out + tl.cumsum(take.to(tl.int32), 0) - 1
+            f = gm & (_order_key(tl.load(grow + go, mask=gm, other=0.0)) >= t0)
+            slot = n_cand + tl.cumsum(f.to(tl.int32), 0) - 1
+            tl.store(gid_row + slot, go, mask=f & (slot < CAP_G))
+            n_cand += tl.sum(f.to(tl.int32), 0)
+        if n_cand <= CAP_G:
+            tl.debug_barrier()  # the list is re-read by other threads of this program
+            # 3) their positions with score >= t0, ascending: every position of the row that can be selected
+            n_pos = tl.zeros([], tl.int32)
+            for c0 in range(0, n_cand, TC):
+                ci = c0 + tl.arange(0, TC)
+                cm = ci < n_cand
+                gid = tl.load(gid_row + ci, mask=cm, other=0, cache_modifier=".cg")
+                p = tl.reshape(gid[:, None] * G + tl.arange(0, G)[None, :], [TC * G])
+                v = tl.reshape(cm[:, None] & (tl.arange(0, G) < G)[None, :], [TC * G]) & (p < ln)
+                f = v & (_order_key(tl.load(srow + p, mask=v, other=0.0)) >= t0)
+                slot = n_pos + tl.cumsum(f.to(tl.int32), 0) - 1
+                tl.store(pos_row + slot, p, mask=f)
+                n_pos += tl.sum(f.to(tl.int32), 0)
+            tl.debug_barrier()
+            if n_pos < topk:
+                # t0 was above the topk-th score: only a histogram not written by this call's scores does that
+                _select_streamed(srow, pos_row, ln, topk, out_row, False, TILE)
+            elif n_pos <= CAP_P:
+                # 4) exact threshold T among them (radix select in registers); 5) keys > T, then == T in order
+                i = tl.arange(0, CAP_P)
+                m = i < n_pos
+                p = tl.load(pos_row + i, mask=m, other=0, cache_modifier=".cg")
+                keys = _order_key(tl.load(srow + p, mask=m, other=0.0))
+                thr = _kth_largest_radix(keys, m, topk, RADIX)
+                gt = m & (keys > thr)
+                eq = m & (keys == thr)
+                need_eq = topk - tl.sum(gt.to(tl.int32), 0)
+                take = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need_eq))
+                slot = tl.cumsum(take.to(tl.int32), 0) - 1
                 tl.store(out_row + slot, p, mask=take)
-                n_out += tl.sum(take.to(tl.int32), 0)
-                n_eq += tl.sum(eq.to(tl.int32), 0)
+            else:
+                _select_streamed(srow, pos_row, n_pos, topk, out_row, True, TILE)
+        else:
+            # mass ties at the bound: exact threshold over the whole live row, streamed
+            _select_streamed(srow, gid_row, ln, topk, out_row, False, TILE)
 
 
 # ------------------------------------------------------------------------------------------------ host side
 
+def _cfg(bn, w, tm, keys, stages, pf=False):
+    return {"BLOCK_N": bn, "num_warps": w, "num_stages": stages, "TOKENS_M": tm, "PREFETCH": pf, "KEYS": keys}
+
+
 # Score-kernel configs (fixed, not autotuned, so a launch is capturable). TOKENS_M puts the key tile on the
-# dot's M side (q^T on N; the better register fit for mma.sync), else the stacked queries are M (64 heads per
-# token: wgmma's M on sm_90). Every config compiles for sm_120a with mma.sync and <= 99 KiB of shared memory, and
-# for sm_90a, for 1, 2 and 4 stacked query tokens (tests/test_indexer.py).
+# dot's M side (q^T on N), else the stacked queries are M. KEYS "packed": int32 tiles unpacked in registers, with
+# a hand prefetch (PREFETCH) of the next tile; "fp8": fp8 tiles loaded as such, software-pipelined by Triton over
+# num_stages (asynchronous copies into shared memory). Every config compiles for sm_120a with mma.sync and <= 99 KiB
+# of shared memory, and for sm_90a, for 1, 2 and 4 stacked query tokens (tests/test_indexer.py).
 SCORE_CONFIGS = [
-    {"BLOCK_N": bn, "num_warps": w, "num_stages": 1, "TOKENS_M": tm, "PREFETCH": pf}
-    for tm in (True, False) for bn, w, pf in ((64, 4, True), (64, 8, True), (128, 8, True), (64, 4, False))
+    _cfg(64, 4, True, "packed", 1, pf=True),
+    _cfg(64, 8, True, "packed", 1, pf=True),
+    _cfg(128, 8, True, "packed", 1, pf=True),
+    _cfg(64, 4, True, "packed", 1, pf=False),
+    _cfg(64, 4, False, "packed", 1, pf=True),
+    _cfg(64, 4, True, "fp8", 2),
+    _cfg(64, 4, True, "fp8", 3),
+    _cfg(64, 4, True, "fp8", 4),
+    _cfg(64, 8, True, "fp8", 3),
+    _cfg(128, 8, True, "fp8", 3),
+    _cfg(128, 4, True, "fp8", 3),
+    _cfg(64, 4, False, "fp8", 3),
 ]
-# (sm_90?, stacked query tokens) -> config; picked from AOT register counts (no spills, fewest registers per
-# arch). Not yet timed on a GPU: benchmarks/kernels/indexer.py sweeps every config against them.
+# (sm_90?, stacked query tokens) -> config. sm_90: the fastest config of the H200 sweep at 32K live / 128K max
+# (benchmarks/results/indexer_2026-11-30.md: 94.6 us vs 113.5 for heads-on-M at B=16, 209 vs 280 at B=64);
+# sm_120: the same shape, chosen from AOT register counts (no sm_120 GPU to time it on).
 DEFAULT_SCORE_CONFIGS = {
-    (False, 1): {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "TOKENS_M": True, "PREFETCH": True},
-    (False, 2): {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "TOKENS_M": True, "PREFETCH": True},
-    (False, 4): {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "TOKENS_M": True, "PREFETCH": True},
-    (True, 1): {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "TOKENS_M": False, "PREFETCH": True},
-    (True, 2): {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "TOKENS_M": False, "PREFETCH": True},
-    (True, 4): {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "TOKENS_M": False, "PREFETCH": True},
+    (False, 1): _cfg(64, 4, True, "packed", 1, pf=True),
+    (False, 2): _cfg(64, 8, True, "packed", 1, pf=True),
+    (False, 4): _cfg(64, 8, True, "packed", 1, pf=True),
+    (True, 1): _cfg(64, 4, True, "packed", 1, pf=True),
+    (True, 2): _cfg(64, 8, True, "packed", 1, pf=True),
+    (True, 4): _cfg(64, 8, True, "packed", 1, pf=True),
 }
 S_CHUNK = 4  # query tokens stacked per score launch (S > 4: several launches)
-SELECT_WARPS = (8, 16)
+SELECT_WARPS = (4, 8, 16)
 DEFAULT_SELECT_WARPS = 8
-TILE_G = 8192  # group maxima held in registers (live length <= 64K tokens)
+HIST_BINS = 4096  # per-row histogram of group maxima: top 12 bits of the order key (1/8-binade bins)
+HIST_SHIFT = 20
+RADIX_BITS = 6  # bits per radix-select pass (64-bin warp histograms)
+MAX_TILE_P = 4096  # register tile of the final threshold search
 MIN_TILES = 4  # tiles per score program at least (fewer, larger programs for short rows)
 # score programs per SM to aim for: ~3 fit at once (~150 registers x 128 threads), so 8 keeps the last partial
 # wave small; each still gets >= MIN_TILES tiles (the benchmark sweep times half and double this)
@@ -399,22 +532,32 @@ def _num_sms(device) -> int:
 
 
 def candidate_capacity(topk: int) -> int:
-    """Candidate groups held in registers by the select kernel (2x the next power of two of topk)."""
-    return 2 * triton.next_power_of_2(topk)
+    """Candidate groups the select kernel handles without its streamed fallback (4x the next power of two of
+    topk: the histogram bound admits about topk groups plus those of one 1/8-binade bin)."""
+    return 4 * triton.next_power_of_2(topk)
+
+
+def _tile_p(topk: int) -> int:
+    return min(MAX_TILE_P, 4 * triton.next_power_of_2(topk))
 
 
 def _workspace_layout(rows: int, max_len: int, topk: int):
+    """(groups per row, candidate capacity, per-row scratch, int32 elements in all): scores [rows, max_len],
+    group maxima [rows, ng], histograms [rows, HIST_BINS], scratch [rows, cap * (GROUP + 1)]."""
     ng = triton.cdiv(max_len, GROUP)
     cap = candidate_capacity(topk)
-    return ng, cap, rows * (max_len + ng + cap)
+    scr = cap * (GROUP + 1)
+    return ng, cap, scr, rows * (max_len + ng + HIST_BINS + scr)
 
 
 def indexer_workspace(batch: int, s: int, max_len: int, topk: int = 512, device="cuda") -> torch.Tensor:
-    """A reusable int32 workspace for ``dsa_indexer_topk(..., workspace=...)``: fp32 scores [B*S, max_len], group
-    maxima [B*S, max_len / 8] and candidate slots [B*S, 2 * next_pow2(topk)] (4.6 bytes per position of the block
-    table). ``max_len`` = block_table.shape[1] * page_size. Allocate once per (max batch, max context) so a CUDA
-    graph captures fixed addresses."""
-    return torch.empty(_workspace_layout(batch * s, max_len, topk)[2], dtype=torch.int32, device=device)
+    """A reusable, zero-initialized int32 workspace for ``dsa_indexer_topk(..., workspace=...)``: fp32 scores
+    [B*S, max_len], group maxima [B*S, max_len / 8], group-max histograms [B*S, 4096] and candidate scratch
+    [B*S, 36 * next_pow2(topk)]; 4.5 bytes per position of the block table plus ~90 KB per query token at topk
+    512. ``max_len`` = block_table.shape[1] * page_size. Allocate once per (max batch, max context) so a CUDA
+    graph captures fixed addresses. Each call leaves the histograms zeroed for the next; a workspace with
+    nonzero histograms (never passed through a full call) still gives exact results, one call more slowly."""
+    return torch.zeros(_workspace_layout(batch * s, max_len, topk)[3], dtype=torch.int32, device=device)
 
 
 def _fail(name, msg):
@@ -470,32 +613,43 @@ def _check_topk(topk):
         _fail("topk", f"must be an int in [1, {MAX_TOPK}], got {topk!r}")
 
 
+def _check_warps(select_warps, topk):
+    # 8 warps hold topk 512's register tiles without spills; larger topk needs 16 (AOT register counts)
+    warps = select_warps or (DEFAULT_SELECT_WARPS if topk <= 1024 else 16)
+    if warps not in SELECT_WARPS:
+        _fail("select_warps", f"must be one of {SELECT_WARPS}, got {select_warps!r}")
+    return warps
+
+
 def _workspace_views(workspace, rows, max_len, topk, dev):
-    ng, cap, n = _workspace_layout(rows, max_len, topk)
+    ng, cap, scr, n = _workspace_layout(rows, max_len, topk)
     if workspace is None:
         workspace = torch.empty(n, dtype=torch.int32, device=dev)
+        workspace[rows * (max_len + ng): rows * (max_len + ng + HIST_BINS)].zero_()
     elif not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.int32 or workspace.numel() < n \
             or not workspace.is_contiguous() or workspace.device != dev:
         _fail("workspace", f"must be a contiguous int32 tensor of >= {n} elements on {dev} (indexer_workspace())")
     ws = workspace.view(-1)
-    scores = ws[: rows * max_len].view(torch.float32)
-    gmax = ws[rows * max_len: rows * (max_len + ng)].view(torch.float32)
-    cand = ws[rows * (max_len + ng): n]
-    return scores, gmax, cand, ng, cap
+    o1, o2, o3 = rows * max_len, rows * (max_len + ng), rows * (max_len + ng + HIST_BINS)
+    return ws[:o1].view(torch.float32), ws[o1:o2].view(torch.float32), ws[o2:o3], ws[o3:n], ng, cap
 
 
-def _select_launch(scores, gmax, cand, lens, out, rows, s, max_len, stride_row, ng, cap, topk, len_2d, warps):
+def _interp(name, default):
+    # small tiles under the interpreter so tests reach the multi-tile and streamed paths at tiny shapes
+    return int(os.environ.get(name, default))
+
+
+def _select_launch(scores, gmax, hist, scr, lens, out, rows, s, max_len, stride_row, ng, cap, topk, len_2d, warps,
+                   clear_hist=True):
     _select_topk_kernel[(rows,)](
-        scores, gmax, cand, lens, out, s, max_len, stride_row, ng, topk,
-        LEN_2D=len_2d, G=GROUP, CAP_C=cap, TILE_G=TILE_G if not _INTERPRET else _interp_tile_g(),
-        TILE=min(1024, triton.next_power_of_2(topk)) if not _INTERPRET else 16,
+        scores, gmax, hist, scr, lens, out, s, max_len, stride_row, ng, topk,
+        LEN_2D=len_2d, G=GROUP, NB=HIST_BINS, SHIFT=HIST_SHIFT, CAP_G=cap,
+        CAP_P=_tile_p(topk) if not _INTERPRET else _interp("PD_INDEXER_INTERP_TILE_P", 2 * triton.next_power_of_2(topk)),
+        TG=4096 if not _INTERPRET else _interp("PD_INDEXER_INTERP_TG", 64),
+        TC=256 if not _INTERPRET else _interp("PD_INDEXER_INTERP_TC", 8),
+        TILE=1024 if not _INTERPRET else 16, RADIX=RADIX_BITS, CLEAR_HIST=clear_hist,
         num_warps=warps,
     )
-
-
-def _interp_tile_g():
-    # small register tiles under the interpreter so tests reach the streamed (memory) paths at tiny shapes
-    return int(os.environ.get("PD_INDEXER_INTERP_TILE_G", "64"))
 
 
 def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512, page_size=64, out=None, *,
@@ -520,10 +674,11 @@ def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512,
       topk: 1 .. 2048 (DSv4: 512). page_size: 1 .. 256, a power of two (SGLang: 64).
       out: optional int32 [B, S, topk] output (written fully).
       q_scale: optional float32 [B, S, H] contiguous, multiplied into the weights (fp8 query only).
-      workspace: optional int32 tensor from ``indexer_workspace(B, S, max_len, topk)``; allocated per call when
-         None (inside a CUDA graph capture that is the graph's private pool).
+      workspace: optional int32 tensor from ``indexer_workspace(B, S, max_len, topk)``, used by this function
+         only; allocated per call when None (inside a CUDA graph capture that is the graph's private pool).
       n_split, config, select_warps, stages: benchmark knobs: score programs per request, score-kernel config
-         (one of SCORE_CONFIGS), warps of the select kernel, which of the two kernels to launch.
+         (one of SCORE_CONFIGS), warps of the select kernel, which of the two kernels to launch (a select-only
+         call keeps the histograms the previous scores-only call left).
 
     Returns: int32 [B, S, topk]: ascending logical positions of the topk highest scores in each query token's
       live range (set-equal to torch.topk up to ties), or 0 .. L-1 then -1 when L <= topk.
@@ -579,19 +734,18 @@ def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512,
         _fail("block_table", f"max context {max_len} tokens is too large")
     if config is not None and config not in SCORE_CONFIGS:
         _fail("config", f"must be one of SCORE_CONFIGS, got {config!r}")
-    warps = select_warps or DEFAULT_SELECT_WARPS
-    if warps not in SELECT_WARPS:
-        _fail("select_warps", f"must be one of {SELECT_WARPS}, got {select_warps!r}")
+    warps = _check_warps(select_warps, topk)
     if n_split is None:
         n_split = max(1, min(64, triton.cdiv(PROGRAMS_PER_SM * _num_sms(dev), b)))
     if isinstance(n_split, bool) or not isinstance(n_split, int) or n_split < 1:
         _fail("n_split", f"must be a positive int, got {n_split!r}")
 
     rows = b * s
-    scores, gmax, cand, ng, cap = _workspace_views(workspace, rows, max_len, topk, dev)
+    scores, gmax, hist, scr, ng, cap = _workspace_views(workspace, rows, max_len, topk, dev)
     q_fp8 = q.dtype == torch.float8_e4m3fn
     qs = q_scale if q_scale is not None else weights
     sm90 = _is_sm90(dev)
+    k8 = kc32.view(torch.float8_e4m3fn)
     for s0 in range(0, s, S_CHUNK) if "scores" in stages else ():
         sc = min(S_CHUNK, s - s0)
         sp2 = triton.next_power_of_2(sc)
@@ -599,16 +753,18 @@ def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512,
         if _INTERPRET:
             cfg["BLOCK_N"] = 32  # small tiles keep interpreted runs short
         _index_scores_kernel[(b, n_split)](
-            q, weights, qs, kc32, kc32.view(torch.float32), block_table, seq_lens, scores, gmax,
+            q, weights, qs, kc32, k8, kc32.view(torch.float32), block_table, seq_lens, scores, gmax, hist,
             q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1), block_table.stride(0),
             max_len, ng, n_split, topk, s, s0,
             S=sc, S_P2=sp2, H=h, PAGE=page_size, BLOCK_N=cfg["BLOCK_N"], G=GROUP, LEN_2D=len_2d,
             HAS_QS=q_scale is not None, Q_FP8=q_fp8, MIN_TILES=MIN_TILES, DOT_F32=_INTERPRET,
             TOKENS_M=cfg["TOKENS_M"], PREFETCH=cfg["PREFETCH"], DOT_PREC="ieee" if _INTERPRET else "tf32",
+            KEYS=cfg["KEYS"], NB=HIST_BINS, SHIFT=HIST_SHIFT,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if "select" in stages:
-        _select_launch(scores, gmax, cand, seq_lens, out, rows, s, max_len, max_len, ng, cap, topk, len_2d, warps)
+        _select_launch(scores, gmax, hist, scr, seq_lens, out, rows, s, max_len, max_len, ng, cap, topk, len_2d,
+                       warps, clear_hist="scores" in stages)
     return out
 
 
@@ -631,16 +787,16 @@ def topk_from_scores(scores, lengths, topk=512, out=None, *, select_warps=None):
             or tuple(lengths.shape) != (r,) or not lengths.is_contiguous() or lengths.device != dev:
         _fail("lengths", f"must be a contiguous int32/int64 tensor [{r}] on {dev}")
     out = _check_out(out, (r, topk), dev)
-    warps = select_warps or DEFAULT_SELECT_WARPS
-    if warps not in SELECT_WARPS:
-        _fail("select_warps", f"must be one of {SELECT_WARPS}, got {select_warps!r}")
+    warps = _check_warps(select_warps, topk)
     ng = triton.cdiv(w, GROUP)
     cap = candidate_capacity(topk)
     gmax = torch.empty(r, ng, dtype=torch.float32, device=dev)
-    cand = torch.empty(r, cap, dtype=torch.int32, device=dev)
+    hist = torch.zeros(r, HIST_BINS, dtype=torch.int32, device=dev)
+    scr = torch.empty(r, cap * (GROUP + 1), dtype=torch.int32, device=dev)
     block = 256 if not _INTERPRET else 32
     n_split = max(1, min(64, triton.cdiv(PROGRAMS_PER_SM * _num_sms(dev), r)))
-    _group_max_kernel[(r, n_split)](scores, gmax, lengths, scores.stride(0), ng, n_split, w, topk,
-                                    G=GROUP, BLOCK=block, MIN_TILES=MIN_TILES, num_warps=4)
-    _select_launch(scores, gmax, cand, lengths, out, r, 1, w, scores.stride(0), ng, cap, topk, True, warps)
+    _group_max_kernel[(r, n_split)](scores, gmax, hist, lengths, scores.stride(0), ng, n_split, w, topk,
+                                    G=GROUP, BLOCK=block, MIN_TILES=MIN_TILES, NB=HIST_BINS, SHIFT=HIST_SHIFT,
+                                    num_warps=4)
+    _select_launch(scores, gmax, hist, scr, lengths, out, r, 1, w, scores.stride(0), ng, cap, topk, True, warps)
     return out

@@ -83,7 +83,7 @@ def index_scores_ref(q, weights, index_k_cache, block_table, seq_lens, page_size
 
     q: [B, S, H, 128] bf16 or float8_e4m3fn; weights: [B, S, H]; q_scale: optional [B, S, H] multiplied into
     the weights (fp8 query scales). ``chunk`` (tokens) bounds the dequantized-key temporaries for long block
-    tables (the naive GPU baseline uses it); the result is the same.
+    tables; the result is the same.
     """
     b, s, h, d = q.shape
     k8, ksc = cache_fp8_and_scales(index_k_cache, page_size)
@@ -132,9 +132,7 @@ def dsa_indexer_topk_ref(q, weights, index_k_cache, block_table, seq_lens, topk=
                          dtype=torch.float64, chunk=None):
     """Reference indices [B, S, topk] int32 (see the module docstring), by scoring the whole block table.
 
-    With ``dtype=torch.float32`` (or bfloat16 matmuls through ``q``'s dtype) and ``chunk`` on a GPU this is also
-    the naive baseline the benchmark compares against: its work grows with the block table (max context), not
-    with the live length.
+    Its work grows with the block table (max context), not with the live length.
     """
     sc = index_scores_ref(q, weights, index_k_cache, block_table, seq_lens, page_size, q_scale, dtype, chunk)
     lens = live_lengths(seq_lens, q.shape[1], block_table.shape[1] * page_size)
@@ -160,15 +158,28 @@ def score_error_bound(q, weights, index_k_cache, block_table, page_size=64, q_sc
     return 2e-5 * mag
 
 
-def dsa_indexer_topk_naive(q, weights, index_k_cache, block_table, seq_lens, topk=512, page_size=64,
-                           chunk=65536):
-    """The naive GPU baseline (what an indexer without live-length awareness does): bf16 scores over every
-    position of the block table (the max context), masked past the live range, torch.topk, then the short-row
-    fix-up. No host syncs, so it can be captured in a CUDA graph; its work grows with the max context."""
-    sc = index_scores_ref(q, weights, index_k_cache, block_table, seq_lens, page_size, dtype=torch.bfloat16,
-                          chunk=chunk)
-    lens = live_lengths(seq_lens, q.shape[1], block_table.shape[1] * page_size)
-    k = min(topk, sc.shape[-1])
+def dsa_indexer_topk_naive(q, weights, key_buffer, seq_lens, topk=512, page_size=64):
+    """The naive GPU baseline of DESIGN.md's anchor (an indexer that ignores the live length): every query token is
+    scored against one whole key buffer of max-context tokens, then masked past its live length, then torch.topk.
+
+    key_buffer: the index-key layout above, [pages, page_size * 132], read as one sequence: position i is token i
+    of the buffer (max_len = pages * page_size), shared by all B requests. Per call: the fp8 keys are dequantized to
+    bf16 once ([max_len, 128]), ``[B*S*H, 128] x [128, max_len]`` logits come from one bf16 tensor-core matmul, relu,
+    the per-head weights are applied by a bf16 batched matmul ([B*S, 1, H] x [B*S, H, max_len]), then the key
+    scales, the mask and the top-k. q: [B, S, H, 128] bf16; weights [B, S, H]; seq_lens as in
+    ``dsa_indexer_topk``. Returns int32 [B, S, topk] like ``dsa_indexer_topk_ref`` (short rows 0 .. L-1, then -1).
+    No host syncs, so it can be captured in a CUDA graph; its work grows with max_len, not the live length.
+    """
+    b, s, h, d = q.shape
+    k8, ksc = cache_fp8_and_scales(key_buffer, page_size)
+    max_len = k8.shape[0] * page_size
+    kd = k8.reshape(max_len, d).to(torch.bfloat16)
+    logits = torch.matmul(q.reshape(b * s * h, d).to(torch.bfloat16), kd.t()).relu_()  # [B*S*H, max_len]
+    sc = torch.bmm(weights.reshape(b * s, 1, h).to(torch.bfloat16), logits.view(b * s, h, max_len))
+    sc = sc.view(b, s, max_len).float() * ksc.reshape(1, 1, max_len)
+    lens = live_lengths(seq_lens, s, max_len)
+    sc.masked_fill_(torch.arange(max_len, device=q.device) >= lens[..., None], float("-inf"))
+    k = min(topk, max_len)
     top = sc.topk(k, dim=-1).indices.to(torch.int32)
     if k < topk:
         top = torch.cat([top, top.new_full((*top.shape[:-1], topk - k), -1)], -1)

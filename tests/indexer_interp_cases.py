@@ -159,6 +159,78 @@ def run_sglang_writer_layout(seed=0):
     return dict(name="sglang_writer_layout", bytes_equal=bool(torch.equal(theirs, ours)), same_selection=same_sel)
 
 
+def run_workspace_state(seed=0):
+    """The workspace's group-max histograms: a stale (poisoned) histogram still gives the exact answer (through the
+    fallback) and is left zeroed; a scores-only then select-only pair (the benchmark's stage timing) equals a full
+    call and keeps the histogram; the streamed candidate path (register tile smaller than the candidates) is exact."""
+    from pd.kernels.indexer import HIST_BINS, _workspace_layout
+
+    g = torch.Generator().manual_seed(seed)
+    b, s, h, ps, topk, max_pages = 2, 1, 16, 64, 16, 12
+    q, w, kc, bt = _inputs(b, s, h, ps, max_pages * b, max_pages, g)
+    seq = torch.tensor([700, 300], dtype=torch.int32)
+    ng, _, _, _ = _workspace_layout(b * s, max_pages * ps, topk)
+    h0 = b * s * (max_pages * ps + ng)
+    ws = indexer_workspace(b, s, max_pages * ps, topk, device="cpu")
+    hist = ws[h0: h0 + b * s * HIST_BINS].view(b * s, HIST_BINS)
+    ref = index_scores_ref(q, w, kc, bt, seq, ps)
+    bound = score_error_bound(q, w, kc, bt, ps)
+    lengths = live_lengths(seq, s, max_pages * ps)
+    bad = {}
+
+    def check(name, out):
+        for k, v in check_rows(out, ref, lengths, topk, bound)["bad"].items():
+            bad[f"{name}_{k}"] = v
+
+    hist[:, HIST_BINS - 1] = 10 ** 6  # every bound above the real scores: no candidates reach topk
+    out_stale = dsa_indexer_topk(q, w, kc, bt, seq, topk=topk, page_size=ps, workspace=ws)
+    check("stale", out_stale)
+    cleared = bool((hist == 0).all())
+    out_clean = dsa_indexer_topk(q, w, kc, bt, seq, topk=topk, page_size=ps, workspace=ws)
+    check("clean", out_clean)
+    ws2 = indexer_workspace(b, s, max_pages * ps, topk, device="cpu")
+    dsa_indexer_topk(q, w, kc, bt, seq, topk=topk, page_size=ps, workspace=ws2, stages=("scores",))
+    out_split = dsa_indexer_topk(q, w, kc, bt, seq, topk=topk, page_size=ps, workspace=ws2, stages=("select",))
+    kept = bool((ws2[h0: h0 + b * s * HIST_BINS] != 0).any())
+    os.environ["PD_INDEXER_INTERP_TILE_P"] = "16"  # < candidates: the streamed threshold over the candidate list
+    try:
+        out_streamed = dsa_indexer_topk(q, w, kc, bt, seq, topk=topk, page_size=ps)
+    finally:
+        del os.environ["PD_INDEXER_INTERP_TILE_P"]
+    check("streamed", out_streamed)
+    return dict(name="workspace_state", bad=bad, hist_cleared=cleared, split_stages_equal=torch.equal(out_split, out_clean),
+                select_only_keeps_hist=kept, stale_equal=torch.equal(out_stale, out_clean),
+                streamed_equal=torch.equal(out_streamed, out_clean))
+
+
+def run_select_paths(seed=0):
+    """Which select path runs: the streamed fallbacks are counted by wrapping the jit helper the select kernel calls
+    (the interpreter resolves it from the module's globals at call time)."""
+    import pd.kernels.indexer as K
+
+    calls = []
+    real = K._select_streamed
+
+    class Counting:
+        def __call__(self, *args, **kw):
+            calls.append(1)
+            return real(*args, **kw)
+
+    g = torch.Generator().manual_seed(seed)
+    K._select_topk_kernel.fn.__globals__["_select_streamed"] = Counting()
+    try:
+        res = {}
+        for kind, sc in (("randn", torch.randn(3, 3000, generator=g)), ("constant", torch.full((1, 3000), 2.0))):
+            lengths = torch.tensor([3000, 2500, 1000][: sc.shape[0]], dtype=torch.int32)
+            calls.clear()
+            out = topk_from_scores(sc, lengths, 32)
+            res[f"{kind}_streamed_calls"] = len(calls)
+            res[f"{kind}_exact"] = all(v == 0 for v in check_rows(out, sc.double(), lengths, 32)["bad"].values())
+    finally:
+        K._select_topk_kernel.fn.__globals__["_select_streamed"] = real
+    return dict(name="select_paths", **res)
+
+
 INDEXER_CASES = [
     # decode, H 64, page 64: short rows (<= topk), all-groups-candidate rows, rows past the register tile
     ("decode_h64_p64", dict(b=3, s=1, h=64, ps=64, topk=32, lens=[700, 20, 200], max_pages=12)),
@@ -173,10 +245,16 @@ INDEXER_CASES = [
                              qscale=True)),
     # every score equal: more candidate groups than the register capacity -> streamed exact fallback
     ("all_ties_fallback", dict(b=1, s=2, h=16, ps=64, topk=16, lens=[600], max_pages=10, zero_q=True)),
-    # the other dot orientation (stacked queries as M, sm_90's default) without the hand prefetch
-    ("heads_m_no_prefetch", dict(b=1, s=2, h=16, ps=64, topk=20, lens=[333], max_pages=6,
-                                 config={"BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "TOKENS_M": False,
-                                         "PREFETCH": False})),
+    # fp8 key tiles (software-pipelined loads), keys on M and heads on M, and packed tiles without the prefetch
+    ("fp8_keys_tokens_m", dict(b=2, s=2, h=16, ps=32, topk=20, lens=[333, 150], max_pages=12,
+                               config=dict(BLOCK_N=64, num_warps=4, num_stages=3, TOKENS_M=True, PREFETCH=False,
+                                           KEYS="fp8"))),
+    ("fp8_keys_heads_m_fp8q", dict(b=2, s=1, h=16, ps=64, topk=24, lens=[400, 90], max_pages=7, q_fp8=True,
+                                   config=dict(BLOCK_N=64, num_warps=4, num_stages=3, TOKENS_M=False,
+                                               PREFETCH=False, KEYS="fp8"))),
+    ("packed_no_prefetch", dict(b=1, s=2, h=16, ps=64, topk=20, lens=[333], max_pages=6,
+                                config=dict(BLOCK_N=64, num_warps=4, num_stages=1, TOKENS_M=True, PREFETCH=False,
+                                            KEYS="packed"))),
     # S = 6 verify tokens: two score launches (4 + 2 stacked tokens)
     ("mtp6_two_launches", dict(b=2, s=6, h=16, ps=64, topk=24, lens=[130, 40], max_pages=3)),
 ]
@@ -197,5 +275,9 @@ if __name__ == "__main__":
     for i, (name, kw) in enumerate(SELECT_CASES):
         if not names or name in names:
             print(json.dumps(run_select(name, seed=100 + i, **kw)), flush=True)
+    if not names or "select_paths" in names:
+        print(json.dumps(run_select_paths()), flush=True)
+    if not names or "workspace_state" in names:
+        print(json.dumps(run_workspace_state()), flush=True)
     if not names or "sglang_writer_layout" in names:
         print(json.dumps(run_sglang_writer_layout()), flush=True)

@@ -26,7 +26,8 @@ def interp_results():
 
 
 INDEXER_CASES = ["decode_h64_p64", "mtp3_h16_p16_view4_out", "len2d_h32_p32_ws", "fp8q_qscale_h16",
-                 "all_ties_fallback", "heads_m_no_prefetch", "mtp6_two_launches"]
+                 "all_ties_fallback", "fp8_keys_tokens_m", "fp8_keys_heads_m_fp8q", "packed_no_prefetch",
+                 "mtp6_two_launches"]
 SELECT_CASES = ["select_randn", "select_few_values", "select_grid_ties", "select_constant", "select_wide_range"]
 DISTINCT_VALUES = {"select_randn", "select_wide_range"}  # a unique answer: must equal torch.topk's set
 
@@ -39,6 +40,22 @@ def test_interpreter_selection_is_exact_up_to_ties(interp_results, name):
         assert r["swaps_vs_torch_topk"] == 0, r
     if name.startswith("select"):
         assert r["ref_short_rows_equal"], r
+
+
+def test_workspace_histograms_never_change_the_answer(interp_results):
+    """A poisoned histogram costs one slow call, never a wrong one, and is zeroed by it; split stages (the
+    benchmark's select-only timing) equal a full call; the streamed candidate path is exact."""
+    r = interp_results["workspace_state"]
+    assert all(v == 0 for v in r["bad"].values()), r
+    assert r["hist_cleared"] and r["stale_equal"] and r["split_stages_equal"] and r["select_only_keeps_hist"], r
+    assert r["streamed_equal"], r
+
+
+def test_select_takes_the_bounded_path_on_distinct_scores(interp_results):
+    """Random scores never reach the streamed fallbacks (the speed contract); constant scores do, and stay exact."""
+    r = interp_results["select_paths"]
+    assert r["randn_streamed_calls"] == 0 and r["randn_exact"], r
+    assert r["constant_streamed_calls"] >= 1 and r["constant_exact"], r
 
 
 def test_layout_matches_sglang_writer(interp_results):
@@ -140,25 +157,27 @@ def test_topk_from_scores_validation(mutate, arg):
 
 
 def test_workspace_size_and_capacity():
-    from pd.kernels.indexer import candidate_capacity, indexer_workspace
+    from pd.kernels.indexer import HIST_BINS, candidate_capacity, indexer_workspace
 
-    assert candidate_capacity(512) == 1024 and candidate_capacity(300) == 1024 and candidate_capacity(2048) == 4096
+    assert candidate_capacity(512) == 2048 and candidate_capacity(300) == 2048 and candidate_capacity(2048) == 8192
     ws = indexer_workspace(4, 2, 8192, 512, device="cpu")
-    assert ws.dtype == torch.int32 and ws.numel() == 8 * (8192 + 1024 + 1024)
+    # scores + group maxima + histogram + candidate groups and their positions, per query token
+    assert ws.dtype == torch.int32 and ws.numel() == 8 * (8192 + 1024 + HIST_BINS + 2048 * 9)
+    assert not ws.any()  # the histograms must start at zero
 
 
 def test_default_configs_are_score_configs():
     from pd.kernels.indexer import DEFAULT_SCORE_CONFIGS, SCORE_CONFIGS
 
     assert all(c in SCORE_CONFIGS for c in DEFAULT_SCORE_CONFIGS.values())
-    # sm_90 defaults put the 64 stacked heads on M (wgmma's M), sm_120 defaults the key tile
-    assert all(c["TOKENS_M"] != sm90 for (sm90, _), c in DEFAULT_SCORE_CONFIGS.items())
+    assert {k for k in DEFAULT_SCORE_CONFIGS} == {(sm90, s) for sm90 in (False, True) for s in (1, 2, 4)}
 
 
 # ---------------------------------------------------------------- AOT compile (no GPU needed)
 
-SCORE_SIG = {"q_ptr": "*bf16", "w_ptr": "*fp32", "qs_ptr": "*fp32", "kc32_ptr": "*i32", "ks_ptr": "*fp32",
-             "bt_ptr": "*i32", "len_ptr": "*i32", "score_ptr": "*fp32", "gmax_ptr": "*fp32", "stride_qb": "i32",
+SCORE_SIG = {"q_ptr": "*bf16", "w_ptr": "*fp32", "qs_ptr": "*fp32", "kc32_ptr": "*i32", "k8_ptr": "*fp8e4nv",
+             "ks_ptr": "*fp32", "bt_ptr": "*i32", "len_ptr": "*i32", "score_ptr": "*fp32", "gmax_ptr": "*fp32",
+             "hist_ptr": "*i32", "stride_qb": "i32",
              "stride_qs": "i32", "stride_qh": "i32", "stride_wb": "i32", "stride_ws": "i32", "stride_bt": "i32",
              "max_len": "i32", "ng_buf": "i32", "n_split": "i32", "topk": "i32", "S_ALL": "i32", "s0": "i32"}
 
@@ -170,29 +189,40 @@ def _score_configs():
     return SCORE_CONFIGS
 
 
+# pointers and strides the launcher specializes as 16-divisible at run time (so vector loads and asynchronous
+# copies, hence the real shared-memory use, are what the GPU build gets)
+SCORE_ALIGNED = ("q_ptr", "w_ptr", "qs_ptr", "kc32_ptr", "k8_ptr", "ks_ptr", "bt_ptr", "len_ptr", "score_ptr",
+                 "gmax_ptr", "hist_ptr", "stride_qb", "stride_qs", "stride_qh", "stride_wb", "stride_bt", "max_len")
+
+
 def _compile_scores(cfg, cc, s_p2=1, fp8=False):
-    from pd.kernels.indexer import GROUP, MIN_TILES, _index_scores_kernel
+    from pd.kernels.indexer import GROUP, HIST_BINS, HIST_SHIFT, MIN_TILES, _index_scores_kernel
 
     const = dict(S=s_p2, S_P2=s_p2, H=64, PAGE=64, BLOCK_N=cfg["BLOCK_N"], G=GROUP, LEN_2D=False, HAS_QS=fp8,
                  Q_FP8=fp8, MIN_TILES=MIN_TILES, DOT_F32=False, TOKENS_M=cfg["TOKENS_M"], PREFETCH=cfg["PREFETCH"],
-                 DOT_PREC="tf32")
+                 DOT_PREC="tf32", KEYS=cfg["KEYS"], NB=HIST_BINS, SHIFT=HIST_SHIFT)
     sig = dict(SCORE_SIG, q_ptr="*fp8e4nv" if fp8 else "*bf16")
-    return compile_for(_index_scores_kernel, sig, const, cc, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return compile_for(_index_scores_kernel, sig, const, cc, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                       aligned=SCORE_ALIGNED)
 
 
 def _cfg_id(c):
-    return f"{'tokM' if c['TOKENS_M'] else 'headM'}_n{c['BLOCK_N']}_w{c['num_warps']}_{'pf' if c['PREFETCH'] else 'nopf'}"
+    return (f"{c['KEYS']}_{'tokM' if c['TOKENS_M'] else 'headM'}_n{c['BLOCK_N']}_w{c['num_warps']}_s{c['num_stages']}"
+            f"{'_pf' if c['PREFETCH'] else ''}")
 
 
 @aot
 @pytest.mark.parametrize("cfg", _score_configs(), ids=_cfg_id)
 def test_aot_score_config_sm120a_and_sm90a(cfg):
     """Every score config: one bf16 query (decode) and 4 stacked verify tokens (the most shared memory) compile
-    for sm_120a to mma.sync within 99 KiB; the decode build also compiles for sm_90a."""
-    assert_sm120_ok(_compile_scores(cfg, 120, s_p2=1))
-    assert_sm120_ok(_compile_scores(cfg, 120, s_p2=4))
-    k = _compile_scores(cfg, 90, s_p2=1)
-    assert "mma" in k.asm["ptx"]
+    for sm_120a to mma.sync within 99 KiB; the decode build also compiles for sm_90a. fp8 key tiles with more
+    than one stage are software-pipelined: their gathers are asynchronous copies (cp.async) on both targets."""
+    builds = [_compile_scores(cfg, 120, s_p2=1), _compile_scores(cfg, 120, s_p2=4), _compile_scores(cfg, 90, s_p2=1)]
+    assert_sm120_ok(builds[0])
+    assert_sm120_ok(builds[1])
+    assert "mma" in builds[2].asm["ptx"]
+    if cfg["KEYS"] == "fp8" and cfg["num_stages"] > 1:
+        assert all("cp.async" in k.asm["ptx"] for k in builds)
 
 
 @aot
@@ -215,21 +245,24 @@ def test_aot_default_configs_fp8_query(sm90):
 def test_aot_select_and_group_max(topk):
     """The select kernel has no dot (compares, reductions, scans: no tensor-core work to do), so sm_120a only
     needs no wgmma and <= 99 KiB of shared memory; every select warp count compiles for both targets."""
-    from pd.kernels.indexer import (GROUP, MIN_TILES, SELECT_WARPS, TILE_G, _group_max_kernel, _select_topk_kernel,
-                                    candidate_capacity)
+    from pd.kernels.indexer import (GROUP, HIST_BINS, HIST_SHIFT, MIN_TILES, RADIX_BITS, SELECT_WARPS, _group_max_kernel,
+                                    _select_topk_kernel, _tile_p, candidate_capacity)
 
-    sig = {"score_ptr": "*fp32", "gmax_ptr": "*fp32", "cand_ptr": "*i32", "len_ptr": "*i32", "out_ptr": "*i32",
-           "S": "i32", "max_len": "i32", "stride_row": "i32", "ng_buf": "i32", "topk": "i32"}
-    const = dict(LEN_2D=False, G=GROUP, CAP_C=candidate_capacity(topk), TILE_G=TILE_G, TILE=min(1024, topk))
+    sig = {"score_ptr": "*fp32", "gmax_ptr": "*fp32", "hist_ptr": "*i32", "scr_ptr": "*i32", "len_ptr": "*i32",
+           "out_ptr": "*i32", "S": "i32", "max_len": "i32", "stride_row": "i32", "ng_buf": "i32", "topk": "i32"}
+    const = dict(LEN_2D=False, G=GROUP, NB=HIST_BINS, SHIFT=HIST_SHIFT, CAP_G=candidate_capacity(topk),
+                 CAP_P=_tile_p(topk), TG=4096, TC=256, TILE=1024, RADIX=RADIX_BITS, CLEAR_HIST=True)
     for w in SELECT_WARPS:
         for cc in (120, 90):
             k = compile_for(_select_topk_kernel, sig, const, cc, num_warps=w, num_stages=1)
             if cc == 120:
                 assert_sm120_ok(k, needs_mma=False)
     if topk == 512:
-        gsig = {"score_ptr": "*fp32", "gmax_ptr": "*fp32", "len_ptr": "*i32", "stride_row": "i32", "ng_buf": "i32",
+        gsig = {"score_ptr": "*fp32", "gmax_ptr": "*fp32", "hist_ptr": "*i32", "len_ptr": "*i32", "stride_row": "i32",
+                "ng_buf": "i32",
                 "n_split": "i32", "max_len": "i32", "topk": "i32"}
         for cc in (120, 90):
-            k = compile_for(_group_max_kernel, gsig, dict(G=GROUP, BLOCK=256, MIN_TILES=MIN_TILES), cc, num_warps=4)
+            k = compile_for(_group_max_kernel, gsig, dict(G=GROUP, BLOCK=256, MIN_TILES=MIN_TILES, NB=HIST_BINS,
+                                                          SHIFT=HIST_SHIFT), cc, num_warps=4)
             if cc == 120:
                 assert_sm120_ok(k, needs_mma=False)

@@ -9,12 +9,14 @@
    position is allowed only when the two reference scores differ by less than their fp32 error bounds), and
    ``topk_from_scores`` must return exactly torch.topk's values;
 2. decode step time (H = 64, S = 1, topk 512, page 64, bf16 query) at actual length 512, 4K, 32K with the block
-   table sized for max context 8K, 128K, 1M, B = 16 and 64: ours and the naive torch indexer (bf16 scores over the
-   whole block table, masked, torch.topk), each captured in one torch.cuda.CUDAGraph (4 input sets cycled inside
-   the graph so the keys are not served from L2) and timed as the median of replays; byte floor = keys read
-   (B * L * 132 B) + logits written and read (B * L * 8 B) at 4.8 TB/s;
+   table sized for max context 8K, 128K, 1M, B = 16 and 64: ours and the naive torch indexer of DESIGN.md's anchor
+   (``indexer_reference.dsa_indexer_topk_naive``: one max-context key buffer dequantized to bf16 per call,
+   [B*64, 128] x [128, max] bf16 matmul, head weights by a bf16 bmm, masked, torch.topk), each captured in one
+   torch.cuda.CUDAGraph (ours: 4 input sets cycled inside the graph so the keys are not served from L2) and timed as
+   the median of replays; byte floor = keys read (B * L * 132 B) + logits written and read (B * L * 8 B) at
+   4.8 TB/s; the naive numbers are listed next to the anchor's (DESIGN.md, actual length 512);
 3. a sweep of score configs / splits / select warps at 32K (max 128K), the two kernels timed apart, MTP verify
-   (S = 2, 4) and an fp8 query;
+   (S = 2, 4) over the configs and an fp8 query;
 4. writes indexer_<date>.json (device, date, command, all numbers) and indexer_<date>.md to --out.
 """
 
@@ -49,6 +51,9 @@ except ImportError:  # a checkout without `pip install -e .` (the device machine
 HBM_BPS = 4.8e12
 H, D, PS, TOPK = 64, 128, 64, 512
 ROT = 4
+# DESIGN.md's naive torch indexer anchor on this H200 (actual length 512): (B, max context) -> us
+NAIVE_ANCHOR_US = {(64, 8192): 165, (64, 131072): 1743, (64, 1 << 20): 13257,
+                   (16, 8192): 92, (16, 131072): 523, (16, 1 << 20): 3461}
 
 
 # ------------------------------------------------------------------------------------------------ inputs
@@ -212,6 +217,30 @@ def correctness(dev, smoke, part, deadline):
     return cases
 
 
+def naive_check(dev, smoke):
+    """The naive baseline computes the indexer (bf16 logits, so near-threshold swaps): on a shared key buffer (block
+    table = identity, what the naive one reads) its selection vs the fp64 reference; informational."""
+    g = torch.Generator(device=dev).manual_seed(5)
+    b, max_ctx, lens = (4, 8192, [600, 3000, 8192, 100]) if not smoke else (2, 256, [200, 20])
+    topk = TOPK if not smoke else 16
+    kc = make_pool(max_ctx // PS, dev, seed=3)
+    bt = torch.arange(max_ctx // PS, device=dev, dtype=torch.int32)[None, :].repeat(b, 1).contiguous()
+    (q, w), = make_queries(b, 1, dev, g)
+    seq = torch.tensor(lens, dtype=torch.int32, device=dev)
+    got = R.dsa_indexer_topk_naive(q, w, kc, seq, topk=topk)
+    ours = K.dsa_indexer_topk(q, w, kc, bt, seq, topk=topk)
+    ref = R.dsa_indexer_topk_ref(q, w, kc, bt, seq, topk=topk, chunk=4096)
+    over = []
+    for r in range(b):
+        if lens[r] > topk:
+            ref_set = set(ref[r, 0].tolist())
+            over.append((len(ref_set & set(got[r, 0].tolist())) / topk, len(ref_set & set(ours[r, 0].tolist())) / topk))
+    c = dict(naive_overlap_with_fp64_topk=min(o[0] for o in over), ours_overlap_with_fp64_topk=min(o[1] for o in over),
+             short_rows_equal=bool(torch.equal(got[seq <= topk], ref[seq <= topk])))
+    print("naive check", c, flush=True)
+    return c
+
+
 # ------------------------------------------------------------------------------------------------ timing
 
 def time_graph(calls, reps, smoke):
@@ -263,13 +292,14 @@ class Setup:
         self.out = torch.empty(b, s, TOPK, dtype=torch.int32, device=dev)
 
     def ours(self, **kw):
+        kw.setdefault("workspace", self.ws)
         return [lambda i=i: K.dsa_indexer_topk(self.qw[i][0], self.qw[i][1], self.kc, self.tabs[i], self.seq,
-                                               topk=TOPK, out=self.out, workspace=self.ws, **kw)
+                                               topk=TOPK, out=self.out, **kw)
                 for i in range(ROT)]
 
     def naive(self):
-        return [lambda: R.dsa_indexer_topk_naive(self.qw[0][0], self.qw[0][1], self.kc, self.tabs[0], self.seq,
-                                                 topk=TOPK, chunk=32768)]
+        buf = self.kc[: self.max_ctx // PS]  # one key buffer of max-context tokens (the anchor's setup)
+        return [lambda: R.dsa_indexer_topk_naive(self.qw[0][0], self.qw[0][1], buf, self.seq, topk=TOPK)]
 
 
 def timing(dev, pool, smoke, quick, deadline):
@@ -296,43 +326,63 @@ def timing(dev, pool, smoke, quick, deadline):
     return rows
 
 
+def cfg_name(c):
+    return f"{c['KEYS']}_{'tokM' if c['TOKENS_M'] else 'headM'}_n{c['BLOCK_N']}_w{c['num_warps']}_s{c['num_stages']}" \
+        + ("_pf" if c["PREFETCH"] else "")
+
+
 def sweep(dev, pool, smoke, deadline):
-    """At live 32K / max 128K (smoke: tiny): every score config, split counts, select warps; stage times; MTP S=2/4;
-    fp8 query."""
+    """At live 32K / max 128K (smoke: tiny): every score config, split counts, select warps; the two kernels timed
+    apart; MTP S=2/4 over the configs; fp8 query with the default and the heads-on-M fp8 config."""
     g = torch.Generator(device=dev).manual_seed(11)
     live, max_ctx, batches = (32768, 131072, (16, 64)) if not smoke else (300, 512, (2,))
     res = []
+
+    def record(b, s_, name, t, fp8=False):
+        r = dict(B=b, S=s_, live=live, max_ctx=max_ctx, variant=name, us=t,
+                 floor_us=floor_us(b, live) + b * live * 8 * (s_ - 1) / HBM_BPS * 1e6)
+        res.append(r)
+        print("sweep", r, flush=True)
+
+    def timed(st, name, calls):
+        if not deadline.ok(f"sweep B={st.b} S={st.s} {name}"):
+            return
+        try:
+            record(st.b, st.s, name, time_graph(calls, 50, smoke))
+        except Exception as e:  # noqa: BLE001
+            print("variant failed", name, repr(e)[:300], flush=True)
+
     for b in batches:
         st = Setup(b, 1, live, max_ctx, dev, pool, g)
+        timed(st, "default", st.ours())
+        for c in K.SCORE_CONFIGS:
+            timed(st, "cfg_" + cfg_name(c), st.ours(config=c))
         base_split = max(1, min(64, triton.cdiv(K.PROGRAMS_PER_SM * K._num_sms(dev), b)))
-        variants = [("default", {})]
-        variants += [("cfg_" + "_".join(f"{k}{v}" for k, v in c.items() if k != "num_stages"), dict(config=c))
-                     for c in K.SCORE_CONFIGS]
-        variants += [(f"n_split_{ns}", dict(n_split=ns)) for ns in (max(1, base_split // 2), base_split * 2)]
-        variants += [(f"select_warps_{w}", dict(select_warps=w)) for w in K.SELECT_WARPS]
-        variants += [("scores_only", dict(stages=("scores",))), ("select_only", dict(stages=("select",)))]
-        for name, kw in variants:
-            if not deadline.ok(f"sweep B={b} {name}"):
-                continue
-            try:
-                t = time_graph(st.ours(**kw), 50, smoke)
-            except Exception as e:  # noqa: BLE001
-                print("variant failed", name, repr(e)[:300], flush=True)
-                continue
-            r = dict(B=b, S=1, live=live, max_ctx=max_ctx, variant=name, us=t, floor_us=floor_us(b, live))
-            res.append(r)
-            print("sweep", r, flush=True)
-        del st
-        for s, fp8 in ((2, False), (4, False), (1, True)):
-            if not deadline.ok(f"sweep B={b} S={s} fp8={fp8}"):
-                continue
-            st = Setup(b, s, live, max_ctx, dev, pool, g, fp8=fp8)
-            t = time_graph(st.ours(), 50, smoke)
-            r = dict(B=b, S=s, live=live, max_ctx=max_ctx, variant="fp8_query" if fp8 else f"mtp_S{s}", us=t,
-                     floor_us=floor_us(b, live) + b * live * 8 * (s - 1) / HBM_BPS * 1e6)
-            res.append(r)
-            print("sweep", r, flush=True)
+        for ns in (max(1, base_split // 2), base_split * 2):
+            timed(st, f"n_split_{ns}", st.ours(n_split=ns))
+        for w in K.SELECT_WARPS:
+            timed(st, f"select_warps_{w}", st.ours(select_warps=w))
+        # the kernels apart, each on its own workspace: scores-only calls leave their histograms, and a select-only
+        # call keeps the histograms of one scores-only call made before it
+        ws_s = K.indexer_workspace(b, 1, max_ctx, TOPK, device=dev)
+        timed(st, "scores_only", st.ours(stages=("scores",), workspace=ws_s))
+        ws_t = K.indexer_workspace(b, 1, max_ctx, TOPK, device=dev)
+        st.ours(stages=("scores",), workspace=ws_t)[0]()
+        timed(st, "select_only", st.ours(stages=("select",), workspace=ws_t))
+        del st, ws_s, ws_t
+        for s_ in (2, 4):
+            st = Setup(b, s_, live, max_ctx, dev, pool, g)
+            timed(st, f"mtp_S{s_}", st.ours())
+            for c in K.SCORE_CONFIGS:
+                if c["TOKENS_M"] and (c["KEYS"] == "fp8" or c["num_warps"] == 8):
+                    timed(st, f"mtp_S{s_}_cfg_" + cfg_name(c), st.ours(config=c))
             del st
+        st = Setup(b, 1, live, max_ctx, dev, pool, g, fp8=True)
+        timed(st, "fp8_query", st.ours())
+        for c in K.SCORE_CONFIGS:
+            if c["KEYS"] == "fp8" and c["num_warps"] == 4 and c["num_stages"] == 3:
+                timed(st, "fp8_query_cfg_" + cfg_name(c), st.ours(config=c))
+        del st
     return res
 
 
@@ -350,7 +400,25 @@ def to_markdown(res):
         n = r.get("naive_us", float("nan"))
         lines.append(f"| {r['B']} | {r['live']} | {r['max_ctx']} | {r['ours_us']:.1f} | {n:.1f} | "
                      f"{n / r['ours_us']:.1f}x | {r['floor_us']:.1f} | {r['ours_over_floor']:.2f} |")
-    lines += ["", "Max-context independence (ours, equal actual length):", ""]
+    naive = [r for r in res.get("timing", []) if "naive_us" in r and (r["B"], r["max_ctx"]) in NAIVE_ANCHOR_US
+             and r["live"] == 512]
+    if naive:
+        lines += ["", "Naive baseline next to DESIGN.md's anchor (same method, same H200 kind; actual length 512):", "",
+                  "| B | max context | naive here us | anchor us | here / anchor |", "|---|---|---|---|---|"]
+        for r in naive:
+            a = NAIVE_ANCHOR_US[(r["B"], r["max_ctx"])]
+            lines.append(f"| {r['B']} | {r['max_ctx']} | {r['naive_us']:.0f} | {a} | {r['naive_us'] / a:.2f} |")
+    if res.get("naive_check"):
+        c = res["naive_check"]
+        lines += ["", f"Naive sanity (shared 8K key buffer, 512 of up to 8192): its top-512 overlaps the fp64 "
+                      f"reference's by >= {c['naive_overlap_with_fp64_topk']:.3f} (bf16 logits), ours by >= "
+                      f"{c['ours_overlap_with_fp64_topk']:.3f}; short rows equal: {c['short_rows_equal']}."]
+    lines += ["", "Targets (issue 8):", ""]
+    for (b, live, mc), t in sorted(by_t := {(r["B"], r["live"], r["max_ctx"]): r for r in res.get("timing", [])}.items()):
+        if live == 32768 and mc == 131072:
+            lines.append(f"- B={b}, actual 32K: {t['ours_us']:.1f} us = {t['ours_over_floor']:.2f}x the byte floor "
+                         f"(target <= 2x: {2 * t['floor_us']:.1f} us) -> {'met' if t['ours_over_floor'] <= 2 else 'NOT met'}")
+    lines += ["", "Max-context independence (ours, equal actual length; target t(1M) / t(8K) <= 1.05):", ""]
     by = {(r["B"], r["live"], r["max_ctx"]): r["ours_us"] for r in res.get("timing", [])}
     for (b, live, mc), t in sorted(by.items()):
         if mc == 1 << 20:
@@ -359,7 +427,10 @@ def to_markdown(res):
             if base:
                 lines.append(f"- B={b}, actual {live}: t(1M) / t({base_mc // 1024}K) = {t / base:.3f}")
     if res.get("sweep"):
-        lines += ["", "Variants at actual 32K, max 128K:", "", "| B | S | variant | us | floor us |", "|---|---|---|---|---|"]
+        lines += ["", "Variants at actual 32K, max 128K (default score configs: "
+                  + ", ".join(f"{'sm90' if k[0] else 'sm120'} S{k[1]} {cfg_name(c)}"
+                              for k, c in K.DEFAULT_SCORE_CONFIGS.items()) + "):", "",
+                  "| B | S | variant | us | floor us |", "|---|---|---|---|---|"]
         for r in res["sweep"]:
             lines.append(f"| {r['B']} | {r['S']} | {r['variant']} | {r['us']:.1f} | {r['floor_us']:.1f} |")
     if res.get("correctness"):
@@ -375,6 +446,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--skip-sweep", action="store_true")
+    ap.add_argument("--sweep-first", action="store_true", help="run the config sweep before the timing grid")
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds of wall time for optional work")
     args = ap.parse_args()
     deadline = Deadline(args.deadline)
@@ -405,14 +477,19 @@ def main():
 
     if not args.skip_correctness:
         res["correctness"] = correctness(dev, smoke, "core", deadline)
+        res["naive_check"] = naive_check(dev, smoke)
         save()
     if not smoke:
         torch.cuda.empty_cache()
-    # one pool for all timings: 4 sets x B=64 x 32K live tokens of distinct pages (1.1 GB)
+    # one pool for all timings: 4 sets x B=64 x 32K live tokens of distinct pages (1.1 GB); the naive baseline reads
+    # its first max-context tokens as its key buffer
     pool = make_pool(ROT * 64 * 32768 // PS if not smoke else 64, dev, seed=99)
+    if args.sweep_first and not args.skip_sweep:
+        res["sweep"] = sweep(dev, pool, smoke, deadline)
+        save()
     res["timing"] = timing(dev, pool, smoke, args.quick, deadline)
     save()
-    if not args.skip_sweep:
+    if not args.skip_sweep and not args.sweep_first:
         res["sweep"] = sweep(dev, pool, smoke, deadline)
         save()
     if not args.skip_correctness and not smoke:
