@@ -4,7 +4,7 @@ checks).
 Routes:
 
 - client routes (``api_key`` when set): POST /generate, /v1/completions, /v1/chat/completions (PD
-  dispatch, pd.router.dispatch); GET /v1/models, /get_model_info (/model_info), /get_server_info
+  dispatch, pd.router.dispatch, served on bare ASGI in front of FastAPI: pd.router.front); GET /v1/models, /get_model_info (/model_info), /get_server_info
   (/server_info), proxied to an available decode worker;
 - open routes: GET /health (the router is up), /health_generate (every worker can generate),
   /metrics (Prometheus);
@@ -33,6 +33,7 @@ from pd.router.client import make_session
 from pd.router.config import RouterConfig
 from pd.router.dispatch import UPSTREAM_ERRORS, PDDispatcher
 from pd.router.errors import error_response
+from pd.router.front import GenerationFront
 from pd.router.health import HealthMonitor
 from pd.router.metrics import RouterMetrics
 from pd.router.workers import WorkerPool
@@ -107,8 +108,9 @@ class Router:
         return resp
 
 
-def create_app(config: RouterConfig) -> FastAPI:
-    """The router as an ASGI app; serve it with uvicorn (see ``pd.router.cli.serve``).
+def create_app(config: RouterConfig) -> GenerationFront:
+    """The router as an ASGI app; serve it with uvicorn (see ``pd.router.cli.serve``): the
+    generation routes on bare ASGI, the rest on FastAPI (``.app``).
 
     The router object is at ``app.state.router`` (metrics, workers) for tests and the launcher.
     """
@@ -130,18 +132,7 @@ def create_app(config: RouterConfig) -> FastAPI:
         msg = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
         return error_response(exc.status_code, msg)
 
-    # Plain Starlette routes: the hot path needs no FastAPI dependency solving or validation.
-    def dispatch_route(path: str) -> Route:
-        em = router.metrics.endpoint(path)
-        handle = router.dispatcher.handle
-
-        async def handler(request: Request):
-            return await handle(request, path, em)
-
-        return Route(path, handler, methods=["POST"], name="dispatch_" + path.strip("/").replace("/", "_"))
-
     routes = app.router.routes
-    routes.extend(dispatch_route(p) for p in GENERATION_ROUTES)
     for path in ("/v1/models", "/get_model_info", "/model_info", "/get_server_info", "/server_info"):
         routes.append(Route(path, router.proxy_get, methods=["GET"]))
     routes.extend(router.admin.routes())
@@ -163,4 +154,4 @@ def create_app(config: RouterConfig) -> FastAPI:
     async def metrics():
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    return GenerationFront(app, router.dispatcher.handle, GENERATION_ROUTES)

@@ -55,6 +55,13 @@ class Auth:
         """May this request use a client route?"""
         return self.api_key is None or key_matches(request.headers.get("authorization"), self.api_key)
 
+    def client_header_ok(self, authorization: Optional[bytes]) -> bool:
+        """May a request with this raw ``Authorization`` header value (None: absent) use a client
+        route? (The bare-ASGI generation routes' form of ``client_ok``.)"""
+        if self.api_key is None:
+            return True
+        return authorization is not None and key_matches(authorization.decode("latin-1"), self.api_key)
+
     def admin_ok(self, request: Request) -> bool:
         """May this request use the admin API?"""
         key = self.admin_api_key or self.api_key

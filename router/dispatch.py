@@ -34,19 +34,18 @@ import time
 from typing import Optional
 
 import aiohttp
-from starlette.requests import Request
-from starlette.responses import Response
 
 from pd.router import logprobs
 from pd.router.aborts import Aborter, aborted_indexes
 from pd.router.auth import Auth
 from pd.router.background import TaskSet
 from pd.router.config import RouterSettings
-from pd.router.errors import error_body, error_response
+from pd.router.errors import error_body, error_json
+from pd.router.front import ClientGone, Receive, Scope, Send, read_body, request_headers, send_whole
 from pd.router.metrics import EndpointMetrics, RouterMetrics
 from pd.router.policies import routing_key
 from pd.router.rooms import assign_rids, new_rid, sequence_count, stamp
-from pd.router.stream import Relay, RelayResponse
+from pd.router.stream import Relay
 from pd.router.tokens import count as count_tokens, wants_usage_injected
 from pd.router.workers import Worker, WorkerPool
 
@@ -89,6 +88,15 @@ class PrefillOutcome:
     @property
     def ok(self) -> bool:
         return _ok(self.status)
+
+
+class Answer:
+    """A whole (non-streaming) answer for the client."""
+
+    __slots__ = ("status", "body", "content_type")
+
+    def __init__(self, status: int, body: bytes, content_type: str):
+        self.status, self.body, self.content_type = status, body, content_type
 
 
 class Failure:
@@ -171,7 +179,7 @@ class PDDispatcher:
         self.stream_idle_timeout = t.stream_idle
         self.retry = settings.retry
         self.limit = settings.max_payload_size
-        self.id_headers = settings.request_id_headers
+        self.id_headers = [h.lower().encode("latin-1") for h in settings.request_id_headers]
         self.worker_headers = {"Content-Type": "application/json", **auth.worker_headers()}
 
     def bind(self, session: aiohttp.ClientSession) -> None:
@@ -179,19 +187,19 @@ class PDDispatcher:
         self.aborter.session = session
 
     # ---- the request path --------------------------------------------------------------------
-    async def handle(self, request: Request, route: str, em: EndpointMetrics) -> Response:
-        """Serve one generation request in PD mode: decode's answer (streamed for ``stream:
-        true``), a worker's own error, or a router error (400 malformed, 401 key, 413 too large,
-        502 unreachable, 503 no worker, 504 timed out), always with ``X-Request-Id``."""
+    async def handle(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
+        """Serve one generation request (an ASGI ``http`` scope) in PD mode: decode's answer
+        (streamed for ``stream: true``), a worker's own error, or a router error (400 malformed,
+        401 key, 413 too large, 502 unreachable, 503 no worker, 504 timed out), always with
+        ``X-Request-Id``. A client that left gets nothing (recorded as 499)."""
         arrival = time.perf_counter()
-        self.metrics.in_flight.inc()
-        resp: Optional[Response] = None
+        em = self.metrics.endpoint(route)
+        in_flight = self.metrics.in_flight
+        in_flight.inc()
         try:
-            resp = await self._serve(request, route, em, arrival)
-            return resp
+            await self._serve(scope, receive, send, route, em, arrival)
         finally:
-            if not isinstance(resp, RelayResponse):  # a stream counts itself down when it ends
-                self.metrics.in_flight.dec()
+            in_flight.dec()
 
     def record(self, em: EndpointMetrics, arrival: float, status: int, kind: Optional[str] = None) -> None:
         """Count one answered request: E2E latency, status, failure kind."""
@@ -200,35 +208,46 @@ class PDDispatcher:
         if kind is not None:
             em.error(kind)
 
-    def _reject(self, em: EndpointMetrics, arrival: float, status: int, kind: str, msg: str, req_id: str) -> Response:
+    async def _reject(self, send: Send, em: EndpointMetrics, arrival: float, status: int, kind: str, msg: str,
+                      rid_header: tuple[bytes, bytes]) -> None:
         self.record(em, arrival, status, kind)
-        return error_response(status, msg, headers={"X-Request-Id": req_id})
+        await send_whole(send, status, error_json(status, msg), extra=(rid_header,))
 
-    async def _serve(self, request: Request, route: str, em: EndpointMetrics, arrival: float) -> Response:
-        headers = request.headers
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, route: str, em: EndpointMetrics,
+                     arrival: float) -> None:
+        headers = request_headers(scope)
         req_id = None
         for h in self.id_headers:
-            req_id = headers.get(h)
-            if req_id:
+            value = headers.get(h)
+            if value:
+                req_id = value.decode("latin-1")
                 break
         req_id = req_id or new_rid()
-        if not self.auth.client_ok(request):
-            return self._reject(em, arrival, 401, "unauthorized", "missing or invalid API key "
-                                "(send 'Authorization: Bearer KEY')", req_id)
-        declared = headers.get("content-length")
+        rid_header = (b"x-request-id", req_id.encode("latin-1"))
+        if not self.auth.client_header_ok(headers.get(b"authorization")):
+            return await self._reject(send, em, arrival, 401, "unauthorized", "missing or invalid API key "
+                                      "(send 'Authorization: Bearer KEY')", rid_header)
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return self._reject(em, arrival, 413, "payload_too_large", f"request body of {declared} bytes exceeds "
-                                f"the limit of {self.limit} bytes (--max-payload-size)", req_id)
-        raw = await (request.body() if declared is not None else self._read_limited(request))
+            return await self._reject(send, em, arrival, 413, "payload_too_large",
+                                      f"request body of {declared.decode()} bytes exceeds the limit of {self.limit} "
+                                      f"bytes (--max-payload-size)", rid_header)
+        try:
+            raw = await read_body(receive, self.limit)
+        except ClientGone:
+            self.record(em, arrival, CLIENT_CLOSED, "client_disconnect")
+            return
         if raw is None:
-            return self._reject(em, arrival, 413, "payload_too_large", f"request body exceeds the limit of "
-                                f"{self.limit} bytes (--max-payload-size)", req_id)
+            return await self._reject(send, em, arrival, 413, "payload_too_large", f"request body exceeds the limit "
+                                      f"of {self.limit} bytes (--max-payload-size)", rid_header)
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
-            return self._reject(em, arrival, 400, "invalid_request", f"malformed JSON body: {e}", req_id)
+            return await self._reject(send, em, arrival, 400, "invalid_request", f"malformed JSON body: {e}",
+                                      rid_header)
         if not isinstance(body, dict):
-            return self._reject(em, arrival, 400, "invalid_request", "the request body must be a JSON object", req_id)
+            return await self._reject(send, em, arrival, 400, "invalid_request",
+                                      "the request body must be a JSON object", rid_header)
 
         count, batch, n = sequence_count(route, body)
         client_rid = body.get("rid")
@@ -238,18 +257,19 @@ class PDDispatcher:
         drop_usage = stream and route != "/generate" and wants_usage_injected(body)
         upstream_headers = dict(self.worker_headers, **{"X-Request-Id": req_id})
 
-        # Until the answer starts, watch for the client leaving (Starlette only notices once it
-        # sends): a decode would otherwise run to the end for nobody.
+        # Until the answer has ended, watch for the client leaving (uvicorn's send() drops the
+        # bytes of a gone client silently): a decode would otherwise run to the end for nobody.
         me = asyncio.current_task()
-        watching = [True]  # cleared before returning, so a late disconnect cannot cancel the reply
+        watching = [True]  # cleared before a whole answer is sent, so a late disconnect cannot cancel it
 
         def on_gone(t: asyncio.Task) -> None:
             if watching[0] and not t.cancelled():
                 me.cancel()
 
-        gone = asyncio.get_running_loop().create_task(_wait_disconnect(request))
+        gone = asyncio.get_running_loop().create_task(_wait_disconnect(receive))
         gone.add_done_callback(on_gone)
         ex: Optional[Exchange] = None
+        relay: Optional[Relay] = None
         attempt = 0
         try:
             while True:
@@ -268,9 +288,17 @@ class PDDispatcher:
                     if attempt == 1:
                         em.queue.observe(ex.dispatched - arrival)
                     result = await self._attempt(ex)
-                    if isinstance(result, Response):
-                        result.headers["X-Request-Id"] = req_id
-                        return result
+                    if isinstance(result, Relay):
+                        relay = result
+                        try:
+                            await relay.run(send, rid_header)
+                        finally:
+                            relay.close(finished=False)  # no-op when the stream ran to its end
+                        return
+                    if isinstance(result, Answer):
+                        watching[0] = False
+                        await send_whole(send, result.status, result.body, result.content_type, (rid_header,))
+                        return
                     failure = result
                     ex = None
                 if not failure.retryable or attempt >= self.retry.max_retries:
@@ -278,8 +306,9 @@ class PDDispatcher:
                     if attempt > 1:
                         log.warning("request %s failed after %d attempts: %s %s", req_id, attempt, failure.status,
                                     failure.body[:300])
-                    return Response(failure.body, status_code=failure.status, media_type=failure.content_type,
-                                    headers={"X-Request-Id": req_id})
+                    watching[0] = False
+                    await send_whole(send, failure.status, failure.body, failure.content_type, (rid_header,))
+                    return
                 em.retries.inc()
                 log.warning("request %s attempt %d failed (%s %s: %s); retrying on a fresh pair", req_id, attempt,
                             failure.status, failure.kind, failure.body[:200])
@@ -288,23 +317,13 @@ class PDDispatcher:
             if not gone.done() or gone.cancelled():
                 raise  # not the client leaving (e.g. shutdown)
             me.uncancel()
-            if ex is not None:
-                self._abort_both(ex)
-            self.record(em, arrival, CLIENT_CLOSED, "client_disconnect")
-            return Response(status_code=CLIENT_CLOSED)
+            if relay is None:  # a relay records its own end
+                if ex is not None:
+                    self._abort_both(ex)
+                self.record(em, arrival, CLIENT_CLOSED, "client_disconnect")
         finally:
             watching[0] = False
             gone.cancel()
-
-    async def _read_limited(self, request: Request) -> Optional[bytes]:
-        """The body of a request without Content-Length (chunked), or None over the limit."""
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.limit:
-                return None
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     def _backoff(self, attempt: int) -> float:
         """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
@@ -314,7 +333,7 @@ class PDDispatcher:
 
     # ---- one attempt -------------------------------------------------------------------------
     async def _attempt(self, ex: Exchange):
-        """Run one attempt: a Response for the client (committed), or a Failure."""
+        """Run one attempt: an Answer or a Relay for the client (committed), or a Failure."""
         ex.prefill_task = self.tasks.spawn(self._read_prefill(ex))
         ex.decode_task = asyncio.get_running_loop().create_task(self._open_decode(ex))
         try:
@@ -381,7 +400,7 @@ class PDDispatcher:
         em.prompt_tokens.inc(p)
         em.completion_tokens.inc(c)
         self.record(em, ex.arrival, resp.status)
-        return Response(data, status_code=resp.status, media_type=resp.content_type)
+        return Answer(resp.status, data, resp.content_type)
 
     async def _read_prefill(self, ex: Exchange) -> PrefillOutcome:
         """POST to the prefill and read its answer to the end; never raises. Sequences the
@@ -544,9 +563,7 @@ class PDDispatcher:
                 self._abort_prefill(ex)
                 return failure
         ex.decode.breaker.record_success()
-        relay = Relay(self, ex, resp, first)
-        return RelayResponse(relay, status_code=resp.status, media_type=resp.content_type,
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return Relay(self, ex, resp, first)
 
     def _stream_error(self, ex: Exchange, first: bytes) -> Optional[Failure]:
         """A Failure when the stream's first event is an engine error (before any token)."""
@@ -563,8 +580,7 @@ class PDDispatcher:
         return Failure(status, json.dumps({"error": err}).encode(), "decode_status", status in RETRYABLE_STATUS)
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def _wait_disconnect(receive: Receive) -> None:
     """Returns when the client has gone away (the ASGI server's ``http.disconnect``)."""
-    receive = request.receive
     while (await receive())["type"] != "http.disconnect":
         pass

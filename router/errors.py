@@ -20,6 +20,11 @@ def error_body(status: int, message: str, param: Optional[str] = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
+def error_json(status: int, message: str, param: Optional[str] = None) -> bytes:
+    """``error_body`` encoded as JSON bytes."""
+    return json.dumps(error_body(status, message, param)).encode()
+
+
 def error_response(status: int, message: str, param: Optional[str] = None, extra: Optional[dict] = None,
                    headers: Optional[dict] = None) -> Response:
     """A JSON error response; ``extra`` keys are added next to ``error`` (e.g. which workers failed)."""

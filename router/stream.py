@@ -15,14 +15,14 @@ import asyncio
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, AsyncIterator, Optional
+from typing import TYPE_CHECKING, Optional
 
 import aiohttp
-from starlette.responses import StreamingResponse
 
 from pd.router import logprobs
 from pd.router.aborts import aborted_indexes
 from pd.router.errors import error_body
+from pd.router.front import Send, response_headers
 from pd.router.tokens import UsageTap
 
 if TYPE_CHECKING:
@@ -34,28 +34,12 @@ CLIENT_CLOSED = 499
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 _DATA = logprobs.SSE_DATA
 _DONE = logprobs.SSE_DONE
-
-
-class RelayResponse(StreamingResponse):
-    """A StreamingResponse over a ``Relay`` that always closes it: Starlette leaves an async
-    generator unclosed when the client disconnects, and the cleanup (drop decode's connection,
-    abort both sides) must run then, not at garbage collection."""
-
-    def __init__(self, relay: "Relay", **kw):
-        super().__init__(relay.events(), **kw)
-        self.relay = relay
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-            self.relay.close(finished=False)  # no-op when the stream ran to its end
+_STREAM_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
 
 
 class Relay:
-    """Relays decode's stream for one request. ``close()`` releases everything exactly once,
-    whether the stream ended or the client left (or never read a byte).
+    """Relays decode's stream for one request with direct ASGI sends. ``close()`` releases
+    everything exactly once, whether the stream ended or the client left (or never read a byte).
 
     Args:
         dispatcher: the owner (metrics, aborts, timeouts).
@@ -73,12 +57,17 @@ class Relay:
         self.tap = UsageTap(ex.route == "/generate", ex.drop_usage)
         self._closed = False
 
-    async def events(self) -> AsyncIterator[bytes]:
+    async def run(self, send: Send, rid_header: tuple[bytes, bytes]) -> None:
+        """Send the response (status and headers of decode's, plus ``rid_header``) and relay the
+        stream to its end with plain ASGI messages. The caller must ``close(finished=False)``
+        afterwards (a no-op when the stream ended here), also when this is cancelled."""
         ex, em, tap = self.ex, self.ex.em, self.tap
         idle = self.d.stream_idle_timeout
         content = self.resp.content
         now = time.perf_counter()
         em.ttft.observe(now - ex.arrival)
+        await send({"type": "http.response.start", "status": self.resp.status,
+                    "headers": response_headers(self.resp.content_type, _STREAM_HEADERS + (rid_header,))})
         inputs: Optional[dict] = None
         last_event: Optional[float] = None
         buf = self.first
@@ -104,7 +93,7 @@ class Relay:
                     out.append(event)
                     out.append(b"\n\n")
                 if out:
-                    yield b"".join(out)
+                    await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
                 if idle is None:
                     chunk = await content.readany()
                 else:
@@ -114,8 +103,7 @@ class Relay:
                     break
                 now = time.perf_counter()
                 buf += chunk
-            if buf.strip():
-                yield buf
+            tail = buf if buf.strip() else b""
         except UPSTREAM_ERRORS as e:
             if isinstance(e, TimeoutError) and idle is not None:
                 self.kind = "decode_timeout"
@@ -126,7 +114,8 @@ class Relay:
             log.warning("%s", msg)
             ex.decode.breaker.record_failure()
             self.d.abort_after_break(ex, self.resp)
-            yield b"data: " + json.dumps(error_body(502, msg)).encode() + b"\n\n" + _DONE + b"\n\n"
+            tail = b"data: " + json.dumps(error_body(502, msg)).encode() + b"\n\n" + _DONE + b"\n\n"
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
         self.close(finished=True)
 
     def close(self, finished: bool) -> None:
@@ -149,4 +138,3 @@ class Relay:
         if self.tap.completion:
             em.completion_tokens.inc(self.tap.completion)
         self.d.record(em, ex.arrival, status, self.kind)
-        self.d.metrics.in_flight.dec()

@@ -1,0 +1,101 @@
+"""The router's outermost ASGI app: the generation routes on bare ASGI, everything else on FastAPI.
+
+POST /generate, /v1/completions and /v1/chat/completions are the hot path: they go straight to
+the PD dispatcher (pd.router.dispatch), which reads the body and sends its answer with plain ASGI
+messages. FastAPI/Starlette's middleware, routing and Request/Response objects cost about 260 us
+of router CPU per request in the 2026-11-30 profile (benchmarks/results/router_2026-11-30.md),
+several times the PD work itself. Other methods on those paths get 405; every other path
+(admin, health, metrics, info proxies, 404s) and the lifespan go to the FastAPI app as before.
+
+Also here: the few ASGI helpers the dispatcher needs (request headers, body with a size limit,
+a whole response).
+"""
+
+from __future__ import annotations
+
+from typing import Awaitable, Callable, Iterable, Optional
+
+from pd.router.errors import error_json
+
+Scope = dict
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request body was being read."""
+
+
+def request_headers(scope: Scope) -> dict[bytes, bytes]:
+    """The request's headers by lower-case name (ASGI gives them lower-cased); the first of
+    repeated headers wins, as in Starlette's ``Headers.get``."""
+    return dict(reversed(scope["headers"]))
+
+
+async def read_body(receive: Receive, limit: int) -> Optional[bytes]:
+    """The whole request body, or None once it exceeds ``limit`` bytes (the rest is not read).
+
+    Raises:
+        ClientGone: the client went away before the body ended.
+    """
+    msg = await receive()
+    if msg["type"] != "http.request":
+        raise ClientGone()
+    body = msg.get("body", b"")
+    if not msg.get("more_body", False):  # the common case: one message
+        return body if len(body) <= limit else None
+    chunks, size = [body], len(body)
+    while True:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            raise ClientGone()
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not msg.get("more_body", False):
+            return b"".join(chunks)
+
+
+def response_headers(content_type: str, extra: Iterable[tuple[bytes, bytes]] = ()) -> list[tuple[bytes, bytes]]:
+    """ASGI header list with ``content-type`` (``; charset=utf-8`` added to a bare ``text/*``, as
+    Starlette does) and ``extra``."""
+    if content_type.startswith("text/") and "charset" not in content_type:
+        content_type += "; charset=utf-8"
+    return [(b"content-type", content_type.encode("latin-1")), *extra]
+
+
+async def send_whole(send: Send, status: int, body: bytes, content_type: str = "application/json",
+                     extra: Iterable[tuple[bytes, bytes]] = ()) -> None:
+    """Send a complete response with ``Content-Length``."""
+    headers = response_headers(content_type, extra)
+    headers.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class GenerationFront:
+    """ASGI app: generation routes to ``handle(scope, receive, send, route)``, the rest to ``app``.
+
+    Args:
+        app: the FastAPI app (lifespan, admin, health, metrics, info, errors).
+        handle: the dispatcher's entry point of one generation request.
+        routes: the paths served on bare ASGI (POST only; other methods get 405).
+    """
+
+    def __init__(self, app, handle: Callable[[Scope, Receive, Send, str], Awaitable[None]], routes: Iterable[str]):
+        self.app = app
+        self.handle = handle
+        self.routes = frozenset(routes)
+        self.state = app.state  # app.state.router, as on the FastAPI app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            if path in self.routes:
+                if scope["method"] == "POST":
+                    return await self.handle(scope, receive, send, path)
+                return await send_whole(send, 405, error_json(405, f"no route {scope['method']} {path}"),
+                                        extra=[(b"allow", b"POST")])
+        await self.app(scope, receive, send)
