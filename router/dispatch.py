@@ -35,7 +35,7 @@ from typing import Optional
 
 import aiohttp
 
-from pd.router import logprobs
+from pd.router import jsonio, logprobs
 from pd.router.aborts import Aborter, aborted_indexes
 from pd.router.auth import Auth
 from pd.router.background import TaskSet
@@ -241,8 +241,8 @@ class PDDispatcher:
             return await self._reject(send, em, arrival, 413, "payload_too_large", f"request body exceeds the limit "
                                       f"of {self.limit} bytes (--max-payload-size)", rid_header)
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
+            body, fast_json = jsonio.parse(raw)
+        except ValueError as e:  # UnicodeDecodeError is one
             return await self._reject(send, em, arrival, 400, "invalid_request", f"malformed JSON body: {e}",
                                       rid_header)
         if not isinstance(body, dict):
@@ -282,7 +282,7 @@ class PDDispatcher:
                 else:
                     rids = assign_rids(body, count, batch, n, client_rid)
                     stamp(body, count, batch, prefill)
-                    payload = json.dumps(body, ensure_ascii=False).encode()
+                    payload = jsonio.encode(body, fast_json)
                     ex = Exchange(route, em, prefill, decode, rids, count, stream, merge, drop_usage, payload,
                                   upstream_headers, arrival)
                     if attempt == 1:

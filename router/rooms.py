@@ -34,8 +34,11 @@ from pd.router.workers import Worker
 
 ROOM_LIMIT = 2**63  # rooms are drawn from [0, 2^63): they fit a signed 64-bit int everywhere
 
-_rng = random.SystemRandom()  # rooms must not repeat across router processes started together
+# Seeded from the OS once per process (routers started together never share a sequence), then
+# Mersenne Twister: a SystemRandom draw is a getrandom() syscall, several per request.
+_rng = random.Random(os.urandom(32))
 _getrandbits = _rng.getrandbits
+os.register_at_fork(after_in_child=lambda: _rng.seed(os.urandom(32)))
 
 
 def new_room() -> int:
@@ -44,8 +47,8 @@ def new_room() -> int:
 
 
 def new_rid() -> str:
-    """A router-generated request id."""
-    return "pdr-" + os.urandom(16).hex()
+    """A router-generated request id: ``pdr-`` and 32 hex digits (128 random bits)."""
+    return f"pdr-{_getrandbits(128):032x}"
 
 
 def _as_n(value) -> Optional[int]:
