@@ -400,3 +400,48 @@ def test_launcher_router_command_line_and_keys():
     # no decode up: every known worker, so the router can start and its health checks decide
     launcher.workers[2]["state"] = "restarting"
     assert len(config_from_args(launcher.router_argv()[4:]).prefill) == 2
+
+
+def test_lock_free_metrics_expose_what_prometheus_client_would():
+    """The router's own counters/gauges/histograms render exactly as prometheus_client's
+    Counter/Gauge/Histogram (names, types, labels, buckets incl. values on a boundary, sums)."""
+    import re
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from pd.router.metrics import QUEUE_BUCKETS, Family, _Collector
+
+    ref_reg = CollectorRegistry()
+    ref_h = Histogram("x_seconds", "h", ["endpoint"], buckets=QUEUE_BUCKETS, registry=ref_reg)
+    ref_c = Counter("x_requests", "c", ["endpoint", "status"], registry=ref_reg)
+    ref_g = Gauge("x_in_flight", "g", registry=ref_reg)
+    h = Family("histogram", "x_seconds", "h", ["endpoint"], QUEUE_BUCKETS)
+    c = Family("counter", "x_requests", "c", ["endpoint", "status"])
+    g = Family("gauge", "x_in_flight", "g")
+    ours = CollectorRegistry()
+    ours.register(_Collector([h, c, g]))
+    rng = random.Random(5)
+    values = list(QUEUE_BUCKETS) + [0.0, 3.0, 1e9] + [rng.uniform(0, 3) for _ in range(200)]
+    for v in values:
+        ep = rng.choice(["/a", "/b"])
+        ref_h.labels(ep).observe(v)
+        h.labels(ep).observe(v)
+        status = rng.choice([200, 400])
+        ref_c.labels(ep, status).inc(2)
+        c.labels(ep, status).inc(2)
+    for op in ("inc", "inc", "dec", "inc"):
+        getattr(ref_g, op)()
+        getattr(g, op)()
+
+    def text(reg):  # series in a fixed order; _created timestamps differ
+        lines = re.sub(r"(_created\{[^}]*\}) \S+", r"\1 T", generate_latest(reg).decode()).splitlines()
+        return sorted(lines)
+
+    assert text(ours) == text(ref_reg)
+    with pytest.raises(ValueError):
+        c.labels("/a", 200).inc(-1)
+    with pytest.raises(ValueError):
+        c.labels("/a")
+    c.remove("/a", 200)
+    with pytest.raises(KeyError):
+        c.remove("/a", 200)
