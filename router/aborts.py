@@ -33,6 +33,7 @@ log = logging.getLogger("pd.router")
 
 ABORT_TIMEOUT = 5.0  # seconds for one /abort_request; best effort, it never blocks a reply
 RESEND = (0.05, 0.1, 0.2, 0.4, 0.8)  # seconds between abort resends while the request runs
+_ABORT_CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=ABORT_TIMEOUT)  # one object, not one per abort
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
@@ -85,7 +86,8 @@ class Aborter:
     async def _post(self, worker, rid: str) -> None:
         try:
             async with self.session.post(worker.url + "/abort_request", json={"rid": rid}, headers=self.headers,
-                                         timeout=aiohttp.ClientTimeout(total=ABORT_TIMEOUT)) as r:
+                                         timeout=_ABORT_CLIENT_TIMEOUT,
+                                         allow_redirects=False) as r:
                 await r.read()
         except UPSTREAM_ERRORS as e:
             log.warning("abort of rid %s on %s %s failed: %r", rid, worker.role, worker.url, e)

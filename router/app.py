@@ -43,6 +43,7 @@ log = logging.getLogger("pd.router")
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 SHUTDOWN_DRAIN = 5.0  # seconds to let prefill reads and aborts finish at shutdown
 PROXY_TIMEOUT = 30.0  # seconds for a proxied info request
+_PROXY_CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=PROXY_TIMEOUT)
 
 
 class Router:
@@ -91,7 +92,7 @@ class Router:
             else:
                 try:
                     async with self.session.get(worker.url + path, headers=self.auth.worker_headers(),
-                                                timeout=aiohttp.ClientTimeout(total=PROXY_TIMEOUT)) as r:
+                                                timeout=_PROXY_CLIENT_TIMEOUT) as r:
                         data = await r.read()
                         status, ctype = r.status, r.content_type
                     resp = Response(data, status_code=status, media_type=ctype)

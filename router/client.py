@@ -21,6 +21,7 @@ def make_session(config: RouterConfig) -> aiohttp.ClientSession:
         limit_per_host=0,  # the global limit is the bound; one busy decode may need most of it
         keepalive_timeout=60,
         ttl_dns_cache=300,
+        enable_cleanup_closed=False,  # plain HTTP to the workers: no SSL transports to reap
     )
     timeout = aiohttp.ClientTimeout(total=config.timeouts.request, connect=config.timeouts.connect)
     # Bodies are relayed byte for byte: ask for no compression, and never decompress.

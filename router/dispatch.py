@@ -410,7 +410,7 @@ class PDDispatcher:
         out: PrefillOutcome
         try:
             async with self.session.post(w.url + ex.route, data=ex.payload, headers=ex.headers,
-                                         timeout=self.prefill_timeout) as resp:
+                                         timeout=self.prefill_timeout, allow_redirects=False) as resp:
                 chunks = [chunk async for chunk in resp.content.iter_any()]
                 raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                 out = PrefillOutcome(resp.status, raw, resp.content_type)
@@ -439,7 +439,8 @@ class PDDispatcher:
     async def _open_decode(self, ex: Exchange) -> aiohttp.ClientResponse:
         ex.decode_begin()
         try:
-            return await self.session.post(ex.decode.url + ex.route, data=ex.payload, headers=ex.headers)
+            return await self.session.post(ex.decode.url + ex.route, data=ex.payload, headers=ex.headers,
+                                           allow_redirects=False)  # a proxy relays a 3xx, never follows it
         except BaseException:
             ex.decode_end()
             raise
