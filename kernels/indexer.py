@@ -24,9 +24,11 @@ nothing past a request's length is read, scored or sorted.
 2. ``_select_topk_kernel``, grid (B * S): exact top-k of one query token's live scores, on order-preserving int32
    keys of the fp32 scores. (a) From the histogram: the low edge ``t0`` of the bin holding the topk-th largest
    group max. >= topk groups, hence >= topk distinct positions, reach t0, so t0 <= the topk-th largest score
-   (read, then zeroed for the next call). (b) Candidate groups (max >= t0), then their positions with score >= t0,
-   compacted in position order: every position that can be selected, ~topk of them. (c) The exact threshold T
-   among those by radix select in registers (6 bits a pass, ``tl.histogram``); keys > T are taken and keys == T
+   (read, then zeroed for the next call). Rows of <= topk groups (<= 8 * topk positions) count their scores
+   instead, which bounds the topk-th score directly. (b) Candidate groups (max >= t0), then their positions with
+   score >= t0 and those keys, compacted in position order: every position that can be selected, ~topk of them
+   (three dependent memory round trips at 32K: histogram with the first group-max tile, candidate list, gather). (c) The exact threshold T
+   among those by radix select in registers (8 bits a pass, ``tl.histogram``); keys > T are taken and keys == T
    fill the rest in position order. Set-equal to ``torch.topk`` up to ties. Fallbacks keep it exact on any input,
    streamed from memory: more candidate groups than ``candidate_capacity`` (mass ties) -> the whole live row; more
    candidate positions than the register tile -> the candidate list; fewer than topk positions >= t0 (only a stale
@@ -148,11 +150,12 @@ def _hist_bin(key, NB: tl.constexpr, SHIFT: tl.constexpr):
 
 @triton.jit
 def _score_tile(kf, ksc, q, w, t, lens, l_max, rows, so, S, score_ptr, gmax_ptr, hist_ptr, max_len, ng_buf,
-                hist_ok, S_P2: tl.constexpr, H: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
+                hist_ok, topk, S_P2: tl.constexpr, H: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
                 Q_FP8: tl.constexpr, DOT_F32: tl.constexpr, TOKENS_M: tl.constexpr, DOT_PREC: tl.constexpr,
                 NB: tl.constexpr, SHIFT: tl.constexpr):
-    """Scores of one key tile (fp8 [BLOCK_N, 128] + scales) for the stacked queries: stores them, their group
-    maxima, and counts the maxima into the per-row histogram the select kernel reads its first bound from."""
+    """Scores of one key tile (fp8 [BLOCK_N, 128] + scales) for the stacked queries: stores them and their group
+    maxima, and counts the maxima (or, for rows of <= topk groups, the scores) into the per-row histogram the select
+    kernel reads its first bound from."""
     if DOT_F32:
         kop = kf.to(tl.float32)
     elif Q_FP8:
@@ -175,9 +178,15 @@ def _score_tile(kf, ksc, q, w, t, lens, l_max, rows, so, S, score_ptr, gmax_ptr,
     go = t * (BLOCK_N // G) + tl.arange(0, BLOCK_N // G)
     tl.store(gmax_ptr + rows[:, None] * ng_buf + go[None, :], gm,
              mask=(so < S)[:, None] & (go * G < l_max)[None, :])
+    # the select's first bound: rows of more than topk groups count their group maxima, shorter rows (<= topk
+    # groups, > topk positions) their scores
+    many = tl.cdiv(lens, G) > topk
     hb = _hist_bin(_order_key(gm), NB, SHIFT)
     tl.atomic_add(hist_ptr + rows[:, None] * NB + hb, tl.full(hb.shape, 1, tl.int32),
-                  mask=hist_ok[:, None] & (go * G < lens[:, None]), sem="relaxed")
+                  mask=(hist_ok & many)[:, None] & (go * G < lens[:, None]), sem="relaxed")
+    hs = _hist_bin(_order_key(sc), NB, SHIFT)
+    tl.atomic_add(hist_ptr + rows[:, None] * NB + hs, tl.full(hs.shape, 1, tl.int32),
+                  mask=(hist_ok & ~many)[:, None] & (pos[None, :] < lens[:, None]), sem="relaxed")
 
 
 @triton.jit
@@ -209,8 +218,8 @@ def _index_scores_kernel(
     if t_end > t_begin:  # idle programs (short rows, splits past the live range) exit before loading anything
         bt_row = bt_ptr + b.to(tl.int64) * stride_bt
         rows = b.to(tl.int64) * S_ALL + s0 + so  # [S_P2] output rows
-        # rows the select kernel will bound through the group-max histogram (more than topk groups)
-        hist_ok = (so < S) & (lens > topk) & (tl.cdiv(lens, G) > topk)
+        # rows the select kernel bounds through the histogram (more than topk positions)
+        hist_ok = (so < S) & (lens > topk)
         q, w = _load_q(q_ptr, w_ptr, qs_ptr, b, s0, S, stride_qb, stride_qs, stride_qh, stride_wb, stride_ws,
                        S_P2, H, HAS_QS, DOT_F32)
         if KEYS == "fp8":  # fp8 tiles; num_stages > 1 lets Triton's software pipeliner keep loads in flight
@@ -220,7 +229,7 @@ def _index_scores_kernel(
                 ksc_next = _load_k_scales(ks_ptr, bt_row, t + 1, t_end, l_max, PAGE, BLOCK_N)
                 kf = _load_k_fp8(k8_ptr, bt_row, t, l_max, PAGE, BLOCK_N)
                 _score_tile(kf, ksc, q, w, t, lens, l_max, rows, so, S, score_ptr, gmax_ptr, hist_ptr, max_len,
-                            ng_buf, hist_ok, S_P2, H, BLOCK_N, G, Q_FP8, DOT_F32, TOKENS_M, DOT_PREC, NB, SHIFT)
+                            ng_buf, hist_ok, topk, S_P2, H, BLOCK_N, G, Q_FP8, DOT_F32, TOKENS_M, DOT_PREC, NB, SHIFT)
         else:  # packed int32 tiles, hand-pipelined: the gather of tile t + 1 is in flight while t is scored
             if PREFETCH:
                 k, ksc = _load_k_packed(kc32_ptr, ks_ptr, bt_row, t_begin, t_end, l_max, PAGE, BLOCK_N)
@@ -232,7 +241,7 @@ def _index_scores_kernel(
                 else:
                     cur_k, cur_ksc = _load_k_packed(kc32_ptr, ks_ptr, bt_row, t, t_end, l_max, PAGE, BLOCK_N)
                 _score_tile(_unpack_fp8(cur_k, BLOCK_N), cur_ksc, q, w, t, lens, l_max, rows, so, S, score_ptr,
-                            gmax_ptr, hist_ptr, max_len, ng_buf, hist_ok, S_P2, H, BLOCK_N, G, Q_FP8, DOT_F32,
+                            gmax_ptr, hist_ptr, max_len, ng_buf, hist_ok, topk, S_P2, H, BLOCK_N, G, Q_FP8, DOT_F32,
                             TOKENS_M, DOT_PREC, NB, SHIFT)
 
 
@@ -250,7 +259,9 @@ def _group_max_kernel(score_ptr, gmax_ptr, hist_ptr, len_ptr, stride_row, ng_buf
     t_begin = sp * per
     t_end = tl.minimum(t_begin + per, n_tiles)
     t_end = tl.where(ln > topk, t_end, t_begin)
-    ln_hist = tl.where(tl.cdiv(ln, G) > topk, ln, 0)  # rows the select kernel bounds through the histogram
+    # histogram counts as in the scores kernel: group maxima of rows of > topk groups, else scores
+    ln_gm = tl.where(tl.cdiv(ln, G) > topk, ln, 0)
+    ln_sc = tl.where(tl.cdiv(ln, G) > topk, 0, ln)
     for t in range(t_begin, t_end):
         pos = t * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(score_ptr + r.to(tl.int64) * stride_row + pos, mask=pos < ln, other=float("-inf"))
@@ -259,7 +270,10 @@ def _group_max_kernel(score_ptr, gmax_ptr, hist_ptr, len_ptr, stride_row, ng_buf
         tl.store(gmax_ptr + r.to(tl.int64) * ng_buf + go, gm, mask=go * G < ln)
         hb = _hist_bin(_order_key(gm), NB, SHIFT)
         tl.atomic_add(hist_ptr + r.to(tl.int64) * NB + hb, tl.full(hb.shape, 1, tl.int32),
-                      mask=go * G < ln_hist, sem="relaxed")
+                      mask=go * G < ln_gm, sem="relaxed")
+        hs = _hist_bin(_order_key(x), NB, SHIFT)
+        tl.atomic_add(hist_ptr + r.to(tl.int64) * NB + hs, tl.full(hs.shape, 1, tl.int32),
+                      mask=pos < ln_sc, sem="relaxed")
 
 
 # ------------------------------------------------------------------------------------------------ top-k
@@ -400,43 +414,52 @@ def _select_topk_kernel(
     else:
         srow = score_ptr + r64 * stride_row
         grow = gmax_ptr + r64 * ng_buf
-        gid_row = scr_ptr + r64 * (CAP_G * (G + 1))  # candidate groups [CAP_G], then their positions [CAP_G * G]
+        gid_row = scr_ptr + r64 * (CAP_G * (2 * G + 1))  # candidate groups [CAP_G]; positions, keys [CAP_G * G]
         pos_row = gid_row + CAP_G
+        key_row = pos_row + CAP_G * G
         ng = tl.cdiv(ln, G)
-        # 1) t0 <= the topk-th largest score: the low edge of the histogram bin holding the topk-th largest group
-        #    max (>= topk groups, i.e. distinct positions, reach it). Read, then zeroed for the next call.
-        t0 = tl.full([], -2147483648, tl.int32)
-        if ng > topk:
-            bins = tl.arange(0, NB)
-            hrow = hist_ptr + r64 * NB
-            h = tl.load(hrow + bins, cache_modifier=".cg")
-            if CLEAR_HIST:
-                tl.store(hrow + bins, tl.zeros([NB], tl.int32))
-            c_ge = tl.cumsum(h, 0, reverse=True)
-            t0 = ((tl.max(tl.where(c_ge >= topk, bins, 0), 0) - NB // 2) << SHIFT).to(tl.int32)
+        # the first tile of group maxima is requested before the histogram, so the two loads overlap
+        go = tl.arange(0, TG)
+        gm = go < ng
+        gk = _order_key(tl.load(grow + go, mask=gm, other=0.0))
+        # 1) t0 <= the topk-th largest score: the low edge of the histogram bin holding the topk-th largest count
+        #    (group maxima: >= topk groups, hence distinct positions, reach it; short rows count the scores).
+        #    Read, then zeroed for the next call.
+        bins = tl.arange(0, NB)
+        hrow = hist_ptr + r64 * NB
+        h = tl.load(hrow + bins, cache_modifier=".cg")
+        if CLEAR_HIST:
+            tl.store(hrow + bins, tl.zeros([NB], tl.int32))
+        c_ge = tl.cumsum(h, 0, reverse=True)
+        t0 = ((tl.max(tl.where(c_ge >= topk, bins, 0), 0) - NB // 2) << SHIFT).to(tl.int32)
         # 2) candidate groups (max >= t0), ascending
-        n_cand = tl.zeros([], tl.int32)
-        for g0 in range(0, ng, TG):
-            go = g0 + tl.arange(0, TG)
-            gm = go < ng
-            f = gm & (_order_key(tl.load(grow + go, mask=gm, other=0.0)) >= t0)
-            slot = n_cand + tl.cumsum(f.to(tl.int32), 0) - 1
-            tl.store(gid_row + slot, go, mask=f & (slot < CAP_G))
-            n_cand += tl.sum(f.to(tl.int32), 0)
+        f = gm & (gk >= t0)
+        slot = tl.cumsum(f.to(tl.int32), 0) - 1
+        tl.store(gid_row + slot, go, mask=f & (slot < CAP_G))
+        n_cand = tl.sum(f.to(tl.int32), 0)
+        for g0 in range(TG, ng, TG):
+            go_t = g0 + tl.arange(0, TG)
+            gm_t = go_t < ng
+            f_t = gm_t & (_order_key(tl.load(grow + go_t, mask=gm_t, other=0.0)) >= t0)
+            slot_t = n_cand + tl.cumsum(f_t.to(tl.int32), 0) - 1
+            tl.store(gid_row + slot_t, go_t, mask=f_t & (slot_t < CAP_G))
+            n_cand += tl.sum(f_t.to(tl.int32), 0)
         if n_cand <= CAP_G:
             tl.debug_barrier()  # the list is re-read by other threads of this program
-            # 3) their positions with score >= t0, ascending: every position of the row that can be selected
+            # 3) their positions with score >= t0 and those keys, ascending: every position that can be selected
             n_pos = tl.zeros([], tl.int32)
             for c0 in range(0, n_cand, TC):
                 ci = c0 + tl.arange(0, TC)
                 cm = ci < n_cand
                 gid = tl.load(gid_row + ci, mask=cm, other=0, cache_modifier=".cg")
-                p = tl.reshape(gid[:, None] * G + tl.arange(0, G)[None, :], [TC * G])
-                v = tl.reshape(cm[:, None] & (tl.arange(0, G) < G)[None, :], [TC * G]) & (p < ln)
-                f = v & (_order_key(tl.load(srow + p, mask=v, other=0.0)) >= t0)
-                slot = n_pos + tl.cumsum(f.to(tl.int32), 0) - 1
-                tl.store(pos_row + slot, p, mask=f)
-                n_pos += tl.sum(f.to(tl.int32), 0)
+                cp = tl.reshape(gid[:, None] * G + tl.arange(0, G)[None, :], [TC * G])
+                cv = tl.reshape(cm[:, None] & (tl.arange(0, G) < G)[None, :], [TC * G]) & (cp < ln)
+                ck = _order_key(tl.load(srow + cp, mask=cv, other=0.0))
+                cf = cv & (ck >= t0)
+                cslot = n_pos + tl.cumsum(cf.to(tl.int32), 0) - 1
+                tl.store(pos_row + cslot, cp, mask=cf)
+                tl.store(key_row + cslot, ck, mask=cf)
+                n_pos += tl.sum(cf.to(tl.int32), 0)
             tl.debug_barrier()
             if n_pos < topk:
                 # t0 was above the topk-th score: only a histogram not written by this call's scores does that
@@ -445,15 +468,14 @@ def _select_topk_kernel(
                 # 4) exact threshold T among them (radix select in registers); 5) keys > T, then == T in order
                 i = tl.arange(0, CAP_P)
                 m = i < n_pos
-                p = tl.load(pos_row + i, mask=m, other=0, cache_modifier=".cg")
-                keys = _order_key(tl.load(srow + p, mask=m, other=0.0))
+                rp = tl.load(pos_row + i, mask=m, other=0, cache_modifier=".cg")
+                keys = tl.load(key_row + i, mask=m, other=0, cache_modifier=".cg")
                 thr = _kth_largest_radix(keys, m, topk, RADIX)
                 gt = m & (keys > thr)
                 eq = m & (keys == thr)
                 need_eq = topk - tl.sum(gt.to(tl.int32), 0)
                 take = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need_eq))
-                slot = tl.cumsum(take.to(tl.int32), 0) - 1
-                tl.store(out_row + slot, p, mask=take)
+                tl.store(out_row + tl.cumsum(take.to(tl.int32), 0) - 1, rp, mask=take)
             else:
                 _select_streamed(srow, pos_row, n_pos, topk, out_row, True, TILE)
         else:
@@ -486,24 +508,33 @@ SCORE_CONFIGS = [
     _cfg(128, 4, True, "fp8", 3),
     _cfg(64, 4, False, "fp8", 3),
 ]
-# (sm_90?, stacked query tokens) -> config. sm_90: the fastest config of the H200 sweep at 32K live / 128K max
-# (benchmarks/results/indexer_2026-11-30.md: 94.6 us vs 113.5 for heads-on-M at B=16, 209 vs 280 at B=64);
-# sm_120: the same shape, chosen from AOT register counts (no sm_120 GPU to time it on).
+# (sm_90?, stacked query tokens) -> config for a bf16 query. sm_90: the fastest configs of the H200 sweeps at 32K live
+# / 128K max (S = 1: benchmarks/results/indexer_2026-11-30.md, keys on M 64/4 packed, 94.6 us vs 113.5 for heads on
+# M at B=16, 209 vs 280 at B=64, and again the fastest with the histogram select: 67.0 / 188.5 us; S = 2 and 4: the
+# -r2 sweep, fp8 tiles 64/4 in 2 stages (96.2 / 278.9 us vs 97.8 / 291.0 packed 64/8) and 128/4 in 3 stages
+# (135.1 / 425.5 us vs 184.1 / 616.2) at B = 16 / 64). sm_120: chosen from AOT register counts (no spills; no
+# sm_120 GPU to time on).
 DEFAULT_SCORE_CONFIGS = {
     (False, 1): _cfg(64, 4, True, "packed", 1, pf=True),
     (False, 2): _cfg(64, 8, True, "packed", 1, pf=True),
     (False, 4): _cfg(64, 8, True, "packed", 1, pf=True),
     (True, 1): _cfg(64, 4, True, "packed", 1, pf=True),
-    (True, 2): _cfg(64, 8, True, "packed", 1, pf=True),
-    (True, 4): _cfg(64, 8, True, "packed", 1, pf=True),
+    (True, 2): _cfg(64, 4, True, "fp8", 2),
+    (True, 4): _cfg(128, 4, True, "fp8", 3),
+}
+# fp8 query overrides (fp8 x fp8 dots need no key conversion): sm_90 S = 1 from the same sweep, fp8 tiles 128/4 in 3
+# stages (49.7 / 114.3 us vs 51.0 / 122.2 with the bf16 default at B = 16 / 64)
+DEFAULT_FP8Q_SCORE_CONFIGS = {
+    (True, 1): _cfg(128, 4, True, "fp8", 3),
 }
 S_CHUNK = 4  # query tokens stacked per score launch (S > 4: several launches)
 SELECT_WARPS = (4, 8, 16)
 DEFAULT_SELECT_WARPS = 8
 HIST_BINS = 4096  # per-row histogram of group maxima: top 12 bits of the order key (1/8-binade bins)
 HIST_SHIFT = 20
-RADIX_BITS = 6  # bits per radix-select pass (64-bin warp histograms)
+RADIX_BITS = 8  # bits per radix-select pass (256-bin warp histograms)
 MAX_TILE_P = 4096  # register tile of the final threshold search
+SELECT_TC = 1024  # candidate groups gathered per pass (one pass for ~1000 candidates: 32K-long rows at topk 512)
 MIN_TILES = 4  # tiles per score program at least (fewer, larger programs for short rows)
 # score programs per SM to aim for: ~3 fit at once (~150 registers x 128 threads), so 8 keeps the last partial
 # wave small; each still gets >= MIN_TILES tiles (the benchmark sweep times half and double this)
@@ -543,17 +574,17 @@ def _tile_p(topk: int) -> int:
 
 def _workspace_layout(rows: int, max_len: int, topk: int):
     """(groups per row, candidate capacity, per-row scratch, int32 elements in all): scores [rows, max_len],
-    group maxima [rows, ng], histograms [rows, HIST_BINS], scratch [rows, cap * (GROUP + 1)]."""
+    group maxima [rows, ng], histograms [rows, HIST_BINS], scratch [rows, cap * (2 * GROUP + 1)]."""
     ng = triton.cdiv(max_len, GROUP)
     cap = candidate_capacity(topk)
-    scr = cap * (GROUP + 1)
+    scr = cap * (2 * GROUP + 1)
     return ng, cap, scr, rows * (max_len + ng + HIST_BINS + scr)
 
 
 def indexer_workspace(batch: int, s: int, max_len: int, topk: int = 512, device="cuda") -> torch.Tensor:
     """A reusable, zero-initialized int32 workspace for ``dsa_indexer_topk(..., workspace=...)``: fp32 scores
     [B*S, max_len], group maxima [B*S, max_len / 8], group-max histograms [B*S, 4096] and candidate scratch
-    [B*S, 36 * next_pow2(topk)]; 4.5 bytes per position of the block table plus ~90 KB per query token at topk
+    [B*S, 68 * next_pow2(topk)]; 4.5 bytes per position of the block table plus ~155 KB per query token at topk
     512. ``max_len`` = block_table.shape[1] * page_size. Allocate once per (max batch, max context) so a CUDA
     graph captures fixed addresses. Each call leaves the histograms zeroed for the next; a workspace with
     nonzero histograms (never passed through a full call) still gives exact results, one call more slowly."""
@@ -644,9 +675,9 @@ def _select_launch(scores, gmax, hist, scr, lens, out, rows, s, max_len, stride_
     _select_topk_kernel[(rows,)](
         scores, gmax, hist, scr, lens, out, s, max_len, stride_row, ng, topk,
         LEN_2D=len_2d, G=GROUP, NB=HIST_BINS, SHIFT=HIST_SHIFT, CAP_G=cap,
-        CAP_P=_tile_p(topk) if not _INTERPRET else _interp("PD_INDEXER_INTERP_TILE_P", 2 * triton.next_power_of_2(topk)),
+        CAP_P=_tile_p(topk) if not _INTERPRET else _interp("PD_INDEXER_INTERP_TILE_P", _tile_p(topk)),
         TG=4096 if not _INTERPRET else _interp("PD_INDEXER_INTERP_TG", 64),
-        TC=256 if not _INTERPRET else _interp("PD_INDEXER_INTERP_TC", 8),
+        TC=SELECT_TC if not _INTERPRET else _interp("PD_INDEXER_INTERP_TC", 8),
         TILE=1024 if not _INTERPRET else 16, RADIX=RADIX_BITS, CLEAR_HIST=clear_hist,
         num_warps=warps,
     )
@@ -749,7 +780,7 @@ def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512,
     for s0 in range(0, s, S_CHUNK) if "scores" in stages else ():
         sc = min(S_CHUNK, s - s0)
         sp2 = triton.next_power_of_2(sc)
-        cfg = dict(config or DEFAULT_SCORE_CONFIGS[(sm90, sp2)])
+        cfg = dict(config or (q_fp8 and DEFAULT_FP8Q_SCORE_CONFIGS.get((sm90, sp2))) or DEFAULT_SCORE_CONFIGS[(sm90, sp2)])
         if _INTERPRET:
             cfg["BLOCK_N"] = 32  # small tiles keep interpreted runs short
         _index_scores_kernel[(b, n_split)](
@@ -792,7 +823,7 @@ def topk_from_scores(scores, lengths, topk=512, out=None, *, select_warps=None):
     cap = candidate_capacity(topk)
     gmax = torch.empty(r, ng, dtype=torch.float32, device=dev)
     hist = torch.zeros(r, HIST_BINS, dtype=torch.int32, device=dev)
-    scr = torch.empty(r, cap * (GROUP + 1), dtype=torch.int32, device=dev)
+    scr = torch.empty(r, cap * (2 * GROUP + 1), dtype=torch.int32, device=dev)
     block = 256 if not _INTERPRET else 32
     n_split = max(1, min(64, triton.cdiv(PROGRAMS_PER_SM * _num_sms(dev), r)))
     _group_max_kernel[(r, n_split)](scores, gmax, hist, lengths, scores.stride(0), ng, n_split, w, topk,

@@ -220,12 +220,21 @@ def run_select_paths(seed=0):
     K._select_topk_kernel.fn.__globals__["_select_streamed"] = Counting()
     try:
         res = {}
-        for kind, sc in (("randn", torch.randn(3, 3000, generator=g)), ("constant", torch.full((1, 3000), 2.0))):
-            lengths = torch.tensor([3000, 2500, 1000][: sc.shape[0]], dtype=torch.int32)
+        # rows of more and of fewer groups than topk (group-max and score histograms)
+        for kind, sc in (("randn", torch.randn(4, 3000, generator=g)), ("constant", torch.full((1, 3000), 2.0))):
+            lengths = torch.tensor([3000, 2500, 1000, 200][: sc.shape[0]], dtype=torch.int32)
             calls.clear()
             out = topk_from_scores(sc, lengths, 32)
             res[f"{kind}_streamed_calls"] = len(calls)
             res[f"{kind}_exact"] = all(v == 0 for v in check_rows(out, sc.double(), lengths, 32)["bad"].values())
+        # the same through the scores kernel's histograms
+        q, w, kc, bt = _inputs(2, 1, 16, 64, 24, 12, g)
+        seq = torch.tensor([700, 200], dtype=torch.int32)
+        calls.clear()
+        out = dsa_indexer_topk(q, w, kc, bt, seq, topk=32)
+        res["indexer_streamed_calls"] = len(calls)
+        res["indexer_exact"] = all(v == 0 for v in check_rows(out, index_scores_ref(q, w, kc, bt, seq), live_lengths(
+            seq, 1, 12 * 64), 32, score_error_bound(q, w, kc, bt))["bad"].values())
     finally:
         K._select_topk_kernel.fn.__globals__["_select_streamed"] = real
     return dict(name="select_paths", **res)

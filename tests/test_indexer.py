@@ -52,9 +52,11 @@ def test_workspace_histograms_never_change_the_answer(interp_results):
 
 
 def test_select_takes_the_bounded_path_on_distinct_scores(interp_results):
-    """Random scores never reach the streamed fallbacks (the speed contract); constant scores do, and stay exact."""
+    """Random scores never reach the streamed fallbacks (the speed contract), for rows of more and of fewer groups
+    than topk, from precomputed scores and through the scores kernel; constant scores do, and stay exact."""
     r = interp_results["select_paths"]
     assert r["randn_streamed_calls"] == 0 and r["randn_exact"], r
+    assert r["indexer_streamed_calls"] == 0 and r["indexer_exact"], r
     assert r["constant_streamed_calls"] >= 1 and r["constant_exact"], r
 
 
@@ -161,15 +163,16 @@ def test_workspace_size_and_capacity():
 
     assert candidate_capacity(512) == 2048 and candidate_capacity(300) == 2048 and candidate_capacity(2048) == 8192
     ws = indexer_workspace(4, 2, 8192, 512, device="cpu")
-    # scores + group maxima + histogram + candidate groups and their positions, per query token
-    assert ws.dtype == torch.int32 and ws.numel() == 8 * (8192 + 1024 + HIST_BINS + 2048 * 9)
+    # scores + group maxima + histogram + candidate groups and their positions and keys, per query token
+    assert ws.dtype == torch.int32 and ws.numel() == 8 * (8192 + 1024 + HIST_BINS + 2048 * 17)
     assert not ws.any()  # the histograms must start at zero
 
 
 def test_default_configs_are_score_configs():
-    from pd.kernels.indexer import DEFAULT_SCORE_CONFIGS, SCORE_CONFIGS
+    from pd.kernels.indexer import DEFAULT_FP8Q_SCORE_CONFIGS, DEFAULT_SCORE_CONFIGS, SCORE_CONFIGS
 
     assert all(c in SCORE_CONFIGS for c in DEFAULT_SCORE_CONFIGS.values())
+    assert all(c in SCORE_CONFIGS for c in DEFAULT_FP8Q_SCORE_CONFIGS.values())
     assert {k for k in DEFAULT_SCORE_CONFIGS} == {(sm90, s) for sm90 in (False, True) for s in (1, 2, 4)}
 
 
@@ -229,9 +232,9 @@ def test_aot_score_config_sm120a_and_sm90a(cfg):
 @pytest.mark.parametrize("sm90", [False, True])
 def test_aot_default_configs_fp8_query(sm90):
     """fp8 x fp8 dots (fp8 query): the default configs of each arch compile (sm_120a: mma.sync e4m3)."""
-    from pd.kernels.indexer import DEFAULT_SCORE_CONFIGS
+    from pd.kernels.indexer import DEFAULT_FP8Q_SCORE_CONFIGS, DEFAULT_SCORE_CONFIGS
 
-    for (is90, s_p2), cfg in DEFAULT_SCORE_CONFIGS.items():
+    for (is90, s_p2), cfg in list(DEFAULT_SCORE_CONFIGS.items()) + list(DEFAULT_FP8Q_SCORE_CONFIGS.items()):
         if is90 != sm90:
             continue
         k = _compile_scores(cfg, 90 if sm90 else 120, s_p2=s_p2, fp8=True)
