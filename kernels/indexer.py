@@ -27,9 +27,9 @@ nothing past a request's length is read, scored or sorted.
    (read, then zeroed for the next call). Rows of <= topk groups (<= 8 * topk positions) count their scores
    instead, which bounds the topk-th score directly. (b) Candidate groups (max >= t0), then their positions with
    score >= t0 and those keys, compacted in position order: every position that can be selected, ~topk of them
-   (three dependent memory round trips at 32K: histogram with the first group-max tile, candidate list, gather). (c) The exact threshold T
-   among those by radix select in registers (8 bits a pass, ``tl.histogram``); keys > T are taken and keys == T
-   fill the rest in position order. Set-equal to ``torch.topk`` up to ties. Fallbacks keep it exact on any input,
+   (at 32K three dependent memory round trips: the histogram with the first group-max tile, the candidate list,
+   the gather). (c) The exact threshold T among those by radix select in registers (8 bits a pass,
+   ``tl.histogram``); keys > T are taken and keys == T fill the rest in position order. Set-equal to ``torch.topk`` up to ties. Fallbacks keep it exact on any input,
    streamed from memory: more candidate groups than ``candidate_capacity`` (mass ties) -> the whole live row; more
    candidate positions than the register tile -> the candidate list; fewer than topk positions >= t0 (only a stale
    histogram, e.g. a workspace that skipped a select) -> the whole row. Each query token's select is a few
