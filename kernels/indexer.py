@@ -29,8 +29,8 @@ nothing past a request's length is read, scored or sorted.
    score >= t0 and those keys, compacted in position order: every position that can be selected, ~topk of them
    (at 32K three dependent memory round trips: the histogram with the first group-max tile, the candidate list,
    the gather). (c) The exact threshold T among those by radix select in registers (8 bits a pass,
-   ``tl.histogram``); keys > T are taken and keys == T fill the rest in position order. Set-equal to ``torch.topk`` up to ties. Fallbacks keep it exact on any input,
-   streamed from memory: more candidate groups than ``candidate_capacity`` (mass ties) -> the whole live row; more
+   ``tl.histogram``); keys > T are taken and keys == T fill the rest in position order. Set-equal to
+   ``torch.topk`` up to ties. Fallbacks keep it exact on any input, streamed from memory: more candidate groups than ``candidate_capacity`` (mass ties) -> the whole live row; more
    candidate positions than the register tile -> the candidate list; fewer than topk positions >= t0 (only a stale
    histogram, e.g. a workspace that skipped a select) -> the whole row. Each query token's select is a few
    dependent block-wide passes over ~topk-sized tiles, independent of the max context.
@@ -780,7 +780,8 @@ def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512,
     for s0 in range(0, s, S_CHUNK) if "scores" in stages else ():
         sc = min(S_CHUNK, s - s0)
         sp2 = triton.next_power_of_2(sc)
-        cfg = dict(config or (q_fp8 and DEFAULT_FP8Q_SCORE_CONFIGS.get((sm90, sp2))) or DEFAULT_SCORE_CONFIGS[(sm90, sp2)])
+        cfg = dict(config or (q_fp8 and DEFAULT_FP8Q_SCORE_CONFIGS.get((sm90, sp2)))
+                   or DEFAULT_SCORE_CONFIGS[(sm90, sp2)])
         if _INTERPRET:
             cfg["BLOCK_N"] = 32  # small tiles keep interpreted runs short
         _index_scores_kernel[(b, n_split)](
