@@ -30,10 +30,11 @@ nothing past a request's length is read, scored or sorted.
    (at 32K three dependent memory round trips: the histogram with the first group-max tile, the candidate list,
    the gather). (c) The exact threshold T among those by radix select in registers (8 bits a pass,
    ``tl.histogram``); keys > T are taken and keys == T fill the rest in position order. Set-equal to
-   ``torch.topk`` up to ties. Fallbacks keep it exact on any input, streamed from memory: more candidate groups than ``candidate_capacity`` (mass ties) -> the whole live row; more
-   candidate positions than the register tile -> the candidate list; fewer than topk positions >= t0 (only a stale
-   histogram, e.g. a workspace that skipped a select) -> the whole row. Each query token's select is a few
-   dependent block-wide passes over ~topk-sized tiles, independent of the max context.
+   ``torch.topk`` up to ties. Fallbacks keep it exact on any input, streamed from memory: more candidate groups
+   than ``candidate_capacity`` (mass ties) -> the whole live row; more candidate positions than the register tile
+   -> the candidate list; fewer than topk positions >= t0 (only a stale histogram, e.g. a workspace that skipped a
+   select) -> the whole row. Each query token's select is a few dependent block-wide passes over ~topk-sized
+   tiles, independent of the max context.
 """
 
 from __future__ import annotations
