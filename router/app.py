@@ -36,6 +36,7 @@ from pd.router.errors import error_response
 from pd.router.front import GenerationFront
 from pd.router.health import HealthMonitor
 from pd.router.metrics import RouterMetrics
+from pd.router.upstream import UpstreamClient
 from pd.router.workers import WorkerPool
 
 log = logging.getLogger("pd.router")
@@ -62,11 +63,13 @@ class Router:
         self.health = HealthMonitor(self.pool, config.health_check, self.auth.worker_headers())
         self.admin = AdminAPI(self.pool, self.auth, self.health)
         self.session: aiohttp.ClientSession | None = None
+        self.client: UpstreamClient | None = None
 
     async def start(self) -> None:
-        """Open the pooled client and start health checks (inside the serving event loop)."""
+        """Open the pooled clients and start health checks (inside the serving event loop)."""
         self.session = make_session(self.config)
-        self.dispatcher.bind(self.session)
+        self.client = UpstreamClient(self.config.max_connections, self.config.timeouts.connect)
+        self.dispatcher.bind(self.session, self.client)
         self.health.start(self.session)
 
     async def stop(self) -> None:
@@ -74,6 +77,8 @@ class Router:
         await self.dispatcher.tasks.drain(SHUTDOWN_DRAIN)
         if self.session is not None:
             await self.session.close()
+        if self.client is not None:
+            await self.client.close()
 
     async def proxy_get(self, request: Request) -> Response:
         """GET the same path on an available decode worker and relay status and body; 502/504

@@ -47,6 +47,7 @@ from pd.router.policies import routing_key
 from pd.router.rooms import assign_rids, new_rid, sequence_count, stamp
 from pd.router.stream import Relay
 from pd.router.tokens import count as count_tokens, wants_usage_injected
+from pd.router.upstream import Response as UpstreamResponse, UpstreamClient, header_block
 from pd.router.workers import Worker, WorkerPool
 
 log = logging.getLogger("pd.router")
@@ -161,8 +162,9 @@ class PDDispatcher:
         settings: retries, timeouts, limits.
         auth: API keys.
 
-    ``session`` (the shared ``aiohttp.ClientSession``) must be set with ``bind`` before the first
-    request.
+    The two generation requests go through the pooled ``UpstreamClient`` (pd.router.upstream),
+    aborts through the shared ``aiohttp.ClientSession``; both must be set with ``bind`` before
+    the first request.
     """
 
     def __init__(self, pool: WorkerPool, metrics: RouterMetrics, settings: RouterSettings, auth: Auth):
@@ -173,18 +175,21 @@ class PDDispatcher:
         self.tasks = TaskSet()
         self.aborter = Aborter(self.tasks, auth.worker_headers())
         self.session: Optional[aiohttp.ClientSession] = None
+        self.client: Optional[UpstreamClient] = None
         t = settings.timeouts
-        self.prefill_timeout = aiohttp.ClientTimeout(total=t.prefill or t.request, connect=t.connect)
+        self.prefill_timeout = t.prefill or t.request  # seconds, the whole prefill request
+        self.request_timeout = t.request  # seconds, the whole decode request (streams included)
         self.first_token_timeout = t.first_token
         self.stream_idle_timeout = t.stream_idle
         self.retry = settings.retry
         self.limit = settings.max_payload_size
         self.id_headers = [h.lower().encode("latin-1") for h in settings.request_id_headers]
-        self.worker_headers = {"Content-Type": "application/json", **auth.worker_headers()}
+        self.worker_headers = header_block({"Content-Type": "application/json", **auth.worker_headers()})
 
-    def bind(self, session: aiohttp.ClientSession) -> None:
+    def bind(self, session: aiohttp.ClientSession, client: UpstreamClient) -> None:
         self.session = session
         self.aborter.session = session
+        self.client = client
 
     # ---- the request path --------------------------------------------------------------------
     async def handle(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
@@ -222,7 +227,8 @@ class PDDispatcher:
             if value:
                 req_id = value.decode("latin-1")
                 break
-        req_id = req_id or new_rid()
+        if not req_id or "\r" in req_id or "\n" in req_id:
+            req_id = new_rid()
         rid_header = (b"x-request-id", req_id.encode("latin-1"))
         if not self.auth.client_header_ok(headers.get(b"authorization")):
             return await self._reject(send, em, arrival, 401, "unauthorized", "missing or invalid API key "
@@ -255,7 +261,7 @@ class PDDispatcher:
         stream = _truthy(body.get("stream", False))
         merge = logprobs.wants_input_logprobs(route, body)
         drop_usage = stream and route != "/generate" and wants_usage_injected(body)
-        upstream_headers = dict(self.worker_headers, **{"X-Request-Id": req_id})
+        upstream_headers = b"%sX-Request-Id: %s\r\n" % (self.worker_headers, rid_header[1])
 
         # Until the answer has ended, watch for the client leaving (uvicorn's send() drops the
         # bytes of a gone client silently): a decode would otherwise run to the end for nobody.
@@ -409,11 +415,14 @@ class PDDispatcher:
         w.begin(ex.seqs)
         out: PrefillOutcome
         try:
-            async with self.session.post(w.url + ex.route, data=ex.payload, headers=ex.headers,
-                                         timeout=self.prefill_timeout, allow_redirects=False) as resp:
-                chunks = [chunk async for chunk in resp.content.iter_any()]
-                raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-                out = PrefillOutcome(resp.status, raw, resp.content_type)
+            resp = await self.client.post(w.url, ex.route, ex.payload, ex.headers, self.prefill_timeout)
+            try:
+                raw = await resp.read()
+            except BaseException:
+                resp.close()
+                raise
+            resp.release()
+            out = PrefillOutcome(resp.status, raw, resp.content_type)
         except asyncio.TimeoutError as e:
             out = PrefillOutcome(None, failure="timeout", detail=repr(e))
         except UPSTREAM_ERRORS as e:
@@ -436,11 +445,10 @@ class PDDispatcher:
             out.body = b""  # not needed any more
         return out
 
-    async def _open_decode(self, ex: Exchange) -> aiohttp.ClientResponse:
+    async def _open_decode(self, ex: Exchange) -> UpstreamResponse:
         ex.decode_begin()
         try:
-            return await self.session.post(ex.decode.url + ex.route, data=ex.payload, headers=ex.headers,
-                                           allow_redirects=False)  # a proxy relays a 3xx, never follows it
+            return await self.client.post(ex.decode.url, ex.route, ex.payload, ex.headers, self.request_timeout)
         except BaseException:
             ex.decode_end()
             raise
@@ -480,7 +488,7 @@ class PDDispatcher:
         else:
             self.aborter.abort(ex.prefill, [ex.rids[i] for i in sorted(indexes) if i < len(ex.rids)])
 
-    def abort_after_break(self, ex: Exchange, resp: aiohttp.ClientResponse) -> None:
+    def abort_after_break(self, ex: Exchange, resp: UpstreamResponse) -> None:
         """Decode's stream broke or the client left mid-stream: drop decode's connection, abort
         its sequences, and the prefill's if its request still runs."""
         if not ex.decode_aborted:
@@ -516,7 +524,7 @@ class PDDispatcher:
         log.warning("%s", msg)
         return Failure.router(502, msg, "decode_connect", True)
 
-    async def _decode_status(self, ex: Exchange, resp: aiohttp.ClientResponse) -> Failure:
+    async def _decode_status(self, ex: Exchange, resp: UpstreamResponse) -> Failure:
         """Decode answered non-2xx: its error, or the prefill's when that is the root cause."""
         try:
             data = await resp.read()
@@ -541,11 +549,11 @@ class PDDispatcher:
                 return self._prefill_failure(ex, pre)
         return Failure(resp.status, data, "decode_status", resp.status in RETRYABLE_STATUS, resp.content_type)
 
-    async def _decode_stream(self, ex: Exchange, resp: aiohttp.ClientResponse):
+    async def _decode_stream(self, ex: Exchange, resp: UpstreamResponse):
         """Decode answered a stream with 2xx: read its first chunk before committing, so a stream
         that starts with an error is still retried."""
         try:
-            first = await resp.content.readany()
+            first = await resp.readany()
         except UPSTREAM_ERRORS as e:
             resp.close()
             ex.decode_end()

@@ -27,6 +27,7 @@ from pd.router.tokens import UsageTap
 
 if TYPE_CHECKING:
     from pd.router.dispatch import Exchange, PDDispatcher
+    from pd.router.upstream import Response as UpstreamResponse
 
 log = logging.getLogger("pd.router")
 
@@ -48,7 +49,7 @@ class Relay:
         first: the first chunk of its body, already read.
     """
 
-    def __init__(self, dispatcher: "PDDispatcher", ex: "Exchange", resp: aiohttp.ClientResponse, first: bytes):
+    def __init__(self, dispatcher: "PDDispatcher", ex: "Exchange", resp: "UpstreamResponse", first: bytes):
         self.d = dispatcher
         self.ex = ex
         self.resp = resp
@@ -63,7 +64,7 @@ class Relay:
         afterwards (a no-op when the stream ended here), also when this is cancelled."""
         ex, em, tap = self.ex, self.ex.em, self.tap
         idle = self.d.stream_idle_timeout
-        content = self.resp.content
+        readany = self.resp.readany
         now = time.perf_counter()
         em.ttft.observe(now - ex.arrival)
         await send({"type": "http.response.start", "status": self.resp.status,
@@ -95,10 +96,10 @@ class Relay:
                 if out:
                     await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
                 if idle is None:
-                    chunk = await content.readany()
+                    chunk = await readany()
                 else:
                     async with asyncio.timeout(idle):
-                        chunk = await content.readany()
+                        chunk = await readany()
                 if not chunk:
                     break
                 now = time.perf_counter()
