@@ -513,8 +513,9 @@ SCORE_CONFIGS = [
 # / 128K max (S = 1: benchmarks/results/indexer_2026-11-30.md, keys on M 64/4 packed, 94.6 us vs 113.5 for heads on
 # M at B=16, 209 vs 280 at B=64, and again the fastest with the histogram select: 67.0 / 188.5 us; S = 2 and 4: the
 # -r2 sweep, fp8 tiles 64/4 in 2 stages (96.2 / 278.9 us vs 97.8 / 291.0 packed 64/8) and 128/4 in 3 stages
-# (135.1 / 425.5 us vs 184.1 / 616.2) at B = 16 / 64). sm_120: chosen from AOT register counts (no spills; no
-# sm_120 GPU to time on).
+# (135.1 / 425.5 us vs 184.1 / 616.2) at B = 16 / 64; -r3 confirms S = 1 and 4, and has S = 2 the other way round
+# within 5%: 108.5 / 309.2 vs 103.4 / 302.4). sm_120: chosen from AOT register counts (no spills; no sm_120 GPU to
+# time on).
 DEFAULT_SCORE_CONFIGS = {
     (False, 1): _cfg(64, 4, True, "packed", 1, pf=True),
     (False, 2): _cfg(64, 8, True, "packed", 1, pf=True),

@@ -186,7 +186,7 @@ def correctness(dev, smoke, part, deadline):
         return cases
     if part == "more":
         for cfg in K.SCORE_CONFIGS:
-            run("config_" + "_".join(f"{k}{v}" for k, v in cfg.items() if k != "num_stages"), 4, 1,
+            run("config_" + cfg_name(cfg), 4, 1,
                 [513, 9000, 33333, 70000], 131072, config=cfg)
         run("mtp_s6_two_launches", 4, 6, [600, 5000, 12345, 30000], 32768)
         run("per_token_lengths_2d", 2, 2, [[1000, 999999], [513, 512]], 32768)  # seq_lens [B, S]
