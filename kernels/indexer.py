@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .device_info import is_sm90, num_sms
 from .indexer_reference import BYTES_PER_TOKEN, INDEX_DIM
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -542,28 +543,6 @@ MIN_TILES = 4  # tiles per score program at least (fewer, larger programs for sh
 # wave small; each still gets >= MIN_TILES tiles (the benchmark sweep times half and double this)
 PROGRAMS_PER_SM = 8
 
-_NUM_SMS: dict = {}
-_CAPS: dict = {}
-
-
-def _is_sm90(device) -> bool:
-    if device.type != "cuda" or _INTERPRET:
-        return False
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _CAPS:
-        _CAPS[i] = torch.cuda.get_device_capability(i)
-    return _CAPS[i][0] == 9
-
-
-def _num_sms(device) -> int:
-    if device.type != "cuda":
-        return 132
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _NUM_SMS:
-        _NUM_SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _NUM_SMS[i]
-
-
 def candidate_capacity(topk: int) -> int:
     """Candidate groups the select kernel handles without its streamed fallback (4x the next power of two of
     topk: the histogram bound admits about topk groups plus those of one 1/8-binade bin)."""
@@ -769,7 +748,7 @@ def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512,
         _fail("config", f"must be one of SCORE_CONFIGS, got {config!r}")
     warps = _check_warps(select_warps, topk)
     if n_split is None:
-        n_split = max(1, min(64, triton.cdiv(PROGRAMS_PER_SM * _num_sms(dev), b)))
+        n_split = max(1, min(64, triton.cdiv(PROGRAMS_PER_SM * num_sms(dev), b)))
     if isinstance(n_split, bool) or not isinstance(n_split, int) or n_split < 1:
         _fail("n_split", f"must be a positive int, got {n_split!r}")
 
@@ -777,7 +756,7 @@ def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512,
     scores, gmax, hist, scr, ng, cap = _workspace_views(workspace, rows, max_len, topk, dev)
     q_fp8 = q.dtype == torch.float8_e4m3fn
     qs = q_scale if q_scale is not None else weights
-    sm90 = _is_sm90(dev)
+    sm90 = is_sm90(dev)
     k8 = kc32.view(torch.float8_e4m3fn)
     for s0 in range(0, s, S_CHUNK) if "scores" in stages else ():
         sc = min(S_CHUNK, s - s0)
@@ -828,7 +807,7 @@ def topk_from_scores(scores, lengths, topk=512, out=None, *, select_warps=None):
     hist = torch.zeros(r, HIST_BINS, dtype=torch.int32, device=dev)
     scr = torch.empty(r, cap * (2 * GROUP + 1), dtype=torch.int32, device=dev)
     block = 256 if not _INTERPRET else 32
-    n_split = max(1, min(64, triton.cdiv(PROGRAMS_PER_SM * _num_sms(dev), r)))
+    n_split = max(1, min(64, triton.cdiv(PROGRAMS_PER_SM * num_sms(dev), r)))
     _group_max_kernel[(r, n_split)](scores, gmax, hist, lengths, scores.stride(0), ng, n_split, w, topk,
                                     G=GROUP, BLOCK=block, MIN_TILES=MIN_TILES, NB=HIST_BINS, SHIFT=HIST_SHIFT,
                                     num_warps=4)

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .device_info import is_sm90, num_sms
 from .sparse_mla_reference import BYTES_PER_TOKEN, D_QK, DATA_BYTES, page_stride_bytes
 
 LOG2E = 1.4426950408889634
@@ -405,19 +406,6 @@ _TUNED = {
     for bh, cfgs in CONFIGS.items()
 }
 
-_NUM_SMS: dict = {}
-_CAPS: dict = {}
-
-
-def _num_sms(device) -> int:
-    if device.type != "cuda":
-        return 132
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _NUM_SMS:
-        _NUM_SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _NUM_SMS[i]
-
-
 def _cache_view(name, k_cache):
     """Validate a cache and return (uint8 view, int16 view, page_size, page_stride_bytes)."""
     if not isinstance(k_cache, torch.Tensor):
@@ -472,15 +460,6 @@ def _check_len(name, t, b, device):
         raise ValueError(f"{name} must be a contiguous int32 tensor of shape [{b}]")
     if t.device != device:
         raise ValueError(f"{name} must be on {device}, got {t.device}")
-
-
-def _is_sm90(device) -> bool:
-    if device.type != "cuda" or _INTERPRET:
-        return False
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _CAPS:
-        _CAPS[i] = torch.cuda.get_device_capability(i)
-    return _CAPS[i][0] == 9
 
 
 def _pick_block_h(b: int, s: int, h: int, sm90: bool = False) -> int:
@@ -568,7 +547,7 @@ def sparse_mla_decode(
     elif extra_indices is not None or extra_topk_length is not None:
         raise ValueError("extra_indices / extra_topk_length given without extra_k_cache")
     if block_h is None:
-        block_h = _pick_block_h(b, s, h, _is_sm90(dev))
+        block_h = _pick_block_h(b, s, h, is_sm90(dev))
     if block_h not in (16, 32, 64) or h % block_h:
         raise ValueError(f"block_h must be 16, 32 or 64 and divide H={h}, got {block_h}")
 
@@ -576,7 +555,7 @@ def sparse_mla_decode(
     n_hb = h // block_h
     base = b * s * n_hb
     if num_splits is None:
-        n_sm = _num_sms(dev)
+        n_sm = num_sms(dev)
         num_splits = max(1, (n_sm + base // 2) // base)
     chunk = max(64, triton.cdiv(triton.cdiv(topk, max(1, num_splits)), 64) * 64)
     ns_main = triton.cdiv(topk, chunk)
@@ -613,7 +592,7 @@ def sparse_mla_decode(
             if _INTERPRET:
                 cfg = dict(config or DEFAULT_CONFIG[block_h], BLOCK_N=16, num_warps=4, num_stages=1)
             else:
-                cfg = config or (DEFAULT_CONFIG_SM90 if _is_sm90(dev) else DEFAULT_CONFIG)[block_h]
+                cfg = config or (DEFAULT_CONFIG_SM90 if is_sm90(dev) else DEFAULT_CONFIG)[block_h]
             if cfg.get("CHUNKED", False):
                 _sparse_mla_fwd_chunked_kernel[grid](*args, **consts, BLOCK_N=cfg["BLOCK_N"],
                                                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

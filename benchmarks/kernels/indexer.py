@@ -357,7 +357,7 @@ def sweep(dev, pool, smoke, deadline):
         timed(st, "default", st.ours())
         for c in K.SCORE_CONFIGS:
             timed(st, "cfg_" + cfg_name(c), st.ours(config=c))
-        base_split = max(1, min(64, triton.cdiv(K.PROGRAMS_PER_SM * K._num_sms(dev), b)))
+        base_split = max(1, min(64, triton.cdiv(K.PROGRAMS_PER_SM * K.num_sms(dev), b)))
         for ns in (max(1, base_split // 2), base_split * 2):
             timed(st, f"n_split_{ns}", st.ours(n_split=ns))
         for w in K.SELECT_WARPS:
