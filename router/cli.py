@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-payload-size", type=int, default=512 * 1024 * 1024,
                    help="largest request body in bytes (default %(default)s)")
     g.add_argument("--max-connections", type=int, default=1024,
-                   help="pooled upstream connections, all workers together (default %(default)s)")
+                   help="pooled upstream connections, all workers together, per client (generation requests; "
+                        "health checks, aborts and info) (default %(default)s)")
     g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"key clients must send as 'Authorization: Bearer KEY'; also sent to the workers "
                         f"(default ${API_KEY_ENV})")

@@ -171,7 +171,9 @@ class RouterSettings(_Strict):
         cache_aware: tuning of the ``cache_aware`` policy.
         retry / circuit_breaker / health_check / timeouts: failure handling.
         max_payload_size: largest request body in bytes (413 above it).
-        max_connections: pooled upstream connections, all workers together.
+        max_connections: pooled upstream connections, all workers together, per client: the
+            generation requests' client (pd.router.upstream) and the aiohttp client of health
+            checks, aborts and info proxies each keep at most this many.
         api_key: clients must send ``Authorization: Bearer KEY`` on client routes (generation and
             info); the router sends the same key to the workers (SGLang's ``--api-key``).
         admin_api_key: key of the admin API (/workers); without it the admin API accepts the
