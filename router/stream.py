@@ -64,7 +64,8 @@ class Relay:
         afterwards (a no-op when the stream ended here), also when this is cancelled."""
         ex, em, tap = self.ex, self.ex.em, self.tap
         idle = self.d.stream_idle_timeout
-        readany = self.resp.readany
+        resp = self.resp
+        readany = resp.readany
         now = time.perf_counter()
         em.ttft.observe(now - ex.arrival)
         await send({"type": "http.response.start", "status": self.resp.status,
@@ -93,8 +94,16 @@ class Relay:
                             event = logprobs.merge_event(event, inputs)
                     out.append(event)
                     out.append(b"\n\n")
+                if resp.at_eof:
+                    # decode's stream has ended and all of it is here: its last events and the
+                    # end of the response go out in one message (one write, not two)
+                    if buf.strip():
+                        out.append(buf)
+                    buf = b""
+                    break
                 if out:
                     await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                    out = []
                 if idle is None:
                     chunk = await readany()
                 else:
@@ -104,7 +113,7 @@ class Relay:
                     break
                 now = time.perf_counter()
                 buf += chunk
-            tail = buf if buf.strip() else b""
+            tail = b"".join(out) if out else (buf if buf.strip() else b"")
         except UPSTREAM_ERRORS as e:
             if isinstance(e, TimeoutError) and idle is not None:
                 self.kind = "decode_timeout"

@@ -140,6 +140,11 @@ class Response:
         self._buffered = 0
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
+    @property
+    def at_eof(self) -> bool:
+        """The whole body arrived cleanly and has been read: the next read returns b""."""
+        return self.complete and not self._chunks and self._exc is None
+
     # ---- ending -----------------------------------------------------------------------------------
     def release(self) -> None:
         """Done with the response: the connection goes back to the pool if the message ended
