@@ -371,18 +371,9 @@ class PDDispatcher:
             return await self._decode_status(ex, resp)
         if ex.stream:
             return await self._decode_stream(ex, resp)
-        try:
-            data = await resp.read()
-        except UPSTREAM_ERRORS as e:
-            resp.close()
-            ex.decode_end()
-            self._abort_prefill(ex)
-            ex.decode.breaker.record_failure()
-            return self._decode_error(ex, e)
-        except BaseException:
-            resp.close()
-            ex.decode_end()
-            raise
+        data, failure = await self._read_decode(ex, resp, resp.read)
+        if failure is not None:
+            return failure
         resp.release()
         ex.decode_end()
         ex.decode.breaker.record_success()
@@ -541,21 +532,29 @@ class PDDispatcher:
                 return self._prefill_failure(ex, pre)
         return Failure(resp.status, data, "decode_status", resp.status in RETRYABLE_STATUS, resp.content_type)
 
-    async def _decode_stream(self, ex: Exchange, resp: UpstreamResponse):
-        """Decode answered a stream with 2xx: read its first chunk before committing, so a stream
-        that starts with an error is still retried."""
+    async def _read_decode(self, ex: Exchange, resp: UpstreamResponse, read):
+        """``await read()`` on decode's 2xx response -> (bytes, None). On an upstream error the decode
+        side is closed and released, the prefill aborted and the decode's breaker told -> (None, the
+        failure to answer with). Anything else (cancellation) closes it and propagates."""
         try:
-            first = await resp.readany()
+            return await read(), None
         except UPSTREAM_ERRORS as e:
             resp.close()
             ex.decode_end()
             self._abort_prefill(ex)
             ex.decode.breaker.record_failure()
-            return self._decode_error(ex, e)
+            return None, self._decode_error(ex, e)
         except BaseException:
             resp.close()
             ex.decode_end()
             raise
+
+    async def _decode_stream(self, ex: Exchange, resp: UpstreamResponse):
+        """Decode answered a stream with 2xx: read its first chunk before committing, so a stream
+        that starts with an error is still retried."""
+        first, failure = await self._read_decode(ex, resp, resp.readany)
+        if failure is not None:
+            return failure
         if first.startswith(_ERROR_EVENT):
             failure = self._stream_error(ex, first)
             if failure is not None:
