@@ -72,7 +72,7 @@ class RayHead:
             m = re.search(pattern, logs)
             if m:
                 return m
-            if re.search(r"pdserve: (invalid config|cannot deploy)|Traceback", logs):
+            if re.search(r"pdserve: (invalid config|cannot deploy|the preflight checks failed)|Traceback", logs):
                 raise AssertionError(f"job {job} failed:\n{logs[-4000:]}")
             time.sleep(1)
         raise AssertionError(f"{pattern!r} not in job {job} logs after {timeout}s:\n{self.logs(job)[-4000:]}")
