@@ -71,7 +71,11 @@ def start_local_head(cfg: PDConfig, dashboard_port: int, log_path: Path) -> subp
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     argv = [ray_bin, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(_free_port()),
             "--num-cpus", str(max(4, os.cpu_count() or 1)), "--num-gpus", str(cfg.cluster.num_gpus),
-            "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port), "--disable-usage-stats"]
+            "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port), "--disable-usage-stats",
+            # Ray's fixed defaults (agent 52365, ...) collide with another Ray cluster on this host; a
+            # head whose agent cannot bind serves the dashboard but refuses every job submission.
+            "--dashboard-agent-listen-port", str(_free_port()), "--dashboard-agent-grpc-port", str(_free_port()),
+            "--runtime-env-agent-port", str(_free_port()), "--metrics-export-port", str(_free_port())]
     log = open(log_path, "wb")
     head = popen_group(argv, stdout=log, stderr=subprocess.STDOUT, env=ray_env())
     address = f"http://127.0.0.1:{dashboard_port}"
