@@ -73,6 +73,50 @@ def _load_tile(kc8_ptr, kc16_ptr, idx_row, n, end, page_stride, cols, PAGE_SIZE:
 
 
 @triton.jit
+def _split_range(len_ptr, b, pid_sp, chunk, TOPK, HAS_LEN: tl.constexpr):
+    """[start, end) of this program's share of the selected tokens: its split, cut at topk_length."""
+    if HAS_LEN:
+        n_valid = tl.minimum(tl.load(len_ptr + b), TOPK)
+    else:
+        n_valid = TOPK
+    start = pid_sp * chunk
+    return start, tl.minimum(start + chunk, n_valid)
+
+
+@triton.jit
+def _softmax_step(qk, valid, m_i, l_i, DOT_F32: tl.constexpr):
+    """One online-softmax step in base 2 over a [BLOCK_H, BLOCK_N] score tile (invalid columns masked):
+    -> (P for the PV dot, rounded to bf16 as FlashMLA does; alpha, the rescale of the running
+    accumulators; the new running max and sum)."""
+    qk = tl.where(valid[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DOT_F32:
+        p = _round_bf16(p)
+    else:
+        p = p.to(tl.bfloat16)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _finish(m_i, l_i, sink_ptr, offs_h, HAS_SINK: tl.constexpr, DIRECT: tl.constexpr):
+    """-> (empty rows, safe divisor, lse in natural log (-inf when empty), sink factor f (1/(1+exp(sink-lse)),
+    only meaningful when DIRECT and HAS_SINK; the combine kernel applies it otherwise))."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / 1.4426950408889634)
+    f = l_safe
+    if DIRECT:
+        if HAS_SINK:
+            sink = tl.load(sink_ptr + offs_h)
+            f = 1.0 / (1.0 + tl.exp(sink - lse))
+    return empty, l_safe, lse, f
+
+
+@triton.jit
 def _sparse_mla_fwd_kernel(
     q_ptr, kc8_ptr, kc16_ptr, idx_ptr, len_ptr, sink_ptr,
     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
@@ -99,12 +143,7 @@ def _sparse_mla_fwd_kernel(
         q = q.to(tl.float32)
         q_r = q_r.to(tl.float32)
 
-    if HAS_LEN:
-        n_valid = tl.minimum(tl.load(len_ptr + b), TOPK)
-    else:
-        n_valid = TOPK
-    start = pid_sp * chunk
-    end = tl.minimum(start + chunk, n_valid)
+    start, end = _split_range(len_ptr, b, pid_sp, chunk, TOPK, HAS_LEN)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -130,29 +169,15 @@ def _sparse_mla_fwd_kernel(
 
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         qk = tl.dot(q_r, tl.trans(k_r), qk, input_precision=DOT_PREC) * sm_scale_log2
-        qk = tl.where(cur_valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_F32:
-            p = _round_bf16(p)
-        else:
-            p = p.to(tl.bfloat16)
+        p, alpha, m_i, l_i = _softmax_step(qk, cur_valid, m_i, l_i, DOT_F32)
         acc = acc * alpha[:, None] + tl.dot(p, k, input_precision=DOT_PREC)
         acc_r = acc_r * alpha[:, None] + tl.dot(p, k_r, input_precision=DOT_PREC)
-        m_i = m_new
 
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
+    empty, l_safe, lse, f = _finish(m_i, l_i, sink_ptr, offs_h, HAS_SINK, DIRECT)
     o = acc / l_safe[:, None]
     o_r = acc_r / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / 1.4426950408889634)
     if DIRECT:
         if HAS_SINK:
-            sink = tl.load(sink_ptr + offs_h)
-            f = 1.0 / (1.0 + tl.exp(sink - lse))
             o = o * f[:, None]
             o_r = o_r * f[:, None]
         o = tl.where(empty[:, None], 0.0, o)
@@ -257,12 +282,7 @@ def _sparse_mla_fwd_chunked_kernel(
     q6 = _q_chunk(q_row, 6, DOT_F32)
     q7 = _q_chunk(q_row, 7, DOT_F32)
 
-    if HAS_LEN:
-        n_valid = tl.minimum(tl.load(len_ptr + b), TOPK)
-    else:
-        n_valid = TOPK
-    start = pid_sp * chunk
-    end = tl.minimum(start + chunk, n_valid)
+    start, end = _split_range(len_ptr, b, pid_sp, chunk, TOPK, HAS_LEN)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -315,17 +335,7 @@ def _sparse_mla_fwd_chunked_kernel(
         qk = tl.dot(q6, tl.trans(k6), qk, input_precision=DOT_PREC)
         qk = tl.dot(q7, tl.trans(k7), qk, input_precision=DOT_PREC) * sm_scale_log2
 
-        qk = tl.where(valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_F32:
-            p = _round_bf16(p)
-        else:
-            p = p.to(tl.bfloat16)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax_step(qk, valid, m_i, l_i, DOT_F32)
         a0 = tl.dot(p, k0, a0 * alpha[:, None], input_precision=DOT_PREC)
         a1 = tl.dot(p, k1, a1 * alpha[:, None], input_precision=DOT_PREC)
         a2 = tl.dot(p, k2, a2 * alpha[:, None], input_precision=DOT_PREC)
@@ -335,14 +345,7 @@ def _sparse_mla_fwd_chunked_kernel(
         a6 = tl.dot(p, k6, a6 * alpha[:, None], input_precision=DOT_PREC)
         a7 = tl.dot(p, k7, a7 * alpha[:, None], input_precision=DOT_PREC)
 
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / 1.4426950408889634)
-    f = l_safe  # sink factor (only read when DIRECT and HAS_SINK)
-    if DIRECT:
-        if HAS_SINK:
-            sink = tl.load(sink_ptr + offs_h)
-            f = 1.0 / (1.0 + tl.exp(sink - lse))
+    empty, l_safe, lse, f = _finish(m_i, l_i, sink_ptr, offs_h, HAS_SINK, DIRECT)
     out_row = out_ptr + ((pid_bs.to(tl.int64) * H + offs_h) * 512)[:, None]
     slot = (pid_bs.to(tl.int64) * H + offs_h) * n_splits_total + split_offset + pid_sp
     part_row = part_o_ptr + (slot * 512)[:, None]

@@ -82,8 +82,13 @@ class Policy:
         return chosen
 
     def score(self, candidates: Sequence["Worker"], key: Optional[str]) -> list:
-        """Per candidate, lower is better."""
-        raise NotImplementedError
+        """Per candidate, lower is better. A policy overrides ``score`` (the default ``pick`` takes the
+        lowest) or ``pick`` itself; the base class has no scoring of its own.
+
+        Raises:
+            NotImplementedError: a subclass overrode neither (a programming error, never a request's).
+        """
+        raise NotImplementedError(f"{type(self).__name__} must override score() or pick()")
 
     def pick(self, candidates: Sequence["Worker"], key: Optional[str]) -> "Worker":
         """The lowest score; ties go round-robin."""
