@@ -49,7 +49,6 @@ import os
 import platform
 import random
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -57,6 +56,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from pd.procs import stop_group
 
 REPO = Path(__file__).resolve().parent.parent
 GOAL = 0.80
@@ -152,19 +153,12 @@ class Engine:
             return ""
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)  # its own group: pgid == its pid
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=10)
+        # Its own group (pgid == its pid): whatever else it started goes too.
+        stop_group(self.proc.pid, grace=15)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
         self.log.close()
 
 

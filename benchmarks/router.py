@@ -100,7 +100,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Optional
 
-from pd.procs import die_with_parent
+from pd.procs import die_with_parent, stop_group
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -293,23 +293,11 @@ class Proc:
             return ""
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=10)
-        # Whatever else the group left behind (e.g. a worker process) goes too.
+        # Its own group (pgid == its pid): whatever else it started goes too.
+        stop_group(self.proc.pid, grace=15)
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
             pass
         self._log.close()
 
