@@ -15,9 +15,12 @@ for all BLOCK_H heads at once (MLA: K = V = the 512-wide latent), with an online
 writing a normalized partial output and its lse, and ``_combine_kernel`` merges them by log-sum-exp (the extra
 cache is just more splits). Work past ``topk_length`` is skipped, not masked.
 
-On sm_90 only, programs of 64 heads use ``_sparse_mla_fwd_chunked_kernel`` (8 column chunks of 64, no [N, 512]
-fp32 tile; 64-row dots, so Triton emits wgmma; 128 KiB shared memory): DEFAULT_CONFIG_SM90, picked at run time
-from the device capability. sm_120 keeps DEFAULT_CONFIG / CONFIGS (mma.sync, <= 99 KiB shared memory).
+``_sparse_mla_fwd_chunked_kernel`` handles the 512 columns as 8 chunks of 64 (no [N, 512] fp32 tile);
+``_sparse_mla_fwd_pipelined_kernel`` is the same math with every load inside the loop, so Triton's software
+pipeliner gathers the next tiles' records with cp.async into shared memory while this tile is computed. The
+default path runs the pipelined kernel for 16-head programs (mma.sync; sm_120 and sm_90) and, on sm_90 only,
+for 64-head programs (64-row dots lower to wgmma; 165 KiB shared memory): DEFAULT_CONFIG_SM90, picked at run
+time from the device capability. sm_120's configs (DEFAULT_CONFIG, CONFIGS_PIPELINED, CONFIGS) fit 99 KiB.
 """
 
 from __future__ import annotations
@@ -364,6 +367,152 @@ def _sparse_mla_fwd_chunked_kernel(
 
 
 @triton.jit
+def _gather_chunk(kc8_ptr, tok_base, valid, C: tl.constexpr):
+    """fp8 bytes of nope columns [64 C, 64 C + 64) of BLOCK_N gathered tokens, [BLOCK_N, 64] uint8: 64 contiguous
+    bytes per token, 16-byte aligned, so the pipeliner turns the load into cp.async (16-byte vectors)."""
+    c64 = tl.arange(0, 64)
+    return tl.load(kc8_ptr + (tok_base + C * 64)[:, None] + c64[None, :], mask=valid[:, None], other=0)
+
+
+@triton.jit
+def _chunk_scale(sc8, C: tl.constexpr):
+    """UE8M0 scale of nope chunk C, byte C of each token's 8 scale bytes (int64 [BLOCK_N]) -> 2**(byte - 127)
+    as fp32 [BLOCK_N]."""
+    e = ((sc8 >> (8 * C)) & 255).to(tl.int32)
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_dot(x, DOT_F32: tl.constexpr):
+    """fp32 values that are exact in bf16 -> the dot operand dtype (bf16; fp32 under the interpreter)."""
+    if DOT_F32:
+        return x.to(tl.bfloat16).to(tl.float32)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _deq_scaled(raw, sc8, C: tl.constexpr, DOT_F32: tl.constexpr):
+    """Dequantize chunk C: fp8 e4m3 bytes [BLOCK_N, 64] * 2**(byte C of the token's 8 scale bytes - 127)."""
+    return _to_dot(raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _chunk_scale(sc8, C)[:, None], DOT_F32)
+
+
+@triton.jit
+def _sparse_mla_fwd_pipelined_kernel(
+    q_ptr, kc8_ptr, kc16_ptr, idx_ptr, len_ptr, sink_ptr,
+    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+    sm_scale_log2, page_stride, S, H, TOPK, chunk, split_offset, n_splits_total,
+    stride_qb, stride_qs, stride_qh, grid_bucket,
+    HAS_LEN: tl.constexpr, HAS_SINK: tl.constexpr, DIRECT: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+    DOT_PREC: tl.constexpr = "tf32", LOOP_STAGES: tl.constexpr = 3,
+):
+    """Same contract and column chunking as _sparse_mla_fwd_chunked_kernel, but every load of a tile (index
+    list, 7 nope chunks, the 8 scale bytes as one int64, the rope chunk) is written inside the loop with no
+    hand prefetch, so Triton's software pipeliner (``tl.range(num_stages=LOOP_STAGES)``) issues them as
+    cp.async into shared memory LOOP_STAGES - 1 tiles ahead: the next tiles' gathered records are in flight
+    while this tile is dequantized and multiplied (with 3 stages the index list is fetched a stage earlier than
+    the records it addresses). Raw bytes wait in shared memory, not registers, so the accumulators keep theirs."""
+    pid_bs = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_sp = tl.program_id(2)
+    b = pid_bs // S
+    s = pid_bs % S
+
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    q_row = q_ptr + b.to(tl.int64) * stride_qb + s * stride_qs + offs_h[:, None] * stride_qh
+    q0 = _q_chunk(q_row, 0, DOT_F32)
+    q1 = _q_chunk(q_row, 1, DOT_F32)
+    q2 = _q_chunk(q_row, 2, DOT_F32)
+    q3 = _q_chunk(q_row, 3, DOT_F32)
+    q4 = _q_chunk(q_row, 4, DOT_F32)
+    q5 = _q_chunk(q_row, 5, DOT_F32)
+    q6 = _q_chunk(q_row, 6, DOT_F32)
+    q7 = _q_chunk(q_row, 7, DOT_F32)
+
+    start, end = _split_range(len_ptr, b, pid_sp, chunk, TOPK, HAS_LEN)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    a0 = tl.zeros([BLOCK_H, 64], tl.float32)
+    a1 = tl.zeros([BLOCK_H, 64], tl.float32)
+    a2 = tl.zeros([BLOCK_H, 64], tl.float32)
+    a3 = tl.zeros([BLOCK_H, 64], tl.float32)
+    a4 = tl.zeros([BLOCK_H, 64], tl.float32)
+    a5 = tl.zeros([BLOCK_H, 64], tl.float32)
+    a6 = tl.zeros([BLOCK_H, 64], tl.float32)
+    a7 = tl.zeros([BLOCK_H, 64], tl.float32)
+    idx_row = idx_ptr + pid_bs.to(tl.int64) * TOPK
+    # the 8 scale bytes of a token (7 UE8M0 + pad) are 8-byte aligned: one int64 load per token
+    kc64_ptr = kc8_ptr.to(tl.pointer_type(tl.int64))
+    r64 = tl.arange(0, 64)
+    for n in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        tok = tl.load(idx_row + offs_n, mask=offs_n < end, other=-1)
+        valid = tok >= 0
+        tok = tl.where(valid, tok, 0)
+        page_base = (tok // PAGE_SIZE).to(tl.int64) * page_stride
+        off = tok % PAGE_SIZE
+        tok_base = page_base + off * 576
+        sc8 = tl.load(kc64_ptr + (page_base + PAGE_SIZE * 576 + off * 8) // 8, mask=valid,
+                      other=0x7F7F7F7F7F7F7F7F)
+        r0 = _gather_chunk(kc8_ptr, tok_base, valid, 0)
+        r1 = _gather_chunk(kc8_ptr, tok_base, valid, 1)
+        r2 = _gather_chunk(kc8_ptr, tok_base, valid, 2)
+        r3 = _gather_chunk(kc8_ptr, tok_base, valid, 3)
+        r4 = _gather_chunk(kc8_ptr, tok_base, valid, 4)
+        r5 = _gather_chunk(kc8_ptr, tok_base, valid, 5)
+        r6 = _gather_chunk(kc8_ptr, tok_base, valid, 6)
+        rope = tl.load(kc16_ptr + (tok_base // 2 + 224)[:, None] + r64[None, :], mask=valid[:, None], other=0)
+        k7 = rope.to(tl.bfloat16, bitcast=True)
+        if DOT_F32:
+            k7 = k7.to(tl.float32)
+        # all of a tile's K chunks are dequantized before its first dot (fewer live values than interleaving:
+        # 64-head programs on sm_90a spill 4 bytes instead of 112, ptxas -v)
+        k0 = _deq_scaled(r0, sc8, 0, DOT_F32)
+        k1 = _deq_scaled(r1, sc8, 1, DOT_F32)
+        k2 = _deq_scaled(r2, sc8, 2, DOT_F32)
+        k3 = _deq_scaled(r3, sc8, 3, DOT_F32)
+        k4 = _deq_scaled(r4, sc8, 4, DOT_F32)
+        k5 = _deq_scaled(r5, sc8, 5, DOT_F32)
+        k6 = _deq_scaled(r6, sc8, 6, DOT_F32)
+        qk = tl.dot(q0, tl.trans(k0), input_precision=DOT_PREC)
+        qk = tl.dot(q1, tl.trans(k1), qk, input_precision=DOT_PREC)
+        qk = tl.dot(q2, tl.trans(k2), qk, input_precision=DOT_PREC)
+        qk = tl.dot(q3, tl.trans(k3), qk, input_precision=DOT_PREC)
+        qk = tl.dot(q4, tl.trans(k4), qk, input_precision=DOT_PREC)
+        qk = tl.dot(q5, tl.trans(k5), qk, input_precision=DOT_PREC)
+        qk = tl.dot(q6, tl.trans(k6), qk, input_precision=DOT_PREC)
+        qk = tl.dot(q7, tl.trans(k7), qk, input_precision=DOT_PREC) * sm_scale_log2
+
+        p, alpha, m_i, l_i = _softmax_step(qk, valid, m_i, l_i, DOT_F32)
+        a0 = tl.dot(p, k0, a0 * alpha[:, None], input_precision=DOT_PREC)
+        a1 = tl.dot(p, k1, a1 * alpha[:, None], input_precision=DOT_PREC)
+        a2 = tl.dot(p, k2, a2 * alpha[:, None], input_precision=DOT_PREC)
+        a3 = tl.dot(p, k3, a3 * alpha[:, None], input_precision=DOT_PREC)
+        a4 = tl.dot(p, k4, a4 * alpha[:, None], input_precision=DOT_PREC)
+        a5 = tl.dot(p, k5, a5 * alpha[:, None], input_precision=DOT_PREC)
+        a6 = tl.dot(p, k6, a6 * alpha[:, None], input_precision=DOT_PREC)
+        a7 = tl.dot(p, k7, a7 * alpha[:, None], input_precision=DOT_PREC)
+
+    empty, l_safe, lse, f = _finish(m_i, l_i, sink_ptr, offs_h, HAS_SINK, DIRECT)
+    out_row = out_ptr + ((pid_bs.to(tl.int64) * H + offs_h) * 512)[:, None]
+    slot = (pid_bs.to(tl.int64) * H + offs_h) * n_splits_total + split_offset + pid_sp
+    part_row = part_o_ptr + (slot * 512)[:, None]
+    _store_chunk(a0, l_safe, f, empty, 0, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
+    _store_chunk(a1, l_safe, f, empty, 1, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
+    _store_chunk(a2, l_safe, f, empty, 2, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
+    _store_chunk(a3, l_safe, f, empty, 3, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
+    _store_chunk(a4, l_safe, f, empty, 4, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
+    _store_chunk(a5, l_safe, f, empty, 5, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
+    _store_chunk(a6, l_safe, f, empty, 6, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
+    _store_chunk(a7, l_safe, f, empty, 7, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
+    if DIRECT:
+        tl.store(lse_ptr + (b * H + offs_h) * S + s, tl.where(empty, float("inf"), lse))
+    else:
+        tl.store(part_lse_ptr + slot, lse)
+
+
+@triton.jit
 def _combine_kernel(
     part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_ptr, S, H, n_splits,
     HAS_SINK: tl.constexpr, SPLITS_P2: tl.constexpr, ROUND: tl.constexpr,
@@ -478,18 +627,39 @@ def _pick_block_h(b: int, s: int, h: int, sm90: bool = False) -> int:
     return 16
 
 
-# Default tile config per heads-per-program (the H200 sweep's best; ``autotune=True`` searches CONFIGS with the
-# original kernel). ``CHUNKED`` selects _sparse_mla_fwd_chunked_kernel.
+# Default tile config per heads-per-program (the H200 sweeps' best; ``autotune=True`` searches CONFIGS with the
+# original kernel). ``CHUNKED`` selects _sparse_mla_fwd_chunked_kernel, ``PIPELINE: n`` the software-pipelined
+# _sparse_mla_fwd_pipelined_kernel with n loop stages (n >= 5: the gathered records are fetched two tiles ahead
+# in two shared-memory buffers; 3: one tile ahead, one buffer; the index list one stage before its records).
 DEFAULT_CONFIG = {
-    16: {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
+    16: {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "PIPELINE": 3},
     32: {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
     64: {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
 }
-# sm_90 (Hopper) only: 64-head programs of the chunked kernel lower to wgmma there and need 128 KiB of shared
-# memory (more than sm_120's 99 KiB, so these configs are never used on sm_120, which keeps mma.sync).
-DEFAULT_CONFIG_SM90 = {**DEFAULT_CONFIG, 64: {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "CHUNKED": True}}
-CONFIGS_SM90 = {64: [{"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "CHUNKED": True},
+# 16-head programs once a grid has more than 32 (batch * query token * head block) rows: smaller 4-warp programs,
+# two per SM (register-bound: ~230 registers x 128 threads), so the default split count doubles. Same-run A/B on
+# the H200 (topk 512, benchmarks/kernels/sparse_mla_ab.py, s3): H=16 B=64 25.1 us (4 splits) vs 27.8 for
+# DEFAULT_CONFIG[16]; B=128 42.4 (2 splits) vs 46.2; S=2 B=64 43.0 vs 47.3. At <= 32 rows DEFAULT_CONFIG[16] wins
+# (B=16: 9.9 vs 11.1 us).
+TWO_PER_SM_CONFIG_16 = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "PIPELINE": 5, "PROGRAMS_PER_SM": 2}
+# sm_90 (Hopper) only: 64-head programs lower to wgmma there and need 165 KiB of shared memory (more than
+# sm_120's 99 KiB, so these configs are never used on sm_120, which keeps mma.sync).
+DEFAULT_CONFIG_SM90 = {**DEFAULT_CONFIG, 64: {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "PIPELINE": 3}}
+CONFIGS_SM90 = {64: [{"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "PIPELINE": 3},
+                     {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "PIPELINE": 5},
+                     {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "CHUNKED": True},
                      {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "CHUNKED": True}]}
+# Pipelined configs that sm_120 may run (each fits its 99 KiB of shared memory; tests compile them all).
+CONFIGS_PIPELINED = {16: [DEFAULT_CONFIG[16], TWO_PER_SM_CONFIG_16,
+                          {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "PIPELINE": 5},
+                          {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "PIPELINE": 3}]}
+
+
+def _default_config(block_h: int, rows: int, sm90: bool) -> dict:
+    """The launch config of the default path for ``rows`` = batch * query tokens * head blocks programs."""
+    if block_h == 16 and rows > 32:
+        return TWO_PER_SM_CONFIG_16
+    return (DEFAULT_CONFIG_SM90 if sm90 else DEFAULT_CONFIG)[block_h]
 
 
 def sparse_mla_decode(
@@ -511,10 +681,12 @@ def sparse_mla_decode(
     """Sparse-MLA decode; see the module docstring. Returns (out [B,S,H,512] bf16, lse [B,H,S] fp32).
 
     Keyword-only tuning knobs (benchmarks/tests): ``block_h`` (16/32/64 heads per program), ``num_splits``
-    (topk splits of the main cache), ``config`` (a dict {"BLOCK_N", "num_warps", "num_stages"} plus optional
-    "CHUNKED": True for the chunked kernel; default DEFAULT_CONFIG[block_h], on sm_90
-    DEFAULT_CONFIG_SM90[block_h]), ``autotune`` (search CONFIGS[block_h] with triton.autotune instead; not
-    CUDA-graph-capturable on first use). The default path launches a fixed config, so it is capturable.
+    (topk splits of the main cache; default: enough programs to fill every SM's program slots once),
+    ``config`` (a dict {"BLOCK_N", "num_warps", "num_stages"} plus optional "CHUNKED": True for the chunked
+    kernel or "PIPELINE": loop stages for the pipelined one, and "PROGRAMS_PER_SM" for the default split count;
+    default ``_default_config``: DEFAULT_CONFIG[block_h], on sm_90 DEFAULT_CONFIG_SM90[block_h], and
+    TWO_PER_SM_CONFIG_16 for 16-head programs on grids of more than 32 rows), ``autotune`` (search
+    CONFIGS[block_h] with triton.autotune instead; not CUDA-graph-capturable on first use). The default path launches a fixed config, so it is capturable.
     """
     if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16 or q.dim() != 4 or q.shape[-1] != D_QK:
         raise ValueError(f"q must be a bfloat16 tensor [B, S, H, {D_QK}], got "
@@ -557,9 +729,14 @@ def sparse_mla_decode(
     topk = indices.shape[2]
     n_hb = h // block_h
     base = b * s * n_hb
+    if _INTERPRET:
+        cfg = dict(config or DEFAULT_CONFIG[block_h], BLOCK_N=16, num_warps=4, num_stages=1)
+    else:
+        cfg = config or _default_config(block_h, base, is_sm90(dev))
     if num_splits is None:
-        n_sm = num_sms(dev)
-        num_splits = max(1, (n_sm + base // 2) // base)
+        # enough (batch * query token * head block * split) programs to fill every program slot once
+        slots = num_sms(dev) * cfg.get("PROGRAMS_PER_SM", 1)
+        num_splits = max(1, (slots + base // 2) // base)
     chunk = max(64, triton.cdiv(triton.cdiv(topk, max(1, num_splits)), 64) * 64)
     ns_main = triton.cdiv(topk, chunk)
     jobs = [(kc8, kc16, page_size, page_stride, indices, topk_length, chunk, ns_main, 0)]
@@ -592,11 +769,11 @@ def sparse_mla_decode(
         if autotune and not _INTERPRET and config is None:
             _TUNED[block_h][grid](*args, **consts)
         else:
-            if _INTERPRET:
-                cfg = dict(config or DEFAULT_CONFIG[block_h], BLOCK_N=16, num_warps=4, num_stages=1)
-            else:
-                cfg = config or (DEFAULT_CONFIG_SM90 if is_sm90(dev) else DEFAULT_CONFIG)[block_h]
-            if cfg.get("CHUNKED", False):
+            if cfg.get("PIPELINE"):
+                _sparse_mla_fwd_pipelined_kernel[grid](*args, **consts, BLOCK_N=cfg["BLOCK_N"],
+                                                       LOOP_STAGES=cfg["PIPELINE"], num_warps=cfg["num_warps"],
+                                                       num_stages=cfg["num_stages"])
+            elif cfg.get("CHUNKED", False):
                 _sparse_mla_fwd_chunked_kernel[grid](*args, **consts, BLOCK_N=cfg["BLOCK_N"],
                                                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
             else:

@@ -54,6 +54,7 @@ def run_case(name, b, s, h, topk, ps, *, holes=False, lengths=None, sink=False, 
 
 
 CHUNKED = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "CHUNKED": True}
+PIPELINED = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PIPELINE": 3}
 
 CASES = [
     ("s1_h16", dict(b=2, s=1, h=16, topk=40, ps=64)),
@@ -67,6 +68,9 @@ CASES = [
     # the chunked kernel (sm_90's default for 64-head programs), forced here
     ("chunked_s2_h64_holes_len_sink", dict(b=2, s=2, h=64, topk=48, ps=64, holes=True, lengths=[33, 48], sink=True,
                                            block_h=64, config=CHUNKED)),
+    # the pipelined kernel with 64-head programs (sm_90's default there; 16-head cases above run it by default)
+    ("pipelined_s2_h64_holes_len_sink_split2", dict(b=2, s=2, h=64, topk=80, ps=256, holes=True, lengths=[70, 80],
+                                                    sink=True, splits=2, block_h=64, config=PIPELINED)),
     ("chunked_s1_h32_extra_split2_len0", dict(b=2, s=1, h=32, topk=64, ps=256, extra=True, splits=2, lengths=[0, 50],
                                               sink=True, block_h=32, config=CHUNKED)),
 ]

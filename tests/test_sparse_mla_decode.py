@@ -30,7 +30,7 @@ def interp_results():
 
 CASE_NAMES = ["s1_h16", "s2_h32_holes_len", "s2_h16_len0_sink", "s1_h32_split3_sink", "s2_h16_extra_sink_split2",
               "s1_h16_extra_direct_len0", "s1_h16_page256_2d", "chunked_s2_h64_holes_len_sink",
-              "chunked_s1_h32_extra_split2_len0"]
+              "chunked_s1_h32_extra_split2_len0", "pipelined_s2_h64_holes_len_sink_split2"]
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)
@@ -121,13 +121,31 @@ def _all_configs():
     return [(bh, c) for bh, cfgs in CONFIGS.items() for c in cfgs]
 
 
-def _compile(bh, cfg, cc, direct=False, chunked=False):
-    from pd.kernels.sparse_mla_decode import _sparse_mla_fwd_chunked_kernel, _sparse_mla_fwd_kernel
+# what the launcher's specialization sees at run time (16-byte aligned pointers, strides and page stride
+# divisible by 16): the pipeliner's cp.async gathers, hence the real shared-memory use, depend on it
+ALIGNED = ("q_ptr", "kc8_ptr", "kc16_ptr", "idx_ptr", "out_ptr", "part_o_ptr", "page_stride", "stride_qb",
+           "stride_qs", "stride_qh", "TOPK")
+SM90_SHARED_LIMIT = 232448  # bytes of shared memory per block on sm_90 (227 KiB)
+
+
+def _compile(bh, cfg, cc, direct=False, chunked=False, pipeline=None):
+    from pd.kernels.sparse_mla_decode import (_sparse_mla_fwd_chunked_kernel, _sparse_mla_fwd_kernel,
+                                              _sparse_mla_fwd_pipelined_kernel)
 
     const = dict(HAS_LEN=True, HAS_SINK=True, DIRECT=direct, PAGE_SIZE=64, BLOCK_H=bh, DOT_F32=False,
                  DOT_PREC="tf32", BLOCK_N=cfg.kwargs["BLOCK_N"])
+    if pipeline:
+        const["LOOP_STAGES"] = pipeline
+        return compile_for(_sparse_mla_fwd_pipelined_kernel, SIG, const, cc, num_warps=cfg.num_warps,
+                           num_stages=cfg.num_stages, aligned=ALIGNED)
     fn = _sparse_mla_fwd_chunked_kernel if chunked else _sparse_mla_fwd_kernel
     return compile_for(fn, SIG, const, cc, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _cfg(c):
+    import triton
+
+    return triton.Config({"BLOCK_N": c["BLOCK_N"]}, num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
 @aot
@@ -156,32 +174,65 @@ def test_aot_sm90a_and_combine(bh):
 
 @aot
 @pytest.mark.parametrize("direct", [False, True])
-def test_aot_sm90a_chunked_configs_use_wgmma(direct):
-    """sm_90-only configs (64-head chunked programs): wgmma on sm_90a. They are never selected on sm_120."""
-    import triton
-
+def test_aot_sm90a_only_configs_use_wgmma(direct):
+    """sm_90-only configs (64-head programs, chunked or pipelined): wgmma on sm_90a, the pipelined ones gather with
+    cp.async and fit sm_90's 227 KiB of shared memory. They are never selected on sm_120."""
     from pd.kernels.sparse_mla_decode import CONFIGS_SM90, DEFAULT_CONFIG_SM90
 
     assert DEFAULT_CONFIG_SM90[64] in CONFIGS_SM90[64]
     for bh, cfgs in CONFIGS_SM90.items():
         for c in cfgs:
-            assert c["CHUNKED"]
-            cfg = triton.Config({"BLOCK_N": c["BLOCK_N"]}, num_warps=c["num_warps"], num_stages=c["num_stages"])
-            k = _compile(bh, cfg, 90, direct=direct, chunked=True)
-            assert "wgmma" in k.asm["ptx"]
+            assert c.get("CHUNKED") or c.get("PIPELINE"), c
+            k = _compile(bh, _cfg(c), 90, direct=direct, chunked=c.get("CHUNKED", False), pipeline=c.get("PIPELINE"))
+            ptx = k.asm["ptx"]
+            assert "wgmma" in ptx, c
+            if c.get("PIPELINE"):
+                assert "cp.async" in ptx and k.metadata.shared <= SM90_SHARED_LIMIT, (c, k.metadata.shared)
+
+
+@aot
+@pytest.mark.parametrize("i", range(4))
+def test_aot_pipelined_configs_sm120a_and_sm90a(i):
+    """Every pipelined config sm_120 may run: mma.sync, no wgmma, <= 99 KiB shared memory on sm_120a, and the
+    gathers are cp.async (the software pipeliner took the loads); also builds for sm_90a."""
+    from pd.kernels.sparse_mla_decode import CONFIGS_PIPELINED
+
+    cfgs = [(bh, c) for bh, cs in CONFIGS_PIPELINED.items() for c in cs]
+    assert len(cfgs) == 4
+    bh, c = cfgs[i]
+    for cc in (120, 90):
+        k = _compile(bh, _cfg(c), cc, direct=bool(i % 2), pipeline=c["PIPELINE"])
+        assert "cp.async" in k.asm["ptx"], c
+        if cc == 120:
+            assert_sm120_ok(k)
 
 
 def test_sm120_defaults_are_unchunked_and_sm90_only_picks_64():
-    from pd.kernels.sparse_mla_decode import DEFAULT_CONFIG, _pick_block_h
+    from pd.kernels.sparse_mla_decode import (DEFAULT_CONFIG, DEFAULT_CONFIG_SM90, TWO_PER_SM_CONFIG_16,
+                                              _default_config, _pick_block_h)
 
     assert not any(c.get("CHUNKED") for c in DEFAULT_CONFIG.values())
     assert _pick_block_h(16, 1, 64) == 32 and _pick_block_h(16, 1, 64, sm90=True) == 64
     assert _pick_block_h(1, 1, 64, sm90=True) == 16 and _pick_block_h(64, 1, 16, sm90=True) == 16
+    # 16-head programs: the two-per-SM config once the grid has more than 32 rows, on both targets
+    for sm90 in (False, True):
+        assert _default_config(16, 64, sm90) is TWO_PER_SM_CONFIG_16 is _default_config(16, 256, sm90)
+        assert _default_config(16, 32, sm90) is DEFAULT_CONFIG[16] is DEFAULT_CONFIG_SM90[16]
+    assert _default_config(64, 64, True)["PIPELINE"] and _default_config(64, 64, False) is DEFAULT_CONFIG[64]
 
 
-def test_default_configs_are_autotune_configs():
-    from pd.kernels.sparse_mla_decode import CONFIGS, DEFAULT_CONFIG
+def test_default_configs_are_compile_tested_configs():
+    """Every config the default path can launch is in a list the AOT tests compile."""
+    from pd.kernels.sparse_mla_decode import (CONFIGS, CONFIGS_PIPELINED, CONFIGS_SM90, DEFAULT_CONFIG,
+                                              DEFAULT_CONFIG_SM90, TWO_PER_SM_CONFIG_16)
 
-    for bh, d in DEFAULT_CONFIG.items():
-        assert any(c.kwargs["BLOCK_N"] == d["BLOCK_N"] and c.num_warps == d["num_warps"]
-                   and c.num_stages == d["num_stages"] for c in CONFIGS[bh]), bh
+    defaults = [(bh, d) for bh, d in DEFAULT_CONFIG.items()] + [(bh, d) for bh, d in DEFAULT_CONFIG_SM90.items()]
+    defaults.append((16, TWO_PER_SM_CONFIG_16))
+    for bh, d in defaults:
+        if d.get("PIPELINE"):
+            assert d in CONFIGS_PIPELINED.get(bh, []) + CONFIGS_SM90.get(bh, []), (bh, d)
+        elif d.get("CHUNKED"):
+            assert d in CONFIGS_SM90.get(bh, []), (bh, d)
+        else:
+            assert any(c.kwargs["BLOCK_N"] == d["BLOCK_N"] and c.num_warps == d["num_warps"]
+                       and c.num_stages == d["num_stages"] for c in CONFIGS[bh]), (bh, d)

@@ -1,17 +1,18 @@
 """Device benchmark for pd.kernels.sparse_mla_decode (run on the GPU machine, not in CI).
 
-  python benchmarks/kernels/sparse_mla_decode.py [--out DIR] [--quick]
+  python benchmarks/kernels/sparse_mla_decode.py [--out DIR] [--quick] [--full-sweep] [--tag -s3]
 
 1. correctness at real shapes (topk 512/2048, H 16/64/128, S 1/2/4, page 64/256, -1 slots, topk_length,
    attn_sink, extra cache) against the fp64 torch reference: ||out - ref_bf16|| / ||ref|| and max |lse - ref|;
-2. timing (triton.testing.do_bench, median, L2 flushed between runs) for B in {1,16,64,128}, H in {16,64},
-   S in {1,2}, topk 512, page 64: ours (the default path, and the best of a sweep over heads-per-program,
-   tile config and topk splits; on sm_90 also the sm_90-only chunked 64-head configs, CONFIGS_SM90) vs
+2. timing (median of CUDA-graph replays, 4 input sets cycled so KV is not served from L2) for B in
+   {1,16,64,128}, H in {16,64}, S in {1,2}, topk 512, page 64: ours (the default path, and the best of a sweep:
+   the default path's alternatives, i.e. every pipelined / sm_90-only config and the original kernel, or with
+   --full-sweep every autotune config x topk splits) vs
    FlashMLA's sm_90 sparse decode (sgl-flash-mla wheel, if importable) vs
    SGLang's per-(batch, head) Triton sm_120 kernel (file from the pip-installed sglang, path in
    $SGLANG_SM120_TRITON, if present; q_len 1 only) vs the HBM byte floor (selected KV bytes + q + out +
    indices at 4.8 TB/s);
-3. writes sparse_mla_decode_<date>.json with the device name and date to --out.
+3. writes sparse_mla_decode_<date><tag>.json with the device name, date and command to --out.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 try:
-    from pd.kernels.sparse_mla_decode import CONFIGS, CONFIGS_SM90, sparse_mla_decode
+    from pd.kernels.sparse_mla_decode import (CONFIGS, CONFIGS_PIPELINED, CONFIGS_SM90, DEFAULT_CONFIG,
+                                              TWO_PER_SM_CONFIG_16, sparse_mla_decode)
     from pd.kernels.sparse_mla_reference import BYTES_PER_TOKEN, quantize_kv, sparse_mla_decode_ref
 except ImportError:  # running from a checkout without `pip install -e .`
     import importlib
@@ -40,7 +42,8 @@ except ImportError:  # running from a checkout without `pip install -e .`
     mod = importlib.util.module_from_spec(pkg)
     sys.modules["pd_kernels"] = mod
     pkg.loader.exec_module(mod)
-    from pd_kernels.sparse_mla_decode import CONFIGS, CONFIGS_SM90, sparse_mla_decode
+    from pd_kernels.sparse_mla_decode import (CONFIGS, CONFIGS_PIPELINED, CONFIGS_SM90, DEFAULT_CONFIG,
+                                              TWO_PER_SM_CONFIG_16, sparse_mla_decode)
     from pd_kernels.sparse_mla_reference import BYTES_PER_TOKEN, quantize_kv, sparse_mla_decode_ref
 
 HBM_BPS = 4.8e12
@@ -99,20 +102,23 @@ def correctness(dev, fm=None, quick=False):
             _, ekc, eidx, etl = make_inputs(b, s, h, 128, 64, 1024, dev, holes=True, lengths=True, seed=7)
             kw.update(extra_k_cache=view4(ekc, 64), extra_indices=eidx, extra_topk_length=etl)
             rkw.update(extra_k_cache=ekc, extra_indices=eidx, extra_topk_length=etl, extra_page_size=64)
-        # block_h 64 forced as well (on sm_90 that is the chunked wgmma kernel, DEFAULT_CONFIG_SM90[64])
-        variants = [(None, ns) for ns in ((None, 1, 4) if not quick else (None, 4))]
+        # block_h 64 forced as well (on sm_90 that is the pipelined wgmma kernel, DEFAULT_CONFIG_SM90[64])
+        variants = [(None, ns, None) for ns in ((None, 1, 4) if not quick else (None, 4))]
         if h % 64 == 0:
-            variants += [(64, None), (64, 1)]
-        for bh, ns in variants:
-            out, lse = sparse_mla_decode(q, view4(kc, ps), idx, num_splits=ns, block_h=bh, **kw)
+            variants += [(64, None, None), (64, 1, None)]
+        # the default path's other 16-head config (grids of > 32 rows), forced at this small batch
+        variants.append((16, None, TWO_PER_SM_CONFIG_16))
+        for bh, ns, cfg in variants:
+            out, lse = sparse_mla_decode(q, view4(kc, ps), idx, num_splits=ns, block_h=bh, config=cfg, **kw)
             torch.cuda.synchronize()
             ro, rl = sparse_mla_decode_ref(q, kc, idx, page_size=ps, **rkw)
             c = dict(topk=topk, H=h, S=s, page_size=ps, extra=extra, num_splits=ns, block_h=bh,
+                     config="two_per_sm_16" if cfg else None,
                      rel_err_vs_ref_bf16=rel(out, ro.to(torch.bfloat16)), rel_err_vs_ref_fp64=rel(out, ro),
                      lse_max_abs_err=lse_err(lse, rl), nan=bool(torch.isnan(out).any()))
             c["meets_2e-3"] = c["rel_err_vs_ref_fp64"] <= 2e-3
             c["ok"] = c["rel_err_vs_ref_fp64"] <= 3e-3 and c["lse_max_abs_err"] <= 1e-3 and not c["nan"]
-            if fm is not None and ns is None and bh is None and h in (64, 128):
+            if fm is not None and ns is None and bh is None and cfg is None and h in (64, 128):
                 try:
                     fwk, gmeta = fm
                     fkw = dict(topk_length=tl_len, attn_sink=sink)
@@ -162,7 +168,37 @@ def bench(fn, quick):
     return t * 1e3 / ROT
 
 
-def timing(dev, quick, fm, sgl):
+def sweep_variants(h, b, s, quick, full, sm90):
+    """(name, sparse_mla_decode kwargs) timed next to the default path. ``full``: every autotune config of the
+    original kernel x topk splits (None, 1, 4) for 16/32/64 heads per program, plus every pipelined and sm_90-only
+    config; otherwise the default path's alternatives: each pipelined / sm_90-only config and the original
+    kernel's default config, at the default split count."""
+    out = []
+    splits = (None, 1, 4) if full and not quick else (None,)
+    for bh in (16, 32, 64):
+        if h % bh:
+            continue
+        plain = ([dict(BLOCK_N=c.kwargs["BLOCK_N"], num_warps=c.num_warps, num_stages=c.num_stages)
+                  for c in CONFIGS[bh]] if full else [{k: v for k, v in DEFAULT_CONFIG[bh].items()
+                                                       if k not in ("PIPELINE", "PROGRAMS_PER_SM")}])
+        if not full and DEFAULT_CONFIG[bh].get("PIPELINE"):
+            plain = [dict(BLOCK_N=32, num_warps=8, num_stages=1)]  # the original kernel's former default
+        for c in plain:
+            for ns in splits:
+                out.append((f"bh{bh}_n{c['BLOCK_N']}_w{c['num_warps']}_s{ns}",
+                            dict(block_h=bh, num_splits=ns, config=c)))
+        for c in CONFIGS_PIPELINED.get(bh, []) + (CONFIGS_SM90.get(bh, []) if sm90 else []):
+            tag = f"pipe{c['PIPELINE']}" if c.get("PIPELINE") else "chunked"
+            tag += "x2" if c.get("PROGRAMS_PER_SM") else ""
+            for ns in ((None, 1) if full and not quick else (None,)):
+                out.append((f"{tag}_bh{bh}_n{c['BLOCK_N']}_w{c['num_warps']}_s{ns}",
+                            dict(block_h=bh, num_splits=ns, config=c)))
+    return out
+
+
+def timing(dev, quick, fm, sgl, full_sweep=False, budget_s=float("inf")):
+    t_start = time.time()
+    sm90 = torch.cuda.get_device_capability(dev)[0] == 9
     rows = []
     for h in (16, 64):
         for s in (1, 2):
@@ -180,38 +216,18 @@ def timing(dev, quick, fm, sgl):
                 row["ours_default_us"] = bench(lambda i: sparse_mla_decode(qs[i], kc4, ids[i]), quick)
                 best = (row["ours_default_us"], "default")
                 sweep = {}
-                for bh in (16, 32, 64):
-                    if h % bh:
+                for key, kw in sweep_variants(h, b, s, quick, full_sweep, sm90):
+                    if time.time() - t_start > budget_s:
+                        row["sweep_stopped"] = "budget"
+                        break
+                    try:
+                        t = bench(lambda i: sparse_mla_decode(qs[i], kc4, ids[i], **kw), quick)
+                    except Exception as e:  # noqa: BLE001
+                        print("variant failed", key, repr(e)[:200], flush=True)
                         continue
-                    for cfg in CONFIGS[bh]:
-                        c = dict(BLOCK_N=cfg.kwargs["BLOCK_N"], num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-                        for ns in ((None, 1, 4) if not quick else (None,)):
-                            key = f"bh{bh}_n{c['BLOCK_N']}_w{c['num_warps']}_s{ns}"
-                            try:
-                                t = bench(lambda i: sparse_mla_decode(qs[i], kc4, ids[i], block_h=bh, num_splits=ns,
-                                                                      config=c), quick)
-                            except Exception as e:  # noqa: BLE001
-                                print("variant failed", key, repr(e)[:200], flush=True)
-                                continue
-                            sweep[key] = t
-                            if t < best[0]:
-                                best = (t, key)
-                if torch.cuda.get_device_capability(dev)[0] == 9:  # sm_90-only configs (chunked, wgmma)
-                    for bh, cfgs in CONFIGS_SM90.items():
-                        if h % bh:
-                            continue
-                        for c in cfgs:
-                            for ns in ((None, 1) if not quick else (None,)):
-                                key = f"sm90_chunked_bh{bh}_n{c['BLOCK_N']}_w{c['num_warps']}_s{ns}"
-                                try:
-                                    t = bench(lambda i: sparse_mla_decode(qs[i], kc4, ids[i], block_h=bh,
-                                                                          num_splits=ns, config=c), quick)
-                                except Exception as e:  # noqa: BLE001
-                                    print("variant failed", key, repr(e)[:200], flush=True)
-                                    continue
-                                sweep[key] = t
-                                if t < best[0]:
-                                    best = (t, key)
+                    sweep[key] = t
+                    if t < best[0]:
+                        best = (t, key)
                 row["ours_best_us"], row["ours_best_variant"] = best
                 row["sweep_us"] = sweep
                 if fm is not None:
@@ -243,6 +259,11 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-correctness", action="store_true")
+    ap.add_argument("--full-sweep", action="store_true",
+                    help="time every autotune config x topk splits too (r2's sweep; ~5 min on an H200)")
+    ap.add_argument("--sweep-budget-s", type=float, default=float("inf"),
+                    help="stop adding sweep variants once the timing part has run this long")
+    ap.add_argument("--tag", default="", help="suffix of the JSON file name (sparse_mla_decode_<date><tag>.json)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     t0 = time.time()
@@ -256,10 +277,11 @@ def main():
     if not args.skip_correctness:
         res["correctness"] = correctness(dev, fm, args.quick)
         res["correct_all_ok"] = all(c["ok"] for c in res["correctness"])
-    res["timing"] = timing(dev, args.quick, fm, load_sglang_triton())
+    res["command"] = " ".join(sys.argv)
+    res["timing"] = timing(dev, args.quick, fm, load_sglang_triton(), args.full_sweep, args.sweep_budget_s)
     res["wall_s"] = time.time() - t0
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"sparse_mla_decode_{res['date'][:10]}.json")
+    path = os.path.join(args.out, f"sparse_mla_decode_{res['date'][:10]}{args.tag}.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
     print(f"\n{res['device']}  copy {res['copy_GBps']:.0f} GB/s  correctness ok: {res.get('correct_all_ok')}")

@@ -1,0 +1,228 @@
+"""Same-run A/B of sparse-MLA decode variants on the device (exploration, not the committed results table).
+
+  python benchmarks/kernels/sparse_mla_ab.py [--out DIR] [--budget-s 200] [--cases h64|h16|all]
+      [--baseline OLD/sparse_mla_decode.py] [--profile] [--alt-kernel FILE.py:NAME]
+
+For each case (B, H, S; topk 512, page 64, the input sets of benchmarks/kernels/sparse_mla_decode.py cycled so KV
+is not served from L2) times the default path, every variant of ``variants_for`` (heads per program, tile, warps,
+pipeline stages, topk splits), the default path of another version of the kernel file (``--baseline``, e.g.
+``git show HEAD:kernels/sparse_mla_decode.py``) and a rewritten kernel dropped in for the pipelined one
+(``--alt-kernel``), with CUDA-graph replay, and checks each output against the fp64 reference
+(||out - ref|| / ||ref||). ``--profile`` adds the per-tile cost (topk_length 64..512 at one split, KV cold and
+L2-hot). Ends with registers / spills / shared memory / cp.async and async_wait counts of every kernel the
+device compiled. Stops adding variants once --budget-s seconds have passed, so a device call ends inside its
+limit; writes sparse_mla_ab.json to --out after every case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.util.spec_from_file_location("sparse_mla_bench", os.path.join(HERE, "sparse_mla_decode.py"))
+bm = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bm)
+sparse_mla_decode = bm.sparse_mla_decode
+sparse_mla_decode_ref = bm.sparse_mla_decode_ref
+TWO_PER_SM = sys.modules[sparse_mla_decode.__module__].TWO_PER_SM_CONFIG_16
+
+
+def pipelined(bh, bn, w, stages, ns=None):
+    cfg = {"BLOCK_N": bn, "num_warps": w, "num_stages": 1, "PIPELINE": stages}
+    name = f"pipe{stages}_bh{bh}_n{bn}_w{w}_s{ns}"
+    return name, dict(block_h=bh, num_splits=ns, config=cfg)
+
+
+def variants_for(h, b, s):
+    """Variants timed next to the default path (and the --baseline file's default, when given)."""
+    out = [("default", {})]
+    if h % 64 == 0 and b * s >= 16:
+        out += [pipelined(64, 64, 8, st) for st in (3, 4, 5)]
+    if h == 16 and 32 < b * s <= 96:
+        out += [pipelined(16, 32, 4, 3, ns=4), pipelined(16, 32, 4, 5, ns=3), pipelined(16, 32, 4, 5, ns=6),
+                pipelined(16, 64, 8, 3, ns=2), pipelined(16, 16, 4, 5, ns=4), pipelined(16, 16, 4, 5, ns=8)]
+    elif h == 16 and b * s > 96:
+        out += [pipelined(16, 32, 4, 5, ns=2), pipelined(16, 64, 8, 3, ns=1), pipelined(16, 64, 4, 5, ns=2)]
+    elif h == 16 or b * s < 16:
+        out += [pipelined(16, 64, 8, 3), pipelined(16, 32, 8, 5), pipelined(16, 64, 8, 5)]
+    return out
+
+
+CASES = {
+    "h64": [(64, 1, 64), (64, 1, 128), (64, 2, 16), (64, 2, 64), (64, 1, 16), (64, 1, 1)],
+    "h16": [(16, 1, 64), (16, 1, 128), (16, 2, 64), (16, 1, 16), (16, 1, 1), (16, 2, 16)],
+}
+
+
+def load_baseline(path):
+    """sparse_mla_decode from another version of kernels/sparse_mla_decode.py (same-run A/B)."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp()
+    pkg = os.path.join(d, "baseline_kernels")
+    os.makedirs(pkg)
+    kdir = os.path.join(HERE, "..", "..", "kernels")
+    for f in ("sparse_mla_reference.py", "device_info.py"):
+        shutil.copy(os.path.join(kdir, f), pkg)
+    shutil.copy(path, os.path.join(pkg, "sparse_mla_decode.py"))
+    open(os.path.join(pkg, "__init__.py"), "w").close()
+    sys.path.insert(0, d)
+    return importlib.import_module("baseline_kernels.sparse_mla_decode").sparse_mla_decode
+
+
+def load_alt(spec):
+    path, name = spec.split(":")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    return getattr(importlib.import_module(os.path.splitext(os.path.basename(path))[0]), name)
+
+
+def with_kernel(kernel):
+    """sparse_mla_decode with the pipelined kernel replaced by ``kernel`` for the duration of each call."""
+    mod = sys.modules[sparse_mla_decode.__module__]
+
+    def fn(*a, **kw):
+        orig = mod._sparse_mla_fwd_pipelined_kernel
+        mod._sparse_mla_fwd_pipelined_kernel = kernel
+        try:
+            return sparse_mla_decode(*a, **kw)
+        finally:
+            mod._sparse_mla_fwd_pipelined_kernel = orig
+    return fn
+
+
+def per_tile_profile(dev, h, b, kw, hot):
+    """us per call at topk_length 64..512 (1..8 tiles of 64 per program, one split): the slope is the time per
+    tile, the intercept the fixed cost. ``hot``: every index points into 64 tokens (L2-resident), so the slope
+    is the compute chain alone; otherwise random tokens from a pool several times the L2."""
+    topk, ps = 512, 64
+    q, kc, idx, _ = bm.make_inputs(bm.ROT * b, 1, h, topk, ps, max(16384, bm.ROT * b * topk * 5 // 4), dev, seed=3)
+    if hot:
+        idx = idx % 64
+    kc4 = bm.view4(kc, ps)
+    qs = [q[i * b:(i + 1) * b] for i in range(bm.ROT)]
+    ids = [idx[i * b:(i + 1) * b] for i in range(bm.ROT)]
+    res = {}
+    for n in (64, 128, 256, 512):
+        ln = torch.full((b,), n, dtype=torch.int32, device=dev)
+        res[n] = bm.bench(lambda i: sparse_mla_decode(qs[i], kc4, ids[i], topk_length=ln, num_splits=1, **kw), True)
+    return res
+
+
+def compiled_facts(extra=()):
+    """Registers, spills, shared memory and pipelining markers of every compiled sparse-MLA kernel."""
+    mod = sys.modules[sparse_mla_decode.__module__]
+    facts = []
+    names = ("_sparse_mla_fwd_pipelined_kernel", "_sparse_mla_fwd_chunked_kernel", "_sparse_mla_fwd_kernel")
+    fns = [(n, getattr(mod, n)) for n in names] + [(getattr(k, "__name__", "alt"), k) for k in extra]
+    for name, fn in fns:
+        for dc in getattr(fn, "device_caches", {}).values():
+            cache = dc[0] if isinstance(dc, tuple) else dc
+            for k in cache.values():
+                try:
+                    k._init_handles()
+                except Exception:  # noqa: BLE001
+                    pass
+                c = getattr(k, "constants", None) or {}
+                ttgir = k.asm.get("ttgir", "")
+                facts.append(dict(
+                    kernel=name, constants={str(a): v for a, v in dict(c).items() if not str(v).startswith("<")},
+                    num_warps=k.metadata.num_warps, n_regs=getattr(k, "n_regs", None),
+                    n_spills=getattr(k, "n_spills", None), shared=k.metadata.shared,
+                    cp_async=k.asm.get("ptx", "").count("cp.async.c"),
+                    wgmma=k.asm.get("ptx", "").count("wgmma.mma_async"),
+                    async_waits=[ln.split("num = ")[1].split(" ")[0] for ln in ttgir.splitlines()
+                                 if "async_wait" in ln and "num = " in ln]))
+    return facts
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--budget-s", type=float, default=200.0)
+    ap.add_argument("--cases", default="all", choices=["h64", "h16", "all"])
+    ap.add_argument("--baseline", help="another kernels/sparse_mla_decode.py whose default path is timed too")
+    ap.add_argument("--profile", action="store_true", help="per-tile cost (topk_length sweep, cold/hot KV)")
+    ap.add_argument("--alt-kernel", help="FILE.py:NAME of a kernel with the pipelined kernel's signature, timed "
+                    "in the pipelined configs of --alt-configs in its place (exploring a rewrite)")
+    ap.add_argument("--alt-configs", default="64,64,8,3;64,64,8,5;64,32,8,5",
+                    help="';'-separated block_h,BLOCK_N,num_warps,loop_stages for --alt-kernel")
+    args = ap.parse_args()
+    t0 = time.time()
+    dev = torch.device("cuda")
+    cases = CASES["h64"] + CASES["h16"] if args.cases == "all" else CASES[args.cases]
+    # interleave so a budget stop still covers both head counts
+    if args.cases == "all":
+        cases = [c for pair in zip(CASES["h64"], CASES["h16"]) for c in pair] + CASES["h64"][len(CASES["h16"]):]
+    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=bm.triton.__version__,
+               date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), cases=[])
+    base_fn = load_baseline(args.baseline) if args.baseline else None
+    alt = load_alt(args.alt_kernel) if args.alt_kernel else None
+    for h, s, b in cases:
+        topk, ps = 512, 64
+        q, kc, idx, _ = bm.make_inputs(bm.ROT * b, s, h, topk, ps, max(16384, bm.ROT * b * s * topk * 5 // 4), dev,
+                                       seed=b + h)
+        kc4 = bm.view4(kc, ps)
+        qs = [q[i * b:(i + 1) * b] for i in range(bm.ROT)]
+        ids = [idx[i * b:(i + 1) * b] for i in range(bm.ROT)]
+        ref, _ = sparse_mla_decode_ref(qs[0], kc, ids[0], page_size=ps)
+        row = dict(B=b, H=h, S=s, us={}, rel={}, errors={})
+        runs = [(name, sparse_mla_decode, kw) for name, kw in variants_for(h, b, s)]
+        if base_fn is not None:
+            runs.insert(0, ("baseline", base_fn, {}))
+        if alt is not None:
+            for spec in args.alt_configs.split(";"):
+                bh, bn, w, st = map(int, spec.split(","))
+                if h % bh == 0:
+                    name, kw = pipelined(bh, bn, w, st)
+                    runs.append(("alt_" + name, with_kernel(alt), kw))
+        for name, fn, kw in runs:
+            if time.time() - t0 > args.budget_s:
+                row["errors"]["budget"] = "stopped"
+                break
+            try:
+                o, _ = fn(qs[0], kc4, ids[0], **kw)
+                row["rel"][name] = bm.rel(o, ref)
+                row["us"][name] = bm.bench(lambda i: fn(qs[i], kc4, ids[i], **kw), True)
+            except Exception as e:  # noqa: BLE001
+                row["errors"][name] = repr(e)[:300]
+        res["cases"].append(row)
+        best = sorted((v, k) for k, v in row["us"].items())[:4]
+        print(f"H={h} S={s} B={b} baseline {row['us'].get('baseline', float('nan')):.1f} default "
+              f"{row['us'].get('default', float('nan')):.1f} us | best "
+              + ", ".join(f"{k} {v:.1f} (rel {row['rel'][k]:.2e})" for v, k in best)
+              + (f" | errors {list(row['errors'])}" if row["errors"] else ""), flush=True)
+        res["wall_s"] = time.time() - t0
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "sparse_mla_ab.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        del q, kc, idx, ref
+        if time.time() - t0 > args.budget_s:
+            break
+    if args.profile:
+        res["per_tile"] = []
+        for h, b, kw in ((64, 128, {}), (16, 128, {}), (16, 128, dict(config=TWO_PER_SM))):
+            for hot in (False, True):
+                if time.time() - t0 > args.budget_s + 20:
+                    break
+                r = per_tile_profile(dev, h, b, kw, hot)
+                res["per_tile"].append(dict(H=h, B=b, config=kw.get("config", "default"), hot=hot, us=r))
+                print("per-tile", h, b, kw.get("config", "default"), "hot" if hot else "cold",
+                      {n: round(v, 1) for n, v in r.items()}, flush=True)
+    res["compiled"] = compiled_facts([alt] if alt is not None else [])
+    for f in res["compiled"]:
+        print("compiled", json.dumps(f), flush=True)
+    res["wall_s"] = time.time() - t0
+    with open(os.path.join(args.out, "sparse_mla_ab.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
