@@ -10,12 +10,14 @@ values along K) and the exact computation, rounding points included, is document
 
 Kernels (weights are never dequantized in memory):
   * ``_gate_up_kernel``: one program per (row block, BN columns of the intermediate): streams the packed gate
-    and up rows of its expert over K = H and feeds them to ``tl.dot_scaled(x, None, "bf16", w, scale,
-    "e2m1")``. On sm_90 / sm_120 (no bf16 x e2m1 tensor-core instruction) Triton lowers that to what this
-    kernel needs: the packed bytes go global -> shared (cp.async) -> registers in the mma operand layout, are
-    turned into bf16 in registers (a PRMT lookup table per 8 values; a cvt instruction on Triton builds that
-    have it for sm_120), multiplied by the bf16 ``2 ** (scale - 127)``, and fed to mma.sync with fp32
-    accumulation. The epilogue rounds gate/up to bf16, clamps, applies SiLU(gate) * up and stores h (bf16).
+    and up rows of its expert over K = H; the packed bytes go global -> shared (cp.async) -> registers in the
+    mma operand layout, are turned into bf16 there and fed to mma.sync with fp32 accumulation, by one of two
+    dequantizations (``_mx_dot``): ``tl.dot_scaled(x, None, "bf16", w, scale, "e2m1")`` (Triton's emulation: a
+    PRMT lookup table per 8 values, or the cvt instruction Triton emits for sm_120, then a multiply by the bf16
+    ``2 ** (scale - 127)``), or on sm_90 the "bits" dequantization (``_E2M1_BITS_ASM``: bit arithmetic on packed
+    32-bit words, ~2.25 SASS instructions per weight instead of ~4.8; needs every scale <= 2, which the caller
+    states with ``max_scale_byte``). The epilogue rounds gate/up to bf16, clamps, applies SiLU(gate) * up and
+    stores h (bf16).
   * ``_down_kernel``: the same over K = I for the down projection; multiplies by the routing weight and either
     stores the per-pair rows (fp32) for ``_topk_sum_kernel``, or (``pair_token`` path) loops over a token's k
     experts and writes the summed bf16 output itself.
@@ -25,7 +27,8 @@ Paths: ``pair`` / ``pair_token`` give every (token, slot) pair its own programs 
 small T the routed experts of a token are distinct and shared ones are served from L2); ``sorted`` reads each
 routed expert once per BM rows, for larger T. ``DEFAULT_CONFIGS`` picks by the number of pairs; all paths
 launch fixed grids computed from shapes alone and read routing on the device, so a call is CUDA-graph
-capturable (no host sync). H200 numbers and profile: benchmarks/results/mxfp4_moe_2026-11-30.md.
+capturable (no host sync). H200 numbers and profile: benchmarks/results/mxfp4_moe_2026-11-30.md (dot_scaled)
+and mxfp4_moe_2026-11-30-s3.md (bits).
 """
 
 from __future__ import annotations
@@ -54,6 +57,106 @@ def _to_bf16_f32(x, ROUND: tl.constexpr):
     if ROUND:
         return _rne_bf16(x)
     return x.to(tl.bfloat16).to(tl.float32)
+
+
+# ------------------------------------------------------------------------------------- e2m1 -> bf16 in registers
+# sm_90 has no e2m1 conversion instruction and no bf16 x e2m1 tensor-core op; tl.dot_scaled's emulation spends
+# ~4.8 SASS instructions per weight (PRMT lookup tables). The "bits" dequantization below spends ~2.25: a nibble
+# s e1 e0 m is moved so that s lands on the bf16 sign bit and e1 e0 m on the two lowest exponent bits and the top
+# mantissa bit; that bf16 is exactly e2m1 * 2**-126 (code 1, E = 0, is the bf16 subnormal 0.5 * 2**-126), and one
+# bf16 multiply by 2**(s - 1) = 2**126 * 2**(s - 127) applies the UE8M0 scale exactly. 2**(s - 1) is a normal
+# bf16 only for scale bytes s <= 128 (scales <= 2, |weights| <= 12): the caller states the largest scale byte
+# (``max_scale_byte``, checked once at weight-load time) and larger ones keep tl.dot_scaled. A byte s > 128 that
+# reaches the bits path anyway makes the factor +inf (min(s, 129)), so the output is inf/NaN, never silently wrong.
+# Packed byte j of a row holds K = 2 j (low nibble) and 2 j + 1 (high nibble): the even and odd nibbles become two
+# [BK/2, BN] operands, multiplied with the activation's even and odd K columns (two tl.dot), so no interleave.
+DEQ_DOT_SCALED = 0  # tl.dot_scaled (any scale; the path sm_120 runs: its e2m1 conversion is an instruction there)
+DEQ_BITS_ASM = 1  # inline PTX on packed 32-bit words (sm_90, mul.rn.bf16x2 needs sm_90+)
+DEQ_BITS_TL = 2  # the same bit arithmetic in fp32 lanes with Triton ops (the interpreter runs no inline asm)
+
+# 4 packed bytes b0..b3 -> even nibbles (bf16 pairs $0 = K 0, 2 and $1 = K 4, 6 of the 8 values) and odd nibbles
+# ($2 = K 1, 3; $3 = K 5, 7), each times its factor ($5 for bytes 0, 1; $6 for bytes 2, 3). prmt puts b0 in byte 1
+# and b1 in byte 3 (bytes 0, 2 zero): the 16-bit lanes hold [low nibble at bits 8..11 | high nibble at 12..15].
+# Even: (y >> 2) puts e1 e0 m at bits 8..6, (y << 4) the sign at bit 15 (the high nibble leaves the lane upward,
+# into bits the mask drops). Odd: the low nibble is cleared first, since (y >> 6) would move it onto bit 8.
+# 0x81C081C0 keeps bits 15, 8, 7, 6 of each lane; lop3 LUT 0xA8 = (a | b) & c (a, b, c = 0xF0, 0xCC, 0xAA).
+_E2M1_BITS_ASM = tl.constexpr("""
+{
+.reg .b32 y01, y23, t, u, v;
+prmt.b32 y01, $4, 0, 0x1404;
+prmt.b32 y23, $4, 0, 0x3424;
+shr.b32 t, y01, 2;
+shl.b32 u, y01, 4;
+lop3.b32 v, t, u, 0x81C081C0, 0xA8;
+mul.rn.bf16x2 $0, v, $5;
+shr.b32 t, y23, 2;
+shl.b32 u, y23, 4;
+lop3.b32 v, t, u, 0x81C081C0, 0xA8;
+mul.rn.bf16x2 $1, v, $6;
+and.b32 u, y01, 0xF000F000;
+shr.b32 t, u, 6;
+lop3.b32 v, t, u, 0x81C081C0, 0xA8;
+mul.rn.bf16x2 $2, v, $5;
+and.b32 u, y23, 0xF000F000;
+shr.b32 t, u, 6;
+lop3.b32 v, t, u, 0x81C081C0, 0xA8;
+mul.rn.bf16x2 $3, v, $6;
+}
+""")
+# 4 UE8M0 bytes -> 4 bf16 factors 2**(s - 1): the bytes spread into 16-bit lanes, s * 128 + 126 * 128 is the bf16
+# with exponent field s + 126 (no carry between lanes: <= 48640), capped at 0x7F80 (+inf) for s > 128.
+_UE8M0_FACTOR_ASM = tl.constexpr("""
+{
+.reg .b32 a, b, c;
+mov.b32 c, 0x7F807F80;
+prmt.b32 a, $2, 0, 0x5140;
+prmt.b32 b, $2, 0, 0x7362;
+mad.lo.u32 a, a, 128, 0x3F003F00;
+mad.lo.u32 b, b, 128, 0x3F003F00;
+min.u16x2 $0, a, c;
+min.u16x2 $1, b, c;
+}
+""")
+
+
+@triton.jit
+def _e2m1_bits_f32(code, f):
+    """4-bit codes (int32, 0..15) -> fp32 code value * 2**-126 * f: the bf16 bit pattern of the PTX above in the
+    top half of an fp32 word (same exponent/mantissa fields, E = 0 the fp32 subnormal), so the same arithmetic."""
+    return (((code & 7) << 22) | ((code & 8) << 28)).to(tl.float32, bitcast=True) * f
+
+
+@triton.jit
+def _mx_dot_eo(acc, xe, xo, w, s, DEQ: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """acc [BM, BN] fp32 += x @ dequant(w [BN, BK/2] uint8, s [BN, BK/32] UE8M0)^T on a bits path (DEQ 1 or 2),
+    the activation x given as its even (xe) and odd (xo) K columns, [BM, BK/2] bf16 each."""
+    if DEQ == 1:
+        f = tl.inline_asm_elementwise(_UE8M0_FACTOR_ASM, "=r,=r,r", [s], tl.bfloat16, is_pure=True, pack=4)
+        f = tl.reshape(tl.broadcast_to(f[:, :, None], [BN, BK // 32, 16]), [BN, BK // 2])
+        we, wo = tl.inline_asm_elementwise(_E2M1_BITS_ASM, "=r,=r,=r,=r,r,r,r", [tl.trans(w), tl.trans(f)],
+                                           (tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        acc = tl.dot(xe, we, acc)
+        acc = tl.dot(xo, wo, acc)
+    else:
+        f = ((tl.minimum(s.to(tl.int32), 129) + 126) << 23).to(tl.float32, bitcast=True)
+        f = tl.trans(tl.reshape(tl.broadcast_to(f[:, :, None], [BN, BK // 32, 16]), [BN, BK // 2]))
+        wt = tl.trans(w).to(tl.int32)
+        # fp32 operands (exact: bf16 x, e2m1 * 2**k weights): the interpreter's tl.dot misreads bf16 tensors made
+        # by a conversion inside the kernel
+        acc = tl.dot(xe.to(tl.float32), _e2m1_bits_f32(wt & 15, f), acc, input_precision="ieee")
+        acc = tl.dot(xo.to(tl.float32), _e2m1_bits_f32(wt >> 4, f), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _mx_dot(acc, x, w, s, DEQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """acc [BM, BN] fp32 += x [BM, BK] bf16 @ dequant(w [BN, BK/2] uint8 packed e2m1, s [BN, BK/32] UE8M0)^T."""
+    if DEQ == 0:
+        acc = tl.dot_scaled(x, None, "bf16", tl.trans(w), s, "e2m1", acc, fast_math=True)
+    else:
+        xe, xo = tl.split(tl.reshape(x, [BM, BK // 2, 2]))  # activation columns K = 2 j and 2 j + 1
+        acc = _mx_dot_eo(acc, xe, xo, w, s, DEQ, BN, BK)
+    return acc
 
 
 @triton.jit
@@ -122,7 +225,7 @@ def _gate_up_kernel(
     stride_xt, limit, P, E,
     H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, SORTED: tl.constexpr, HAS_LIMIT: tl.constexpr,
     UP_FIRST: tl.constexpr, SPLIT: tl.constexpr, HALVES: tl.constexpr, ROUND: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, DEQ: tl.constexpr = 0,
 ):
     """Program (row block, BN columns, K split). Fused (HALVES False): BN intermediate columns, gate and up rows
     both; with SPLIT == 1 it writes h[pair] = SwiGLU (bf16). Otherwise it writes fp32 partial sums of its K
@@ -149,8 +252,7 @@ def _gate_up_kernel(
             acc = tl.zeros([BM, BN], tl.float32)
             for _ in range(0, H // SPLIT // BK):
                 x = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
-                acc = tl.dot_scaled(x, None, "bf16", tl.trans(tl.load(w_ptrs)), tl.load(sc_ptrs), "e2m1", acc,
-                                    fast_math=True)
+                acc = _mx_dot(acc, x, tl.load(w_ptrs), tl.load(sc_ptrs), DEQ, BM, BN, BK)
                 x_ptrs += BK
                 w_ptrs += BK // 2
                 sc_ptrs += BK // 32
@@ -179,8 +281,8 @@ def _gate_up_kernel(
                 wu = tl.load(wu_ptrs)
                 sg = tl.load(sg_ptrs)
                 su = tl.load(su_ptrs)
-                acc_g = tl.dot_scaled(x, None, "bf16", tl.trans(wg), sg, "e2m1", acc_g, fast_math=True)
-                acc_u = tl.dot_scaled(x, None, "bf16", tl.trans(wu), su, "e2m1", acc_u, fast_math=True)
+                acc_g = _mx_dot(acc_g, x, wg, sg, DEQ, BM, BN, BK)
+                acc_u = _mx_dot(acc_u, x, wu, su, DEQ, BM, BN, BK)
                 x_ptrs += BK
                 wg_ptrs += BK // 2
                 wu_ptrs += BK // 2
@@ -215,7 +317,7 @@ def _swiglu_kernel(part_ptr, ids_ptr, h_ptr, limit, P, E, I: tl.constexpr, SPLIT
 
 @triton.jit
 def _down_tile(h_ptr, w_base, s_base, rows, rmask, offs_n, k0, KLEN: tl.constexpr, I: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DEQ: tl.constexpr):
     """[BM, BN] fp32 = h[rows, k0:k0+KLEN] @ W_down[expert][offs_n, k0:k0+KLEN]^T."""
     kb = tl.arange(0, BK // 2)
     ks = tl.arange(0, BK // 32)
@@ -227,7 +329,7 @@ def _down_tile(h_ptr, w_base, s_base, rows, rmask, offs_n, k0, KLEN: tl.constexp
         a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
         w = tl.load(w_ptrs)
         s = tl.load(s_ptrs)
-        acc = tl.dot_scaled(a, None, "bf16", tl.trans(w), s, "e2m1", acc, fast_math=True)
+        acc = _mx_dot(acc, a, w, s, DEQ, BM, BN, BK)
         a_ptrs += BK
         w_ptrs += BK // 2
         s_ptrs += BK // 32
@@ -239,7 +341,7 @@ def _down_kernel(
     h_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, sorted_ptr, blk_exp_ptr, nblk_ptr, y_ptr, out_ptr,
     stride_ot, scaling, P, E,
     H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr,
-    ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DEQ: tl.constexpr = 0,
 ):
     """MODE 0: sorted row blocks, 1: one pair per program (both write the routing-weighted rows of K split
     ``pid_k`` to y[pid_k, pair] fp32 for _topk_sum_kernel); MODE 2 (SPLIT 1): one token per program, its k
@@ -259,7 +361,7 @@ def _down_kernel(
             if (e >= 0) & (e < E):
                 rows = pair + offs_m * 0
                 acc = _down_tile(h_ptr, w_ptr + e.to(tl.int64) * w_stride_e, s_ptr + e.to(tl.int64) * s_stride_e,
-                                 rows, offs_m == 0, offs_n, 0, I, I, BM, BN, BK)
+                                 rows, offs_m == 0, offs_n, 0, I, I, BM, BN, BK, DEQ)
                 wt = tl.load(tw_ptr + pair).to(tl.float32) * scaling
                 total += tl.sum(tl.where(offs_m[:, None] == 0, acc, 0.0), axis=0) * wt
         if ROUND:
@@ -269,7 +371,7 @@ def _down_kernel(
         e, rows, rmask, active = _rows_of(pid_m, ids_ptr, sorted_ptr, blk_exp_ptr, nblk_ptr, P, E, MODE == 0, BM)
         if active:
             acc = _down_tile(h_ptr, w_ptr + e.to(tl.int64) * w_stride_e, s_ptr + e.to(tl.int64) * s_stride_e,
-                             rows, rmask, offs_n, pid_k * (I // SPLIT), I // SPLIT, I, BM, BN, BK)
+                             rows, rmask, offs_n, pid_k * (I // SPLIT), I // SPLIT, I, BM, BN, BK, DEQ)
             wt = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32) * scaling
             y_ptrs = y_ptr + (pid_k * P + rows.to(tl.int64))[:, None] * H + offs_n[None, :]
             tl.store(y_ptrs, acc * wt[:, None], mask=rmask[:, None])
@@ -303,27 +405,33 @@ def _topk_sum_kernel(y_ptr, ids_ptr, out_ptr, stride_ot, P, E, H: tl.constexpr, 
 TILE_CONFIGS = [
     dict(BN=BN, BK=BK, num_warps=w, num_stages=st)
     for BN, BK, w, st in [(16, 256, 1, 4), (32, 256, 2, 3), (32, 128, 2, 4), (64, 256, 2, 3), (64, 128, 4, 3),
-                          (128, 128, 4, 3)]
+                          (128, 128, 4, 3), (64, 128, 2, 3), (64, 128, 2, 4), (128, 128, 2, 3), (128, 128, 2, 4)]
 ]
 BM_CHOICES = (16, 32, 64)
 SPLIT_CHOICES = (1, 2, 4, 8)
 PATHS = ("pair_token", "pair", "sorted")
+# "bits": the bit-arithmetic dequantization (needs max_scale_byte <= 128); "dot_scaled": tl.dot_scaled; "auto": bits
+# on sm_90 when max_scale_byte allows it, else dot_scaled (sm_120 converts e2m1 with an instruction).
+DEQUANT_CHOICES = ("auto", "bits", "dot_scaled")
+BITS_MAX_SCALE_BYTE = 128  # 2 ** (s - 1) must be a normal bf16
 
 # Default plan per number of (token, slot) pairs P = T * k: the first entry with P <= bound.
 #   path: pair_token (gate/up per pair; down per token, k-sum fused: 2 launches), pair (+ sum kernel), sorted
 #   (+ align kernel: each routed expert read once per BM rows); split_*: K splits for more programs at tiny T
 #   (gate/up partials finished by _swiglu_kernel, down partials summed by _topk_sum_kernel).
-# From the H200 sweep (benchmarks/results/mxfp4_moe_2026-11-30.md): T = 1 pair with 2 x 2 K splits (sorted
-# 1.2x slower, pair_token 1.3x); T = 16, 64, 128 sorted with 32-column gate/up and 64-column down programs
-# (pair 1.1x slower at T = 16, 1.7-2.7x at 64-128, where experts are shared). The switch at P = 48 (T = 8 for
-# top-6) is not measured: there a pair re-reads ~8% shared experts (from L2) vs the sorted path's extra launch.
+# From the H200 sweeps (benchmarks/results/mxfp4_moe_2026-11-30.md, tl.dot_scaled, and _2026-11-30-s3.md, the bits
+# dequantization): T = 1 pair with 8 x 4 K splits and gate/up in separate 64-column programs (many short programs:
+# the 6 experts' rows spread over every SM); T = 16, 64, 128 sorted with gate/up in separate 64-column programs
+# (128 registers, 8 blocks per SM) and 128-column down programs (the pair paths 1.1x slower at T = 16, 1.7-2.7x at
+# 64-128, where experts are shared). The switch at P = 48 (T = 8 for top-6) is not measured: there a pair re-reads
+# ~8% shared experts (from L2) vs the sorted path's extra launch.
 DEFAULT_CONFIGS = [
-    (48, dict(path="pair", BM=16, split_gate_up=2, split_down=2,
-              gate_up=dict(BN=32, BK=256, num_warps=2, num_stages=3),
-              down=dict(BN=32, BK=256, num_warps=2, num_stages=3))),
-    (1024, dict(path="sorted", BM=16, split_gate_up=1, split_down=1,
-                gate_up=dict(BN=32, BK=256, num_warps=2, num_stages=3),
-                down=dict(BN=64, BK=256, num_warps=2, num_stages=3))),
+    (48, dict(path="pair", BM=16, split_gate_up=8, split_down=4, gate_up_halves=True,
+              gate_up=dict(BN=64, BK=128, num_warps=2, num_stages=3),
+              down=dict(BN=64, BK=128, num_warps=2, num_stages=3))),
+    (1024, dict(path="sorted", BM=16, split_gate_up=1, split_down=1, gate_up_halves=True,
+                gate_up=dict(BN=64, BK=128, num_warps=2, num_stages=3),
+                down=dict(BN=128, BK=128, num_warps=2, num_stages=3))),
     (math.inf, dict(path="sorted", BM=64, split_gate_up=1, split_down=1,
                     gate_up=dict(BN=64, BK=128, num_warps=4, num_stages=3),
                     down=dict(BN=64, BK=128, num_warps=4, num_stages=3))),
@@ -402,10 +510,45 @@ def _check_config(cfg: dict, h: int, inter: int) -> None:
             raise ValueError(f"config: {part} BK must be 128 or 256, got {c['BK']}")
         if cfg.get(f"split_{part}", 1) not in SPLIT_CHOICES:
             raise ValueError(f"config: split_{part} must be one of {SPLIT_CHOICES}, got {cfg.get(f'split_{part}')}")
+    if cfg.get("dequant", "auto") not in DEQUANT_CHOICES:
+        raise ValueError(f"config: dequant must be one of {DEQUANT_CHOICES}, got {cfg.get('dequant')!r}")
     if not isinstance(cfg.get("gate_up_halves", False), bool):
         raise ValueError("config: gate_up_halves must be a bool")
     if cfg["path"] == "pair_token" and cfg.get("split_down", 1) != 1:
         raise ValueError("config: the pair_token path sums over k in the down kernel, so split_down must be 1")
+
+
+def mxfp4_max_scale_byte(*scales: torch.Tensor) -> int:
+    """The largest UE8M0 byte over ``scales`` (uint8 / float8_e8m0fnu tensors, any shape), for
+    ``fused_moe_mxfp4(max_scale_byte=...)``. Reads every byte and synchronizes: call it once at weight-load time.
+
+    Raises:
+        ValueError: no tensor, or one that is not UE8M0 bytes (float scales: ``as_ue8m0`` first).
+    """
+    if not scales:
+        raise ValueError("scales: pass at least one scale tensor")
+    ok_dtypes = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
+    best = 0
+    for sc in scales:
+        if not isinstance(sc, torch.Tensor) or sc.dtype not in ok_dtypes:
+            raise ValueError(f"scales must be UE8M0 bytes (uint8 or float8_e8m0fnu), got {getattr(sc, 'dtype', sc)}")
+        if sc.numel():
+            best = max(best, int(sc.view(torch.uint8).max()))
+    return best
+
+
+def _dequant_mode(choice: str, max_scale_byte: int | None, dev: torch.device) -> int:
+    """The kernels' DEQ constexpr for a config's ``dequant`` choice (see DEQUANT_CHOICES)."""
+    bits_ok = max_scale_byte is not None and max_scale_byte <= BITS_MAX_SCALE_BYTE
+    if choice == "bits" and not bits_ok:
+        raise ValueError(f"config: dequant='bits' needs max_scale_byte <= {BITS_MAX_SCALE_BYTE} (scales <= 2), got "
+                         f"max_scale_byte={max_scale_byte!r}")
+    if choice == "auto":
+        hopper = dev.type == "cuda" and not _INTERPRET and torch.cuda.get_device_capability(dev)[0] == 9
+        choice = "bits" if bits_ok and hopper else "dot_scaled"
+    if choice == "dot_scaled":
+        return DEQ_DOT_SCALED
+    return DEQ_BITS_TL if _INTERPRET else DEQ_BITS_ASM
 
 
 def _fit_split(split: int, k_dim: int) -> int:
@@ -442,6 +585,7 @@ def fused_moe_mxfp4(
     up_first: bool = False,
     out: torch.Tensor | None = None,
     config: dict | None = None,
+    max_scale_byte: int | None = None,
 ) -> torch.Tensor:
     """Top-k routed MoE with MXFP4 experts (computation: ``pd.kernels.mxfp4_moe_reference``).
 
@@ -457,26 +601,33 @@ def fused_moe_mxfp4(
             no clamp (SGLang's default).
         routed_scaling_factor: multiplies the output (None: 1; pass None when it is folded into topk_weights).
         out: optional [T, H] bfloat16 output buffer with unit column stride.
+        max_scale_byte: the largest UE8M0 byte in w13_scale and w2_scale, from ``mxfp4_max_scale_byte`` at
+            weight-load time (it reads every scale and synchronizes, so not per call). When it is <= 128 (every
+            scale <= 2) an sm_90 GPU dequantizes with bit arithmetic (~2x fewer instructions than tl.dot_scaled;
+            see ``_E2M1_BITS_ASM``); None (unknown) or larger keeps tl.dot_scaled. A wrong value that lets a byte
+            > 128 reach the bits path gives inf/NaN outputs, not silently wrong numbers.
         config: launch plan override (benchmarks): {"path": "pair_token"|"pair"|"sorted", "BM": 16|32|64,
-            "split_gate_up": 1|2|4|8, "split_down": ..., "gate_up_halves": bool, "gate_up": {BN, BK,
-            num_warps, num_stages}, "down": {...}}; default ``default_config(T * k)``.
+            "split_gate_up": 1|2|4|8, "split_down": ..., "gate_up_halves": bool, "dequant": "auto"|"bits"|
+            "dot_scaled", "gate_up": {BN, BK, num_warps, num_stages}, "down": {...}}; default
+            ``default_config(T * k)``.
     Returns:
         [T, H] bfloat16 (``out`` when given).
     Raises:
         ValueError: naming the argument, for a wrong dtype, shape, layout or device, H or I not a multiple of
-        128, a bad swiglu_limit / routed_scaling_factor / config; raised before any launch.
+        128, a bad swiglu_limit / routed_scaling_factor / max_scale_byte / config (``dequant="bits"`` without
+        max_scale_byte <= 128); raised before any launch.
     Requires H % 128 == 0 and I % 128 == 0 (DeepSeek-V4: H = 4096, I = 2048 / TP). Capturable in a CUDA graph
     (fixed grids from shapes, routing read on the device, workspaces from the caching allocator).
     """
     out, stages = _plan(hidden_states, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
-                        routed_scaling_factor, up_first, out, config)
+                        routed_scaling_factor, up_first, out, config, max_scale_byte)
     for _, launch in stages:
         launch()
     return out
 
 
 def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit, routed_scaling_factor, up_first,
-          out, config):
+          out, config, max_scale_byte=None):
     """Validate, allocate, and return (out, [(stage name, launch callable), ...]); the stages run in order."""
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2:
         raise ValueError(f"hidden_states must be a bfloat16 tensor [T, H], got "
@@ -521,8 +672,12 @@ def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
         if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or tuple(out.shape) != (t, h) \
                 or out.stride(1) != 1 or out.device != dev:
             raise ValueError(f"out must be a bfloat16 tensor [{t}, {h}] with unit column stride on {dev}")
+    if max_scale_byte is not None and (isinstance(max_scale_byte, bool) or not isinstance(max_scale_byte, int)
+                                       or not 0 <= max_scale_byte <= 254):
+        raise ValueError(f"max_scale_byte must be None or an int in [0, 254], got {max_scale_byte!r}")
     cfg = config if config is not None else default_config(t * k)
     _check_config(cfg, h, inter)
+    deq = _dequant_mode(cfg.get("dequant", "auto"), max_scale_byte, dev)
     if out is None:
         out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
     if t == 0:
@@ -545,7 +700,7 @@ def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
     hbuf = torch.empty(p, inter, dtype=torch.bfloat16, device=dev)
     two_pass = halves or sp_gu > 1  # gate/up partial sums, then _swiglu_kernel
     part = torch.empty(sp_gu, p, 2 * inter, dtype=torch.float32, device=dev) if two_pass else hbuf
-    common = dict(H=h, I=inter, TOPK=k, ROUND=_INTERPRET)
+    common = dict(H=h, I=inter, TOPK=k, ROUND=_INTERPRET, DEQ=deq)
     stages = []
     if path == "sorted":
         bm = cfg.get("BM", 16)

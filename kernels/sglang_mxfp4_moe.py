@@ -68,6 +68,7 @@ class PdserveMxfp4MoEMethod:
 
     runner = None
     fuse_routed_scaling_factor_in_topk = True
+    max_scale_byte = None  # set when the weights are loaded
 
     def __init__(self, fp8_method, prefix: str):
         self._fp8 = fp8_method
@@ -90,18 +91,21 @@ class PdserveMxfp4MoEMethod:
 
     def process_weights_after_loading(self, layer) -> None:
         """Store the loaded fp32 power-of-two scales as the UE8M0 bytes the kernel reads (once, in place, as
-        SGLang's own MXFP4 methods repack theirs); the packed weights are used as loaded.
+        SGLang's own MXFP4 methods repack theirs) and note their largest byte, which lets sm_90 use the bit-arithmetic
+        dequantization (scales <= 2); the packed weights are used as loaded.
 
         Raises:
             ValueError: a scale that is not a power of two (not an MXFP4 checkpoint).
         """
-        from .mxfp4_moe import as_ue8m0
+        from .mxfp4_moe import BITS_MAX_SCALE_BYTE, as_ue8m0, mxfp4_max_scale_byte
 
         for name in ("w13", "w2"):
             sc = getattr(layer, f"{name}_weight_scale_inv")
             sc.data = as_ue8m0(sc.data)
-        logger.info("pdserve mxfp4_moe: %s runs pd.kernels.mxfp4_moe.fused_moe_mxfp4 (%d experts)",
-                    self.prefix, layer.w13_weight.shape[0])
+        self.max_scale_byte = mxfp4_max_scale_byte(layer.w13_weight_scale_inv.data, layer.w2_weight_scale_inv.data)
+        logger.info("pdserve mxfp4_moe: %s runs pd.kernels.mxfp4_moe.fused_moe_mxfp4 (%d experts, largest scale "
+                    "2**%d%s)", self.prefix, layer.w13_weight.shape[0], self.max_scale_byte - 127,
+                    "" if self.max_scale_byte <= BITS_MAX_SCALE_BYTE else ": no bits dequantization on sm_90")
 
     def apply(self, layer, dispatch_output):
         from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
@@ -113,7 +117,7 @@ class PdserveMxfp4MoEMethod:
         out = fused_moe_mxfp4(
             dispatch_output.hidden_states, layer.w13_weight, layer.w13_weight_scale_inv,
             layer.w2_weight, layer.w2_weight_scale_inv, topk_weights.contiguous(), topk_ids.contiguous(),
-            swiglu_limit=cfg.swiglu_limit,
+            swiglu_limit=cfg.swiglu_limit, max_scale_byte=self.max_scale_byte,
         )
         return StandardCombineInput(hidden_states=out)
 

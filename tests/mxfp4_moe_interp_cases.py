@@ -29,10 +29,11 @@ def make_inputs(t, h, inter, e, k, g, *, skip=0, shared=False, skip_token0=False
 
 
 def run_case(name, t, h, inter, e, k, *, path, bm=16, splits=(1, 1), halves=False, limit=10.0, scaling=None,
-             up_first=False, skip=0, shared=False, skip_token0=False, ids64=False, wbf16=False, int8=False, seed=0):
+             up_first=False, skip=0, shared=False, skip_token0=False, ids64=False, wbf16=False, int8=False, seed=0,
+             dequant="dot_scaled"):
     import torch
 
-    from pd.kernels.mxfp4_moe import default_config, fused_moe_mxfp4
+    from pd.kernels.mxfp4_moe import default_config, fused_moe_mxfp4, mxfp4_max_scale_byte
     from pd.kernels.mxfp4_moe_reference import fused_moe_mxfp4_reference
 
     g = torch.Generator().manual_seed(seed)
@@ -43,11 +44,12 @@ def run_case(name, t, h, inter, e, k, *, path, bm=16, splits=(1, 1), halves=Fals
     if wbf16:
         wts = wts.to(torch.bfloat16)
     cfg = dict(default_config(t * k), path=path, BM=bm, split_gate_up=splits[0], split_down=splits[1],
-               gate_up_halves=halves)
+               gate_up_halves=halves, dequant=dequant)
     out = torch.full((t, h), float("nan"), dtype=torch.bfloat16)  # poisoned: every element must be written
     kw = dict(swiglu_limit=limit, routed_scaling_factor=scaling, up_first=up_first)
     ww13, ww2 = (w13.view(torch.int8), w2.view(torch.int8)) if int8 else (w13, w2)
-    res = fused_moe_mxfp4(x, ww13, s13, ww2, s2, wts, ids, out=out, config=cfg, **kw)
+    res = fused_moe_mxfp4(x, ww13, s13, ww2, s2, wts, ids, out=out, config=cfg,
+                          max_scale_byte=mxfp4_max_scale_byte(s13, s2), **kw)
     ref = fused_moe_mxfp4_reference(x, w13, s13, w2, s2, wts, ids, **kw)
     rel = ((res.double() - ref).norm() / ref.norm()).item()
     r = dict(name=name, rel=rel, nan=bool(torch.isnan(res).any()), same_buffer=res.data_ptr() == out.data_ptr())
@@ -76,6 +78,15 @@ CASES = [
     ("pair_token_h256_bk256", dict(t=2, h=256, inter=128, e=4, k=2, path="pair_token", scaling=0.5)),
     ("sorted_all_skipped_token", dict(t=3, h=128, inter=128, e=4, k=2, path="sorted", skip_token0=True)),
     ("pair_token_all_skipped_token", dict(t=2, h=128, inter=128, e=4, k=2, path="pair_token", skip_token0=True)),
+    # the bit-arithmetic dequantization (sm_90's path; here its pure-Triton twin, DEQ_BITS_TL)
+    ("bits_pair_token", dict(t=3, h=128, inter=128, e=6, k=3, path="pair_token", scaling=1.5, skip=1,
+                             dequant="bits")),
+    ("bits_pair_split2x2_int8", dict(t=2, h=256, inter=256, e=5, k=3, path="pair", splits=(2, 2), skip=1,
+                                     int8=True, dequant="bits")),
+    ("bits_sorted_halves_up_first", dict(t=6, h=256, inter=128, e=3, k=2, path="sorted", halves=True,
+                                         up_first=True, skip=2, dequant="bits")),
+    ("bits_sorted_bm32_multiblock", dict(t=20, h=128, inter=256, e=3, k=2, path="sorted", bm=32, shared=True,
+                                         skip=3, dequant="bits")),
 ]
 
 if __name__ == "__main__":

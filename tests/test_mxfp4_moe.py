@@ -217,19 +217,19 @@ def _aligned(sig, stride):  # what the launcher specializes for 16-byte-aligned 
     return tuple(n for n, ty in sig.items() if ty.startswith("*")) + (stride,)
 
 
-def _gate_up(cfg, cc, bm=16, sorted_=True, split=1, halves=False):
+def _gate_up(cfg, cc, bm=16, sorted_=True, split=1, halves=False, deq=0):
     from pd.kernels.mxfp4_moe import _gate_up_kernel
 
     const = dict(DIMS, SORTED=sorted_, HAS_LIMIT=True, UP_FIRST=False, SPLIT=split, HALVES=halves, BM=bm,
-                 BN=cfg["BN"], BK=cfg["BK"])
+                 BN=cfg["BN"], BK=cfg["BK"], DEQ=deq)
     return compile_for(_gate_up_kernel, GU_SIG, const, cc, cfg["num_warps"], cfg["num_stages"],
                        aligned=_aligned(GU_SIG, "stride_xt"))
 
 
-def _down(cfg, cc, bm=16, mode=0, split=1):
+def _down(cfg, cc, bm=16, mode=0, split=1, deq=0):
     from pd.kernels.mxfp4_moe import _down_kernel
 
-    const = dict(DIMS, MODE=mode, SPLIT=split, BM=bm, BN=cfg["BN"], BK=cfg["BK"])
+    const = dict(DIMS, MODE=mode, SPLIT=split, BM=bm, BN=cfg["BN"], BK=cfg["BK"], DEQ=deq)
     return compile_for(_down_kernel, DN_SIG, const, cc, cfg["num_warps"], cfg["num_stages"],
                        aligned=_aligned(DN_SIG, "stride_ot"))
 
@@ -283,10 +283,206 @@ def test_aot_small_kernels_sm120a():
 
 @aot
 def test_aot_sm90a_default_configs():
-    """The configs the H200 benchmark runs by default compile for sm_90a (tensor-core ops present)."""
+    """The configs the H200 benchmark runs by default compile for sm_90a (tensor-core ops present), with either
+    dequantization."""
     from pd.kernels.mxfp4_moe import DEFAULT_CONFIGS
 
     for _, c in DEFAULT_CONFIGS:
         bm = c.get("BM", 16)
-        assert "mma" in _gate_up(c["gate_up"], 90, bm=bm, halves=c.get("gate_up_halves", False)).asm["ptx"]
-        assert "mma" in _down(c["down"], 90, bm=bm).asm["ptx"]
+        for deq in (0, 1):
+            assert "mma" in _gate_up(c["gate_up"], 90, bm=bm, halves=c.get("gate_up_halves", False),
+                                     split=c.get("split_gate_up", 1), deq=deq).asm["ptx"]
+            assert "mma" in _down(c["down"], 90, bm=bm, split=c.get("split_down", 1), deq=deq).asm["ptx"]
+
+
+@aot
+@pytest.mark.parametrize("cfg", _tile_configs(), ids=lambda c: f"n{c['BN']}k{c['BK']}w{c['num_warps']}s{c['num_stages']}")
+def test_aot_sm90a_bits_every_tile_config(cfg):
+    """The bits dequantization (the H200 path) for every tile config: the inline PTX is in, tensor-core ops, and
+    16-row blocks stay on mma.sync (wgmma would need the converted weights in shared memory)."""
+    for k in (_gate_up(cfg, 90, deq=1), _gate_up(cfg, 90, halves=True, deq=1), _down(cfg, 90, deq=1)):
+        ptx = k.asm["ptx"]
+        assert "mul.rn.bf16x2" in ptx and "min.u16x2" in ptx and "mma.sync" in ptx and "wgmma" not in ptx
+        assert k.metadata.shared <= 232448
+    big = dict(cfg, BK=128)
+    for k in (_gate_up(big, 90, bm=64, deq=1), _down(big, 90, bm=64, deq=1)):
+        assert "mma" in k.asm["ptx"] and k.metadata.shared <= 232448
+
+
+def _main_loop_sass_per_weight(kernel, weights_per_step: int, num_warps: int) -> float:
+    """SASS instructions of the kernel's longest backward-branch loop (the K loop) per weight per thread, from the
+    cuobjdump that ships with Triton."""
+    import re
+    import tempfile
+
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    lines = [m for m in (re.match(r"\s+/\*([0-9a-f]{4})\*/\s+(.*)", ln) for ln in sass.splitlines()) if m]
+    addr = [int(m.group(1), 16) for m in lines]
+    longest = 0
+    for i, m in enumerate(lines):
+        tgt = re.search(r"BRA\s.*0x([0-9a-f]+)\s*;", m.group(2))
+        if tgt and int(tgt.group(1), 16) in addr[:i]:
+            longest = max(longest, i - addr.index(int(tgt.group(1), 16)) + 1)
+    assert longest > 0, "no loop found"
+    return longest / (weights_per_step / (32 * num_warps))
+
+
+@aot
+def test_sm90a_bits_path_issues_fewer_instructions_than_dot_scaled():
+    """The point of the bits path: the K loop of both GEMM kernels (the T >= 16 default tiles) needs at most 3.8
+    SASS instructions per weight and at most 0.8x what tl.dot_scaled's emulation needs (measured with triton 3.9:
+    3.2-3.6 vs 5.0)."""
+    from pd.kernels.mxfp4_moe import DEFAULT_CONFIGS
+
+    c = DEFAULT_CONFIGS[1][1]
+    gu, dn = c["gate_up"], c["down"]
+    halves = c.get("gate_up_halves", False)
+    gu_w = (1 if halves else 2) * gu["BN"] * gu["BK"]
+    per_w = {deq: (_main_loop_sass_per_weight(_gate_up(gu, 90, halves=halves, deq=deq), gu_w, gu["num_warps"]),
+                   _main_loop_sass_per_weight(_down(dn, 90, deq=deq), dn["BN"] * dn["BK"], dn["num_warps"]))
+             for deq in (0, 1)}
+    for j in range(2):
+        assert per_w[1][j] <= 3.8, per_w
+        assert per_w[1][j] <= 0.8 * per_w[0][j], per_w
+
+
+# ---------------------------------------------------------------------------------------------------- bits dequant
+
+def _asm(name):
+    import pd.kernels.mxfp4_moe as mx
+
+    v = getattr(mx, name)
+    return getattr(v, "value", v)  # a tl.constexpr
+
+
+def _bf16_of(bits):
+    import numpy as np
+
+    return torch.from_numpy((bits & 0xFFFF).astype(np.int32)).to(torch.int16).view(torch.bfloat16).double()
+
+
+def test_ue8m0_factor_asm_is_two_to_the_s_minus_1_and_inf_past_128():
+    """The PTX that turns 4 scale bytes into bf16 factors 2**(s - 1), run by tests/ptx_emu.py on every byte in every
+    lane position; bytes > 128 (2**(s - 1) not a normal bf16) give +inf."""
+    import numpy as np
+    from ptx_emu import run_ptx
+
+    s = np.arange(256, dtype=np.uint32)
+    lanes = [s, (s + 77) % 256, (s + 151) % 256, (s + 203) % 256]  # every byte value in every position
+    word = lanes[0] | (lanes[1] << 8) | (lanes[2] << 16) | (lanes[3] << 24)
+    f01, f23 = run_ptx(_asm("_UE8M0_FACTOR_ASM"), {2: word}, 2)
+    for reg, (lo, hi) in ((f01, (0, 1)), (f23, (2, 3))):
+        for half, lane in ((reg, lo), (reg >> 16, hi)):
+            got = _bf16_of(half)
+            sb = torch.from_numpy(lanes[lane].astype(np.int64))
+            ok = sb <= 128
+            assert torch.equal(got[ok], torch.exp2(sb[ok].double() - 1))
+            assert torch.isinf(got[~ok]).all() and (got[~ok] > 0).all()
+
+
+@pytest.mark.parametrize("scales", [(0, 1), (1, 127), (113, 121), (124, 128)])
+def test_e2m1_bits_asm_matches_the_reference_dequantization(scales):
+    """The PTX that turns 4 packed bytes into even / odd bf16 pairs (times their factors), run by tests/ptx_emu.py
+    on all 65536 (b0, b1) pairs in both byte halves of the word, against dequantize_mxfp4: exact, subnormal
+    results (scale bytes 0, 1) included; the sign of -0 kept."""
+    import numpy as np
+    from ptx_emu import run_ptx
+
+    from pd.kernels.mxfp4_moe_reference import dequantize_mxfp4
+
+    b = np.arange(65536, dtype=np.uint32)
+    byte = [b & 0xFF, b >> 8, b >> 8, b & 0xFF]
+    word = byte[0] | (byte[1] << 8) | (byte[2] << 16) | (byte[3] << 24)
+    fac = [(s + 126) << 7 for s in scales]  # 2 ** (s - 1) as bf16 bits (what the factor asm makes)
+    f01 = np.full_like(word, fac[0] | (fac[0] << 16))
+    f23 = np.full_like(word, fac[1] | (fac[1] << 16))
+    e01, e23, o01, o23 = run_ptx(_asm("_E2M1_BITS_ASM"), {4: word, 5: f01, 6: f23}, 4)
+    for j in range(4):
+        sc = scales[j // 2]
+        packed = torch.from_numpy(byte[j].astype(np.uint8)).view(-1, 1).repeat(1, 16)
+        want = dequantize_mxfp4(packed, torch.full((packed.shape[0], 1), sc, dtype=torch.uint8), torch.float64)
+        even_reg, odd_reg = (e01, o01) if j < 2 else (e23, o23)
+        shift = 16 * (j % 2)
+        for reg, col in ((even_reg, 0), (odd_reg, 1)):
+            got = _bf16_of(reg >> shift)
+            assert torch.equal(got, want[:, col]), (j, col, sc)
+            assert torch.equal(torch.signbit(got), torch.signbit(want[:, col]))
+
+
+def test_e2m1_bits_asm_with_a_scale_past_128_is_never_finite():
+    import numpy as np
+    from ptx_emu import run_ptx
+
+    b = np.arange(256, dtype=np.uint32)
+    word = b | (b << 8) | (b << 16) | (b << 24)
+    inf = np.full_like(word, 0x7F807F80)  # the factor asm's answer for s > 128
+    for reg in run_ptx(_asm("_E2M1_BITS_ASM"), {4: word, 5: inf, 6: inf}, 4):
+        assert not torch.isfinite(_bf16_of(reg)).any() and not torch.isfinite(_bf16_of(reg >> 16)).any()
+
+
+def test_ptx_emulator_refuses_unknown_instructions():
+    import numpy as np
+    from ptx_emu import run_ptx
+
+    with pytest.raises(ValueError, match="not emulated"):
+        run_ptx("cvt.rn.bf16x2.f32 $0, $1, $2;", {1: np.zeros(1), 2: np.zeros(1)}, 1)
+
+
+def test_mxfp4_max_scale_byte():
+    from pd.kernels.mxfp4_moe import mxfp4_max_scale_byte
+
+    a = torch.tensor([[3, 120]], dtype=torch.uint8)
+    b = torch.tensor([129, 7], dtype=torch.uint8)
+    assert mxfp4_max_scale_byte(a) == 120 and mxfp4_max_scale_byte(a, b) == 129
+    if hasattr(torch, "float8_e8m0fnu"):
+        assert mxfp4_max_scale_byte(a.view(torch.float8_e8m0fnu)) == 120
+    with pytest.raises(ValueError, match="scales"):
+        mxfp4_max_scale_byte(torch.ones(2))
+    with pytest.raises(ValueError, match="scales"):
+        mxfp4_max_scale_byte()
+
+
+def test_dequant_choice(monkeypatch):
+    """auto: bits only on sm_90 with max_scale_byte <= 128; dot_scaled otherwise (sm_120 has the e2m1 cvt);
+    bits requested without a fitting max_scale_byte is an error."""
+    import pd.kernels.mxfp4_moe as mx
+
+    monkeypatch.setattr(mx, "_INTERPRET", False)
+    cc = {"cap": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: cc["cap"])
+    cuda = torch.device("cuda")
+    assert mx._dequant_mode("auto", 128, cuda) == mx.DEQ_BITS_ASM
+    assert mx._dequant_mode("auto", 129, cuda) == mx.DEQ_DOT_SCALED
+    assert mx._dequant_mode("auto", None, cuda) == mx.DEQ_DOT_SCALED
+    assert mx._dequant_mode("dot_scaled", 120, cuda) == mx.DEQ_DOT_SCALED
+    cc["cap"] = (12, 0)
+    assert mx._dequant_mode("auto", 120, cuda) == mx.DEQ_DOT_SCALED
+    assert mx._dequant_mode("bits", 120, cuda) == mx.DEQ_BITS_ASM
+    for bad in (None, 129):
+        with pytest.raises(ValueError, match="max_scale_byte"):
+            mx._dequant_mode("bits", bad, cuda)
+    monkeypatch.setattr(mx, "_INTERPRET", True)
+    assert mx._dequant_mode("bits", 120, torch.device("cpu")) == mx.DEQ_BITS_TL
+
+
+@pytest.mark.parametrize("kw, arg", [
+    (dict(max_scale_byte=255), "max_scale_byte"),
+    (dict(max_scale_byte=-1), "max_scale_byte"),
+    (dict(max_scale_byte=True), "max_scale_byte"),
+    (dict(max_scale_byte=120.0), "max_scale_byte"),
+    (dict(config=dict(path="pair", dequant="magic", gate_up=dict(BN=32, BK=256, num_warps=2, num_stages=3),
+                      down=dict(BN=32, BK=256, num_warps=2, num_stages=3))), "dequant"),
+    (dict(config=dict(path="pair", dequant="bits", gate_up=dict(BN=32, BK=256, num_warps=2, num_stages=3),
+                      down=dict(BN=32, BK=256, num_warps=2, num_stages=3)), max_scale_byte=130), "max_scale_byte"),
+])
+def test_bits_options_are_validated(kw, arg):
+    from pd.kernels.mxfp4_moe import fused_moe_mxfp4
+
+    with pytest.raises(ValueError, match=arg):
+        fused_moe_mxfp4(**_inputs(), **kw)

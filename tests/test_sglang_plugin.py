@@ -721,7 +721,8 @@ def test_our_moe_method_loads_like_sglang_and_calls_the_kernel(moe_world):
     out = m.apply(layer, dispatch)
     ((args, kw),) = moe_world.seen
     assert args == (hs, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv, tw, ti)
-    assert kw == {"swiglu_limit": 10.0} and torch.equal(out.hidden_states, hs * 2)
+    assert kw == {"swiglu_limit": 10.0, "max_scale_byte": int(exps13.max()) + 127}
+    assert torch.equal(out.hidden_states, hs * 2)
 
 
 def test_non_power_of_two_scales_are_refused_at_load(moe_world):

@@ -73,43 +73,68 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-SWEEP_TILES = [dict(c) for c in mx.TILE_CONFIGS if c["BN"] <= 64]
+# The default plans committed before the bits dequantization (benchmarks/results/mxfp4_moe_2026-11-30.md), run
+# with tl.dot_scaled: the "old" column of the side-by-side comparison.
+OLD_DEFAULTS = [
+    (48, dict(path="pair", BM=16, split_gate_up=2, split_down=2, dequant="dot_scaled",
+              gate_up=dict(BN=32, BK=256, num_warps=2, num_stages=3),
+              down=dict(BN=32, BK=256, num_warps=2, num_stages=3))),
+    (1024, dict(path="sorted", BM=16, split_gate_up=1, split_down=1, dequant="dot_scaled",
+                gate_up=dict(BN=32, BK=256, num_warps=2, num_stages=3),
+                down=dict(BN=64, BK=256, num_warps=2, num_stages=3))),
+]
+
+
+def old_default(num_pairs):
+    return next(cfg for bound, cfg in OLD_DEFAULTS if num_pairs <= bound)
+
+
+def _tile(bn, bk, w, st):
+    return dict(BN=bn, BK=bk, num_warps=w, num_stages=st)
 
 
 def variants(t):
-    """(name, config) pairs timed for T tokens: the default, then paths x K splits x tile configs (pair paths
-    only where they can win: tiny T), and gate/up in separate programs (``gate_up_halves``)."""
-    base = mx.default_config(t * K)
-    out = [("default", base)]
-    tile0 = dict(BN=32, BK=256, num_warps=2, num_stages=3)
-    tiles = [tile0] + [c for c in SWEEP_TILES if c != tile0]
+    """(name, config) pairs timed for T tokens: the default, the previous default (tl.dot_scaled), then paths x
+    K splits x tile configs for the bits dequantization (pair paths only where they can win: tiny T), and gate/up
+    in separate programs (``gate_up_halves``)."""
+    out = [("default", mx.default_config(t * K)), ("old_default_dot_scaled", old_default(t * K))]
 
-    def add(path, sg, sd, gu, dn, halves=False):
+    def add(path, sg, sd, gu, dn, halves=False, dequant="auto"):
         name = (f"{path}_s{sg}x{sd}{'_halves' if halves else ''}_gu{gu['BN']}k{gu['BK']}w{gu['num_warps']}"
-                f"s{gu['num_stages']}_dn{dn['BN']}k{dn['BK']}w{dn['num_warps']}s{dn['num_stages']}")
+                f"s{gu['num_stages']}_dn{dn['BN']}k{dn['BK']}w{dn['num_warps']}s{dn['num_stages']}"
+                f"{'' if dequant == 'auto' else '_' + dequant}")
         out.append((name, dict(path=path, BM=16, split_gate_up=sg, split_down=sd, gate_up_halves=halves,
-                               gate_up=gu, down=dn)))
+                               gate_up=gu, down=dn, dequant=dequant)))
 
+    t32, t64, t128 = _tile(32, 256, 2, 3), _tile(64, 128, 2, 3), _tile(128, 128, 2, 3)
+    t64s4, t128s4 = _tile(64, 128, 2, 4), _tile(128, 128, 2, 4)
     if t <= 4:
-        for sg, sd in [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (8, 1), (8, 2)]:
-            add("pair", sg, sd, tile0, tile0)
-        for c in tiles[1:]:
-            add("pair", 2, 2, c, tile0)
-            add("pair", 2, 2, tile0, c)
-        add("pair", 2, 2, tile0, tile0, halves=True)
-        add("pair", 4, 2, tile0, tile0, halves=True)
-        add("pair_token", 2, 1, tile0, dict(BN=16, BK=256, num_warps=1, num_stages=4))
-        add("sorted", 2, 2, tile0, tile0)
+        for sg, sd in [(8, 4), (4, 4), (8, 2), (8, 8), (4, 2), (2, 2)]:
+            add("pair", sg, sd, t64, t64, halves=True)
+        for gu in (t128, t64s4, _tile(128, 128, 4, 3), _tile(32, 128, 2, 4), _tile(32, 256, 2, 3)):
+            add("pair", 8, 4, gu, t64, halves=True)
+        for dn in (t128, t64s4, t32, _tile(64, 256, 2, 3), _tile(16, 256, 1, 4), _tile(128, 128, 4, 3)):
+            add("pair", 8, 4, t64, dn, halves=True)
+        for sg, sd in [(4, 4), (8, 4), (2, 2)]:
+            add("pair", sg, sd, t64, t64)
+        add("pair", 4, 2, t32, t32)
+        add("pair_token", 8, 1, t64, _tile(16, 256, 1, 4), halves=True)
+        add("pair_token", 8, 1, t64, _tile(32, 128, 2, 4), halves=True)
+        add("sorted", 8, 4, t64, t64, halves=True)
+        add("pair", 8, 4, t64, t64, halves=True, dequant="dot_scaled")
     else:
         paths = ("sorted", "pair", "pair_token") if t <= 16 else ("sorted",)
         for path in paths:
-            add(path, 1, 1, tile0, tile0)
-        for c in tiles[1:]:
-            add("sorted", 1, 1, c, tile0)
-            add("sorted", 1, 1, tile0, c)
-        for c in (tile0, dict(BN=64, BK=256, num_warps=2, num_stages=3), dict(BN=32, BK=128, num_warps=2,
-                                                                               num_stages=4)):
-            add("sorted", 1, 1, c, tile0, halves=True)
+            add(path, 1, 1, t64, t128, halves=True)
+        for gu in (t64s4, t128, _tile(128, 128, 4, 3), _tile(32, 128, 2, 4), _tile(64, 256, 2, 3), t32,
+                   _tile(64, 128, 4, 3)):
+            add("sorted", 1, 1, gu, t128, halves=True)
+        for dn in (t128s4, t64, t64s4, _tile(128, 128, 4, 3), _tile(64, 256, 2, 3)):
+            add("sorted", 1, 1, t64, dn, halves=True)
+        for gu in (t64, _tile(128, 128, 4, 3), t64s4, t32):
+            add("sorted", 1, 1, gu, t128)
+        add("sorted", 1, 1, t64s4, t128s4, halves=True)
+        add("sorted", 1, 1, t64, t128, halves=True, dequant="dot_scaled")
     return out
 
 
@@ -183,6 +208,7 @@ def baseline_moe(x, w13, s13, w2, s2, wts, ids, lut, chunk=16):
 
 def correctness(dev, weights, ts):
     w13, s13, w2, s2 = weights
+    msb = mx.mxfp4_max_scale_byte(s13, s2)
     torch.backends.cuda.matmul.allow_tf32 = False
     cases = []
     for t in ts:
@@ -190,7 +216,8 @@ def correctness(dev, weights, ts):
         ids[0, -1] = -1  # a skipped slot (expert on another rank)
         kinds, plans = set(), [("default", None)]
         for n, c in variants(t)[1:]:  # the first variant of each path / split / halves kind
-            kind = (c["path"], c["split_gate_up"] > 1, c["split_down"] > 1, c["gate_up_halves"])
+            kind = (c["path"], c["split_gate_up"] > 1, c["split_down"] > 1, c.get("gate_up_halves", False),
+                    c.get("dequant", "auto"))
             if kind not in kinds:
                 kinds.add(kind)
                 plans.append((n, c))
@@ -198,9 +225,10 @@ def correctness(dev, weights, ts):
         for name, cfg in plans:
             out = torch.full((t, H), float("nan"), dtype=torch.bfloat16, device=dev)
             mx.fused_moe_mxfp4(x, w13, s13, w2, s2, wts, ids.long() if name == "default" else ids,
-                               swiglu_limit=LIMIT, out=out, config=cfg)
+                               swiglu_limit=LIMIT, out=out, config=cfg, max_scale_byte=msb)
             torch.cuda.synchronize()
-            c = dict(T=t, plan=name, rel_err=rel(out, ref), nan=bool(torch.isnan(out).any()))
+            c = dict(T=t, plan=name, rel_err=rel(out, ref), nan=bool(torch.isnan(out).any()),
+                     dequant=(cfg or mx.default_config(t * K)).get("dequant", "auto"))
             c["ok"] = c["rel_err"] <= 4e-3 and not c["nan"]
             cases.append(c)
             print("correct", c, flush=True)
@@ -209,6 +237,7 @@ def correctness(dev, weights, ts):
 
 def timing(dev, weights, deadline, sweep, ts, save):
     w13, s13, w2, s2 = weights
+    msb = mx.mxfp4_max_scale_byte(s13, s2)
     lut = _lut_pairs(dev)
     rows = []
     for n_t, t in enumerate(ts):
@@ -221,14 +250,16 @@ def timing(dev, weights, deadline, sweep, ts, save):
 
         def call(cfg):
             return [lambda i=i: mx.fused_moe_mxfp4(sets[i][0], w13, s13, w2, s2, sets[i][2], sets[i][1],
-                                                   swiglu_limit=LIMIT, out=outs[i], config=cfg)
+                                                   swiglu_limit=LIMIT, out=outs[i], config=cfg, max_scale_byte=msb)
                     for i in range(ROT)]
 
         row["default_config"] = mx.default_config(t * K)
         row["ours_us"] = bench_graph(call(None), 60)
+        row["old_config"] = old_default(t * K)
+        row["old_us"] = bench_graph(call(row["old_config"]), 60)  # the previous default, same run
         # stages of the default plan (each timed alone over the same ROT sets; inputs from a full run)
-        plans = [mx._plan(sets[i][0], w13, s13, w2, s2, sets[i][2], sets[i][1], LIMIT, None, False, outs[i], None)
-                 for i in range(ROT)]
+        plans = [mx._plan(sets[i][0], w13, s13, w2, s2, sets[i][2], sets[i][1], LIMIT, None, False, outs[i], None,
+                          msb) for i in range(ROT)]
         for _, st in plans:
             for _, f in st:
                 f()
@@ -236,7 +267,7 @@ def timing(dev, weights, deadline, sweep, ts, save):
                             for j, (name, _) in enumerate(plans[0][1])}
         sw = {}
         if sweep:
-            for name, cfg in variants(t)[1:]:
+            for name, cfg in variants(t)[2:]:
                 if time.time() > t_deadline:
                     row["sweep_truncated"] = True
                     break
@@ -251,7 +282,7 @@ def timing(dev, weights, deadline, sweep, ts, save):
         row["best_variant"], row["best_us"] = best
         x, ids, wts = sets[0]
         b, row["baseline_impl"] = baseline_moe(x, w13, s13, w2, s2, wts, ids, lut)
-        o = mx.fused_moe_mxfp4(x, w13, s13, w2, s2, wts, ids, swiglu_limit=LIMIT)
+        o = mx.fused_moe_mxfp4(x, w13, s13, w2, s2, wts, ids, swiglu_limit=LIMIT, max_scale_byte=msb)
         row["baseline_vs_ours_rel"] = rel(o, b)
         row["baseline_us"] = triton.testing.do_bench(
             lambda: baseline_moe(x, w13, s13, w2, s2, wts, ids, lut), rep=120 if t < 64 else 250,
@@ -259,6 +290,8 @@ def timing(dev, weights, deadline, sweep, ts, save):
         rows.append(row)
         save()
         print("time", {k: v for k, v in row.items() if k != "sweep_us"}, flush=True)
+        ranked = sorted(((v, k) for k, v in good.items()))[:6]
+        print("fastest", t, [(k, round(v, 1)) for v, k in ranked], flush=True)
     return rows
 
 
@@ -267,8 +300,9 @@ def profile_once(t):
     dev = torch.device("cuda")
     w13, s13, w2, s2 = make_weights(dev)
     x, ids, wts = make_routing(t, dev, seed=5)
+    msb = mx.mxfp4_max_scale_byte(s13, s2)
     for _ in range(3):
-        mx.fused_moe_mxfp4(x, w13, s13, w2, s2, wts, ids, swiglu_limit=LIMIT)
+        mx.fused_moe_mxfp4(x, w13, s13, w2, s2, wts, ids, swiglu_limit=LIMIT, max_scale_byte=msb)
     torch.cuda.synchronize()
 
 
@@ -277,6 +311,9 @@ def _finish(res):
         r["floor_us_copy"] = r["floor_bytes"] / (res["copy_GBps"] * 1e9) * 1e6
         r["pct_floor_4p3"] = 100 * r["floor_us_4p3"] / r["ours_us"]
         r["pct_floor_4p3_best"] = 100 * r["floor_us_4p3"] / r["best_us"]
+        if "old_us" in r:
+            r["pct_floor_4p3_old"] = 100 * r["floor_us_4p3"] / r["old_us"]
+            r["speedup_vs_old"] = r["old_us"] / r["ours_us"]
         r["speedup_vs_baseline"] = r["baseline_us"] / r["ours_us"]
 
 
@@ -322,13 +359,14 @@ def main():
     res["timing"] = timing(dev, weights, t0 + args.budget, not args.no_sweep, ts, save)
     save()
     print(f"\n{res['device']}  copy {res['copy_GBps']:.0f} GB/s  correctness ok: {res.get('correct_all_ok')}")
-    print(f"{'T':>4} {'experts':>7} {'floor':>7} {'ours':>8} {'%floor':>6} {'best':>8} {'%':>5} {'baseline':>9} "
-          f"{'x':>6}  stages / best variant")
+    print(f"{'T':>4} {'experts':>7} {'floor':>7} {'ours':>8} {'%floor':>6} {'old':>8} {'%old':>5} {'best':>8} {'%':>5} "
+          f"{'baseline':>9} {'x':>6}  stages / best variant")
     for r in res["timing"]:
         st = " ".join(f"{k}={v:.1f}" for k, v in r["stages_us"].items())
         print(f"{r['T']:>4} {r['distinct_experts']:7.1f} {r['floor_us_4p3']:7.1f} {r['ours_us']:8.1f} "
-              f"{r['pct_floor_4p3']:6.1f} {r['best_us']:8.1f} {r['pct_floor_4p3_best']:5.1f} {r['baseline_us']:9.1f} "
-              f"{r['speedup_vs_baseline']:6.1f}  {st} / {r['best_variant']}")
+              f"{r['pct_floor_4p3']:6.1f} {r['old_us']:8.1f} {r['pct_floor_4p3_old']:5.1f} {r['best_us']:8.1f} "
+              f"{r['pct_floor_4p3_best']:5.1f} {r['baseline_us']:9.1f} {r['speedup_vs_baseline']:6.1f}  {st} / "
+              f"{r['best_variant']}")
     print("wrote", path)
 
 

@@ -1,0 +1,118 @@
+"""SASS instructions per weight in the K loop of pd.kernels.mxfp4_moe's GEMM kernels, tl.dot_scaled vs the bits
+dequantization, from an sm_90a ahead-of-time build with whatever Triton is installed (no GPU needed).
+
+  python benchmarks/kernels/mxfp4_moe_sass.py [--json FILE]
+
+For each default tile config (DeepSeek-V4 shapes: H = 4096, I = 2048, top-6; 16-row blocks): compiles
+``_gate_up_kernel`` and ``_down_kernel`` with DEQ = 0 (dot_scaled) and 1 (bits), disassembles the cubin with the
+cuobjdump that ships with Triton, takes the longest loop (the K loop) and divides its instruction count by the
+weights one thread handles per iteration (BN x BK x (2 for fused gate/up) / (32 x num_warps)). Also prints the
+registers per thread (cuobjdump -res-usage), which set the blocks per SM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+try:
+    from pd.kernels import mxfp4_moe as mx
+except ImportError:  # a checkout without `pip install -e .` (the device image)
+    _kdir = os.path.join(os.path.dirname(__file__), "..", "..", "kernels")
+    _spec = importlib.util.spec_from_file_location("pd_kernels", os.path.join(_kdir, "__init__.py"),
+                                                   submodule_search_locations=[_kdir])
+    _pkg = importlib.util.module_from_spec(_spec)
+    sys.modules["pd_kernels"] = _pkg
+    _spec.loader.exec_module(_pkg)
+    from pd_kernels import mxfp4_moe as mx
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+GU_SIG = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "*i32", "sorted_ptr": "*i32",
+          "blk_exp_ptr": "*i32", "nblk_ptr": "*i32", "h_ptr": "*bf16", "part_ptr": "*fp32", "stride_xt": "i32",
+          "limit": "fp32", "P": "i32", "E": "i32"}
+DN_SIG = {"h_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "*i32", "tw_ptr": "*fp32",
+          "sorted_ptr": "*i32", "blk_exp_ptr": "*i32", "nblk_ptr": "*i32", "y_ptr": "*fp32", "out_ptr": "*bf16",
+          "stride_ot": "i32", "scaling": "fp32", "P": "i32", "E": "i32"}
+DIMS = dict(H=4096, I=2048, TOPK=6, ROUND=False)
+
+
+def compile_sm90a(fn, sig, const, tile, stride_arg):
+    aligned = [n for n, ty in sig.items() if ty.startswith("*")] + [stride_arg]
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    src = ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in const}), constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=tile["num_warps"], num_stages=tile["num_stages"]))
+
+
+def loop_stats(cubin: bytes):
+    """(instructions in the longest backward-branch loop, registers per thread)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    lines = [m for m in (re.match(r"\s+/\*([0-9a-f]{4})\*/\s+(.*)", ln) for ln in sass.splitlines()) if m]
+    addr = [int(m.group(1), 16) for m in lines]
+    longest = 0
+    for i, m in enumerate(lines):
+        tgt = re.search(r"BRA\s.*0x([0-9a-f]+)\s*;", m.group(2))
+        if tgt and int(tgt.group(1), 16) in addr[:i]:
+            longest = max(longest, i - addr.index(int(tgt.group(1), 16)) + 1)
+    regs = re.search(r"REG:(\d+)", res)
+    return longest, int(regs.group(1)) if regs else None
+
+
+def measure():
+    rows = []
+    seen = set()
+    for bound, cfg in mx.DEFAULT_CONFIGS:
+        if cfg.get("BM", 16) != 16:
+            continue
+        halves = cfg.get("gate_up_halves", False)
+        for kind, tile in (("gate_up", cfg["gate_up"]), ("down", cfg["down"])):
+            key = (kind, halves if kind == "gate_up" else None, tuple(sorted(tile.items())))
+            if key in seen:
+                continue
+            seen.add(key)
+            for deq, name in ((0, "dot_scaled"), (1, "bits")):
+                if kind == "gate_up":
+                    const = dict(DIMS, SORTED=True, HAS_LIMIT=True, UP_FIRST=False, SPLIT=1, HALVES=halves, BM=16,
+                                 BN=tile["BN"], BK=tile["BK"], DEQ=deq)
+                    k = compile_sm90a(mx._gate_up_kernel, GU_SIG, const, tile, "stride_xt")
+                    weights = (1 if halves else 2) * tile["BN"] * tile["BK"]
+                else:
+                    const = dict(DIMS, MODE=0, SPLIT=1, BM=16, BN=tile["BN"], BK=tile["BK"], DEQ=deq)
+                    k = compile_sm90a(mx._down_kernel, DN_SIG, const, tile, "stride_ot")
+                    weights = tile["BN"] * tile["BK"]
+                n, regs = loop_stats(k.asm["cubin"])
+                per_thread = weights / (32 * tile["num_warps"])
+                rows.append(dict(kernel=kind, halves=halves if kind == "gate_up" else None, tile=tile, dequant=name,
+                                 loop_sass=n, weights_per_thread=per_thread, sass_per_weight=n / per_thread,
+                                 regs=regs, ptx_mul_bf16x2=k.asm["ptx"].count("mul.rn.bf16x2")))
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rows = measure()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(triton=triton.__version__, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
