@@ -420,17 +420,17 @@ BITS_MAX_SCALE_BYTE = 128  # 2 ** (s - 1) must be a normal bf16
 #   (+ align kernel: each routed expert read once per BM rows); split_*: K splits for more programs at tiny T
 #   (gate/up partials finished by _swiglu_kernel, down partials summed by _topk_sum_kernel).
 # From the H200 sweeps (benchmarks/results/mxfp4_moe_2026-11-30.md, tl.dot_scaled, and _2026-11-30-s3.md, the bits
-# dequantization): T = 1 pair with 8 x 4 K splits and gate/up in separate 64-column programs (many short programs:
-# the 6 experts' rows spread over every SM); T = 16, 64, 128 sorted with gate/up in separate 64-column programs
-# (128 registers, 8 blocks per SM) and 128-column down programs (the pair paths 1.1x slower at T = 16, 1.7-2.7x at
-# 64-128, where experts are shared). The switch at P = 48 (T = 8 for top-6) is not measured: there a pair re-reads
-# ~8% shared experts (from L2) vs the sorted path's extra launch.
+# dequantization): T = 1 pair with 4 x 2 K splits and gate/up in separate 64-column programs (1.03x over 8 x 4,
+# within noise of 2 x 2); T = 16, 64, 128 sorted with gate/up in separate 64-column programs (BK 256, one
+# accumulator each) and 128-column down programs: the fastest of 21-23 plans at each of the three (the pair paths 1.1x slower at T = 16, 1.7-2.7x at 64-128, where
+# experts are shared). The switch at P = 48 (T = 8 for top-6) is not measured: there a pair re-reads ~8% shared
+# experts (from L2) vs the sorted path's extra launch.
 DEFAULT_CONFIGS = [
-    (48, dict(path="pair", BM=16, split_gate_up=8, split_down=4, gate_up_halves=True,
+    (48, dict(path="pair", BM=16, split_gate_up=4, split_down=2, gate_up_halves=True,
               gate_up=dict(BN=64, BK=128, num_warps=2, num_stages=3),
               down=dict(BN=64, BK=128, num_warps=2, num_stages=3))),
     (1024, dict(path="sorted", BM=16, split_gate_up=1, split_down=1, gate_up_halves=True,
-                gate_up=dict(BN=64, BK=128, num_warps=2, num_stages=3),
+                gate_up=dict(BN=64, BK=256, num_warps=2, num_stages=3),
                 down=dict(BN=128, BK=128, num_warps=2, num_stages=3))),
     (math.inf, dict(path="sorted", BM=64, split_gate_up=1, split_down=1,
                     gate_up=dict(BN=64, BK=128, num_warps=4, num_stages=3),
