@@ -15,8 +15,8 @@ Kernels (weights are never dequantized in memory):
     dequantizations (``_mx_dot``): ``tl.dot_scaled(x, None, "bf16", w, scale, "e2m1")`` (Triton's emulation: a
     PRMT lookup table per 8 values, or the cvt instruction Triton emits for sm_120, then a multiply by the bf16
     ``2 ** (scale - 127)``), or on sm_90 the "bits" dequantization (``_E2M1_BITS_ASM``: bit arithmetic on packed
-    32-bit words, ~2.25 SASS instructions per weight instead of ~4.8; needs every scale <= 2, which the caller
-    states with ``max_scale_byte``). The epilogue rounds gate/up to bf16, clamps, applies SiLU(gate) * up and
+    32-bit words; the K loop takes ~3.3-3.65 SASS instructions per weight instead of ~4.6-5.0; needs every scale
+    <= 2, which the caller states with ``max_scale_byte``). The epilogue rounds gate/up to bf16, clamps, applies SiLU(gate) * up and
     stores h (bf16).
   * ``_down_kernel``: the same over K = I for the down projection; multiplies by the routing weight and either
     stores the per-pair rows (fp32) for ``_topk_sum_kernel``, or (``pair_token`` path) loops over a token's k
@@ -60,8 +60,9 @@ def _to_bf16_f32(x, ROUND: tl.constexpr):
 
 
 # ------------------------------------------------------------------------------------- e2m1 -> bf16 in registers
-# sm_90 has no e2m1 conversion instruction and no bf16 x e2m1 tensor-core op; tl.dot_scaled's emulation spends
-# ~4.8 SASS instructions per weight (PRMT lookup tables). The "bits" dequantization below spends ~2.25: a nibble
+# sm_90 has no e2m1 conversion instruction and no bf16 x e2m1 tensor-core op; with tl.dot_scaled's emulation (PRMT
+# lookup tables) the K loop takes ~4.6-5.0 SASS instructions per weight, with the "bits" dequantization below
+# ~3.3-3.65, of which the conversion and scaling are 2.25 (benchmarks/kernels/mxfp4_moe_sass.py). A nibble
 # s e1 e0 m is moved so that s lands on the bf16 sign bit and e1 e0 m on the two lowest exponent bits and the top
 # mantissa bit; that bf16 is exactly e2m1 * 2**-126 (code 1, E = 0, is the bf16 subnormal 0.5 * 2**-126), and one
 # bf16 multiply by 2**(s - 1) = 2**126 * 2**(s - 127) applies the UE8M0 scale exactly. 2**(s - 1) is a normal
