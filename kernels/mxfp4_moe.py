@@ -406,7 +406,7 @@ def _topk_sum_kernel(y_ptr, ids_ptr, out_ptr, stride_ot, P, E, H: tl.constexpr, 
 TILE_CONFIGS = [
     dict(BN=BN, BK=BK, num_warps=w, num_stages=st)
     for BN, BK, w, st in [(16, 256, 1, 4), (32, 256, 2, 3), (32, 128, 2, 4), (64, 256, 2, 3), (64, 128, 4, 3),
-                          (128, 128, 4, 3), (64, 128, 2, 3), (64, 128, 2, 4), (128, 128, 2, 3), (128, 128, 2, 4)]
+                          (128, 128, 4, 3), (64, 128, 2, 3), (64, 128, 2, 4), (128, 128, 2, 3)]
 ]
 BM_CHOICES = (16, 32, 64)
 SPLIT_CHOICES = (1, 2, 4, 8)

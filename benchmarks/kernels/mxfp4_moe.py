@@ -107,7 +107,7 @@ def variants(t):
                                gate_up=gu, down=dn, dequant=dequant)))
 
     t32, t64, t128 = _tile(32, 256, 2, 3), _tile(64, 128, 2, 3), _tile(128, 128, 2, 3)
-    t64s4, t128s4 = _tile(64, 128, 2, 4), _tile(128, 128, 2, 4)
+    t64s4 = _tile(64, 128, 2, 4)
     if t <= 4:
         for sg, sd in [(8, 4), (4, 4), (8, 2), (8, 8), (4, 2), (2, 2)]:
             add("pair", sg, sd, t64, t64, halves=True)
@@ -129,11 +129,10 @@ def variants(t):
         for gu in (t64s4, t128, _tile(128, 128, 4, 3), _tile(32, 128, 2, 4), _tile(64, 256, 2, 3), t32,
                    _tile(64, 128, 4, 3)):
             add("sorted", 1, 1, gu, t128, halves=True)
-        for dn in (t128s4, t64, t64s4, _tile(128, 128, 4, 3), _tile(64, 256, 2, 3)):
+        for dn in (t64, t64s4, _tile(128, 128, 4, 3), _tile(64, 256, 2, 3)):
             add("sorted", 1, 1, t64, dn, halves=True)
         for gu in (t64, _tile(128, 128, 4, 3), t64s4, t32):
             add("sorted", 1, 1, gu, t128)
-        add("sorted", 1, 1, t64s4, t128s4, halves=True)
         add("sorted", 1, 1, t64, t128, halves=True, dequant="dot_scaled")
     return out
 
