@@ -18,23 +18,28 @@ nothing past a request's length is read, scored or sorted.
    several launches): ``q . k^T`` with one ``tl.dot`` (bf16 x bf16, or fp8 x fp8 for an fp8 query; mma.sync on
    sm_120, wgmma on sm_90), then ``sum_h relu(.) * w_h * scale_k`` per token. Key tiles are either loaded as fp8
    and software-pipelined by Triton (asynchronous copies, ``num_stages``) or loaded packed as int32 with a hand
-   prefetch of the next tile (``SCORE_CONFIGS``). It stores the fp32 scores, per group of ``GROUP`` = 8 positions
-   their max, and counts each group max into a per-row histogram of the top 12 bits of its order key (4096
-   1/8-binade bins; relaxed atomics). Requests whose longest query token sees <= topk positions are skipped.
-2. ``_select_topk_kernel``, grid (B * S): exact top-k of one query token's live scores, on order-preserving int32
-   keys of the fp32 scores. (a) From the histogram: the low edge ``t0`` of the bin holding the topk-th largest
-   group max. >= topk groups, hence >= topk distinct positions, reach t0, so t0 <= the topk-th largest score
-   (read, then zeroed for the next call). Rows of <= topk groups (<= 8 * topk positions) count their scores
-   instead, which bounds the topk-th score directly. (b) Candidate groups (max >= t0), then their positions with
-   score >= t0 and those keys, compacted in position order: every position that can be selected, ~topk of them
-   (at 32K three dependent memory round trips: the histogram with the first group-max tile, the candidate list,
-   the gather). (c) The exact threshold T among those by radix select in registers (8 bits a pass,
-   ``tl.histogram``); keys > T are taken and keys == T fill the rest in position order. Set-equal to
-   ``torch.topk`` up to ties. Fallbacks keep it exact on any input, streamed from memory: more candidate groups
-   than ``candidate_capacity`` (mass ties) -> the whole live row; more candidate positions than the register tile
-   -> the candidate list; fewer than topk positions >= t0 (only a stale histogram, e.g. a workspace that skipped a
-   select) -> the whole row. Each query token's select is a few dependent block-wide passes over ~topk-sized
-   tiles, independent of the max context.
+   prefetch of the next tile (``SCORE_CONFIGS``; sm_90 fp8 x fp8 is wgmma e4m3, sm_120 mma.sync e4m3). It stores
+   the fp32 scores, per group of ``GROUP`` = 8 positions their max, and counts each group max into a per-row
+   histogram of the top 12 bits of its order key (4096 1/8-binade bins; relaxed atomics). Requests whose longest
+   query token sees <= topk positions are skipped.
+2. ``_select_topk_kernel``, grid (B * S, nsel): exact top-k of one query token's live scores, on order-preserving
+   int32 keys of the fp32 scores, split over nsel <= ``SELECT_SPLIT`` programs per query token (slices of its
+   group maxima; ~``SELECT_PROGRAMS`` programs in all, so a small batch still fills the GPU). Every program:
+   (a) from the histogram, the low edge ``t0`` of the bin holding the topk-th largest group max. >= topk groups,
+   hence >= topk distinct positions, reach t0, so t0 <= the topk-th largest score. Rows of <= topk groups
+   (<= 8 * topk positions) count their scores instead, which bounds the topk-th score directly. (b) Its slice's
+   positions with score >= t0 (only groups whose max reaches t0 are read) and their keys, compacted in position
+   order into its own candidate list (fixed slots in the workspace; no atomics, so the order is deterministic).
+   (c) A ticket (acq_rel atomic counter per query token, reset by its last user): the last slice to finish
+   gathers all slices' lists (every position that can be selected, ~topk of them), zeroes the histogram for the
+   next call, finds the exact threshold T among them in registers (``SELECT_SEARCH``: an 8-way count search, one
+   block-wide reduction a step, or radix select, ``tl.histogram``) and takes keys > T, then keys == T in position
+   order. Set-equal to ``torch.topk`` up to
+   ties. Fallbacks keep it exact on any input, streamed from memory over the whole live row: more candidates than
+   the register tile (``candidate_capacity``; mass ties) or fewer than topk (only a stale histogram, e.g. a
+   workspace that skipped a select). At 32K a query token's select is three dependent memory round trips in
+   parallel programs (histogram with the first group-max tile, the score gather, the candidate lists) and a few
+   block-wide passes over ~topk-sized register tiles, independent of the max context.
 """
 
 from __future__ import annotations
@@ -154,7 +159,7 @@ def _hist_bin(key, NB: tl.constexpr, SHIFT: tl.constexpr):
 def _score_tile(kf, ksc, q, w, t, lens, l_max, rows, so, S, score_ptr, gmax_ptr, hist_ptr, max_len, ng_buf,
                 hist_ok, topk, S_P2: tl.constexpr, H: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
                 Q_FP8: tl.constexpr, DOT_F32: tl.constexpr, TOKENS_M: tl.constexpr, DOT_PREC: tl.constexpr,
-                NB: tl.constexpr, SHIFT: tl.constexpr):
+                NB: tl.constexpr, SHIFT: tl.constexpr, PROBE: tl.constexpr = 0):
     """Scores of one key tile (fp8 [BLOCK_N, 128] + scales) for the stacked queries: stores them and their group
     maxima, and counts the maxima (or, for rows of <= topk groups, the scores) into the per-row histogram the select
     kernel reads its first bound from."""
@@ -174,21 +179,26 @@ def _score_tile(kf, ksc, q, w, t, lens, l_max, rows, so, S, score_ptr, gmax_ptr,
         sc = tl.sum(x, 1) * ksc[None, :]
     pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
     sc = tl.where(pos[None, :] < lens[:, None], sc, float("-inf"))
+    if PROBE >= 2:  # benchmark probe: no stores (a runtime-false mask keeps the math)
+        l_st = tl.where(l_max < 0, l_max, 0)
+    else:
+        l_st = l_max
     tl.store(score_ptr + rows[:, None] * max_len + pos[None, :], sc,
-             mask=(so < S)[:, None] & (pos < l_max)[None, :])
+             mask=(so < S)[:, None] & (pos < l_st)[None, :])
     gm = tl.max(tl.reshape(sc, [S_P2, BLOCK_N // G, G]), 2)
     go = t * (BLOCK_N // G) + tl.arange(0, BLOCK_N // G)
     tl.store(gmax_ptr + rows[:, None] * ng_buf + go[None, :], gm,
-             mask=(so < S)[:, None] & (go * G < l_max)[None, :])
+             mask=(so < S)[:, None] & (go * G < l_st)[None, :])
     # the select's first bound: rows of more than topk groups count their group maxima, shorter rows (<= topk
     # groups, > topk positions) their scores
-    many = tl.cdiv(lens, G) > topk
-    hb = _hist_bin(_order_key(gm), NB, SHIFT)
-    tl.atomic_add(hist_ptr + rows[:, None] * NB + hb, tl.full(hb.shape, 1, tl.int32),
-                  mask=(hist_ok & many)[:, None] & (go * G < lens[:, None]), sem="relaxed")
-    hs = _hist_bin(_order_key(sc), NB, SHIFT)
-    tl.atomic_add(hist_ptr + rows[:, None] * NB + hs, tl.full(hs.shape, 1, tl.int32),
-                  mask=(hist_ok & ~many)[:, None] & (pos[None, :] < lens[:, None]), sem="relaxed")
+    if PROBE == 0:  # benchmark probe >= 1: no histogram atomics
+        many = tl.cdiv(lens, G) > topk
+        hb = _hist_bin(_order_key(gm), NB, SHIFT)
+        tl.atomic_add(hist_ptr + rows[:, None] * NB + hb, tl.full(hb.shape, 1, tl.int32),
+                      mask=(hist_ok & many)[:, None] & (go * G < lens[:, None]), sem="relaxed")
+        hs = _hist_bin(_order_key(sc), NB, SHIFT)
+        tl.atomic_add(hist_ptr + rows[:, None] * NB + hs, tl.full(hs.shape, 1, tl.int32),
+                      mask=(hist_ok & ~many)[:, None] & (pos[None, :] < lens[:, None]), sem="relaxed")
 
 
 @triton.jit
@@ -200,7 +210,7 @@ def _index_scores_kernel(
     G: tl.constexpr, LEN_2D: tl.constexpr, HAS_QS: tl.constexpr, Q_FP8: tl.constexpr, MIN_TILES: tl.constexpr,
     DOT_F32: tl.constexpr, TOKENS_M: tl.constexpr = True, PREFETCH: tl.constexpr = True,
     DOT_PREC: tl.constexpr = "tf32", KEYS: tl.constexpr = "fp8", NB: tl.constexpr = 4096,
-    SHIFT: tl.constexpr = 20,
+    SHIFT: tl.constexpr = 20, PROBE: tl.constexpr = 0,
 ):
     # this launch scores query tokens s0 .. s0 + S - 1 (S <= 4) of the S_ALL per request
     b = tl.program_id(0)
@@ -231,7 +241,8 @@ def _index_scores_kernel(
                 ksc_next = _load_k_scales(ks_ptr, bt_row, t + 1, t_end, l_max, PAGE, BLOCK_N)
                 kf = _load_k_fp8(k8_ptr, bt_row, t, l_max, PAGE, BLOCK_N)
                 _score_tile(kf, ksc, q, w, t, lens, l_max, rows, so, S, score_ptr, gmax_ptr, hist_ptr, max_len,
-                            ng_buf, hist_ok, topk, S_P2, H, BLOCK_N, G, Q_FP8, DOT_F32, TOKENS_M, DOT_PREC, NB, SHIFT)
+                            ng_buf, hist_ok, topk, S_P2, H, BLOCK_N, G, Q_FP8, DOT_F32, TOKENS_M, DOT_PREC, NB, SHIFT,
+                            PROBE)
         else:  # packed int32 tiles, hand-pipelined: the gather of tile t + 1 is in flight while t is scored
             if PREFETCH:
                 k, ksc = _load_k_packed(kc32_ptr, ks_ptr, bt_row, t_begin, t_end, l_max, PAGE, BLOCK_N)
@@ -244,7 +255,7 @@ def _index_scores_kernel(
                     cur_k, cur_ksc = _load_k_packed(kc32_ptr, ks_ptr, bt_row, t, t_end, l_max, PAGE, BLOCK_N)
                 _score_tile(_unpack_fp8(cur_k, BLOCK_N), cur_ksc, q, w, t, lens, l_max, rows, so, S, score_ptr,
                             gmax_ptr, hist_ptr, max_len, ng_buf, hist_ok, topk, S_P2, H, BLOCK_N, G, Q_FP8, DOT_F32,
-                            TOKENS_M, DOT_PREC, NB, SHIFT)
+                            TOKENS_M, DOT_PREC, NB, SHIFT, PROBE)
 
 
 @triton.jit
@@ -329,6 +340,55 @@ def _kth_largest_radix(keys, valid, k, RADIX: tl.constexpr):
 
 
 @triton.jit
+def _add2(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _minmax(a0, b0, a1, b1):
+    return tl.minimum(a0, a1), tl.maximum(b0, b1)
+
+
+@triton.jit
+def _kth_largest_count(keys, valid, k):
+    """As _kth_largest_radix, by an 8-way search on the key range: each step counts the keys at or above 7
+    thresholds in one block-wide reduction (16-bit fields of two int64 sums; at most MAX_TILE_P keys) and keeps the
+    eighth of the range that holds the answer (~8 steps for the ~24-bit ranges of ~topk candidates). A step is one
+    reduction, where a radix pass is a block-wide histogram, a scan and two reductions."""
+    lo, hi = tl.reduce((tl.where(valid, keys, 2147483647), tl.where(valid, keys, -2147483648)), 0, _minmax)
+    lo = lo.to(tl.int64)
+    hi = hi.to(tl.int64)
+    kv = keys.to(tl.int64)
+    while lo < hi:
+        step = (hi - lo + 7) // 8
+        a = tl.zeros(keys.shape, tl.int64)
+        c = tl.zeros(keys.shape, tl.int64)
+        for i in tl.static_range(1, 5):
+            a += (kv >= tl.minimum(lo + i * step, hi)).to(tl.int64) << (16 * (i - 1))
+        for i in tl.static_range(5, 8):
+            c += (kv >= tl.minimum(lo + i * step, hi)).to(tl.int64) << (16 * (i - 5))
+        sa, sc = tl.reduce((tl.where(valid, a, 0), tl.where(valid, c, 0)), 0, _add2)
+        # the largest i with #(>= m_i) >= k (m_0 = lo qualifies by the invariant) bounds the answer to
+        # [m_i, m_{i+1} - 1]; counts fall as i grows, so the last qualifying i wins
+        new_lo = lo
+        new_hi = tl.minimum(lo + step, hi) - 1
+        for i in tl.static_range(1, 8):
+            if i < 5:
+                cnt = (sa >> (16 * (i - 1))) & 0xFFFF
+            else:
+                cnt = (sc >> (16 * (i - 5))) & 0xFFFF
+            ok = cnt >= k
+            new_lo = tl.where(ok, tl.minimum(lo + i * step, hi), new_lo)
+            if i < 7:
+                new_hi = tl.where(ok, tl.minimum(lo + (i + 1) * step, hi) - 1, new_hi)
+            else:
+                new_hi = tl.where(ok, hi, new_hi)
+        lo = new_lo
+        hi = new_hi
+    return lo.to(tl.int32)
+
+
+@triton.jit
 def _stream_keys(srow, idx_ptr, i0, n, INDIRECT: tl.constexpr, TILE: tl.constexpr):
     """Order keys, mask and positions of items i0 .. i0 + TILE - 1 of a streamed list: row positions i
     (INDIRECT False) or the positions stored at idx_ptr[i]."""
@@ -396,94 +456,113 @@ def _select_streamed(srow, idx_ptr, n, topk, out_row, INDIRECT: tl.constexpr, TI
 
 @triton.jit
 def _select_topk_kernel(
-    score_ptr, gmax_ptr, hist_ptr, scr_ptr, len_ptr, out_ptr,
+    score_ptr, gmax_ptr, hist_ptr, tick_ptr, scr_ptr, len_ptr, out_ptr,
     S, max_len, stride_row, ng_buf, topk,
-    LEN_2D: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, SHIFT: tl.constexpr, CAP_G: tl.constexpr,
-    CAP_P: tl.constexpr, TG: tl.constexpr, TC: tl.constexpr, TILE: tl.constexpr, RADIX: tl.constexpr,
-    CLEAR_HIST: tl.constexpr,
+    LEN_2D: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, SHIFT: tl.constexpr, NSEL: tl.constexpr,
+    CAP: tl.constexpr, CAP_P: tl.constexpr, TGS: tl.constexpr, TILE: tl.constexpr, RADIX: tl.constexpr,
+    CLEAR_HIST: tl.constexpr, PROBE: tl.constexpr = 0, SEARCH: tl.constexpr = "count",
 ):
+    # program (r, j): slice j of query row r's group maxima (whole tiles of TGS groups, spread over the grid's
+    # nsel <= NSEL programs per row); the last active program of the row to finish does the row's final selection.
+    # PROBE (benchmark only, wrong output): 1 stops after the bound t0, 2 before the final threshold search.
     r = tl.program_id(0)
+    j = tl.program_id(1)
+    nsel = tl.num_programs(1)
     b = r // S
     s = r % S
     ln = _row_len(len_ptr, b, s, S, max_len, LEN_2D)
     r64 = r.to(tl.int64)
     out_row = out_ptr + r64 * topk
+    ng = tl.cdiv(ln, G)
+    n_gt = tl.cdiv(ng, TGS)
+    per = tl.maximum(tl.cdiv(n_gt, nsel), 1)
+    n_act = tl.cdiv(n_gt, per)  # programs with group tiles; the others only write short rows or exit
     if ln <= topk:
-        # every live position, then -1 (no scores were computed for such rows)
-        for o in range(0, topk, TILE):
-            idx = o + tl.arange(0, TILE)
-            tl.store(out_row + idx, tl.where(idx < ln, idx, -1), mask=idx < topk)
-    else:
+        if j == 0:  # every live position, then -1 (no scores were computed for such rows)
+            for o in range(0, topk, TILE):
+                idx = o + tl.arange(0, TILE)
+                tl.store(out_row + idx, tl.where(idx < ln, idx, -1), mask=idx < topk)
+    elif j < n_act:
         srow = score_ptr + r64 * stride_row
         grow = gmax_ptr + r64 * ng_buf
-        gid_row = scr_ptr + r64 * (CAP_G * (2 * G + 1))  # candidate groups [CAP_G]; positions, keys [CAP_G * G]
-        pos_row = gid_row + CAP_G
-        key_row = pos_row + CAP_G * G
-        ng = tl.cdiv(ln, G)
-        # the first tile of group maxima is requested before the histogram, so the two loads overlap
-        go = tl.arange(0, TG)
-        gm = go < ng
-        gk = _order_key(tl.load(grow + go, mask=gm, other=0.0))
+        crow = scr_ptr + r64 * (NSEL * (2 * CAP + 1))  # positions [NSEL, CAP], keys [NSEL, CAP], counts [NSEL]
+        pos_blk = crow
+        key_blk = crow + NSEL * CAP
+        cnt_ptr = crow + 2 * NSEL * CAP
+        tick = tick_ptr + r64
+        g_begin = j * per * TGS
+        g_end = tl.minimum(g_begin + per * TGS, ng)
+        # this slice's first tile of group maxima is requested before the histogram, so the two loads overlap
+        go = g_begin + tl.arange(0, TGS)
+        gk = _order_key(tl.load(grow + go, mask=go < g_end, other=0.0))
         # 1) t0 <= the topk-th largest score: the low edge of the histogram bin holding the topk-th largest count
-        #    (group maxima: >= topk groups, hence distinct positions, reach it; short rows count the scores).
-        #    Read, then zeroed for the next call.
+        #    (group maxima: >= topk groups, hence distinct positions, reach it; short rows count the scores)
         bins = tl.arange(0, NB)
         hrow = hist_ptr + r64 * NB
         h = tl.load(hrow + bins, cache_modifier=".cg")
-        if CLEAR_HIST:
-            tl.store(hrow + bins, tl.zeros([NB], tl.int32))
         c_ge = tl.cumsum(h, 0, reverse=True)
         t0 = ((tl.max(tl.where(c_ge >= topk, bins, 0), 0) - NB // 2) << SHIFT).to(tl.int32)
-        # 2) candidate groups (max >= t0), ascending
-        f = gm & (gk >= t0)
-        slot = tl.cumsum(f.to(tl.int32), 0) - 1
-        tl.store(gid_row + slot, go, mask=f & (slot < CAP_G))
-        n_cand = tl.sum(f.to(tl.int32), 0)
-        for g0 in range(TG, ng, TG):
-            go_t = g0 + tl.arange(0, TG)
-            gm_t = go_t < ng
-            f_t = gm_t & (_order_key(tl.load(grow + go_t, mask=gm_t, other=0.0)) >= t0)
-            slot_t = n_cand + tl.cumsum(f_t.to(tl.int32), 0) - 1
-            tl.store(gid_row + slot_t, go_t, mask=f_t & (slot_t < CAP_G))
-            n_cand += tl.sum(f_t.to(tl.int32), 0)
-        if n_cand <= CAP_G:
-            tl.debug_barrier()  # the list is re-read by other threads of this program
-            # 3) their positions with score >= t0 and those keys, ascending: every position that can be selected
-            n_pos = tl.zeros([], tl.int32)
-            for c0 in range(0, n_cand, TC):
-                ci = c0 + tl.arange(0, TC)
-                cm = ci < n_cand
-                gid = tl.load(gid_row + ci, mask=cm, other=0, cache_modifier=".cg")
-                cp = tl.reshape(gid[:, None] * G + tl.arange(0, G)[None, :], [TC * G])
-                cv = tl.reshape(cm[:, None] & (tl.arange(0, G) < G)[None, :], [TC * G]) & (cp < ln)
-                ck = _order_key(tl.load(srow + cp, mask=cv, other=0.0))
-                cf = cv & (ck >= t0)
-                cslot = n_pos + tl.cumsum(cf.to(tl.int32), 0) - 1
-                tl.store(pos_row + cslot, cp, mask=cf)
-                tl.store(key_row + cslot, ck, mask=cf)
-                n_pos += tl.sum(cf.to(tl.int32), 0)
-            tl.debug_barrier()
-            if n_pos < topk:
-                # t0 was above the topk-th score: only a histogram not written by this call's scores does that
-                _select_streamed(srow, pos_row, ln, topk, out_row, False, TILE)
-            elif n_pos <= CAP_P:
-                # 4) exact threshold T among them (radix select in registers); 5) keys > T, then == T in order
-                i = tl.arange(0, CAP_P)
-                m = i < n_pos
-                rp = tl.load(pos_row + i, mask=m, other=0, cache_modifier=".cg")
-                keys = tl.load(key_row + i, mask=m, other=0, cache_modifier=".cg")
-                thr = _kth_largest_radix(keys, m, topk, RADIX)
+        if PROBE == 1:
+            tl.store(out_row + j, t0)
+            return
+        # 2) positions of this slice with score >= t0 (only groups whose max reaches t0 are read), compacted in
+        #    position order into the slice's candidate list with their keys
+        gg = tl.arange(0, G)
+        n = tl.zeros([], tl.int32)
+        for g0 in range(g_begin, g_end, TGS):
+            f = (go < g_end) & (gk >= t0)
+            go = go + TGS
+            gk = _order_key(tl.load(grow + go, mask=go < g_end, other=0.0))  # the next tile, in flight meanwhile
+            cp = tl.reshape((g0 + tl.arange(0, TGS))[:, None] * G + gg[None, :], [TGS * G])
+            cv = tl.reshape(f[:, None] & (gg < G)[None, :], [TGS * G]) & (cp < ln)
+            ck = _order_key(tl.load(srow + cp, mask=cv, other=0.0))
+            cf = cv & (ck >= t0)
+            slot = n + tl.cumsum(cf.to(tl.int32), 0) - 1
+            keep = cf & (slot < CAP)
+            tl.store(pos_blk + j * CAP + slot, cp, mask=keep)
+            tl.store(key_blk + j * CAP + slot, ck, mask=keep)
+            n += tl.sum(cf.to(tl.int32), 0)
+        tl.store(cnt_ptr + j, n)
+        # 3) ticket: every thread's stores are issued (barrier) before the release; the last slice to arrive sees
+        #    all slices' lists (acquire, loads through L2)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(tick, 1, sem="acq_rel")
+        if ticket == n_act - 1:
+            tl.store(tick, 0)  # for the next call
+            if CLEAR_HIST:
+                tl.store(hrow + bins, tl.zeros([NB], tl.int32))
+            # candidate i of the row is entry i - excl[q] of slice q (slices hold ascending position ranges)
+            i = tl.arange(0, CAP_P)
+            src = tl.zeros([CAP_P], tl.int32)
+            total = tl.zeros([], tl.int32)
+            over = tl.zeros([], tl.int32)
+            for q in tl.static_range(NSEL):
+                c = tl.load(cnt_ptr + q, mask=q < n_act, other=0, cache_modifier=".cg")
+                src = tl.where((i >= total) & (i < total + c), q * CAP + i - total, src)
+                over = tl.maximum(over, c - CAP)
+                total += c
+            if PROBE == 2:
+                tl.store(out_row, total)
+                return
+            if (total < topk) | (total > CAP_P) | (over > 0):
+                # fewer than topk positions reach t0 (only a histogram not written by this call's scores does that)
+                # or more candidates than the register tile (mass ties): exact over the whole live row, streamed
+                _select_streamed(srow, pos_blk, ln, topk, out_row, False, TILE)
+            else:
+                # 4) exact threshold T among the candidates (radix select in registers); 5) keys > T, then == T in
+                #    position order
+                m = i < total
+                rp = tl.load(pos_blk + src, mask=m, other=0, cache_modifier=".cg")
+                keys = tl.load(key_blk + src, mask=m, other=0, cache_modifier=".cg")
+                if SEARCH == "count":
+                    thr = _kth_largest_count(keys, m, topk)
+                else:
+                    thr = _kth_largest_radix(keys, m, topk, RADIX)
                 gt = m & (keys > thr)
                 eq = m & (keys == thr)
                 need_eq = topk - tl.sum(gt.to(tl.int32), 0)
                 take = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need_eq))
                 tl.store(out_row + tl.cumsum(take.to(tl.int32), 0) - 1, rp, mask=take)
-            else:
-                _select_streamed(srow, pos_row, n_pos, topk, out_row, True, TILE)
-        else:
-            # mass ties at the bound: exact threshold over the whole live row, streamed
-            _select_streamed(srow, gid_row, ln, topk, out_row, False, TILE)
-
 
 # ------------------------------------------------------------------------------------------------ host side
 
@@ -525,8 +604,10 @@ DEFAULT_SCORE_CONFIGS = {
     (True, 2): _cfg(64, 4, True, "fp8", 2),
     (True, 4): _cfg(128, 4, True, "fp8", 3),
 }
-# fp8 query overrides (fp8 x fp8 dots need no key conversion): sm_90 S = 1 from the same sweep, fp8 tiles 128/4 in 3
-# stages (49.7 / 114.3 us vs 51.0 / 122.2 with the bf16 default at B = 16 / 64)
+# fp8 query overrides (fp8 x fp8 dots need no key conversion; the query SGLang's DSv4 decode passes): sm_90 S = 1 from
+# the same sweep, fp8 tiles 128/4 in 3 stages (49.7 / 114.3 us vs 51.0 / 122.2 with the bf16 default at B = 16 / 64);
+# -s3 confirms it over 64/4 and 128/8 tiles, a 4th stage and a two-tiles-ahead scale prefetch (all within 1 us or
+# slower)
 DEFAULT_FP8Q_SCORE_CONFIGS = {
     (True, 1): _cfg(128, 4, True, "fp8", 3),
 }
@@ -537,38 +618,50 @@ HIST_BINS = 4096  # per-row histogram of group maxima: top 12 bits of the order 
 HIST_SHIFT = 20
 RADIX_BITS = 8  # bits per radix-select pass (256-bin warp histograms)
 MAX_TILE_P = 4096  # register tile of the final threshold search
-SELECT_TC = 1024  # candidate groups gathered per pass (one pass for ~1000 candidates: 32K-long rows at topk 512)
+SELECT_SPLIT = 16  # select programs per query row at most (slices of its group maxima); sizes the workspace
+SELECT_TGS = 256  # group maxima per select tile (a 32K-long row: one tile for each of the 16 slices)
+# select programs to aim for in all (B=16: 16 per row, B=64: 4): every program reads the row's 16 KB histogram, so
+# more per row cost more than they save at B=64 (H200 -s3 sweep at 32K: B=16 1/2/4/8/16 per row 68.8/58.6/52.7/49.9/
+# 49.5 us; B=64 135.4/123.1/120.5/123.2/129.7 us)
+SELECT_PROGRAMS = 256
+_SELECT_PROBE = 0  # benchmark only: stop the select after a phase (see _select_topk_kernel)
+_SCORES_PROBE = 0  # benchmark only: 1 = scores without histogram atomics, 2 = also without stores (wrong output)
+# final threshold search: "count" (8-way count search) or "radix" (RADIX_BITS a pass). -s3 at 32K, B = 16 / 64:
+# count 48.7 / 119.9 us, radix 8 bits 49.2 / 120.3, radix 6 bits 47.2 / 117.5 (the next default to try)
+SELECT_SEARCH = "count"
 MIN_TILES = 4  # tiles per score program at least (fewer, larger programs for short rows)
 # score programs per SM to aim for: ~3 fit at once (~150 registers x 128 threads), so 8 keeps the last partial
 # wave small; each still gets >= MIN_TILES tiles (the benchmark sweep times half and double this)
 PROGRAMS_PER_SM = 8
 
 def candidate_capacity(topk: int) -> int:
-    """Candidate groups the select kernel handles without its streamed fallback (4x the next power of two of
-    topk: the histogram bound admits about topk groups plus those of one 1/8-binade bin)."""
-    return 4 * triton.next_power_of_2(topk)
-
-
-def _tile_p(topk: int) -> int:
+    """Candidate positions (scores >= the histogram bound) the select kernel handles in registers without its
+    streamed fallback, per row and per slice: 4x the next power of two of topk, at most MAX_TILE_P (the bound
+    admits about topk positions plus those of one 1/8-binade bin)."""
     return min(MAX_TILE_P, 4 * triton.next_power_of_2(topk))
+
+
+_tile_p = candidate_capacity
 
 
 def _workspace_layout(rows: int, max_len: int, topk: int):
     """(groups per row, candidate capacity, per-row scratch, int32 elements in all): scores [rows, max_len],
-    group maxima [rows, ng], histograms [rows, HIST_BINS], scratch [rows, cap * (2 * GROUP + 1)]."""
+    group maxima [rows, ng], histograms [rows, HIST_BINS], select tickets [rows], scratch [rows, SELECT_SPLIT *
+    (2 * cap + 1)] (per slice: candidate positions [cap] and keys [cap]; then one count per slice)."""
     ng = triton.cdiv(max_len, GROUP)
     cap = candidate_capacity(topk)
-    scr = cap * (2 * GROUP + 1)
-    return ng, cap, scr, rows * (max_len + ng + HIST_BINS + scr)
+    scr = SELECT_SPLIT * (2 * cap + 1)
+    return ng, cap, scr, rows * (max_len + ng + HIST_BINS + 1 + scr)
 
 
 def indexer_workspace(batch: int, s: int, max_len: int, topk: int = 512, device="cuda") -> torch.Tensor:
     """A reusable, zero-initialized int32 workspace for ``dsa_indexer_topk(..., workspace=...)``: fp32 scores
-    [B*S, max_len], group maxima [B*S, max_len / 8], group-max histograms [B*S, 4096] and candidate scratch
-    [B*S, 68 * next_pow2(topk)]; 4.5 bytes per position of the block table plus ~155 KB per query token at topk
-    512. ``max_len`` = block_table.shape[1] * page_size. Allocate once per (max batch, max context) so a CUDA
-    graph captures fixed addresses. Each call leaves the histograms zeroed for the next; a workspace with
-    nonzero histograms (never passed through a full call) still gives exact results, one call more slowly."""
+    [B*S, max_len], group maxima [B*S, max_len / 8], group-max histograms [B*S, 4096], select tickets [B*S] and
+    candidate scratch [B*S, 16 * (8 * min(4096, 4 * next_pow2(topk)) + 4) bytes]; 4.5 bytes per position of the
+    block table plus ~280 KB per query token at topk 512. ``max_len`` = block_table.shape[1] * page_size. Allocate
+    once per (max batch, max context) so a CUDA graph captures fixed addresses. Each call leaves the histograms
+    and tickets zeroed for the next; a workspace with nonzero histograms (never passed through a full call) still
+    gives exact results, one call more slowly."""
     return torch.zeros(_workspace_layout(batch * s, max_len, topk)[3], dtype=torch.int32, device=device)
 
 
@@ -637,13 +730,14 @@ def _workspace_views(workspace, rows, max_len, topk, dev):
     ng, cap, scr, n = _workspace_layout(rows, max_len, topk)
     if workspace is None:
         workspace = torch.empty(n, dtype=torch.int32, device=dev)
-        workspace[rows * (max_len + ng): rows * (max_len + ng + HIST_BINS)].zero_()
+        workspace[rows * (max_len + ng): rows * (max_len + ng + HIST_BINS + 1)].zero_()  # histograms, tickets
     elif not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.int32 or workspace.numel() < n \
             or not workspace.is_contiguous() or workspace.device != dev:
         _fail("workspace", f"must be a contiguous int32 tensor of >= {n} elements on {dev} (indexer_workspace())")
     ws = workspace.view(-1)
     o1, o2, o3 = rows * max_len, rows * (max_len + ng), rows * (max_len + ng + HIST_BINS)
-    return ws[:o1].view(torch.float32), ws[o1:o2].view(torch.float32), ws[o2:o3], ws[o3:n], ng, cap
+    o4 = o3 + rows
+    return ws[:o1].view(torch.float32), ws[o1:o2].view(torch.float32), ws[o2:o3], ws[o3:o4], ws[o4:n], ng, cap
 
 
 def _interp(name, default):
@@ -651,22 +745,30 @@ def _interp(name, default):
     return int(os.environ.get(name, default))
 
 
-def _select_launch(scores, gmax, hist, scr, lens, out, rows, s, max_len, stride_row, ng, cap, topk, len_2d, warps,
-                   clear_hist=True):
-    _select_topk_kernel[(rows,)](
-        scores, gmax, hist, scr, lens, out, s, max_len, stride_row, ng, topk,
-        LEN_2D=len_2d, G=GROUP, NB=HIST_BINS, SHIFT=HIST_SHIFT, CAP_G=cap,
-        CAP_P=_tile_p(topk) if not _INTERPRET else _interp("PD_INDEXER_INTERP_TILE_P", _tile_p(topk)),
-        TG=4096 if not _INTERPRET else _interp("PD_INDEXER_INTERP_TG", 64),
-        TC=SELECT_TC if not _INTERPRET else _interp("PD_INDEXER_INTERP_TC", 8),
-        TILE=1024 if not _INTERPRET else 16, RADIX=RADIX_BITS, CLEAR_HIST=clear_hist,
+def _select_split(rows, select_split):
+    if select_split is None:  # ~SELECT_PROGRAMS programs in all: every program reads the row's histogram
+        return max(1, min(SELECT_SPLIT, triton.cdiv(SELECT_PROGRAMS, rows)))
+    if isinstance(select_split, bool) or not isinstance(select_split, int) or not 1 <= select_split <= SELECT_SPLIT:
+        _fail("select_split", f"must be an int in [1, {SELECT_SPLIT}], got {select_split!r}")
+    return select_split
+
+
+def _select_launch(scores, gmax, hist, tick, scr, lens, out, rows, s, max_len, stride_row, ng, cap, topk, len_2d,
+                   warps, nsel, clear_hist=True):
+    _select_topk_kernel[(rows, nsel)](
+        scores, gmax, hist, tick, scr, lens, out, s, max_len, stride_row, ng, topk,
+        LEN_2D=len_2d, G=GROUP, NB=HIST_BINS, SHIFT=HIST_SHIFT, NSEL=SELECT_SPLIT, CAP=cap,
+        CAP_P=cap if not _INTERPRET else min(cap, _interp("PD_INDEXER_INTERP_TILE_P", cap)),
+        TGS=SELECT_TGS if not _INTERPRET else _interp("PD_INDEXER_INTERP_TGS", 8),
+        TILE=1024 if not _INTERPRET else 16, RADIX=RADIX_BITS, CLEAR_HIST=clear_hist, PROBE=_SELECT_PROBE,
+        SEARCH=SELECT_SEARCH,
         num_warps=warps,
     )
 
 
 def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512, page_size=64, out=None, *,
                      q_scale=None, workspace=None, n_split=None, config=None, select_warps=None,
-                     stages=("scores", "select")):
+                     select_split=None, stages=("scores", "select")):
     """Top-``topk`` index positions per query token of the DSA lightning indexer (decode / MTP verify).
 
     Args:
@@ -688,9 +790,10 @@ def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512,
       q_scale: optional float32 [B, S, H] contiguous, multiplied into the weights (fp8 query only).
       workspace: optional int32 tensor from ``indexer_workspace(B, S, max_len, topk)``, used by this function
          only; allocated per call when None (inside a CUDA graph capture that is the graph's private pool).
-      n_split, config, select_warps, stages: benchmark knobs: score programs per request, score-kernel config
-         (one of SCORE_CONFIGS), warps of the select kernel, which of the two kernels to launch (a select-only
-         call keeps the histograms the previous scores-only call left).
+      n_split, config, select_warps, select_split, stages: benchmark knobs: score programs per request,
+         score-kernel config (one of SCORE_CONFIGS), warps and programs per query token (1 .. 16) of the select
+         kernel, which of the two kernels to launch (a select-only call keeps the histograms the previous
+         scores-only call left).
 
     Returns: int32 [B, S, topk]: ascending logical positions of the topk highest scores in each query token's
       live range (set-equal to torch.topk up to ties), or 0 .. L-1 then -1 when L <= topk.
@@ -747,13 +850,14 @@ def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512,
     if config is not None and config not in SCORE_CONFIGS:
         _fail("config", f"must be one of SCORE_CONFIGS, got {config!r}")
     warps = _check_warps(select_warps, topk)
+    nsel = _select_split(b * s, select_split)
     if n_split is None:
         n_split = max(1, min(64, triton.cdiv(PROGRAMS_PER_SM * num_sms(dev), b)))
     if isinstance(n_split, bool) or not isinstance(n_split, int) or n_split < 1:
         _fail("n_split", f"must be a positive int, got {n_split!r}")
 
     rows = b * s
-    scores, gmax, hist, scr, ng, cap = _workspace_views(workspace, rows, max_len, topk, dev)
+    scores, gmax, hist, tick, scr, ng, cap = _workspace_views(workspace, rows, max_len, topk, dev)
     q_fp8 = q.dtype == torch.float8_e4m3fn
     qs = q_scale if q_scale is not None else weights
     sm90 = is_sm90(dev)
@@ -772,12 +876,12 @@ def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512,
             S=sc, S_P2=sp2, H=h, PAGE=page_size, BLOCK_N=cfg["BLOCK_N"], G=GROUP, LEN_2D=len_2d,
             HAS_QS=q_scale is not None, Q_FP8=q_fp8, MIN_TILES=MIN_TILES, DOT_F32=_INTERPRET,
             TOKENS_M=cfg["TOKENS_M"], PREFETCH=cfg["PREFETCH"], DOT_PREC="ieee" if _INTERPRET else "tf32",
-            KEYS=cfg["KEYS"], NB=HIST_BINS, SHIFT=HIST_SHIFT,
+            KEYS=cfg["KEYS"], NB=HIST_BINS, SHIFT=HIST_SHIFT, PROBE=_SCORES_PROBE,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if "select" in stages:
-        _select_launch(scores, gmax, hist, scr, seq_lens, out, rows, s, max_len, max_len, ng, cap, topk, len_2d,
-                       warps, clear_hist="scores" in stages)
+        _select_launch(scores, gmax, hist, tick, scr, seq_lens, out, rows, s, max_len, max_len, ng, cap, topk, len_2d,
+                       warps, nsel, clear_hist="scores" in stages)
     return out
 
 
@@ -805,11 +909,13 @@ def topk_from_scores(scores, lengths, topk=512, out=None, *, select_warps=None):
     cap = candidate_capacity(topk)
     gmax = torch.empty(r, ng, dtype=torch.float32, device=dev)
     hist = torch.zeros(r, HIST_BINS, dtype=torch.int32, device=dev)
-    scr = torch.empty(r, cap * (2 * GROUP + 1), dtype=torch.int32, device=dev)
+    tick = torch.zeros(r, dtype=torch.int32, device=dev)
+    scr = torch.empty(r, SELECT_SPLIT * (2 * cap + 1), dtype=torch.int32, device=dev)
     block = 256 if not _INTERPRET else 32
     n_split = max(1, min(64, triton.cdiv(PROGRAMS_PER_SM * num_sms(dev), r)))
     _group_max_kernel[(r, n_split)](scores, gmax, hist, lengths, scores.stride(0), ng, n_split, w, topk,
                                     G=GROUP, BLOCK=block, MIN_TILES=MIN_TILES, NB=HIST_BINS, SHIFT=HIST_SHIFT,
                                     num_warps=4)
-    _select_launch(scores, gmax, hist, scr, lengths, out, r, 1, w, scores.stride(0), ng, cap, topk, True, warps)
+    _select_launch(scores, gmax, hist, tick, scr, lengths, out, r, 1, w, scores.stride(0), ng, cap, topk, True,
+                   warps, _select_split(r, None))
     return out

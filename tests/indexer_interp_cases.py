@@ -74,7 +74,7 @@ def _inputs(b, s, h, ps, pool_pages, max_pages, g, q_fp8=False):
 
 
 def run_indexer(name, b, s, h, ps, topk, lens, max_pages, pool_pages=None, *, q_fp8=False, qscale=False,
-                view4=False, zero_q=False, use_out=False, use_ws=False, seed=0, config=None):
+                view4=False, zero_q=False, use_out=False, use_ws=False, seed=0, config=None, select_split=None):
     g = torch.Generator().manual_seed(seed)
     q, w, kc, bt = _inputs(b, s, h, ps, pool_pages or max_pages * b, max_pages, g, q_fp8)
     if zero_q:
@@ -90,6 +90,8 @@ def run_indexer(name, b, s, h, ps, topk, lens, max_pages, pool_pages=None, *, q_
         kw["workspace"] = indexer_workspace(b, s, max_pages * ps, topk, device="cpu")
     if config:
         kw["config"] = config
+    if select_split:
+        kw["select_split"] = select_split
     out = dsa_indexer_topk(q, w, cache, bt, seq, **kw)
     if use_out:
         assert out.data_ptr() == kw["out"].data_ptr()
@@ -103,7 +105,9 @@ def run_indexer(name, b, s, h, ps, topk, lens, max_pages, pool_pages=None, *, q_
     return res
 
 
-def run_select(name, rows, width, topk, lens, kind, seed=0):
+def run_select(name, rows, width, topk, lens, kind, seed=0, search=None):
+    import pd.kernels.indexer as K
+
     g = torch.Generator().manual_seed(seed)
     if kind == "randn":
         sc = torch.randn(rows, width, generator=g)
@@ -120,7 +124,12 @@ def run_select(name, rows, width, topk, lens, kind, seed=0):
         raise ValueError(kind)
     lengths = torch.tensor(lens, dtype=torch.int32)
     buf = torch.full((rows + 1, topk), -7, dtype=torch.int32)  # last row: guard against writes past the output
-    out = topk_from_scores(sc, lengths, topk, out=buf[:rows])
+    default_search = K.SELECT_SEARCH
+    K.SELECT_SEARCH = search or default_search  # the final threshold search: count (default) or radix
+    try:
+        out = topk_from_scores(sc, lengths, topk, out=buf[:rows])
+    finally:
+        K.SELECT_SEARCH = default_search
     res = check_rows(out, sc.double(), lengths.clamp(0, width), topk, None)
     res["bad"]["guard"] = int(not bool((buf[rows] == -7).all()))
     ref = topk_from_scores_ref(sc, lengths.clamp(0, width), topk)
@@ -264,6 +273,9 @@ INDEXER_CASES = [
     ("packed_no_prefetch", dict(b=1, s=2, h=16, ps=64, topk=20, lens=[333], max_pages=6,
                                 config=dict(BLOCK_N=64, num_warps=4, num_stages=1, TOKENS_M=True, PREFETCH=False,
                                             KEYS="packed"))),
+    # two select programs per row: each walks several tiles of group maxima, the later one finishes the row
+    ("decode_select_split2_multi_tile", dict(b=2, s=1, h=16, ps=64, topk=24, lens=[760, 300], max_pages=12,
+                                             select_split=2)),
     # S = 6 verify tokens: two score launches (4 + 2 stacked tokens)
     ("mtp6_two_launches", dict(b=2, s=6, h=16, ps=64, topk=24, lens=[130, 40], max_pages=3)),
 ]
@@ -274,6 +286,10 @@ SELECT_CASES = [
     ("select_grid_ties", dict(rows=3, width=400, topk=32, lens=[400, 250, 400], kind="grid")),
     ("select_constant", dict(rows=2, width=400, topk=16, lens=[400, 17], kind="constant")),
     ("select_wide_range", dict(rows=2, width=1000, topk=64, lens=[1000, 2000], kind="wide_range")),
+    # the radix threshold search (the non-default SELECT_SEARCH) on ties and on 60 binades
+    ("select_grid_ties_radix", dict(rows=3, width=400, topk=32, lens=[400, 250, 400], kind="grid", search="radix")),
+    ("select_wide_range_radix", dict(rows=2, width=1000, topk=64, lens=[1000, 2000], kind="wide_range",
+                                     search="radix")),
 ]
 
 if __name__ == "__main__":

@@ -27,9 +27,10 @@ def interp_results():
 
 INDEXER_CASES = ["decode_h64_p64", "mtp3_h16_p16_view4_out", "len2d_h32_p32_ws", "fp8q_qscale_h16",
                  "all_ties_fallback", "fp8_keys_tokens_m", "fp8_keys_heads_m_fp8q", "packed_no_prefetch",
-                 "mtp6_two_launches"]
-SELECT_CASES = ["select_randn", "select_few_values", "select_grid_ties", "select_constant", "select_wide_range"]
-DISTINCT_VALUES = {"select_randn", "select_wide_range"}  # a unique answer: must equal torch.topk's set
+                 "decode_select_split2_multi_tile", "mtp6_two_launches"]
+SELECT_CASES = ["select_randn", "select_few_values", "select_grid_ties", "select_constant", "select_wide_range",
+                "select_grid_ties_radix", "select_wide_range_radix"]
+DISTINCT_VALUES = {"select_randn", "select_wide_range", "select_wide_range_radix"}  # a unique answer: must equal torch.topk's set
 
 
 @pytest.mark.parametrize("name", INDEXER_CASES + SELECT_CASES)
@@ -133,6 +134,7 @@ def _args(b=2, s=1, h=64, ps=64, pages=4, max_pages=3):
     (lambda a: a.update(config={"BLOCK_N": 32, "num_warps": 4}), "config"),
     (lambda a: a.update(select_warps=3), "select_warps"),
     (lambda a: a.update(n_split=0), "n_split"),
+    (lambda a: a.update(select_split=17), "select_split"),
 ])
 def test_validation_errors_name_the_argument(mutate, arg):
     from pd.kernels.indexer import dsa_indexer_topk
@@ -161,10 +163,11 @@ def test_topk_from_scores_validation(mutate, arg):
 def test_workspace_size_and_capacity():
     from pd.kernels.indexer import HIST_BINS, candidate_capacity, indexer_workspace
 
-    assert candidate_capacity(512) == 2048 and candidate_capacity(300) == 2048 and candidate_capacity(2048) == 8192
+    assert candidate_capacity(512) == 2048 and candidate_capacity(300) == 2048 and candidate_capacity(2048) == 4096
     ws = indexer_workspace(4, 2, 8192, 512, device="cpu")
-    # scores + group maxima + histogram + candidate groups and their positions and keys, per query token
-    assert ws.dtype == torch.int32 and ws.numel() == 8 * (8192 + 1024 + HIST_BINS + 2048 * 17)
+    # scores + group maxima + histogram + ticket + per select slice (16) candidate positions, keys and a count,
+    # per query token
+    assert ws.dtype == torch.int32 and ws.numel() == 8 * (8192 + 1024 + HIST_BINS + 1 + 16 * (2 * 2048 + 1))
     assert not ws.any()  # the histograms must start at zero
 
 
@@ -203,7 +206,7 @@ def _compile_scores(cfg, cc, s_p2=1, fp8=False):
 
     const = dict(S=s_p2, S_P2=s_p2, H=64, PAGE=64, BLOCK_N=cfg["BLOCK_N"], G=GROUP, LEN_2D=False, HAS_QS=fp8,
                  Q_FP8=fp8, MIN_TILES=MIN_TILES, DOT_F32=False, TOKENS_M=cfg["TOKENS_M"], PREFETCH=cfg["PREFETCH"],
-                 DOT_PREC="tf32", KEYS=cfg["KEYS"], NB=HIST_BINS, SHIFT=HIST_SHIFT)
+                 DOT_PREC="tf32", KEYS=cfg["KEYS"], NB=HIST_BINS, SHIFT=HIST_SHIFT, PROBE=0)
     sig = dict(SCORE_SIG, q_ptr="*fp8e4nv" if fp8 else "*bf16")
     return compile_for(_index_scores_kernel, sig, const, cc, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                        aligned=SCORE_ALIGNED)
@@ -248,18 +251,21 @@ def test_aot_default_configs_fp8_query(sm90):
 def test_aot_select_and_group_max(topk):
     """The select kernel has no dot (compares, reductions, scans: no tensor-core work to do), so sm_120a only
     needs no wgmma and <= 99 KiB of shared memory; every select warp count compiles for both targets."""
-    from pd.kernels.indexer import (GROUP, HIST_BINS, HIST_SHIFT, MIN_TILES, RADIX_BITS, SELECT_WARPS, _group_max_kernel,
-                                    _select_topk_kernel, _tile_p, candidate_capacity)
+    from pd.kernels.indexer import (GROUP, HIST_BINS, HIST_SHIFT, MIN_TILES, RADIX_BITS, SELECT_SPLIT, SELECT_TGS,
+                                    SELECT_WARPS, _group_max_kernel, _select_topk_kernel, candidate_capacity)
 
-    sig = {"score_ptr": "*fp32", "gmax_ptr": "*fp32", "hist_ptr": "*i32", "scr_ptr": "*i32", "len_ptr": "*i32",
-           "out_ptr": "*i32", "S": "i32", "max_len": "i32", "stride_row": "i32", "ng_buf": "i32", "topk": "i32"}
-    const = dict(LEN_2D=False, G=GROUP, NB=HIST_BINS, SHIFT=HIST_SHIFT, CAP_G=candidate_capacity(topk),
-                 CAP_P=_tile_p(topk), TG=4096, TC=256, TILE=1024, RADIX=RADIX_BITS, CLEAR_HIST=True)
+    sig = {"score_ptr": "*fp32", "gmax_ptr": "*fp32", "hist_ptr": "*i32", "tick_ptr": "*i32", "scr_ptr": "*i32",
+           "len_ptr": "*i32", "out_ptr": "*i32", "S": "i32", "max_len": "i32", "stride_row": "i32", "ng_buf": "i32",
+           "topk": "i32"}
+    cap = candidate_capacity(topk)
+    const = dict(LEN_2D=False, G=GROUP, NB=HIST_BINS, SHIFT=HIST_SHIFT, NSEL=SELECT_SPLIT, CAP=cap, CAP_P=cap,
+                 TGS=SELECT_TGS, TILE=1024, RADIX=RADIX_BITS, CLEAR_HIST=True, PROBE=0)
     for w in SELECT_WARPS:
         for cc in (120, 90):
-            k = compile_for(_select_topk_kernel, sig, const, cc, num_warps=w, num_stages=1)
-            if cc == 120:
-                assert_sm120_ok(k, needs_mma=False)
+            for search in ("count", "radix"):
+                k = compile_for(_select_topk_kernel, sig, dict(const, SEARCH=search), cc, num_warps=w, num_stages=1)
+                if cc == 120:
+                    assert_sm120_ok(k, needs_mma=False)
     if topk == 512:
         gsig = {"score_ptr": "*fp32", "gmax_ptr": "*fp32", "hist_ptr": "*i32", "len_ptr": "*i32", "stride_row": "i32",
                 "ng_buf": "i32",

@@ -1,6 +1,7 @@
 """Device benchmark for pd.kernels.indexer (DSA lightning-indexer decode step: scores + top-512).
 
-  python benchmarks/kernels/indexer.py [--out DIR] [--quick] [--skip-correctness] [--skip-sweep]
+  python benchmarks/kernels/indexer.py [--out DIR] [--quick] [--skip-correctness] [--skip-sweep] [--query fp8|bf16]
+      [--baseline PATH] [--full-sweep] [--sweep-first] [--deadline S]
   TRITON_INTERPRET=1 python benchmarks/kernels/indexer.py --smoke   # CPU: tiny shapes, checks the script only
 
 1. correctness at real shapes against the fp64 torch reference (pd.kernels.indexer_reference): bf16 and fp8
@@ -8,15 +9,17 @@
    path), every score config, mass ties; the selection must be exact up to ties (a swap with an unselected
    position is allowed only when the two reference scores differ by less than their fp32 error bounds), and
    ``topk_from_scores`` must return exactly torch.topk's values;
-2. decode step time (H = 64, S = 1, topk 512, page 64, bf16 query) at actual length 512, 4K, 32K with the block
-   table sized for max context 8K, 128K, 1M, B = 16 and 64: ours and the naive torch indexer of DESIGN.md's anchor
+2. decode step time (H = 64, S = 1, topk 512, page 64; query dtype --query, default fp8: what SGLang's DSv4 decode
+   passes, see SGLANG_QUERY_NOTE) at actual length 512, 4K, 32K with the block table sized for max context 8K,
+   128K, 1M, B = 16 and 64: ours and the naive torch indexer of DESIGN.md's anchor
    (``indexer_reference.dsa_indexer_topk_naive``: one max-context key buffer dequantized to bf16 per call,
    [B*64, 128] x [128, max] bf16 matmul, head weights by a bf16 bmm, masked, torch.topk), each captured in one
    torch.cuda.CUDAGraph (ours: 4 input sets cycled inside the graph so the keys are not served from L2) and timed as
    the median of replays; byte floor = keys read (B * L * 132 B) + logits written and read (B * L * 8 B) at
    4.8 TB/s; the naive numbers are listed next to the anchor's (DESIGN.md, actual length 512);
-3. a sweep of score configs / splits / select warps at 32K (max 128K), the two kernels timed apart, MTP verify
-   (S = 2, 4) over the configs and an fp8 query;
+3. a sweep at 32K (max 128K): score configs, splits, select warps / programs per row / threshold search, the two
+   kernels timed apart and phase probes of each, the other query dtype, MTP verify (S = 2, 4); with --baseline,
+   the same main rows for another version of the kernel module (e.g. the committed one) in the same run;
 4. writes indexer_<date>.json (device, date, command, all numbers) and indexer_<date>.md to --out.
 """
 
@@ -49,6 +52,14 @@ except ImportError:  # a checkout without `pip install -e .` (the device machine
     from pd_kernels import indexer_reference as R
 
 HBM_BPS = 4.8e12
+# which query dtype the headline uses, and why (checked against the pinned SGLang source)
+SGLANG_QUERY_NOTE = (
+    "Query dtype: SGLang 0.5.23's DeepSeek-V4 decode hands the C4 indexer an fp8 e4m3 query: "
+    "`C4Indexer.compute_q` (srt/layers/attention/dsv4/indexer.py) returns `fused_q_indexer_rope_hadamard_quant` "
+    "(kernels/ops/attention/dsv4/norm_rope.py: q float8_e4m3fn [T, 64, 128] and fp32 weights [T, 64, 1] that carry "
+    "the query's dequantization scale), and `C4IndexerBackendMixin.forward_c4_indexer` passes that q to "
+    "`fp8_paged_mqa_logits` (fp8 index-K cache; the FP4 cache path quantizes q to fp4 instead). So the headline "
+    "grid uses an fp8 query (weights carry the scale, no separate q_scale); the bf16 query is a variant row.")
 H, D, PS, TOPK = 64, 128, 64, 512
 ROT = 4
 # DESIGN.md's naive torch indexer anchor on this H200 (actual length 512): (B, max context) -> us
@@ -290,11 +301,19 @@ class Setup:
         self.seq = torch.full((b,), live, dtype=torch.int32, device=dev)
         self.ws = K.indexer_workspace(b, s, max_ctx, TOPK, device=dev)
         self.out = torch.empty(b, s, TOPK, dtype=torch.int32, device=dev)
+        self.base_ws = {}
 
-    def ours(self, **kw):
+    def ours(self, mod=None, **kw):
+        """ROT calls of dsa_indexer_topk of `mod` (default: the kernel under test; a baseline module gets its own
+        workspace, since workspace layouts differ between versions)."""
+        mod = mod or K
+        if mod is not K and "workspace" not in kw:
+            if mod not in self.base_ws:
+                self.base_ws[mod] = mod.indexer_workspace(self.b, self.s, self.max_ctx, TOPK, device=self.out.device)
+            kw["workspace"] = self.base_ws[mod]
         kw.setdefault("workspace", self.ws)
-        return [lambda i=i: K.dsa_indexer_topk(self.qw[i][0], self.qw[i][1], self.kc, self.tabs[i], self.seq,
-                                               topk=TOPK, out=self.out, **kw)
+        return [lambda i=i: mod.dsa_indexer_topk(self.qw[i][0], self.qw[i][1], self.kc, self.tabs[i], self.seq,
+                                                 topk=TOPK, out=self.out, **kw)
                 for i in range(ROT)]
 
     def naive(self):
@@ -302,7 +321,8 @@ class Setup:
         return [lambda: R.dsa_indexer_topk_naive(self.qw[0][0], self.qw[0][1], buf, self.seq, topk=TOPK)]
 
 
-def timing(dev, pool, smoke, quick, deadline):
+def timing(dev, pool, smoke, quick, deadline, fp8):
+    """The headline grid (query dtype `fp8`: SGLang's DSv4 decode path) for ours and the naive torch indexer."""
     g = torch.Generator(device=dev).manual_seed(7)
     rows = []
     grid = [(512, 8192), (512, 131072), (512, 1 << 20), (4096, 8192), (4096, 131072), (4096, 1 << 20),
@@ -314,8 +334,8 @@ def timing(dev, pool, smoke, quick, deadline):
         for live, max_ctx in grid:
             if not deadline.ok(f"timing B={b} live={live} max={max_ctx}"):
                 continue
-            st = Setup(b, 1, live, max_ctx, dev, pool, g)
-            row = dict(B=b, live=live, max_ctx=max_ctx, floor_us=floor_us(b, live))
+            st = Setup(b, 1, live, max_ctx, dev, pool, g, fp8=fp8)
+            row = dict(B=b, live=live, max_ctx=max_ctx, floor_us=floor_us(b, live), query="fp8" if fp8 else "bf16")
             row["ours_us"] = time_graph(st.ours(), 30 if quick else 100, smoke)
             if not smoke:
                 row["naive_us"] = time_graph(st.naive(), 10, smoke)
@@ -331,58 +351,97 @@ def cfg_name(c):
         + ("_pf" if c["PREFETCH"] else "")
 
 
-def sweep(dev, pool, smoke, deadline):
-    """At live 32K / max 128K (smoke: tiny): every score config, split counts, select warps; the two kernels timed
-    apart; MTP S=2/4 over the configs; fp8 query with the default and the heads-on-M fp8 config."""
+def sweep(dev, pool, smoke, deadline, fp8, base=None, full=False):
+    """At live 32K / max 128K (smoke: tiny), B = 16 and 64: for the headline query dtype (`fp8`) the default, the
+    score configs of that dtype's kind (every config with `full`), score splits, select warps, the two kernels timed
+    apart; the other query dtype's default and stages; MTP S = 2 / 4; the same rows for the `base` module (the
+    committed kernel), side by side."""
     g = torch.Generator(device=dev).manual_seed(11)
     live, max_ctx, batches = (32768, 131072, (16, 64)) if not smoke else (300, 512, (2,))
     res = []
-
-    def record(b, s_, name, t, fp8=False):
-        r = dict(B=b, S=s_, live=live, max_ctx=max_ctx, variant=name, us=t,
-                 floor_us=floor_us(b, live) + b * live * 8 * (s_ - 1) / HBM_BPS * 1e6)
-        res.append(r)
-        print("sweep", r, flush=True)
+    head, other = ("fp8", "bf16") if fp8 else ("bf16", "fp8")
 
     def timed(st, name, calls):
         if not deadline.ok(f"sweep B={st.b} S={st.s} {name}"):
             return
         try:
-            record(st.b, st.s, name, time_graph(calls, 50, smoke))
+            t = time_graph(calls, 50, smoke)
         except Exception as e:  # noqa: BLE001
             print("variant failed", name, repr(e)[:300], flush=True)
+            return
+        r = dict(B=st.b, S=st.s, live=live, max_ctx=max_ctx, variant=name, us=t,
+                 floor_us=floor_us(st.b, live) + st.b * live * 8 * (st.s - 1) / HBM_BPS * 1e6)
+        res.append(r)
+        print("sweep", r, flush=True)
 
+    def stages(st, prefix, mod=None):
+        # the kernels apart, each on its own workspace: scores-only calls leave their histograms, and a select-only
+        # call keeps the histograms of one scores-only call made before it
+        mod = mod or K
+        ws_s = mod.indexer_workspace(st.b, st.s, max_ctx, TOPK, device=dev)
+        timed(st, prefix + "scores_only", st.ours(mod, stages=("scores",), workspace=ws_s))
+        ws_t = mod.indexer_workspace(st.b, st.s, max_ctx, TOPK, device=dev)
+        st.ours(mod, stages=("scores",), workspace=ws_t)[0]()
+        timed(st, prefix + "select_only", st.ours(mod, stages=("select",), workspace=ws_t))
+
+    def patched(name, calls, **knobs):
+        # module-level select knobs (read at launch, so at graph capture) set for one timing
+        def wrap(f):
+            def call():
+                old = {k: getattr(K, k) for k in knobs}
+                for k, v in knobs.items():
+                    setattr(K, k, v)
+                try:
+                    f()
+                finally:
+                    for k, v in old.items():
+                        setattr(K, k, v)
+            return call
+        return [wrap(f) for f in calls]
+
+    mods = [("", K)] + ([("r3_", base)] if base is not None else [])
     for b in batches:
-        st = Setup(b, 1, live, max_ctx, dev, pool, g)
-        timed(st, "default", st.ours())
+        st = Setup(b, 1, live, max_ctx, dev, pool, g, fp8=fp8)
+        for pre, mod in mods:
+            timed(st, pre + "default", st.ours(mod))
+            stages(st, pre, mod)
         for c in K.SCORE_CONFIGS:
-            timed(st, "cfg_" + cfg_name(c), st.ours(config=c))
+            if full or (c["KEYS"] == "fp8") == fp8:
+                timed(st, "cfg_" + cfg_name(c), st.ours(config=c))
         base_split = max(1, min(64, triton.cdiv(K.PROGRAMS_PER_SM * K.num_sms(dev), b)))
-        for ns in (max(1, base_split // 2), base_split * 2):
+        for ns in sorted({max(1, base_split // 4), max(1, base_split // 2), base_split * 2} - {base_split}):
             timed(st, f"n_split_{ns}", st.ours(n_split=ns))
         for w in K.SELECT_WARPS:
             timed(st, f"select_warps_{w}", st.ours(select_warps=w))
-        # the kernels apart, each on its own workspace: scores-only calls leave their histograms, and a select-only
-        # call keeps the histograms of one scores-only call made before it
-        ws_s = K.indexer_workspace(b, 1, max_ctx, TOPK, device=dev)
-        timed(st, "scores_only", st.ours(stages=("scores",), workspace=ws_s))
-        ws_t = K.indexer_workspace(b, 1, max_ctx, TOPK, device=dev)
-        st.ours(stages=("scores",), workspace=ws_t)[0]()
-        timed(st, "select_only", st.ours(stages=("select",), workspace=ws_t))
-        del st, ws_s, ws_t
-        for s_ in (2, 4):
-            st = Setup(b, s_, live, max_ctx, dev, pool, g)
-            timed(st, f"mtp_S{s_}", st.ours())
-            for c in K.SCORE_CONFIGS:
-                if c["TOKENS_M"] and (c["KEYS"] == "fp8" or c["num_warps"] == 8):
-                    timed(st, f"mtp_S{s_}_cfg_" + cfg_name(c), st.ours(config=c))
-            del st
-        st = Setup(b, 1, live, max_ctx, dev, pool, g, fp8=True)
-        timed(st, "fp8_query", st.ours())
-        for c in K.SCORE_CONFIGS:
-            if c["KEYS"] == "fp8" and c["num_warps"] == 4 and c["num_stages"] == 3:
-                timed(st, "fp8_query_cfg_" + cfg_name(c), st.ours(config=c))
+        for ns in range(0, 5):
+            timed(st, f"select_split_{1 << ns}", st.ours(select_split=1 << ns))
+        # the select alone, stopped after a phase (wrong output, timing only): 1 = after the histogram bound t0,
+        # 2 = after the candidate lists and the ticket (total candidates of row 0 kept for the record); the
+        # scores-only probes below reuse this workspace (its histograms are then stale: timing only)
+        ws_p = K.indexer_workspace(b, 1, max_ctx, TOPK, device=dev)
+        st.ours(stages=("scores",), workspace=ws_p)[0]()
+        for probe in (1, 2):
+            timed(st, f"select_only_probe{probe}", patched("", st.ours(stages=("select",), workspace=ws_p),
+                                                             _SELECT_PROBE=probe))
+            if probe == 2 and not smoke and res and res[-1]["variant"] == "select_only_probe2":
+                res[-1]["candidates_row0"] = int(st.out[0, 0, 0])
+        for rb in (8, 6):  # the final threshold by radix select instead of the count search
+            timed(st, f"select_search_radix{rb}", patched("", st.ours(), SELECT_SEARCH="radix", RADIX_BITS=rb))
+        # the scores kernel alone without its histogram atomics (1), and also without its stores (2)
+        for probe in (1, 2):
+            timed(st, f"scores_only_probe{probe}", patched("", st.ours(stages=("scores",), workspace=ws_p),
+                                                             _SCORES_PROBE=probe))
+        del st, ws_p
+        st = Setup(b, 1, live, max_ctx, dev, pool, g, fp8=not fp8)
+        for pre, mod in mods:
+            timed(st, f"{pre}{other}_query", st.ours(mod))
+        stages(st, f"{other}_query_")
         del st
+        for s_ in (2, 4):
+            st = Setup(b, s_, live, max_ctx, dev, pool, g, fp8=fp8)
+            for pre, mod in mods:
+                timed(st, f"{pre}mtp_S{s_}", st.ours(mod))
+            del st
     return res
 
 
@@ -392,8 +451,9 @@ def to_markdown(res):
     lines = [f"# DSA indexer decode step on {res['device']} ({res['date']}, torch {res['torch']}, triton {res['triton']})",
              "", f"Command: `{res['command']}`. Copy bandwidth measured in this run: {res.get('copy_GBps', 0):.0f} GB/s; "
              f"byte floor = keys read (132 B/position) + logits written and read (8 B/position) at "
-             f"{HBM_BPS / 1e12:.1f} TB/s. H = 64, S = 1, topk 512, page 64, bf16 query; each time is the median of "
-             "CUDA-graph replays (4 input sets per graph for ours).", "",
+             f"{HBM_BPS / 1e12:.1f} TB/s. H = 64, S = 1, topk 512, page 64, {res.get('query', 'bf16')} query; each "
+             "time is the median of CUDA-graph replays (4 input sets per graph for ours).", "",
+             SGLANG_QUERY_NOTE, "",
              "| B | actual length | max context | ours us | naive torch us | naive / ours | floor us | ours / floor |",
              "|---|---|---|---|---|---|---|---|"]
     for r in res.get("timing", []):
@@ -427,9 +487,12 @@ def to_markdown(res):
             if base:
                 lines.append(f"- B={b}, actual {live}: t(1M) / t({base_mc // 1024}K) = {t / base:.3f}")
     if res.get("sweep"):
-        lines += ["", "Variants at actual 32K, max 128K (default score configs: "
+        lines += ["", f"Variants at actual 32K, max 128K ({res.get('query', 'bf16')} query unless the name says "
+                  "otherwise; r3_*: the committed r3 kernel in the same run; default score configs, bf16 query: "
                   + ", ".join(f"{'sm90' if k[0] else 'sm120'} S{k[1]} {cfg_name(c)}"
-                              for k, c in K.DEFAULT_SCORE_CONFIGS.items()) + "):", "",
+                              for k, c in K.DEFAULT_SCORE_CONFIGS.items()) + "; fp8 query: "
+                  + ", ".join(f"{'sm90' if k[0] else 'sm120'} S{k[1]} {cfg_name(c)}"
+                              for k, c in K.DEFAULT_FP8Q_SCORE_CONFIGS.items()) + "):", "",
                   "| B | S | variant | us | floor us |", "|---|---|---|---|---|"]
         for r in res["sweep"]:
             lines.append(f"| {r['B']} | {r['S']} | {r['variant']} | {r['us']:.1f} | {r['floor_us']:.1f} |")
@@ -437,6 +500,18 @@ def to_markdown(res):
         ok = sum(c["ok"] for c in res["correctness"])
         lines += ["", f"Correctness: {ok}/{len(res['correctness'])} cases exact up to ties (fp64 reference)."]
     return "\n".join(lines) + "\n"
+
+
+def load_baseline(path):
+    """Another version of kernels/indexer.py, loaded as a sibling module of the kernel package (its relative
+    imports resolve to the same package)."""
+    pkg = K.__name__.rsplit(".", 1)[0]
+    name = pkg + "._indexer_baseline"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def main():
@@ -448,6 +523,11 @@ def main():
     ap.add_argument("--skip-sweep", action="store_true")
     ap.add_argument("--sweep-first", action="store_true", help="run the config sweep before the timing grid")
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds of wall time for optional work")
+    ap.add_argument("--query", choices=("fp8", "bf16"), default="fp8",
+                    help="query dtype of the headline grid (fp8: what SGLang's DSv4 decode passes)")
+    ap.add_argument("--baseline", default=None,
+                    help="path of another version of kernels/indexer.py (e.g. the committed one) timed side by side")
+    ap.add_argument("--full-sweep", action="store_true", help="every score config, not only the query dtype's kind")
     args = ap.parse_args()
     deadline = Deadline(args.deadline)
     smoke = args.smoke
@@ -455,7 +535,7 @@ def main():
     t0 = time.time()
     res = dict(device=torch.cuda.get_device_name() if not smoke else "cpu (interpreter smoke run)",
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-               torch=torch.__version__, triton=triton.__version__, hbm_floor_bps=HBM_BPS,
+               torch=torch.__version__, triton=triton.__version__, hbm_floor_bps=HBM_BPS, query=args.query,
                command="python benchmarks/kernels/indexer.py " + " ".join(sys.argv[1:]))
     if not smoke:
         x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
@@ -484,13 +564,17 @@ def main():
     # one pool for all timings: 4 sets x B=64 x 32K live tokens of distinct pages (1.1 GB); the naive baseline reads
     # its first max-context tokens as its key buffer
     pool = make_pool(ROT * 64 * 32768 // PS if not smoke else 64, dev, seed=99)
+    fp8 = args.query == "fp8"
+    base = load_baseline(args.baseline) if args.baseline else None
+    if base is not None:
+        res["baseline"] = args.baseline
     if args.sweep_first and not args.skip_sweep:
-        res["sweep"] = sweep(dev, pool, smoke, deadline)
+        res["sweep"] = sweep(dev, pool, smoke, deadline, fp8, base, args.full_sweep)
         save()
-    res["timing"] = timing(dev, pool, smoke, args.quick, deadline)
+    res["timing"] = timing(dev, pool, smoke, args.quick, deadline, fp8)
     save()
     if not args.skip_sweep and not args.sweep_first:
-        res["sweep"] = sweep(dev, pool, smoke, deadline)
+        res["sweep"] = sweep(dev, pool, smoke, deadline, fp8, base, args.full_sweep)
         save()
     if not args.skip_correctness and not smoke:
         del pool
