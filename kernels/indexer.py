@@ -616,7 +616,7 @@ SELECT_WARPS = (4, 8, 16)
 DEFAULT_SELECT_WARPS = 8
 HIST_BINS = 4096  # per-row histogram of group maxima: top 12 bits of the order key (1/8-binade bins)
 HIST_SHIFT = 20
-RADIX_BITS = 8  # bits per radix-select pass (256-bin warp histograms)
+RADIX_BITS = 6  # bits per radix-select pass (64-bin warp histograms; 8 bits was slower in -s3, below)
 MAX_TILE_P = 4096  # register tile of the final threshold search
 SELECT_SPLIT = 16  # select programs per query row at most (slices of its group maxima); sizes the workspace
 SELECT_TGS = 256  # group maxima per select tile (a 32K-long row: one tile for each of the 16 slices)
@@ -627,8 +627,8 @@ SELECT_PROGRAMS = 256
 _SELECT_PROBE = 0  # benchmark only: stop the select after a phase (see _select_topk_kernel)
 _SCORES_PROBE = 0  # benchmark only: 1 = scores without histogram atomics, 2 = also without stores (wrong output)
 # final threshold search: "count" (8-way count search) or "radix" (RADIX_BITS a pass). -s3 at 32K, B = 16 / 64:
-# count 48.7 / 119.9 us, radix 8 bits 49.2 / 120.3, radix 6 bits 47.2 / 117.5 (the next default to try)
-SELECT_SEARCH = "count"
+# count 48.7 / 119.9 us, radix 8 bits 49.2 / 120.3, radix 6 bits 47.2 / 117.5 (so radix 6 bits is the default)
+SELECT_SEARCH = "radix"
 MIN_TILES = 4  # tiles per score program at least (fewer, larger programs for short rows)
 # score programs per SM to aim for: ~3 fit at once (~150 registers x 128 threads), so 8 keeps the last partial
 # wave small; each still gets >= MIN_TILES tiles (the benchmark sweep times half and double this)

@@ -125,7 +125,7 @@ def run_select(name, rows, width, topk, lens, kind, seed=0, search=None):
     lengths = torch.tensor(lens, dtype=torch.int32)
     buf = torch.full((rows + 1, topk), -7, dtype=torch.int32)  # last row: guard against writes past the output
     default_search = K.SELECT_SEARCH
-    K.SELECT_SEARCH = search or default_search  # the final threshold search: count (default) or radix
+    K.SELECT_SEARCH = search or default_search  # the final threshold search: radix (default) or count
     try:
         out = topk_from_scores(sc, lengths, topk, out=buf[:rows])
     finally:
@@ -286,10 +286,10 @@ SELECT_CASES = [
     ("select_grid_ties", dict(rows=3, width=400, topk=32, lens=[400, 250, 400], kind="grid")),
     ("select_constant", dict(rows=2, width=400, topk=16, lens=[400, 17], kind="constant")),
     ("select_wide_range", dict(rows=2, width=1000, topk=64, lens=[1000, 2000], kind="wide_range")),
-    # the radix threshold search (the non-default SELECT_SEARCH) on ties and on 60 binades
-    ("select_grid_ties_radix", dict(rows=3, width=400, topk=32, lens=[400, 250, 400], kind="grid", search="radix")),
-    ("select_wide_range_radix", dict(rows=2, width=1000, topk=64, lens=[1000, 2000], kind="wide_range",
-                                     search="radix")),
+    # the count threshold search (the non-default SELECT_SEARCH) on ties and on 60 binades
+    ("select_grid_ties_count", dict(rows=3, width=400, topk=32, lens=[400, 250, 400], kind="grid", search="count")),
+    ("select_wide_range_count", dict(rows=2, width=1000, topk=64, lens=[1000, 2000], kind="wide_range",
+                                     search="count")),
 ]
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ INDEXER_CASES = ["decode_h64_p64", "mtp3_h16_p16_view4_out", "len2d_h32_p32_ws",
                  "all_ties_fallback", "fp8_keys_tokens_m", "fp8_keys_heads_m_fp8q", "packed_no_prefetch",
                  "decode_select_split2_multi_tile", "mtp6_two_launches"]
 SELECT_CASES = ["select_randn", "select_few_values", "select_grid_ties", "select_constant", "select_wide_range",
-                "select_grid_ties_radix", "select_wide_range_radix"]
-DISTINCT_VALUES = {"select_randn", "select_wide_range", "select_wide_range_radix"}  # a unique answer: must equal torch.topk's set
+                "select_grid_ties_count", "select_wide_range_count"]
+DISTINCT_VALUES = {"select_randn", "select_wide_range", "select_wide_range_count"}  # a unique answer: must equal torch.topk's set
 
 
 @pytest.mark.parametrize("name", INDEXER_CASES + SELECT_CASES)

@@ -425,8 +425,9 @@ def sweep(dev, pool, smoke, deadline, fp8, base=None, full=False):
                                                              _SELECT_PROBE=probe))
             if probe == 2 and not smoke and res and res[-1]["variant"] == "select_only_probe2":
                 res[-1]["candidates_row0"] = int(st.out[0, 0, 0])
-        for rb in (8, 6):  # the final threshold by radix select instead of the count search
-            timed(st, f"select_search_radix{rb}", patched("", st.ours(), SELECT_SEARCH="radix", RADIX_BITS=rb))
+        # the final threshold search's alternatives to the default (radix select, 6-bit digits)
+        timed(st, "select_search_count", patched("", st.ours(), SELECT_SEARCH="count"))
+        timed(st, "select_search_radix8", patched("", st.ours(), SELECT_SEARCH="radix", RADIX_BITS=8))
         # the scores kernel alone without its histogram atomics (1), and also without its stores (2)
         for probe in (1, 2):
             timed(st, f"scores_only_probe{probe}", patched("", st.ours(stages=("scores",), workspace=ws_p),
