@@ -37,19 +37,11 @@ import time
 import torch
 import triton
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-try:
-    from pd.kernels import indexer as K
-    from pd.kernels import indexer_reference as R
-except ImportError:  # a checkout without `pip install -e .` (the device machine)
-    root = os.path.join(os.path.dirname(__file__), "..", "..", "kernels")
-    spec = importlib.util.spec_from_file_location("pd_kernels", os.path.join(root, "__init__.py"),
-                                                  submodule_search_locations=[root])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["pd_kernels"] = mod
-    spec.loader.exec_module(mod)
-    from pd_kernels import indexer as K
-    from pd_kernels import indexer_reference as R
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_modules import kernel_module  # noqa: E402  (pd.kernels installed or not)
+
+K = kernel_module("indexer")
+R = kernel_module("indexer_reference")
 
 HBM_BPS = 4.8e12
 # which query dtype the headline uses, and why (checked against the pinned SGLang source)

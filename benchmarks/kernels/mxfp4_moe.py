@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import sys
@@ -30,19 +29,11 @@ import time
 import torch
 import triton
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-try:
-    from pd.kernels import mxfp4_moe as mx
-    from pd.kernels.mxfp4_moe_reference import fused_moe_mxfp4_reference
-except ImportError:  # a checkout without `pip install -e .` (the device image)
-    _kdir = os.path.join(os.path.dirname(__file__), "..", "..", "kernels")
-    _spec = importlib.util.spec_from_file_location("pd_kernels", os.path.join(_kdir, "__init__.py"),
-                                                   submodule_search_locations=[_kdir])
-    _pkg = importlib.util.module_from_spec(_spec)
-    sys.modules["pd_kernels"] = _pkg
-    _spec.loader.exec_module(_pkg)
-    from pd_kernels import mxfp4_moe as mx
-    from pd_kernels.mxfp4_moe_reference import fused_moe_mxfp4_reference
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_modules import kernel_module  # noqa: E402  (pd.kernels installed or not)
+
+mx = kernel_module("mxfp4_moe")
+fused_moe_mxfp4_reference = kernel_module("mxfp4_moe_reference").fused_moe_mxfp4_reference
 
 E, H, I, K = 256, 4096, 2048, 6
 LIMIT = 10.0

@@ -13,7 +13,6 @@ registers per thread (cuobjdump -res-usage), which set the blocks per SM.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import re
@@ -25,17 +24,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-try:
-    from pd.kernels import mxfp4_moe as mx
-except ImportError:  # a checkout without `pip install -e .` (the device image)
-    _kdir = os.path.join(os.path.dirname(__file__), "..", "..", "kernels")
-    _spec = importlib.util.spec_from_file_location("pd_kernels", os.path.join(_kdir, "__init__.py"),
-                                                   submodule_search_locations=[_kdir])
-    _pkg = importlib.util.module_from_spec(_spec)
-    sys.modules["pd_kernels"] = _pkg
-    _spec.loader.exec_module(_pkg)
-    from pd_kernels import mxfp4_moe as mx
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_modules import kernel_module  # noqa: E402  (pd.kernels installed or not)
+
+mx = kernel_module("mxfp4_moe")
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 GU_SIG = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "*i32", "sorted_ptr": "*i32",

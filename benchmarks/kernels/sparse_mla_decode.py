@@ -28,23 +28,15 @@ import time
 import torch
 import triton
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-try:
-    from pd.kernels.sparse_mla_decode import (CONFIGS, CONFIGS_PIPELINED, CONFIGS_SM90, DEFAULT_CONFIG,
-                                              TWO_PER_SM_CONFIG_16, sparse_mla_decode)
-    from pd.kernels.sparse_mla_reference import BYTES_PER_TOKEN, quantize_kv, sparse_mla_decode_ref
-except ImportError:  # running from a checkout without `pip install -e .`
-    import importlib
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_modules import kernel_module  # noqa: E402  (pd.kernels installed or not)
 
-    pkg = importlib.util.spec_from_file_location(
-        "pd_kernels", os.path.join(os.path.dirname(__file__), "..", "..", "kernels", "__init__.py"),
-        submodule_search_locations=[os.path.join(os.path.dirname(__file__), "..", "..", "kernels")])
-    mod = importlib.util.module_from_spec(pkg)
-    sys.modules["pd_kernels"] = mod
-    pkg.loader.exec_module(mod)
-    from pd_kernels.sparse_mla_decode import (CONFIGS, CONFIGS_PIPELINED, CONFIGS_SM90, DEFAULT_CONFIG,
-                                              TWO_PER_SM_CONFIG_16, sparse_mla_decode)
-    from pd_kernels.sparse_mla_reference import BYTES_PER_TOKEN, quantize_kv, sparse_mla_decode_ref
+_smd = kernel_module("sparse_mla_decode")
+_ref = kernel_module("sparse_mla_reference")
+CONFIGS, CONFIGS_PIPELINED, CONFIGS_SM90, DEFAULT_CONFIG = (_smd.CONFIGS, _smd.CONFIGS_PIPELINED, _smd.CONFIGS_SM90,
+                                                            _smd.DEFAULT_CONFIG)
+TWO_PER_SM_CONFIG_16, sparse_mla_decode = _smd.TWO_PER_SM_CONFIG_16, _smd.sparse_mla_decode
+BYTES_PER_TOKEN, quantize_kv, sparse_mla_decode_ref = _ref.BYTES_PER_TOKEN, _ref.quantize_kv, _ref.sparse_mla_decode_ref
 
 HBM_BPS = 4.8e12
 
