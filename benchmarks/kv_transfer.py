@@ -51,13 +51,12 @@ import random
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from pd.procs import stop_group
+from pd.procs import LoggedGroup
 
 REPO = Path(__file__).resolve().parent.parent
 GOAL = 0.80
@@ -134,35 +133,7 @@ def write_model(target: Path, args) -> dict:
                                              "max_position_embeddings")}
 
 
-class Engine:
-    """One ``pdserve engine`` subprocess in its own process group; stopped by its PID."""
-
-    def __init__(self, name: str, argv: list[str], env: dict, log_path: Path):
-        self.name = name
-        self.log_path = log_path
-        self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        # Its own group (pgid == its pid): whatever else it started goes too.
-        stop_group(self.proc.pid, grace=15)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        self.log.close()
-
-
-async def wait_healthy(client, engines: list[tuple[Engine, str]], timeout: float) -> None:
+async def wait_healthy(client, engines: list[tuple[LoggedGroup, str]], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     pending = list(engines)
     while pending:
@@ -332,12 +303,12 @@ async def run(args, workdir: Path) -> dict:
     common = ["engine", "--model-path", str(model_dir), "--host", "127.0.0.1", "--page-size", str(args.page_size),
               "--max-total-tokens", str(pool_tokens), "--dtype", args.dtype, "--log-level", "warning"]
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
-    engines: list[Engine] = []
+    engines: list[LoggedGroup] = []
     try:
-        engines.append(Engine("prefill", [engine_bin, *common, "--port", str(p_port), "--disaggregation-mode", "prefill",
-                                          "--disaggregation-bootstrap-port", str(bs_port)], env, workdir / "prefill.log"))
-        engines.append(Engine("decode", [engine_bin, *common, "--port", str(d_port), "--disaggregation-mode", "decode",
-                                         "--disaggregation-bootstrap-port", str(bs_port)], env, workdir / "decode.log"))
+        engines.append(LoggedGroup("prefill", [engine_bin, *common, "--port", str(p_port), "--disaggregation-mode", "prefill",
+                                          "--disaggregation-bootstrap-port", str(bs_port)], workdir / "prefill.log", env))
+        engines.append(LoggedGroup("decode", [engine_bin, *common, "--port", str(d_port), "--disaggregation-mode", "decode",
+                                         "--disaggregation-bootstrap-port", str(bs_port)], workdir / "decode.log", env))
         async with httpx.AsyncClient(timeout=args.request_timeout) as client:
             await wait_healthy(client, [(engines[0], p_url), (engines[1], d_url)], args.startup_timeout)
             print(f"engines healthy: prefill {p_url} (bootstrap {bs_port}), decode {d_url}", flush=True)

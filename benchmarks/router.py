@@ -100,7 +100,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Optional
 
-from pd.procs import die_with_parent, stop_group
+from pd.procs import LoggedGroup, die_with_parent
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -268,38 +268,11 @@ def _stop_on_signal(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")  # unwinds through the finally blocks that stop the children
 
 
-class Proc:
-    """A subprocess in its own process group, pinned to ``cpus``; stopped by its PID (group)."""
+class Proc(LoggedGroup):
+    """A subprocess in its own process group, pinned to ``cpus``, logging to ``logdir/<name>.log``."""
 
     def __init__(self, name: str, argv: list[str], cpus: set[int], logdir: Path, env: Optional[dict] = None):
-        self.name = name
-        self.argv = argv
-        self.log_path = logdir / f"{name}.log"
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, preexec_fn=child_setup(cpus))
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def tail(self, n: int = 25) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        # Its own group (pgid == its pid): whatever else it started goes too.
-        stop_group(self.proc.pid, grace=15)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        self._log.close()
+        super().__init__(name, argv, logdir / f"{name}.log", env, preexec_fn=child_setup(cpus))
 
 
 def http(method: str, url: str, body: Optional[dict] = None, timeout: float = 10.0) -> tuple[int, bytes]:

@@ -469,31 +469,29 @@ def as_ue8m0(scale: torch.Tensor) -> torch.Tensor:
     return (exp + 126).to(torch.uint8)
 
 
-def _check_weight(name, w, shape, dev):
-    if not isinstance(w, torch.Tensor) or w.dtype not in (torch.uint8, torch.int8):
-        raise ValueError(f"{name} must be a uint8/int8 tensor of packed e2m1 pairs {shape}, got "
-                         f"{getattr(w, 'dtype', type(w).__name__)}")
-    if tuple(w.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(w.shape)}")
-    if not w.is_contiguous():
+UE8M0_DTYPES = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))  # dtypes accepted for scale bytes
+
+
+def _check_bytes(name, t, shape, dev, dtypes, what, hint=""):
+    """``t`` as uint8 after checking dtype, shape, contiguity and device; ValueError naming ``name`` otherwise."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in dtypes:
+        raise ValueError(f"{name} must be {what} {shape}, got {getattr(t, 'dtype', type(t).__name__)}{hint}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
-    if w.device != dev:
-        raise ValueError(f"{name} must be on {dev}, got {w.device}")
-    return w.view(torch.uint8)
+    if t.device != dev:
+        raise ValueError(f"{name} must be on {dev}, got {t.device}")
+    return t.view(torch.uint8)
+
+
+def _check_weight(name, w, shape, dev):
+    return _check_bytes(name, w, shape, dev, (torch.uint8, torch.int8), "a uint8/int8 tensor of packed e2m1 pairs")
 
 
 def _check_scale(name, s, shape, dev):
-    ok_dtypes = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
-    if not isinstance(s, torch.Tensor) or s.dtype not in ok_dtypes:
-        raise ValueError(f"{name} must be UE8M0 bytes (uint8 or float8_e8m0fnu) {shape}, got "
-                         f"{getattr(s, 'dtype', type(s).__name__)} (float scales: convert once with as_ue8m0)")
-    if tuple(s.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(s.shape)}")
-    if not s.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    if s.device != dev:
-        raise ValueError(f"{name} must be on {dev}, got {s.device}")
-    return s.view(torch.uint8)
+    return _check_bytes(name, s, shape, dev, UE8M0_DTYPES, "UE8M0 bytes (uint8 or float8_e8m0fnu)",
+                        " (float scales: convert once with as_ue8m0)")
 
 
 def _check_config(cfg: dict, h: int, inter: int) -> None:
@@ -528,10 +526,9 @@ def mxfp4_max_scale_byte(*scales: torch.Tensor) -> int:
     """
     if not scales:
         raise ValueError("scales: pass at least one scale tensor")
-    ok_dtypes = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
     best = 0
     for sc in scales:
-        if not isinstance(sc, torch.Tensor) or sc.dtype not in ok_dtypes:
+        if not isinstance(sc, torch.Tensor) or sc.dtype not in UE8M0_DTYPES:
             raise ValueError(f"scales must be UE8M0 bytes (uint8 or float8_e8m0fnu), got {getattr(sc, 'dtype', sc)}")
         if sc.numel():
             best = max(best, int(sc.view(torch.uint8).max()))

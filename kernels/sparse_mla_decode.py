@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .device_info import is_sm90, num_sms
-from .sparse_mla_reference import BYTES_PER_TOKEN, D_QK, DATA_BYTES, page_stride_bytes
+from .sparse_mla_reference import BYTES_PER_TOKEN, D_QK, page_stride_bytes
 
 LOG2E = 1.4426950408889634
 SUPPORTED_PAGE_SIZES = (64, 256)
@@ -255,6 +255,65 @@ def _store_chunk(acc, l_safe, f, empty, C: tl.constexpr, out_row, part_row,
 
 
 @triton.jit
+def _q_chunks(q_row, DOT_F32: tl.constexpr):
+    """The query rows of one program as the 8 column chunks the chunked kernels multiply: 8 x [BLOCK_H, 64]."""
+    return (_q_chunk(q_row, 0, DOT_F32), _q_chunk(q_row, 1, DOT_F32), _q_chunk(q_row, 2, DOT_F32), _q_chunk(q_row, 3, DOT_F32),
+            _q_chunk(q_row, 4, DOT_F32), _q_chunk(q_row, 5, DOT_F32), _q_chunk(q_row, 6, DOT_F32), _q_chunk(q_row, 7, DOT_F32))
+
+
+@triton.jit
+def _zero_state(BLOCK_H: tl.constexpr):
+    """Online-softmax state before the first tile: running max -inf, sum 0, 8 zero [BLOCK_H, 64] fp32 accumulators."""
+    return (tl.full([BLOCK_H], float("-inf"), tl.float32), tl.zeros([BLOCK_H], tl.float32),
+            tl.zeros([BLOCK_H, 64], tl.float32),
+            tl.zeros([BLOCK_H, 64], tl.float32),
+            tl.zeros([BLOCK_H, 64], tl.float32),
+            tl.zeros([BLOCK_H, 64], tl.float32),
+            tl.zeros([BLOCK_H, 64], tl.float32),
+            tl.zeros([BLOCK_H, 64], tl.float32),
+            tl.zeros([BLOCK_H, 64], tl.float32),
+            tl.zeros([BLOCK_H, 64], tl.float32))
+
+
+@triton.jit
+def _pv_step(p, alpha, k0, k1, k2, k3, k4, k5, k6, k7, a0, a1, a2, a3, a4, a5, a6, a7, DOT_PREC: tl.constexpr):
+    """acc_c = acc_c * alpha + P @ K_c for the 8 column chunks (V is the latent K: MLA's shared 512 columns)."""
+    a0 = tl.dot(p, k0, a0 * alpha[:, None], input_precision=DOT_PREC)
+    a1 = tl.dot(p, k1, a1 * alpha[:, None], input_precision=DOT_PREC)
+    a2 = tl.dot(p, k2, a2 * alpha[:, None], input_precision=DOT_PREC)
+    a3 = tl.dot(p, k3, a3 * alpha[:, None], input_precision=DOT_PREC)
+    a4 = tl.dot(p, k4, a4 * alpha[:, None], input_precision=DOT_PREC)
+    a5 = tl.dot(p, k5, a5 * alpha[:, None], input_precision=DOT_PREC)
+    a6 = tl.dot(p, k6, a6 * alpha[:, None], input_precision=DOT_PREC)
+    a7 = tl.dot(p, k7, a7 * alpha[:, None], input_precision=DOT_PREC)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _store_result(a0, a1, a2, a3, a4, a5, a6, a7, m_i, l_i, sink_ptr, offs_h, pid_bs, pid_sp, b, s, S, H, n_splits_total, split_offset,
+                  out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, HAS_SINK: tl.constexpr, DIRECT: tl.constexpr,
+                  DOT_F32: tl.constexpr):
+    """Normalize and store a program's 8 accumulator chunks and its lse: to out / lse (DIRECT, one split) or to the
+    split's partial slots for _combine_kernel."""
+    empty, l_safe, lse, f = _finish(m_i, l_i, sink_ptr, offs_h, HAS_SINK, DIRECT)
+    out_row = out_ptr + ((pid_bs.to(tl.int64) * H + offs_h) * 512)[:, None]
+    slot = (pid_bs.to(tl.int64) * H + offs_h) * n_splits_total + split_offset + pid_sp
+    part_row = part_o_ptr + (slot * 512)[:, None]
+    _store_chunk(a0, l_safe, f, empty, 0, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
+    _store_chunk(a1, l_safe, f, empty, 1, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
+    _store_chunk(a2, l_safe, f, empty, 2, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
+    _store_chunk(a3, l_safe, f, empty, 3, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
+    _store_chunk(a4, l_safe, f, empty, 4, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
+    _store_chunk(a5, l_safe, f, empty, 5, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
+    _store_chunk(a6, l_safe, f, empty, 6, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
+    _store_chunk(a7, l_safe, f, empty, 7, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
+    if DIRECT:
+        tl.store(lse_ptr + (b * H + offs_h) * S + s, tl.where(empty, float("inf"), lse))
+    else:
+        tl.store(part_lse_ptr + slot, lse)
+
+
+@triton.jit
 def _sparse_mla_fwd_chunked_kernel(
     q_ptr, kc8_ptr, kc16_ptr, idx_ptr, len_ptr, sink_ptr,
     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
@@ -276,27 +335,11 @@ def _sparse_mla_fwd_chunked_kernel(
 
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     q_row = q_ptr + b.to(tl.int64) * stride_qb + s * stride_qs + offs_h[:, None] * stride_qh
-    q0 = _q_chunk(q_row, 0, DOT_F32)
-    q1 = _q_chunk(q_row, 1, DOT_F32)
-    q2 = _q_chunk(q_row, 2, DOT_F32)
-    q3 = _q_chunk(q_row, 3, DOT_F32)
-    q4 = _q_chunk(q_row, 4, DOT_F32)
-    q5 = _q_chunk(q_row, 5, DOT_F32)
-    q6 = _q_chunk(q_row, 6, DOT_F32)
-    q7 = _q_chunk(q_row, 7, DOT_F32)
+    q0, q1, q2, q3, q4, q5, q6, q7 = _q_chunks(q_row, DOT_F32)
 
     start, end = _split_range(len_ptr, b, pid_sp, chunk, TOPK, HAS_LEN)
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    a0 = tl.zeros([BLOCK_H, 64], tl.float32)
-    a1 = tl.zeros([BLOCK_H, 64], tl.float32)
-    a2 = tl.zeros([BLOCK_H, 64], tl.float32)
-    a3 = tl.zeros([BLOCK_H, 64], tl.float32)
-    a4 = tl.zeros([BLOCK_H, 64], tl.float32)
-    a5 = tl.zeros([BLOCK_H, 64], tl.float32)
-    a6 = tl.zeros([BLOCK_H, 64], tl.float32)
-    a7 = tl.zeros([BLOCK_H, 64], tl.float32)
+    m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _zero_state(BLOCK_H)
     idx_row = idx_ptr + pid_bs.to(tl.int64) * TOPK
     # Latency, not bandwidth, bounds this loop: every global round trip (index list, then the gathered
     # records) costs ~1 us. So the next tile's indices are fetched one tile ahead, and all of a tile's loads
@@ -339,31 +382,11 @@ def _sparse_mla_fwd_chunked_kernel(
         qk = tl.dot(q7, tl.trans(k7), qk, input_precision=DOT_PREC) * sm_scale_log2
 
         p, alpha, m_i, l_i = _softmax_step(qk, valid, m_i, l_i, DOT_F32)
-        a0 = tl.dot(p, k0, a0 * alpha[:, None], input_precision=DOT_PREC)
-        a1 = tl.dot(p, k1, a1 * alpha[:, None], input_precision=DOT_PREC)
-        a2 = tl.dot(p, k2, a2 * alpha[:, None], input_precision=DOT_PREC)
-        a3 = tl.dot(p, k3, a3 * alpha[:, None], input_precision=DOT_PREC)
-        a4 = tl.dot(p, k4, a4 * alpha[:, None], input_precision=DOT_PREC)
-        a5 = tl.dot(p, k5, a5 * alpha[:, None], input_precision=DOT_PREC)
-        a6 = tl.dot(p, k6, a6 * alpha[:, None], input_precision=DOT_PREC)
-        a7 = tl.dot(p, k7, a7 * alpha[:, None], input_precision=DOT_PREC)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _pv_step(p, alpha, k0, k1, k2, k3, k4, k5, k6, k7,
+                                 a0, a1, a2, a3, a4, a5, a6, a7, DOT_PREC)
 
-    empty, l_safe, lse, f = _finish(m_i, l_i, sink_ptr, offs_h, HAS_SINK, DIRECT)
-    out_row = out_ptr + ((pid_bs.to(tl.int64) * H + offs_h) * 512)[:, None]
-    slot = (pid_bs.to(tl.int64) * H + offs_h) * n_splits_total + split_offset + pid_sp
-    part_row = part_o_ptr + (slot * 512)[:, None]
-    _store_chunk(a0, l_safe, f, empty, 0, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
-    _store_chunk(a1, l_safe, f, empty, 1, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
-    _store_chunk(a2, l_safe, f, empty, 2, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
-    _store_chunk(a3, l_safe, f, empty, 3, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
-    _store_chunk(a4, l_safe, f, empty, 4, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
-    _store_chunk(a5, l_safe, f, empty, 5, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
-    _store_chunk(a6, l_safe, f, empty, 6, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
-    _store_chunk(a7, l_safe, f, empty, 7, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
-    if DIRECT:
-        tl.store(lse_ptr + (b * H + offs_h) * S + s, tl.where(empty, float("inf"), lse))
-    else:
-        tl.store(part_lse_ptr + slot, lse)
+    _store_result(a0, a1, a2, a3, a4, a5, a6, a7, m_i, l_i, sink_ptr, offs_h, pid_bs, pid_sp, b, s, S, H, n_splits_total,
+                  split_offset, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, HAS_SINK, DIRECT, DOT_F32)
 
 
 @triton.jit
@@ -420,27 +443,11 @@ def _sparse_mla_fwd_pipelined_kernel(
 
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     q_row = q_ptr + b.to(tl.int64) * stride_qb + s * stride_qs + offs_h[:, None] * stride_qh
-    q0 = _q_chunk(q_row, 0, DOT_F32)
-    q1 = _q_chunk(q_row, 1, DOT_F32)
-    q2 = _q_chunk(q_row, 2, DOT_F32)
-    q3 = _q_chunk(q_row, 3, DOT_F32)
-    q4 = _q_chunk(q_row, 4, DOT_F32)
-    q5 = _q_chunk(q_row, 5, DOT_F32)
-    q6 = _q_chunk(q_row, 6, DOT_F32)
-    q7 = _q_chunk(q_row, 7, DOT_F32)
+    q0, q1, q2, q3, q4, q5, q6, q7 = _q_chunks(q_row, DOT_F32)
 
     start, end = _split_range(len_ptr, b, pid_sp, chunk, TOPK, HAS_LEN)
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    a0 = tl.zeros([BLOCK_H, 64], tl.float32)
-    a1 = tl.zeros([BLOCK_H, 64], tl.float32)
-    a2 = tl.zeros([BLOCK_H, 64], tl.float32)
-    a3 = tl.zeros([BLOCK_H, 64], tl.float32)
-    a4 = tl.zeros([BLOCK_H, 64], tl.float32)
-    a5 = tl.zeros([BLOCK_H, 64], tl.float32)
-    a6 = tl.zeros([BLOCK_H, 64], tl.float32)
-    a7 = tl.zeros([BLOCK_H, 64], tl.float32)
+    m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _zero_state(BLOCK_H)
     idx_row = idx_ptr + pid_bs.to(tl.int64) * TOPK
     # the 8 scale bytes of a token (7 UE8M0 + pad) are 8-byte aligned: one int64 load per token
     kc64_ptr = kc8_ptr.to(tl.pointer_type(tl.int64))
@@ -485,31 +492,11 @@ def _sparse_mla_fwd_pipelined_kernel(
         qk = tl.dot(q7, tl.trans(k7), qk, input_precision=DOT_PREC) * sm_scale_log2
 
         p, alpha, m_i, l_i = _softmax_step(qk, valid, m_i, l_i, DOT_F32)
-        a0 = tl.dot(p, k0, a0 * alpha[:, None], input_precision=DOT_PREC)
-        a1 = tl.dot(p, k1, a1 * alpha[:, None], input_precision=DOT_PREC)
-        a2 = tl.dot(p, k2, a2 * alpha[:, None], input_precision=DOT_PREC)
-        a3 = tl.dot(p, k3, a3 * alpha[:, None], input_precision=DOT_PREC)
-        a4 = tl.dot(p, k4, a4 * alpha[:, None], input_precision=DOT_PREC)
-        a5 = tl.dot(p, k5, a5 * alpha[:, None], input_precision=DOT_PREC)
-        a6 = tl.dot(p, k6, a6 * alpha[:, None], input_precision=DOT_PREC)
-        a7 = tl.dot(p, k7, a7 * alpha[:, None], input_precision=DOT_PREC)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _pv_step(p, alpha, k0, k1, k2, k3, k4, k5, k6, k7,
+                                 a0, a1, a2, a3, a4, a5, a6, a7, DOT_PREC)
 
-    empty, l_safe, lse, f = _finish(m_i, l_i, sink_ptr, offs_h, HAS_SINK, DIRECT)
-    out_row = out_ptr + ((pid_bs.to(tl.int64) * H + offs_h) * 512)[:, None]
-    slot = (pid_bs.to(tl.int64) * H + offs_h) * n_splits_total + split_offset + pid_sp
-    part_row = part_o_ptr + (slot * 512)[:, None]
-    _store_chunk(a0, l_safe, f, empty, 0, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
-    _store_chunk(a1, l_safe, f, empty, 1, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
-    _store_chunk(a2, l_safe, f, empty, 2, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
-    _store_chunk(a3, l_safe, f, empty, 3, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
-    _store_chunk(a4, l_safe, f, empty, 4, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
-    _store_chunk(a5, l_safe, f, empty, 5, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
-    _store_chunk(a6, l_safe, f, empty, 6, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
-    _store_chunk(a7, l_safe, f, empty, 7, out_row, part_row, HAS_SINK, DIRECT, DOT_F32)
-    if DIRECT:
-        tl.store(lse_ptr + (b * H + offs_h) * S + s, tl.where(empty, float("inf"), lse))
-    else:
-        tl.store(part_lse_ptr + slot, lse)
+    _store_result(a0, a1, a2, a3, a4, a5, a6, a7, m_i, l_i, sink_ptr, offs_h, pid_bs, pid_sp, b, s, S, H, n_splits_total,
+                  split_offset, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, HAS_SINK, DIRECT, DOT_F32)
 
 
 @triton.jit

@@ -48,3 +48,39 @@ def stop_group(pid: int, grace: float = 10.0) -> None:
 def popen_group(argv: list[str], **kw) -> subprocess.Popen:
     """Start ``argv`` as the leader of a new process group that dies with this process."""
     return subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent, **kw)
+
+
+class LoggedGroup:
+    """``argv`` started as the leader of its own process group (dies with this process unless ``preexec_fn``
+    says otherwise), stdout and stderr to ``log_path``; ``stop`` ends the whole group by its PID."""
+
+    def __init__(self, name: str, argv: list[str], log_path, env: dict | None = None, preexec_fn=die_with_parent):
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True, preexec_fn=preexec_fn)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, n: int = 30) -> str:
+        """The last ``n`` lines of its log ("" if unreadable)."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "\n".join(f.read().splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM the group, SIGKILL what is left after ``grace`` s (stop_group), reap the leader, close the log."""
+        stop_group(self.proc.pid, grace=grace)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric

@@ -467,7 +467,7 @@ def to_markdown(res):
                       f"reference's by >= {c['naive_overlap_with_fp64_topk']:.3f} (bf16 logits), ours by >= "
                       f"{c['ours_overlap_with_fp64_topk']:.3f}; short rows equal: {c['short_rows_equal']}."]
     lines += ["", "Targets (issue 8):", ""]
-    for (b, live, mc), t in sorted(by_t := {(r["B"], r["live"], r["max_ctx"]): r for r in res.get("timing", [])}.items()):
+    for (b, live, mc), t in sorted({(r["B"], r["live"], r["max_ctx"]): r for r in res.get("timing", [])}.items()):
         if live == 32768 and mc == 131072:
             lines.append(f"- B={b}, actual 32K: {t['ours_us']:.1f} us = {t['ours_over_floor']:.2f}x the byte floor "
                          f"(target <= 2x: {2 * t['floor_us']:.1f} us) -> {'met' if t['ours_over_floor'] <= 2 else 'NOT met'}")
