@@ -17,10 +17,12 @@ cache is just more splits). Work past ``topk_length`` is skipped, not masked.
 
 ``_sparse_mla_fwd_chunked_kernel`` handles the 512 columns as 8 chunks of 64 (no [N, 512] fp32 tile);
 ``_sparse_mla_fwd_pipelined_kernel`` is the same math with every load inside the loop, so Triton's software
-pipeliner gathers the next tiles' records with cp.async into shared memory while this tile is computed. The
-default path runs the pipelined kernel for 16-head programs (mma.sync; sm_120 and sm_90) and, on sm_90 only,
-for 64-head programs (64-row dots lower to wgmma; 165 KiB shared memory): DEFAULT_CONFIG_SM90, picked at run
-time from the device capability. sm_120's configs (DEFAULT_CONFIG, CONFIGS_PIPELINED, CONFIGS) fit 99 KiB.
+pipeliner gathers the next tiles' records with cp.async into shared memory while this tile is computed, and
+dequantizes fp8 by bit moves in inline PTX (_E4M3_BITS_ASM, see _deq_scaled for why that also keeps the loads
+pipelined). The default path runs the pipelined kernel for 16-head programs (mma.sync; sm_120 and sm_90) and,
+on sm_90 only, for 64-head programs (64-row dots lower to wgmma; 165 KiB shared memory): DEFAULT_CONFIG_SM90,
+picked at run time from the device capability. sm_120's configs (DEFAULT_CONFIG, CONFIGS_PIPELINED, CONFIGS)
+fit 99 KiB.
 """
 
 from __future__ import annotations
@@ -413,10 +415,54 @@ def _to_dot(x, DOT_F32: tl.constexpr):
     return x.to(tl.bfloat16)
 
 
+# e4m3 -> bf16 by bit moves (PTX legal on sm_90 and sm_120: prmt/shl/and and mul.rn.bf16x2). A byte
+# s e3..e0 m2..m0 whose sign lands on bf16 bit 15 and e3..e0 m2..m0 on bits 10..4 is the bf16 with exponent field e
+# (bias 127 instead of e4m3's 7) and the same mantissa: exactly value * 2**-120, e4m3 subnormals (e = 0) included
+# as bf16 subnormals.
+# Two bf16 multiplies apply the UE8M0 scale 2**(s - 127) exactly: by 2**(min(s, 134) - 7) (a normal bf16 for every
+# s), then by 2**(max(s, 134) - 134) (1 unless s > 134); the first product is exact whenever the second is not 1.
+# prmt 0x9180 / 0xB3A2 spread bytes 0, 1 / 2, 3 into 16-bit lanes [byte, sign-replicated byte], so (y << 4) puts the
+# sign (bit 3 of the replicated byte) on bit 15 and the byte's low 7 bits on 10..4; 0x87F087F0 keeps those bits of
+# both lanes (bit 11, the byte's own sign, and what lane 0 shifts into lane 1 are dropped). The e4m3 NaN codes
+# 0x7F / 0xFF (never written by a quantizer, which saturates at +-448) would read as +-480.
+_E4M3_BITS_ASM = tl.constexpr("""
+{
+.reg .b32 y, v, t;
+prmt.b32 y, $2, 0, 0x9180;
+shl.b32 v, y, 4;
+and.b32 v, v, 0x87F087F0;
+mul.rn.bf16x2 t, v, $3;
+mul.rn.bf16x2 $0, t, $5;
+prmt.b32 y, $2, 0, 0xB3A2;
+shl.b32 v, y, 4;
+and.b32 v, v, 0x87F087F0;
+mul.rn.bf16x2 t, v, $4;
+mul.rn.bf16x2 $1, t, $6;
+}
+""")
+
+
 @triton.jit
 def _deq_scaled(raw, sc8, C: tl.constexpr, DOT_F32: tl.constexpr):
-    """Dequantize chunk C: fp8 e4m3 bytes [BLOCK_N, 64] * 2**(byte C of the token's 8 scale bytes - 127)."""
-    return _to_dot(raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _chunk_scale(sc8, C)[:, None], DOT_F32)
+    """Dequantize chunk C: fp8 e4m3 bytes [BLOCK_N, 64] * 2**(byte C of the token's 8 scale bytes - 127) -> bf16
+    (fp32 under the interpreter, which runs no inline asm: there by fp8 -> fp32 conversion and an fp32 multiply).
+
+    On the GPU by the bit moves of _E4M3_BITS_ASM, as one inline-asm op marked impure. That is not about side
+    effects: Triton hoists the dot-operand layout conversions above pure elementwise ops up to the load, which
+    then has two users in two register layouts (QK^T and PV read the tile differently), and the software
+    pipeliner leaves such a load synchronous (measured on 16-head programs: the 7 nope chunks, 77% of the bytes,
+    were plain loads waited on in every tile, and each chunk was dequantized twice). With the conversion pinned
+    in the load's layout, the records are cp.async-pipelined into shared memory, dequantized once, stored once,
+    and both dots read that one copy."""
+    if DOT_F32:
+        return _to_dot(raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _chunk_scale(sc8, C)[:, None], DOT_F32)
+    e = ((sc8 >> (8 * C)) & 255).to(tl.int32)
+    f1 = ((tl.minimum(e, 134) + 120) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    f2 = ((tl.maximum(e, 134) - 7) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    f1 = tl.broadcast_to(f1[:, None], raw.shape)
+    f2 = tl.broadcast_to(f2[:, None], raw.shape)
+    return tl.inline_asm_elementwise(_E4M3_BITS_ASM, "=r,=r,r,r,r,r,r", [raw, f1, f2], tl.bfloat16,
+                                     is_pure=False, pack=4)
 
 
 @triton.jit
@@ -618,28 +664,31 @@ def _pick_block_h(b: int, s: int, h: int, sm90: bool = False) -> int:
 # original kernel). ``CHUNKED`` selects _sparse_mla_fwd_chunked_kernel, ``PIPELINE: n`` the software-pipelined
 # _sparse_mla_fwd_pipelined_kernel with n loop stages (n >= 5: the gathered records are fetched two tiles ahead
 # in two shared-memory buffers; 3: one tile ahead, one buffer; the index list one stage before its records).
+# The pipelined kernel keeps a tile's raw records (cp.async buffers) and its dequantized chunks in shared memory:
+# 63.5 KiB for 32-token 3-stage programs, 82 KiB for 5 stages, 111 KiB for 64-token tiles (sm_90 only).
+# 16-head programs on sm_120: 32-token tiles, 4 warps, 3 stages (unmeasured there; on the H200 8.1 us at H=16 B=1
+# and 9.0 at B=16, against 7.6 / 8.8 for sm_90's 64-token default; benchmarks/results/*-s4).
 DEFAULT_CONFIG = {
-    16: {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "PIPELINE": 3},
+    16: {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "PIPELINE": 3},
     32: {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
     64: {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
 }
-# 16-head programs once a grid has more than 32 (batch * query token * head block) rows: smaller 4-warp programs,
-# two per SM (register-bound: ~230 registers x 128 threads), so the default split count doubles. Same-run A/B on
-# the H200 (topk 512, benchmarks/kernels/sparse_mla_ab.py, s3): H=16 B=64 25.1 us (4 splits) vs 27.8 for
-# DEFAULT_CONFIG[16]; B=128 42.4 (2 splits) vs 46.2; S=2 B=64 43.0 vs 47.3. At <= 32 rows DEFAULT_CONFIG[16] wins
-# (B=16: 9.9 vs 11.1 us).
+# 16-head programs once a grid has more than 32 (batch * query token * head block) rows: 4-warp programs (~186
+# registers, 82 KiB), two per SM on sm_90, so the default split count doubles. Same-run H200 A/B (s4, topk 512):
+# H=16 B=64 19.0 us vs 20.9 for 3 stages and 21.1 for three per SM (168-register cap), B=128 29.2 vs 33.3-34.6.
 TWO_PER_SM_CONFIG_16 = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "PIPELINE": 5, "PROGRAMS_PER_SM": 2}
-# sm_90 (Hopper) only: 64-head programs lower to wgmma there and need 165 KiB of shared memory (more than
-# sm_120's 99 KiB, so these configs are never used on sm_120, which keeps mma.sync).
-DEFAULT_CONFIG_SM90 = {**DEFAULT_CONFIG, 64: {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "PIPELINE": 3}}
-CONFIGS_SM90 = {64: [{"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "PIPELINE": 3},
+# sm_90 (Hopper) only: configs needing more than sm_120's 99 KiB of shared memory. 64-head programs lower to wgmma
+# there (165 KiB); 16-head programs with 64-token tiles (111 KiB) are sm_90's default up to 32 rows (H=16 B=1
+# 7.5 us, B=16 8.8).
+DEFAULT_CONFIG_SM90 = {**DEFAULT_CONFIG, 16: {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "PIPELINE": 3},
+                       64: {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "PIPELINE": 3}}
+CONFIGS_SM90 = {16: [DEFAULT_CONFIG_SM90[16]],
+                64: [{"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "PIPELINE": 3},
                      {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "PIPELINE": 5},
                      {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "CHUNKED": True},
                      {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "CHUNKED": True}]}
 # Pipelined configs that sm_120 may run (each fits its 99 KiB of shared memory; tests compile them all).
-CONFIGS_PIPELINED = {16: [DEFAULT_CONFIG[16], TWO_PER_SM_CONFIG_16,
-                          {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "PIPELINE": 5},
-                          {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "PIPELINE": 3}]}
+CONFIGS_PIPELINED = {16: [DEFAULT_CONFIG[16], TWO_PER_SM_CONFIG_16]}
 
 
 def _default_config(block_h: int, rows: int, sm90: bool) -> dict:

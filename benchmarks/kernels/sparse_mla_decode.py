@@ -1,14 +1,14 @@
 """Device benchmark for pd.kernels.sparse_mla_decode (run on the GPU machine, not in CI).
 
-  python benchmarks/kernels/sparse_mla_decode.py [--out DIR] [--quick] [--full-sweep] [--tag -s3]
+  python benchmarks/kernels/sparse_mla_decode.py [--out DIR] [--quick] [--full-sweep] [--tag -s3] [--baseline FILE]
 
 1. correctness at real shapes (topk 512/2048, H 16/64/128, S 1/2/4, page 64/256, -1 slots, topk_length,
    attn_sink, extra cache) against the fp64 torch reference: ||out - ref_bf16|| / ||ref|| and max |lse - ref|;
 2. timing (median of CUDA-graph replays, 4 input sets cycled so KV is not served from L2) for B in
    {1,16,64,128}, H in {16,64}, S in {1,2}, topk 512, page 64: ours (the default path, and the best of a sweep:
    the default path's alternatives, i.e. every pipelined / sm_90-only config and the original kernel, or with
-   --full-sweep every autotune config x topk splits) vs
-   FlashMLA's sm_90 sparse decode (sgl-flash-mla wheel, if importable) vs
+   --full-sweep every autotune config x topk splits) vs the default path of another version of the kernel file
+   (--baseline, same run) vs FlashMLA's sm_90 sparse decode (sgl-flash-mla wheel, if importable) vs
    SGLang's per-(batch, head) Triton sm_120 kernel (file from the pip-installed sglang, path in
    $SGLANG_SM120_TRITON, if present; q_len 1 only) vs the HBM byte floor (selected KV bytes + q + out +
    indices at 4.8 TB/s);
@@ -98,18 +98,19 @@ def correctness(dev, fm=None, quick=False):
         variants = [(None, ns, None) for ns in ((None, 1, 4) if not quick else (None, 4))]
         if h % 64 == 0:
             variants += [(64, None, None), (64, 1, None)]
-        # the default path's other 16-head config (grids of > 32 rows), forced at this small batch
-        variants.append((16, None, TWO_PER_SM_CONFIG_16))
+        # the default path's other 16-head configs, forced at this small batch: grids of > 32 rows, and sm_120's
+        # (on sm_90 small grids run DEFAULT_CONFIG_SM90[16])
+        variants += [(16, None, TWO_PER_SM_CONFIG_16), (16, None, DEFAULT_CONFIG[16])]
         for bh, ns, cfg in variants:
             out, lse = sparse_mla_decode(q, view4(kc, ps), idx, num_splits=ns, block_h=bh, config=cfg, **kw)
             torch.cuda.synchronize()
             ro, rl = sparse_mla_decode_ref(q, kc, idx, page_size=ps, **rkw)
             c = dict(topk=topk, H=h, S=s, page_size=ps, extra=extra, num_splits=ns, block_h=bh,
-                     config="two_per_sm_16" if cfg else None,
+                     config=None if cfg is None else "two_per_sm_16" if cfg is TWO_PER_SM_CONFIG_16 else "sm120_16",
                      rel_err_vs_ref_bf16=rel(out, ro.to(torch.bfloat16)), rel_err_vs_ref_fp64=rel(out, ro),
                      lse_max_abs_err=lse_err(lse, rl), nan=bool(torch.isnan(out).any()))
             c["meets_2e-3"] = c["rel_err_vs_ref_fp64"] <= 2e-3
-            c["ok"] = c["rel_err_vs_ref_fp64"] <= 3e-3 and c["lse_max_abs_err"] <= 1e-3 and not c["nan"]
+            c["ok"] = c["rel_err_vs_ref_fp64"] <= 2.5e-3 and c["lse_max_abs_err"] <= 1e-3 and not c["nan"]
             if fm is not None and ns is None and bh is None and cfg is None and h in (64, 128):
                 try:
                     fwk, gmeta = fm
@@ -160,6 +161,25 @@ def bench(fn, quick):
     return t * 1e3 / ROT
 
 
+def load_baseline(path):
+    """sparse_mla_decode from another version of kernels/sparse_mla_decode.py (e.g. ``git show
+    HEAD:kernels/sparse_mla_decode.py``), imported as its own package next to this checkout's reference and
+    device_info modules, for same-run side-by-side timing."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp()
+    pkg = os.path.join(d, "baseline_kernels")
+    os.makedirs(pkg)
+    kdir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "kernels")
+    for f in ("sparse_mla_reference.py", "device_info.py"):
+        shutil.copy(os.path.join(kdir, f), pkg)
+    shutil.copy(path, os.path.join(pkg, "sparse_mla_decode.py"))
+    open(os.path.join(pkg, "__init__.py"), "w").close()
+    sys.path.insert(0, d)
+    return importlib.import_module("baseline_kernels.sparse_mla_decode").sparse_mla_decode
+
+
 def sweep_variants(h, b, s, quick, full, sm90):
     """(name, sparse_mla_decode kwargs) timed next to the default path. ``full``: every autotune config of the
     original kernel x topk splits (None, 1, 4) for 16/32/64 heads per program, plus every pipelined and sm_90-only
@@ -188,7 +208,7 @@ def sweep_variants(h, b, s, quick, full, sm90):
     return out
 
 
-def timing(dev, quick, fm, sgl, full_sweep=False, budget_s=float("inf")):
+def timing(dev, quick, fm, sgl, full_sweep=False, budget_s=float("inf"), baseline=None):
     t_start = time.time()
     sm90 = torch.cuda.get_device_capability(dev)[0] == 9
     rows = []
@@ -206,6 +226,8 @@ def timing(dev, quick, fm, sgl, full_sweep=False, budget_s=float("inf")):
                            floor_us=floor_bytes / HBM_BPS * 1e6, bytes=floor_bytes)
                 out, _ = sparse_mla_decode(qs[0], kc4, ids[0])
                 row["ours_default_us"] = bench(lambda i: sparse_mla_decode(qs[i], kc4, ids[i]), quick)
+                if baseline is not None:
+                    row["baseline_us"] = bench(lambda i: baseline(qs[i], kc4, ids[i]), quick)
                 best = (row["ours_default_us"], "default")
                 sweep = {}
                 for key, kw in sweep_variants(h, b, s, quick, full_sweep, sm90):
@@ -256,6 +278,8 @@ def main():
     ap.add_argument("--sweep-budget-s", type=float, default=float("inf"),
                     help="stop adding sweep variants once the timing part has run this long")
     ap.add_argument("--tag", default="", help="suffix of the JSON file name (sparse_mla_decode_<date><tag>.json)")
+    ap.add_argument("--baseline", help="another kernels/sparse_mla_decode.py whose default path is timed in the "
+                    "same run (e.g. the committed one: git show HEAD:kernels/sparse_mla_decode.py > FILE)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     t0 = time.time()
@@ -270,17 +294,21 @@ def main():
         res["correctness"] = correctness(dev, fm, args.quick)
         res["correct_all_ok"] = all(c["ok"] for c in res["correctness"])
     res["command"] = " ".join(sys.argv)
-    res["timing"] = timing(dev, args.quick, fm, load_sglang_triton(), args.full_sweep, args.sweep_budget_s)
+    res["baseline_file"] = args.baseline
+    res["timing"] = timing(dev, args.quick, fm, load_sglang_triton(), args.full_sweep, args.sweep_budget_s,
+                           load_baseline(args.baseline) if args.baseline else None)
     res["wall_s"] = time.time() - t0
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"sparse_mla_decode_{res['date'][:10]}{args.tag}.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
     print(f"\n{res['device']}  copy {res['copy_GBps']:.0f} GB/s  correctness ok: {res.get('correct_all_ok')}")
-    print(f"{'B':>4} {'H':>3} {'S':>2} {'floor':>7} {'ours':>8} {'best':>8} {'flashmla':>9} {'sglang':>9}  best variant")
+    print(f"{'B':>4} {'H':>3} {'S':>2} {'floor':>7} {'ours':>8} {'best':>8} {'baseline':>9} {'flashmla':>9} "
+          f"{'sglang':>9}  best variant")
     for r in res["timing"]:
         print(f"{r['B']:>4} {r['H']:>3} {r['S']:>2} {r['floor_us']:7.1f} {r['ours_default_us']:8.1f} "
-              f"{r['ours_best_us']:8.1f} {r.get('flashmla_us', float('nan')):9.1f} "
+              f"{r['ours_best_us']:8.1f} {r.get('baseline_us', float('nan')):9.1f} "
+              f"{r.get('flashmla_us', float('nan')):9.1f} "
               f"{r.get('sglang_triton_us', float('nan')):9.1f}  {r['ours_best_variant']}")
     print("wrote", path)
 
