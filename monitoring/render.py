@@ -157,7 +157,9 @@ def render(prom: Prometheus, out: Path, range_s: float, end: float, step: float,
                 ax.yaxis.set_major_formatter(FuncFormatter(_fmt_seconds))
             elif unit == "reqps":
                 ax.set_ylabel("requests / s")
-            ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M"))
+            locator = mdates.AutoDateLocator()  # seconds on a 5-minute range, hours on a day
+            ax.xaxis.set_major_locator(locator)
+            ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
             ax.grid(True, which="major", alpha=0.3)
             if n:
                 ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)

@@ -201,8 +201,9 @@ class Monitoring(_Strict):
 
     Attributes:
         targets_file: where the launcher keeps the file_sd targets JSON (router, engines, its own
-            exporter); default ``<Ray session dir>/pdserve_prometheus_targets.json``, i.e.
-            ``/tmp/ray/session_latest/pdserve_prometheus_targets.json`` on the head node.
+            exporter); default ``<Ray session dir>/pdserve_prometheus_targets_<router.port>.json``,
+            i.e. ``/tmp/ray/session_latest/pdserve_prometheus_targets_8000.json`` on the head node (one
+            file per cluster, so clusters sharing a Ray head keep their own targets).
         metrics_port: port of the launcher's exporter of worker state and engine restarts
             (on ``router.host``); 0 = a free port, published in the targets file.
     """

@@ -52,6 +52,7 @@ CATEGORIES: dict[str, str] = {
     "pd_config_mismatch": "prefill and decode disagree on another setting (KV dtype, layout, policy)",
     "port_in_use": "a port the engine binds is already taken",
     "missing_dependency": "a Python module the engine needs is not installed",
+    "model_path": "--model-path is not a local checkpoint directory (typo, not mounted on this node)",
     "watchdog_timeout": "a forward step hung past SGLang's watchdog timeout",
     "child_exit": "an engine subprocess died (killed, crashed) without a Python traceback",
     "sigquit": "the parent got SIGQUIT from a failed child (a symptom; never the root cause)",
@@ -151,6 +152,7 @@ _TRIGGERS = (
     "transfer failed", "handshake failed", "mooncake", "rdma", "retry counter exceeded",
     "mismatch", "sigquit", "initialization failed", "died during initialization", "crashed with exit code",
     "watchdog timeout", "no module named",
+    "repo id must be", "is not a local folder", "does not appear to have a file named config.json", "--model-path",
     "cuda error", "illegal memory access", "device-side assert", "driver version is insufficient",
     "driver on your system is too old",
 )
@@ -358,6 +360,19 @@ class _Finding:
     ranks: list[int] = dataclasses.field(default_factory=list)  # ranks named in the text itself
 
 
+def _model_path(line: str) -> str:
+    """The path a model-path error names: after ``--model-path``, the last quoted string of a
+    Hub repo-id error, else the word before the message."""
+    m = _RX_MODEL_PATH.search(line)
+    if m.group().startswith("--model-path"):
+        return m.group().split()[1].rstrip(":")
+    if m.group().startswith("Repo id"):
+        quoted = re.findall(r"'([^']*)'", line[m.end():])
+        return quoted[-1] if quoted else "?"
+    words = line[:m.start()].split()
+    return words[-1].strip("'\"") if words else "?"
+
+
 def _idx(lines: list[str], rx: re.Pattern) -> list[int]:
     """Indexes of the lines matching ``rx``: messages first, then traceback source lines (indented)."""
     hits = [i for i, t in enumerate(lines) if rx.search(t)]
@@ -453,6 +468,11 @@ _RX_CHILD_EXIT = re.compile(
     r"Rank (\d+) scheduler died during initialization \(exit code: (-?\d+)\)|"
     r"Subprocess (\S+) \(pid=\d+\) crashed with exit code (-?\d+)"
 )
+# Literal first (a leading path group would make the search quadratic on long garbage lines); the
+# path is then read around the match by _model_path().
+_RX_MODEL_PATH = re.compile(r"--model-path \S+: no (?:such directory|config\.json)|Repo id must be in the form"
+                            r"| is not a local folder and is not a valid model identifier"
+                            r"| does not appear to have a file named config\.json")
 _RX_MODULE = re.compile(r"No module named '([^']+)'|(the Mooncake transfer engine is not installed)")
 _RX_SIGQUIT = re.compile(
     r"Received sigquit from a child process|SIGQUIT received|Initialization failed\. Please see the error"
@@ -602,6 +622,9 @@ _FIX_WATCHDOG = (
     "dead or stuck rank (look for the first error on the other ranks) or a kernel that hangs; raise "
     "--watchdog-timeout only for legitimately slow first steps (JIT compilation)."
 )
+_FIX_MODEL_PATH = ("Point --model-path (config `model_path`) at the checkpoint directory as it is seen on every "
+                   "node that runs an engine (config.json, tokenizer and weights inside); nothing is downloaded "
+                   "from the Hugging Face Hub.")
 _FIX_MODULE = "Install it in the engine's Python environment (the worker's venv), e.g. `pip install {mod}`."
 _FIX_EXCEPTION = "No known pattern: read the traceback at the evidence lines; the first rank's error is the cause."
 _FIX_SIGQUIT = (
@@ -787,6 +810,12 @@ def _classify(lines: list[str]) -> _Finding | None:
         tier = _SECONDARY if code not in ("1", "0") else _SYMPTOM
         return _Finding("child_exit", f"{who} exited with code {code} without a traceback", fix, tier=tier,
                         key=who + code, evidence=ev[:1], ranks=ranks)
+
+    ev = _idx(lines, _RX_MODEL_PATH)
+    if ev:
+        path = _model_path(lines[ev[0]])
+        return _Finding("model_path", f"Model path {path!r} is not a checkpoint directory", _FIX_MODEL_PATH,
+                        key=path, evidence=ev[:1])
 
     ev = _idx(lines, _RX_MODULE)
     if ev:

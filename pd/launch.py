@@ -74,6 +74,7 @@ class Launcher:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from pd.placement_check import unplaceable_reason
         from pd.worker import EngineWorker
 
         self.check_resources()
@@ -85,6 +86,9 @@ class Launcher:
                 kwargs = {}
                 if group.placement.node_labels:
                     kwargs["bundle_label_selector"] = [dict(group.placement.node_labels)]
+                why = unplaceable_reason(bundle, group.placement.node_labels, ray.nodes())
+                if why:  # an autoscaler may still add such a node, so this only warns
+                    say(f"{role}-{i}: {why}; waiting up to {PG_READY_TIMEOUT:g}s for one to join")
                 pg = placement_group([bundle], strategy="STRICT_PACK", name=f"pdserve-{role}-{i}", **kwargs)
                 self.pgs.append(pg)
                 specs.append((role, i, group, pg, bundle))
@@ -92,8 +96,10 @@ class Launcher:
             try:
                 ray.get(pg.ready(), timeout=PG_READY_TIMEOUT)
             except ray.exceptions.GetTimeoutError:
-                raise ConfigError(f"{role}-{i}: Ray could not place a bundle {bundle} within {PG_READY_TIMEOUT:g}s "
-                                  f"(check {role}.placement and the cluster's resources: {ray.cluster_resources()})") from None
+                why = unplaceable_reason(bundle, group.placement.node_labels, ray.nodes()) or \
+                    "the nodes that could hold it are taken by other placement groups"
+                raise ConfigError(f"{role}-{i}: Ray could not place a bundle {bundle} within {PG_READY_TIMEOUT:g}s: "
+                                  f"{why} (check {role}.placement)") from None
             gpu_ids = group.gpus[i] if group.gpus is not None else None
             actor = actor_cls.options(
                 num_cpus=0, num_gpus=group.tp_size,
@@ -193,7 +199,7 @@ class Launcher:
         except OSError as e:
             raise RuntimeError(f"cannot serve the launcher's metrics on {host}:{m.metrics_port}: {e} "
                                "(set monitoring.metrics_port)") from None
-        self.targets = TargetsFile(m.targets_file or default_targets_path())
+        self.targets = TargetsFile(m.targets_file or default_targets_path(self.cfg.router.port))
         self.publish(self.workers)
         say(f"prometheus targets in {self.targets.path}; launcher metrics on port {self.exporter.port}")
 
@@ -246,7 +252,7 @@ class Launcher:
 
         if self.targets is not None:  # Prometheus stops scraping what is about to go away
             try:
-                self.targets.write([])
+                self.targets.remove()
             except OSError:
                 pass
         if self.exporter is not None:

@@ -5,9 +5,11 @@ Labels: ``component`` (``router``, ``engine``, ``launcher``); engines add ``role
 ``decode``) and ``worker_name`` (``prefill-0``). None of them collides with a label the router,
 the engines or the launcher's exporter put on their own metrics, so Prometheus keeps both.
 
-Default path: ``<Ray session dir>/pdserve_prometheus_targets.json`` next to Ray's own
+Default path: ``<Ray session dir>/pdserve_prometheus_targets_<router port>.json`` next to Ray's own
 ``prom_metrics_service_discovery.json``, i.e. ``/tmp/ray/session_latest/...`` on the head node for
-Ray's default temp dir; config ``monitoring.targets_file`` overrides it.
+Ray's default temp dir; config ``monitoring.targets_file`` overrides it. One file per cluster (keyed by
+its router port, unique on a node) so several clusters on one Ray head do not overwrite each other's
+targets; monitoring/prometheus.yml reads them all by glob.
 """
 
 from __future__ import annotations
@@ -18,13 +20,13 @@ from pathlib import Path
 from typing import Optional
 from urllib.parse import urlsplit
 
-TARGETS_FILE_NAME = "pdserve_prometheus_targets.json"
+TARGETS_FILE_PREFIX = "pdserve_prometheus_targets"
 RAY_DEFAULT_SESSION = Path("/tmp/ray/session_latest")
 
 
-def default_targets_path() -> Path:
-    """``<session dir of the connected Ray cluster>/pdserve_prometheus_targets.json``, or under
-    /tmp/ray/session_latest when this process is not connected to Ray."""
+def default_targets_path(router_port: int) -> Path:
+    """``<session dir of the connected Ray cluster>/pdserve_prometheus_targets_<router_port>.json``, or
+    under /tmp/ray/session_latest when this process is not connected to Ray."""
     session = RAY_DEFAULT_SESSION
     try:  # Ray has no public API for the session dir; its metrics agent writes its own file there
         import ray._private.worker as ray_worker
@@ -34,7 +36,7 @@ def default_targets_path() -> Path:
             session = Path(node.get_session_dir_path())
     except (ImportError, AttributeError):
         pass
-    return session / TARGETS_FILE_NAME
+    return session / f"{TARGETS_FILE_PREFIX}_{router_port}.json"
 
 
 def scrape_address(host: str, port: int, node_ip: Optional[str] = None) -> str:
@@ -106,3 +108,9 @@ class TargetsFile:
         os.replace(tmp, self.path)
         self._last = text
         return True
+
+    def remove(self) -> None:
+        """Delete the file (the cluster is going away: Prometheus drops its targets at the next
+        file_sd refresh); a missing file is fine."""
+        self.path.unlink(missing_ok=True)
+        self._last = None

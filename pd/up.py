@@ -125,6 +125,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         head = start_local_head(cfg, port, log_path)
         address = f"http://127.0.0.1:{port}"
     os.environ.update({k: v for k, v in ray_env().items() if k == "RAY_AUTH_MODE"})
+    if head is not None:  # other shells need the same ray binary and auth mode to use this head
+        auth = "RAY_AUTH_MODE=token " if os.environ.get("RAY_AUTH_MODE") == "token" else ""
+        say(f"local Ray head at {address}; from another shell: {auth}{os.path.dirname(sys.executable)}/ray "
+            f"job submit --address {address} --working-dir . -- python -m pd.launch CONFIG")
 
     from ray.job_submission import JobStatus, JobSubmissionClient
 

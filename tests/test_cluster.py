@@ -29,11 +29,15 @@ def ray_head(model_cache):
         head.stop()
 
 
-def prometheus_targets(ray_head) -> dict:
+def targets_path(ray_head, router_port: int = 8000) -> str:
+    """The targets file of the cluster whose router listens on ``router_port`` (one per cluster)."""
+    return os.path.join(ray_head.tmp, "session_latest", f"pdserve_prometheus_targets_{router_port}.json")
+
+
+def prometheus_targets(ray_head, router_port: int = 8000) -> dict:
     """component/worker_name -> file_sd entry of the targets file the launcher keeps in the Ray
     session dir (what monitoring/prometheus.yml scrapes)."""
-    path = os.path.join(ray_head.tmp, "session_latest", "pdserve_prometheus_targets.json")
-    with open(path) as f:
+    with open(targets_path(ray_head, router_port)) as f:
         return {e["labels"].get("worker_name", e["labels"]["component"]): e for e in json.load(f)}
 
 
@@ -144,7 +148,7 @@ def test_local_yaml_job(ray_head, engines):
     while any(pid_alive(p) for p in pids) and time.time() < deadline:
         time.sleep(0.5)
     assert not [p for p in pids if pid_alive(p)], "engine processes left behind"
-    assert prometheus_targets(ray_head) == {}, "a stopped cluster must leave no scrape targets"
+    assert not os.path.exists(targets_path(ray_head)), "a stopped cluster must leave no scrape targets"
     with pytest.raises(httpx.HTTPError):
         httpx.get("http://127.0.0.1:8000/health", timeout=2)
 
@@ -165,6 +169,8 @@ def test_two_prefill_two_decode_ports_and_pairing(ray_head, tmp_path):
     try:
         url = ray_head.wait_log(job, r"pdserve: router ready at (\S+)").group(1)
         workers = ray_head.workers(job)
+        # its own targets file, next to any other cluster's on this head
+        assert set(prometheus_targets(ray_head, router_port)) == {"router", "launcher"} | {w["name"] for w in workers}
         ports = [w["port"] for w in workers] + [w["bootstrap_port"] for w in workers if w["bootstrap_port"]]
         assert len(ports) == 6 and len(set(ports)) == 6
         gpus = [w["cuda_visible_devices"] for w in workers]
@@ -182,6 +188,10 @@ def test_two_prefill_two_decode_ports_and_pairing(ray_head, tmp_path):
                     assert float(line.rsplit(" ", 1)[1]) > 0, f"{w['name']} got no traffic"
     finally:
         ray_head.stop_job(job)
+    deadline = time.time() + 30  # the launcher removes it while it shuts down
+    while os.path.exists(targets_path(ray_head, router_port)) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not os.path.exists(targets_path(ray_head, router_port))
 
 
 def test_config_needing_more_gpus_than_the_cluster_fails_clearly(ray_head):

@@ -430,3 +430,25 @@ def test_100k_line_log_is_fast():
     assert [d.category for d in found] == ["kv_transfer", "cuda_oom"]
     assert found[0].occurrences == 10_000
     assert elapsed < 1.0, elapsed
+
+
+@pytest.mark.parametrize("line, path", [
+    ("huggingface_hub.errors.HFValidationError: Repo id must be in the form 'repo_name' or 'namespace/repo_name': "
+     "'/nonexistent/model'. Use `repo_type` argument if needed.", "/nonexistent/model"),
+    ("OSError: /models/dsv4 does not appear to have a file named config.json. Checkout "
+     "'https://huggingface.co//models/dsv4/tree/None' for available files.", "/models/dsv4"),
+    ("OSError: We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them in the "
+     "cached files. Check your internet connection or see how to run the library in offline mode. "
+     "'/mnt/ckpt/DeepSeek-V4-Flash' is not a local folder and is not a valid model identifier", "/mnt/ckpt/DeepSeek-V4-Flash"),
+])
+def test_bad_model_path_is_named(line, path):
+    d = only(diagnose_text(SCHED_TB.format(rank=0, exc=line)))
+    assert d.category == "model_path" and path in d.cause and d.recognised and "--model-path" in d.fix
+
+
+def test_reference_engine_model_path_exit_is_named():
+    text = ("2025-11-02 10:00:00,101 INFO pd.engine: starting\n"
+            "--model-path /nonexistent/model: no such directory (give a local Hugging Face checkpoint directory, "
+            "or builtin:tiny)\n")
+    d = only(diagnose_text(text))
+    assert d.category == "model_path" and "/nonexistent/model" in d.cause and d.evidence[0].line == 2

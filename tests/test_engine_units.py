@@ -123,6 +123,22 @@ def test_engine_help_documents_every_flag():
         assert flag in text
 
 
+def test_engine_refuses_a_model_path_that_is_not_a_checkpoint_directory(tmp_path):
+    from pd.engines.args import finalize
+    from pd.engines.server import build_parser
+
+    def check(path):
+        return finalize(build_parser().parse_args(["--model-path", path]))
+
+    with pytest.raises(SystemExit, match=r"^--model-path /nonexistent/model: no such directory"):
+        check("/nonexistent/model")
+    with pytest.raises(SystemExit, match="no config.json in it"):
+        check(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    assert check(str(tmp_path)).model_path == str(tmp_path)
+    assert check("builtin:tiny").model_path == "builtin:tiny"
+
+
 @pytest.mark.parametrize("num_tokens", [1, 16, 37])
 def test_kv_export_import_roundtrip(model_cache, num_tokens):
     from pd.engines.model_runner import ModelRunner
@@ -140,3 +156,25 @@ def test_kv_export_import_roundtrip(model_cache, num_tokens):
             assert torch.equal(a, b)
     # continuing from the imported cache gives bit-identical logits
     assert torch.equal(runner.forward([42], cache), runner.forward([42], back))
+
+
+def test_completion_text_offsets_skip_special_tokens_like_the_text(model_cache):
+    from pd.engines.model_runner import ModelRunner
+    from pd.engines.openai_api import completion_logprobs
+
+    runner = ModelRunner("builtin:tiny")
+    special = runner.tokenizer.convert_tokens_to_ids("<extra_id_118>")
+    ids = runner.tokenizer.encode("ab", add_special_tokens=False) + [special] + \
+        runner.tokenizer.encode("cd", add_special_tokens=False)
+    spec = SeqSpec(index=0, prompt_index=0, sample_index=0, prompt_ids=[5], params=SamplingParams(), rid="r", seed=0,
+                   return_logprob=True)
+    seq = Sequence(spec, set(), runner.decode, 4096)
+    seq.output_ids = ids
+    seq.output_logprobs = [(-1.0, i) for i in ids]
+    seq.output_top = [[] for _ in ids]
+    text = seq.text()
+    assert text == "abcd"
+    lp = completion_logprobs(seq, runner, 0)
+    assert lp["tokens"][2] == "<extra_id_118>"
+    assert lp["text_offset"] == [0, 1, 2, 2, 3]  # the special token adds nothing to the text
+    assert completion_logprobs(seq, runner, 3)["text_offset"] == [2, 3]  # a stream chunk's tokens, absolute offsets

@@ -99,6 +99,9 @@ async def test_completions_list_prompt(engines, stream, logprobs):
         assert strip_volatile(dec["choices"]) == strip_volatile(ref["choices"])
         assert dec["usage"] == ref["usage"]
         assert [c["index"] for c in dec["choices"]] == [0, 1, 2]
+        for c in dec["choices"] if logprobs else []:  # offsets index the returned text
+            off = c["logprobs"]["text_offset"]
+            assert off[0] == 0 and off == sorted(off) and off[-1] <= len(c["text"]), (off, c["text"])
 
 
 @pytest.mark.parametrize("stream", [False, True])

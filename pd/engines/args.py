@@ -66,7 +66,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def finalize(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill derived values (transport, transfer host, timeouts) and check combinations.
+    """Fill derived values (transport, transfer host, timeouts) and check the model path and combinations.
 
     Raises:
         SystemExit: with a message naming the bad flag.
@@ -76,6 +76,12 @@ def finalize(args: argparse.Namespace) -> argparse.Namespace:
         args.disaggregation_transfer_protocol = "rdma" if args.disaggregation_ib_device and not force_tcp else "tcp"
     if args.disaggregation_transfer_protocol == "rdma" and not args.disaggregation_ib_device:
         raise SystemExit("--disaggregation-transfer-protocol rdma needs --disaggregation-ib-device")
+    if not args.model_path.startswith("builtin:"):  # nothing is downloaded: a hub id would fail deep in transformers
+        if not os.path.isdir(args.model_path):
+            raise SystemExit(f"--model-path {args.model_path}: no such directory (give a local Hugging Face "
+                             "checkpoint directory, or builtin:tiny)")
+        if not os.path.isfile(os.path.join(args.model_path, "config.json")):
+            raise SystemExit(f"--model-path {args.model_path}: no config.json in it (not a Hugging Face checkpoint)")
     for flag in ("page_size", "max_total_tokens"):
         if getattr(args, flag) <= 0:
             raise SystemExit(f"--{flag.replace('_', '-')} must be positive")

@@ -105,17 +105,20 @@ def usage(seqs: list[Sequence], n: int) -> dict:
 
 
 # ---- logprobs -------------------------------------------------------------------------------
-def completion_logprobs(seq: Sequence, runner: ModelRunner, start: int, text_offset0: int) -> dict:
-    """OpenAI completions ``logprobs`` for output tokens [start:]."""
+def completion_logprobs(seq: Sequence, runner: ModelRunner, start: int) -> dict:
+    """OpenAI completions ``logprobs`` for output tokens [start:].
+
+    ``text_offset[i]`` is where token i starts in the completion's text: the length of the decoded
+    prefix before it, decoded as the text is (``skip_special_tokens``), so a special token that
+    the text leaves out adds nothing and slicing the text by offsets gives each token's share.
+    """
     tokens, lps, tops, offsets = [], [], [], []
-    off = text_offset0
-    for (lp, tid), top in zip(seq.output_logprobs[start:], seq.output_top[start:]):
-        t = runner.token_text(tid)
-        tokens.append(t)
+    skip = seq.spec.params.skip_special_tokens
+    for k, ((lp, tid), top) in enumerate(zip(seq.output_logprobs[start:], seq.output_top[start:])):
+        tokens.append(runner.token_text(tid))
         lps.append(lp)
         tops.append({runner.token_text(i): v for v, i in top} if seq.spec.top_logprobs_num else None)
-        offsets.append(off)
-        off += len(t)
+        offsets.append(len(runner.decode(seq.output_ids[:start + k], skip_special_tokens=skip)))
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -159,7 +162,7 @@ class OpenAIResponder:
             choice = {"index": seq.spec.index, "finish_reason": reason, "matched_stop": matched}
             if self.kind == "completion":
                 choice["text"] = seq.text()
-                choice["logprobs"] = completion_logprobs(seq, self.runner, 0, 0) if seq.spec.return_logprob else None
+                choice["logprobs"] = completion_logprobs(seq, self.runner, 0) if seq.spec.return_logprob else None
             else:
                 choice["message"] = {"role": "assistant", "content": seq.text()}
                 choice["logprobs"] = chat_logprobs(seq, self.runner, 0) if seq.spec.return_logprob else None
@@ -174,7 +177,7 @@ class OpenAIResponder:
             out["usage"] = usage_info
         return out
 
-    def delta_choice(self, seq: Sequence, text_delta: str, lp_start: int, text_offset: int,
+    def delta_choice(self, seq: Sequence, text_delta: str, lp_start: int,
                      first: bool, final: bool) -> dict:
         """One streamed choice: ``text_delta`` and the logprobs of tokens [lp_start:]."""
         reason, matched = finish_fields(seq) if final else (None, None)
@@ -182,7 +185,7 @@ class OpenAIResponder:
         has_lp = seq.spec.return_logprob and lp_start < len(seq.output_ids)
         if self.kind == "completion":
             choice["text"] = text_delta
-            choice["logprobs"] = completion_logprobs(seq, self.runner, lp_start, text_offset) if has_lp else None
+            choice["logprobs"] = completion_logprobs(seq, self.runner, lp_start) if has_lp else None
         else:
             delta: dict = {"role": "assistant", "content": text_delta} if first else {}
             if not first and text_delta:

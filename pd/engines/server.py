@@ -297,7 +297,7 @@ class EngineServer:
             final = seq.done
             if not delta and not final and not st["first"] and len(seq.output_ids) == st["lp"]:
                 return []
-            choice = responder.delta_choice(seq, delta, st["lp"], len(st["text"]), st["first"], final)
+            choice = responder.delta_choice(seq, delta, st["lp"], st["first"], final)
             st.update(text=st["text"] + delta, lp=len(seq.output_ids), first=False, final=final)
             if final:
                 done_seqs[seq.spec.index] = seq
