@@ -27,8 +27,8 @@ Paths: ``pair`` / ``pair_token`` give every (token, slot) pair its own programs 
 small T the routed experts of a token are distinct and shared ones are served from L2); ``sorted`` reads each
 routed expert once per BM rows, for larger T. ``DEFAULT_CONFIGS`` picks by the number of pairs; all paths
 launch fixed grids computed from shapes alone and read routing on the device, so a call is CUDA-graph
-capturable (no host sync). H200 numbers and profile: benchmarks/results/mxfp4_moe_2026-11-30.md (dot_scaled)
-and mxfp4_moe_2026-11-30-s3.md (bits).
+capturable (no host sync). H200 numbers and profile: benchmarks/results/mxfp4_moe_2026-11-30.md (dot_scaled),
+mxfp4_moe_2026-11-30-s3.md (bits) and -s4.md (BK_DOT steps; Nsight Compute stall reasons).
 """
 
 from __future__ import annotations
@@ -226,12 +226,15 @@ def _gate_up_kernel(
     stride_xt, limit, P, E,
     H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, SORTED: tl.constexpr, HAS_LIMIT: tl.constexpr,
     UP_FIRST: tl.constexpr, SPLIT: tl.constexpr, HALVES: tl.constexpr, ROUND: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, DEQ: tl.constexpr = 0,
+    BN: tl.constexpr, BK: tl.constexpr, BKD: tl.constexpr, DEQ: tl.constexpr,
 ):
     """Program (row block, BN columns, K split). Fused (HALVES False): BN intermediate columns, gate and up rows
     both; with SPLIT == 1 it writes h[pair] = SwiGLU (bf16). Otherwise it writes fp32 partial sums of its K
     range to part[pid_k, pair, 0:I] (gate) / [I:2I] (up) for ``_swiglu_kernel``; with HALVES each program
-    covers BN of the 2 I rows of w13 (one accumulator: half the registers, more programs)."""
+    covers BN of the 2 I rows of w13 (one accumulator: half the registers, more programs). Each loop iteration
+    (one cp.async pipeline stage) covers BK of K as BK / BKD separate loads + dequantize + dot steps: the
+    converted weights of only BKD columns are live at a time (BK 256 as one step: 247 registers, as two steps of
+    128: 142, so 6 instead of 4 blocks per SM on sm_90)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -242,9 +245,9 @@ def _gate_up_kernel(
         k0 = pid_k * (H // SPLIT)
         w_base = w_ptr + e64 * (2 * I * (H // 2)) + k0 // 2
         s_base = s_ptr + e64 * (2 * I * (H // 32)) + k0 // 32
-        kb = tl.arange(0, BK // 2)
-        ks = tl.arange(0, BK // 32)
-        x_ptrs = x_ptr + tok[:, None] * stride_xt + k0 + tl.arange(0, BK)[None, :]
+        kb = tl.arange(0, BKD // 2)
+        ks = tl.arange(0, BKD // 32)
+        x_ptrs = x_ptr + tok[:, None] * stride_xt + k0 + tl.arange(0, BKD)[None, :]
         r64 = rows.to(tl.int64)[:, None]
         if HALVES:
             w_row = pid_n * BN + tl.arange(0, BN)
@@ -252,8 +255,10 @@ def _gate_up_kernel(
             sc_ptrs = s_base + w_row[:, None] * (H // 32) + ks[None, :]
             acc = tl.zeros([BM, BN], tl.float32)
             for _ in range(0, H // SPLIT // BK):
-                x = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
-                acc = _mx_dot(acc, x, tl.load(w_ptrs), tl.load(sc_ptrs), DEQ, BM, BN, BK)
+                for j in tl.static_range(BK // BKD):
+                    x = tl.load(x_ptrs + j * BKD, mask=rmask[:, None], other=0.0)
+                    acc = _mx_dot(acc, x, tl.load(w_ptrs + j * (BKD // 2)), tl.load(sc_ptrs + j * (BKD // 32)), DEQ,
+                                  BM, BN, BKD)
                 x_ptrs += BK
                 w_ptrs += BK // 2
                 sc_ptrs += BK // 32
@@ -277,13 +282,14 @@ def _gate_up_kernel(
             acc_g = tl.zeros([BM, BN], tl.float32)
             acc_u = tl.zeros([BM, BN], tl.float32)
             for _ in range(0, H // SPLIT // BK):
-                x = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
-                wg = tl.load(wg_ptrs)
-                wu = tl.load(wu_ptrs)
-                sg = tl.load(sg_ptrs)
-                su = tl.load(su_ptrs)
-                acc_g = _mx_dot(acc_g, x, wg, sg, DEQ, BM, BN, BK)
-                acc_u = _mx_dot(acc_u, x, wu, su, DEQ, BM, BN, BK)
+                for j in tl.static_range(BK // BKD):
+                    x = tl.load(x_ptrs + j * BKD, mask=rmask[:, None], other=0.0)
+                    wg = tl.load(wg_ptrs + j * (BKD // 2))
+                    wu = tl.load(wu_ptrs + j * (BKD // 2))
+                    sg = tl.load(sg_ptrs + j * (BKD // 32))
+                    su = tl.load(su_ptrs + j * (BKD // 32))
+                    acc_g = _mx_dot(acc_g, x, wg, sg, DEQ, BM, BN, BKD)
+                    acc_u = _mx_dot(acc_u, x, wu, su, DEQ, BM, BN, BKD)
                 x_ptrs += BK
                 wg_ptrs += BK // 2
                 wu_ptrs += BK // 2
@@ -318,19 +324,21 @@ def _swiglu_kernel(part_ptr, ids_ptr, h_ptr, limit, P, E, I: tl.constexpr, SPLIT
 
 @triton.jit
 def _down_tile(h_ptr, w_base, s_base, rows, rmask, offs_n, k0, KLEN: tl.constexpr, I: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DEQ: tl.constexpr):
-    """[BM, BN] fp32 = h[rows, k0:k0+KLEN] @ W_down[expert][offs_n, k0:k0+KLEN]^T."""
-    kb = tl.arange(0, BK // 2)
-    ks = tl.arange(0, BK // 32)
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKD: tl.constexpr, DEQ: tl.constexpr):
+    """[BM, BN] fp32 = h[rows, k0:k0+KLEN] @ W_down[expert][offs_n, k0:k0+KLEN]^T (BK of K per loop iteration,
+    in BK / BKD dequantize + dot steps, as in _gate_up_kernel)."""
+    kb = tl.arange(0, BKD // 2)
+    ks = tl.arange(0, BKD // 32)
     w_ptrs = w_base + offs_n[:, None] * (I // 2) + k0 // 2 + kb[None, :]
     s_ptrs = s_base + offs_n[:, None] * (I // 32) + k0 // 32 + ks[None, :]
-    a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * I + k0 + tl.arange(0, BK)[None, :]
+    a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * I + k0 + tl.arange(0, BKD)[None, :]
     acc = tl.zeros([BM, BN], tl.float32)
     for _ in range(0, KLEN // BK):
-        a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
-        w = tl.load(w_ptrs)
-        s = tl.load(s_ptrs)
-        acc = _mx_dot(acc, a, w, s, DEQ, BM, BN, BK)
+        for j in tl.static_range(BK // BKD):
+            a = tl.load(a_ptrs + j * BKD, mask=rmask[:, None], other=0.0)
+            w = tl.load(w_ptrs + j * (BKD // 2))
+            s = tl.load(s_ptrs + j * (BKD // 32))
+            acc = _mx_dot(acc, a, w, s, DEQ, BM, BN, BKD)
         a_ptrs += BK
         w_ptrs += BK // 2
         s_ptrs += BK // 32
@@ -342,7 +350,8 @@ def _down_kernel(
     h_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, sorted_ptr, blk_exp_ptr, nblk_ptr, y_ptr, out_ptr,
     stride_ot, scaling, P, E,
     H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr,
-    ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DEQ: tl.constexpr = 0,
+    ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKD: tl.constexpr,
+    DEQ: tl.constexpr,
 ):
     """MODE 0: sorted row blocks, 1: one pair per program (both write the routing-weighted rows of K split
     ``pid_k`` to y[pid_k, pair] fp32 for _topk_sum_kernel); MODE 2 (SPLIT 1): one token per program, its k
@@ -362,7 +371,7 @@ def _down_kernel(
             if (e >= 0) & (e < E):
                 rows = pair + offs_m * 0
                 acc = _down_tile(h_ptr, w_ptr + e.to(tl.int64) * w_stride_e, s_ptr + e.to(tl.int64) * s_stride_e,
-                                 rows, offs_m == 0, offs_n, 0, I, I, BM, BN, BK, DEQ)
+                                 rows, offs_m == 0, offs_n, 0, I, I, BM, BN, BK, BKD, DEQ)
                 wt = tl.load(tw_ptr + pair).to(tl.float32) * scaling
                 total += tl.sum(tl.where(offs_m[:, None] == 0, acc, 0.0), axis=0) * wt
         if ROUND:
@@ -372,7 +381,7 @@ def _down_kernel(
         e, rows, rmask, active = _rows_of(pid_m, ids_ptr, sorted_ptr, blk_exp_ptr, nblk_ptr, P, E, MODE == 0, BM)
         if active:
             acc = _down_tile(h_ptr, w_ptr + e.to(tl.int64) * w_stride_e, s_ptr + e.to(tl.int64) * s_stride_e,
-                             rows, rmask, offs_n, pid_k * (I // SPLIT), I // SPLIT, I, BM, BN, BK, DEQ)
+                             rows, rmask, offs_n, pid_k * (I // SPLIT), I // SPLIT, I, BM, BN, BK, BKD, DEQ)
             wt = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32) * scaling
             y_ptrs = y_ptr + (pid_k * P + rows.to(tl.int64))[:, None] * H + offs_n[None, :]
             tl.store(y_ptrs, acc * wt[:, None], mask=rmask[:, None])
@@ -399,7 +408,8 @@ def _topk_sum_kernel(y_ptr, ids_ptr, out_ptr, stride_ot, P, E, H: tl.constexpr, 
 
 # ---------------------------------------------------------------------------------------------------- configs
 
-# Tile configs (BN: output columns per program, BK: K per step; with BM > 16 rows BK becomes 128). BN >= 16 *
+# Tile configs (BN: output columns per program, BK: K per pipeline stage, BK_DOT: K per dequantize + dot step,
+# default BK; with BM > 16 rows BK becomes 128). BN >= 16 *
 # num_warps: with 16-row tiles the warps split N, and fewer columns per warp made Triton convert the same
 # weights in several warps. Every entry fits sm_120's 99 KiB of shared memory with 16- and 64-row blocks and
 # compiles to mma.sync there (tests/test_mxfp4_moe.py checks all of them, and sm_90a).
@@ -407,7 +417,7 @@ TILE_CONFIGS = [
     dict(BN=BN, BK=BK, num_warps=w, num_stages=st)
     for BN, BK, w, st in [(16, 256, 1, 4), (32, 256, 2, 3), (32, 128, 2, 4), (64, 256, 2, 3), (64, 128, 4, 3),
                           (128, 128, 4, 3), (64, 128, 2, 3), (64, 128, 2, 4), (128, 128, 2, 3)]
-]
+] + [dict(BN=64, BK=256, BK_DOT=128, num_warps=2, num_stages=3)]
 BM_CHOICES = (16, 32, 64)
 SPLIT_CHOICES = (1, 2, 4, 8)
 PATHS = ("pair_token", "pair", "sorted")
@@ -420,19 +430,21 @@ BITS_MAX_SCALE_BYTE = 128  # 2 ** (s - 1) must be a normal bf16
 #   path: pair_token (gate/up per pair; down per token, k-sum fused: 2 launches), pair (+ sum kernel), sorted
 #   (+ align kernel: each routed expert read once per BM rows); split_*: K splits for more programs at tiny T
 #   (gate/up partials finished by _swiglu_kernel, down partials summed by _topk_sum_kernel).
-# From the H200 sweeps (benchmarks/results/mxfp4_moe_2026-11-30.md, tl.dot_scaled, and _2026-11-30-s3.md, the bits
-# dequantization): T = 1 pair with 4 x 2 K splits and gate/up in separate 64-column programs (1.03x over 8 x 4,
-# within noise of 2 x 2); T = 16, 64, 128 sorted with gate/up in separate 64-column programs (BK 256, one
-# accumulator each) and 128-column down programs: the fastest of 21-23 plans at each of the three (the pair paths 1.1x slower at T = 16, 1.7-2.7x at 64-128, where
-# experts are shared). The switch at P = 48 (T = 8 for top-6) is not measured: there a pair re-reads ~8% shared
-# experts (from L2) vs the sorted path's extra launch.
+# From the H200 sweeps (benchmarks/results/mxfp4_moe_2026-11-30.md, tl.dot_scaled; _2026-11-30-s3.md and -s4.md,
+# the bits dequantization): T = 1 pair with 4 x 2 K splits and gate/up in separate 64-column programs (1.03x over
+# 8 x 4, within noise of 2 x 2; s4: BK 256 in two BK_DOT 128 steps is 1.11x slower there); T = 16, 64, 128 sorted,
+# gate/up in separate 64-column programs and 64-column down programs, both BK 256 per stage in two BK_DOT 128 steps
+# (142 / 168 registers: 6 blocks per SM): the fastest of 17 plans at each of the three in s4, 1.01-1.03x over s3's
+# (one BK 256 step: 247 registers, 4 blocks; 128-column down). The pair paths are 1.1x slower at T = 16, 1.7-2.7x
+# at 64-128, where experts are shared. The switch at P = 48 (T = 8 for top-6) is not measured: there a pair
+# re-reads ~8% shared experts (from L2) vs the sorted path's extra launch.
 DEFAULT_CONFIGS = [
     (48, dict(path="pair", BM=16, split_gate_up=4, split_down=2, gate_up_halves=True,
               gate_up=dict(BN=64, BK=128, num_warps=2, num_stages=3),
               down=dict(BN=64, BK=128, num_warps=2, num_stages=3))),
     (1024, dict(path="sorted", BM=16, split_gate_up=1, split_down=1, gate_up_halves=True,
-                gate_up=dict(BN=64, BK=256, num_warps=2, num_stages=3),
-                down=dict(BN=128, BK=128, num_warps=2, num_stages=3))),
+                gate_up=dict(BN=64, BK=256, BK_DOT=128, num_warps=2, num_stages=3),
+                down=dict(BN=64, BK=256, BK_DOT=128, num_warps=2, num_stages=3))),
     (math.inf, dict(path="sorted", BM=64, split_gate_up=1, split_down=1,
                     gate_up=dict(BN=64, BK=128, num_warps=4, num_stages=3),
                     down=dict(BN=64, BK=128, num_warps=4, num_stages=3))),
@@ -501,12 +513,15 @@ def _check_config(cfg: dict, h: int, inter: int) -> None:
         raise ValueError(f"config: BM must be one of {BM_CHOICES}")
     for part, n_dim in (("gate_up", inter), ("down", h)):
         c = cfg.get(part)
-        if not isinstance(c, dict) or set(c) != {"BN", "BK", "num_warps", "num_stages"}:
-            raise ValueError(f"config: {part} must be a dict with BN, BK, num_warps, num_stages")
+        if not isinstance(c, dict) or not {"BN", "BK", "num_warps", "num_stages"} <= set(c) \
+                or not set(c) <= {"BN", "BK", "BK_DOT", "num_warps", "num_stages"}:
+            raise ValueError(f"config: {part} must be a dict with BN, BK, num_warps, num_stages (and optional BK_DOT)")
         if c["BN"] not in (16, 32, 64, 128) or n_dim % c["BN"]:
             raise ValueError(f"config: {part} BN must be 16/32/64/128 and divide {n_dim}, got {c['BN']}")
-        if c["BK"] not in (128, 256):  # halved to 128 where it does not divide K / split (_fit_bk)
-            raise ValueError(f"config: {part} BK must be 128 or 256, got {c['BK']}")
+        if c["BK"] not in (128, 256, 512):  # halved where it does not divide K / split (_fit_bk)
+            raise ValueError(f"config: {part} BK must be 128, 256 or 512, got {c['BK']}")
+        if c.get("BK_DOT", c["BK"]) not in (64, 128, 256) or c["BK"] % c.get("BK_DOT", c["BK"]):
+            raise ValueError(f"config: {part} BK_DOT must be 64, 128 or 256 and divide BK, got {c.get('BK_DOT')}")
         if cfg.get(f"split_{part}", 1) not in SPLIT_CHOICES:
             raise ValueError(f"config: split_{part} must be one of {SPLIT_CHOICES}, got {cfg.get(f'split_{part}')}")
     if cfg.get("dequant", "auto") not in DEQUANT_CHOICES:
@@ -557,10 +572,12 @@ def _fit_split(split: int, k_dim: int) -> int:
 
 
 def _fit_bk(cfg: dict, k_len: int) -> dict:
-    """The config with BK halved until it divides the K range of one program (I = 128 n at any TP size)."""
+    """The config with BK halved until it divides the K range of one program (I = 128 n at any TP size), and
+    BK_DOT (default BK) at most BK."""
     c = dict(cfg)
     while k_len % c["BK"]:
         c["BK"] //= 2
+    c["BK_DOT"] = min(c.get("BK_DOT", c["BK"]), c["BK"])
     return c
 
 
@@ -606,8 +623,9 @@ def fused_moe_mxfp4(
             > 128 reach the bits path gives inf/NaN outputs, not silently wrong numbers.
         config: launch plan override (benchmarks): {"path": "pair_token"|"pair"|"sorted", "BM": 16|32|64,
             "split_gate_up": 1|2|4|8, "split_down": ..., "gate_up_halves": bool, "dequant": "auto"|"bits"|
-            "dot_scaled", "gate_up": {BN, BK, num_warps, num_stages}, "down": {...}}; default
-            ``default_config(T * k)``.
+            "dot_scaled", "gate_up": {BN, BK, num_warps, num_stages[, BK_DOT]}, "down": {...}}; default
+            ``default_config(T * k)``. BK: K per loop iteration (pipeline stage), 128/256/512; BK_DOT: K per
+            dequantize + dot step inside it (64/128/256, default BK).
     Returns:
         [T, H] bfloat16 (``out`` when given).
     Raises:
@@ -688,6 +706,7 @@ def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
     dn = _fit_bk(cfg["down"], inter // sp_dn)
     if path == "sorted" and cfg.get("BM", 16) > 16:  # the activation tile grows with BM: keep 99 KiB on sm_120
         gu["BK"] = dn["BK"] = 128
+        gu["BK_DOT"], dn["BK_DOT"] = min(gu["BK_DOT"], 128), min(dn["BK_DOT"], 128)
     if _INTERPRET:  # the interpreter's cost is per program step, not per byte
         gu = dict(gu, num_warps=4, num_stages=1)
         dn = dict(dn, num_warps=4, num_stages=1)
@@ -719,7 +738,8 @@ def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
     stages.append(("gate_up", lambda: _gate_up_kernel[(grid_m, (2 if halves else 1) * inter // gu["BN"], sp_gu)](
         x, w13u, s13u, ids, sorted_ids, blk_exp, nblk, hbuf, part, x.stride(0), limit, p, n_exp,
         SORTED=sorted_mode, HAS_LIMIT=has_limit, UP_FIRST=bool(up_first), SPLIT=sp_gu, HALVES=halves, BM=bm,
-        BN=gu["BN"], BK=gu["BK"], num_warps=gu["num_warps"], num_stages=gu["num_stages"], **common)))
+        BN=gu["BN"], BK=gu["BK"], BKD=gu["BK_DOT"], num_warps=gu["num_warps"], num_stages=gu["num_stages"],
+        **common)))
     if two_pass:
         blk = math.gcd(inter, 256)  # small blocks: enough programs at T = 1
         stages.append(("swiglu", lambda: _swiglu_kernel[(p, inter // blk)](
@@ -728,13 +748,13 @@ def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
     if path == "pair_token":
         stages.append(("down", lambda: _down_kernel[(t, h // dn["BN"], 1)](
             hbuf, w2u, s2u, ids, topk_weights, ids, ids, ids, out, out, out.stride(0), float(scaling), p, n_exp,
-            MODE=2, SPLIT=1, BM=16, BN=dn["BN"], BK=dn["BK"], num_warps=dn["num_warps"],
+            MODE=2, SPLIT=1, BM=16, BN=dn["BN"], BK=dn["BK"], BKD=dn["BK_DOT"], num_warps=dn["num_warps"],
             num_stages=dn["num_stages"], **common)))
         return out, stages
     y = torch.empty(sp_dn, p, h, dtype=torch.float32, device=dev)
     stages.append(("down", lambda: _down_kernel[(grid_m, h // dn["BN"], sp_dn)](
         hbuf, w2u, s2u, ids, topk_weights, sorted_ids, blk_exp, nblk, y, out, out.stride(0), float(scaling), p,
-        n_exp, MODE=0 if sorted_mode else 1, SPLIT=sp_dn, BM=bm, BN=dn["BN"], BK=dn["BK"],
+        n_exp, MODE=0 if sorted_mode else 1, SPLIT=sp_dn, BM=bm, BN=dn["BN"], BK=dn["BK"], BKD=dn["BK_DOT"],
         num_warps=dn["num_warps"], num_stages=dn["num_stages"], **common)))
     block = 256  # enough programs at T = 1 (the row is read k * split times)
     stages.append(("sum", lambda: _topk_sum_kernel[(t, triton.cdiv(h, block))](

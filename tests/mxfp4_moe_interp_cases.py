@@ -30,7 +30,7 @@ def make_inputs(t, h, inter, e, k, g, *, skip=0, shared=False, skip_token0=False
 
 def run_case(name, t, h, inter, e, k, *, path, bm=16, splits=(1, 1), halves=False, limit=10.0, scaling=None,
              up_first=False, skip=0, shared=False, skip_token0=False, ids64=False, wbf16=False, int8=False, seed=0,
-             dequant="dot_scaled"):
+             dequant="dot_scaled", tiles=None):
     import torch
 
     from pd.kernels.mxfp4_moe import default_config, fused_moe_mxfp4, mxfp4_max_scale_byte
@@ -45,6 +45,8 @@ def run_case(name, t, h, inter, e, k, *, path, bm=16, splits=(1, 1), halves=Fals
         wts = wts.to(torch.bfloat16)
     cfg = dict(default_config(t * k), path=path, BM=bm, split_gate_up=splits[0], split_down=splits[1],
                gate_up_halves=halves, dequant=dequant)
+    if tiles:  # (gate_up, down) tile overrides
+        cfg = dict(cfg, gate_up=tiles[0], down=tiles[1])
     out = torch.full((t, h), float("nan"), dtype=torch.bfloat16)  # poisoned: every element must be written
     kw = dict(swiglu_limit=limit, routed_scaling_factor=scaling, up_first=up_first)
     ww13, ww2 = (w13.view(torch.int8), w2.view(torch.int8)) if int8 else (w13, w2)
@@ -85,6 +87,15 @@ CASES = [
                                      int8=True, dequant="bits")),
     ("bits_sorted_halves_up_first", dict(t=6, h=256, inter=128, e=3, k=2, path="sorted", halves=True,
                                          up_first=True, skip=2, dequant="bits")),
+    # BK_DOT < BK: several dequantize + dot steps per loop iteration (2 in gate/up, 4 in down)
+    ("bits_sorted_bk_dot_substeps", dict(t=4, h=512, inter=512, e=3, k=2, path="sorted", halves=True, skip=1,
+                                         dequant="bits", tiles=(dict(BN=64, BK=256, BK_DOT=128, num_warps=2,
+                                                                     num_stages=3),
+                                                                dict(BN=64, BK=512, BK_DOT=128, num_warps=2,
+                                                                     num_stages=2)))),
+    ("pair_bk_dot_substeps", dict(t=2, h=512, inter=256, e=4, k=2, path="pair", splits=(2, 1), skip=1,
+                                  tiles=(dict(BN=64, BK=256, BK_DOT=128, num_warps=2, num_stages=3),
+                                         dict(BN=64, BK=256, BK_DOT=64, num_warps=2, num_stages=3)))),
     ("bits_sorted_bm32_multiblock", dict(t=20, h=128, inter=256, e=3, k=2, path="sorted", bm=32, shared=True,
                                          skip=3, dequant="bits")),
 ]

@@ -184,6 +184,10 @@ def _inputs(t=2, h=128, inter=128, e=3, k=2):
     (lambda a: a.update(config=dict(path="pair_token", split_down=2, gate_up=dict(BN=32, BK=256, num_warps=2,
                                                                                   num_stages=3),
                                     down=dict(BN=32, BK=256, num_warps=2, num_stages=3))), "config"),
+    (lambda a: a.update(config=dict(path="pair", gate_up=dict(BN=32, BK=128, BK_DOT=256, num_warps=2, num_stages=3),
+                                    down=dict(BN=32, BK=256, num_warps=2, num_stages=3))), "BK_DOT"),
+    (lambda a: a.update(config=dict(path="pair", gate_up=dict(BN=32, BK=256, num_warps=2, num_stages=3),
+                                    down=dict(BN=32, BK=256, BK_DOT=96, num_warps=2, num_stages=3))), "BK_DOT"),
 ])
 def test_validation_errors_name_the_argument(mutate, arg):
     from pd.kernels.mxfp4_moe import fused_moe_mxfp4
@@ -221,7 +225,7 @@ def _gate_up(cfg, cc, bm=16, sorted_=True, split=1, halves=False, deq=0):
     from pd.kernels.mxfp4_moe import _gate_up_kernel
 
     const = dict(DIMS, SORTED=sorted_, HAS_LIMIT=True, UP_FIRST=False, SPLIT=split, HALVES=halves, BM=bm,
-                 BN=cfg["BN"], BK=cfg["BK"], DEQ=deq)
+                 BN=cfg["BN"], BK=cfg["BK"], BKD=cfg.get("BK_DOT", cfg["BK"]), DEQ=deq)
     return compile_for(_gate_up_kernel, GU_SIG, const, cc, cfg["num_warps"], cfg["num_stages"],
                        aligned=_aligned(GU_SIG, "stride_xt"))
 
@@ -229,7 +233,8 @@ def _gate_up(cfg, cc, bm=16, sorted_=True, split=1, halves=False, deq=0):
 def _down(cfg, cc, bm=16, mode=0, split=1, deq=0):
     from pd.kernels.mxfp4_moe import _down_kernel
 
-    const = dict(DIMS, MODE=mode, SPLIT=split, BM=bm, BN=cfg["BN"], BK=cfg["BK"], DEQ=deq)
+    const = dict(DIMS, MODE=mode, SPLIT=split, BM=bm, BN=cfg["BN"], BK=cfg["BK"], BKD=cfg.get("BK_DOT", cfg["BK"]),
+                 DEQ=deq)
     return compile_for(_down_kernel, DN_SIG, const, cc, cfg["num_warps"], cfg["num_stages"],
                        aligned=_aligned(DN_SIG, "stride_ot"))
 
@@ -248,7 +253,7 @@ def test_aot_sm120a_every_tile_config(cfg):
     assert_sm120_ok(_gate_up(cfg, 120))
     assert_sm120_ok(_gate_up(cfg, 120, halves=True))
     assert_sm120_ok(_down(cfg, 120))
-    big = dict(cfg, BK=128)  # what _plan runs with BM > 16
+    big = dict(cfg, BK=128, BK_DOT=min(cfg.get("BK_DOT", 128), 128))  # what _plan runs with BM > 16
     assert_sm120_ok(_gate_up(big, 120, bm=64))
     assert_sm120_ok(_down(big, 120, bm=64))
 
@@ -289,10 +294,12 @@ def test_aot_sm90a_default_configs():
 
     for _, c in DEFAULT_CONFIGS:
         bm = c.get("BM", 16)
+        halves, split_gu = c.get("gate_up_halves", False), c.get("split_gate_up", 1)
+        mode = {"sorted": 0, "pair": 1, "pair_token": 2}[c["path"]]
         for deq in (0, 1):
-            assert "mma" in _gate_up(c["gate_up"], 90, bm=bm, halves=c.get("gate_up_halves", False),
-                                     split=c.get("split_gate_up", 1), deq=deq).asm["ptx"]
-            assert "mma" in _down(c["down"], 90, bm=bm, split=c.get("split_down", 1), deq=deq).asm["ptx"]
+            assert "mma" in _gate_up(c["gate_up"], 90, bm=bm, sorted_=mode == 0, halves=halves, split=split_gu,
+                                     deq=deq).asm["ptx"]
+            assert "mma" in _down(c["down"], 90, bm=bm, mode=mode, split=c.get("split_down", 1), deq=deq).asm["ptx"]
 
 
 @aot
@@ -304,33 +311,18 @@ def test_aot_sm90a_bits_every_tile_config(cfg):
         ptx = k.asm["ptx"]
         assert "mul.rn.bf16x2" in ptx and "min.u16x2" in ptx and "mma.sync" in ptx and "wgmma" not in ptx
         assert k.metadata.shared <= 232448
-    big = dict(cfg, BK=128)
+    big = dict(cfg, BK=128, BK_DOT=min(cfg.get("BK_DOT", 128), 128))
     for k in (_gate_up(big, 90, bm=64, deq=1), _down(big, 90, bm=64, deq=1)):
         assert "mma" in k.asm["ptx"] and k.metadata.shared <= 232448
 
 
 def _main_loop_sass_per_weight(kernel, weights_per_step: int, num_warps: int) -> float:
-    """SASS instructions of the kernel's longest backward-branch loop (the K loop) per weight per thread, from the
-    cuobjdump that ships with Triton."""
-    import re
-    import tempfile
+    """SASS instructions of the kernel's K loop (its longest loop) per weight per thread."""
+    from pd.kernels.sass_stats import longest_loop
 
-    import triton
-
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    lines = [m for m in (re.match(r"\s+/\*([0-9a-f]{4})\*/\s+(.*)", ln) for ln in sass.splitlines()) if m]
-    addr = [int(m.group(1), 16) for m in lines]
-    longest = 0
-    for i, m in enumerate(lines):
-        tgt = re.search(r"BRA\s.*0x([0-9a-f]+)\s*;", m.group(2))
-        if tgt and int(tgt.group(1), 16) in addr[:i]:
-            longest = max(longest, i - addr.index(int(tgt.group(1), 16)) + 1)
-    assert longest > 0, "no loop found"
-    return longest / (weights_per_step / (32 * num_warps))
+    n, _ = longest_loop(kernel.asm["cubin"])
+    assert n > 0, "no loop found"
+    return n / (weights_per_step / (32 * num_warps))
 
 
 @aot

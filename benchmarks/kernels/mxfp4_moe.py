@@ -1,6 +1,7 @@
 """Device benchmark for pd.kernels.mxfp4_moe (run on the GPU machine, not in CI).
 
   python benchmarks/kernels/mxfp4_moe.py [--out DIR] [--budget SECONDS] [--no-sweep]
+  ncu ... python benchmarks/kernels/mxfp4_moe.py --profile T [--profile-variant NAME]   # one plan, for a profiler
 
 DeepSeek-V4-Flash draft MoE shapes: 256 experts, top-6, hidden 4096, moe intermediate 2048, MXFP4 weights
 (random e2m1 bytes and UE8M0 scales), bf16 hidden states, SwiGLU clamp 10, uniformly random distinct experts per
@@ -9,9 +10,10 @@ token (the most distinct experts, i.e. the most weight bytes, a routing can touc
    sorted), -1 slots and int64 ids included: ||out - ref|| / ||ref|| against the torch reference (dequantize,
    fp32 matmuls with TF32 off, the kernel's bf16 rounding points); output buffer NaN-poisoned first;
 2. timing (median of CUDA-graph replays via triton.testing.do_bench_cudagraph; ROT routing/input sets cycled
-   inside the graph so the weights come from HBM, not L2): the default plan, per-stage times of the default plan,
-   and a sweep over paths, K splits and tile configs; the dequantize-to-bf16 + torch grouped-matmul baseline in
-   the same run (events; it synchronizes for torch.unique);
+   inside the graph so the weights come from HBM, not L2): the default plan (twice: the run-to-run spread), the
+   session-3 default plan, per-stage times of the default plan, a sweep over paths, K splits and tile configs,
+   the sweep's fastest plan timed again on its own, and the dequantize-to-bf16 + torch grouped-matmul baseline
+   in the same run (events; it synchronizes for torch.unique);
 3. the weight-bandwidth floor: bytes of the distinct routed experts' weights + scales (+ activations) at
    4.3 TB/s (DESIGN.md's figure) and at the copy bandwidth measured here; % of floor = floor / time;
 4. writes mxfp4_moe_<date>.json (device, date, versions, command, every number) to --out.
@@ -64,67 +66,59 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-# The default plans committed before the bits dequantization (benchmarks/results/mxfp4_moe_2026-11-30.md), run
-# with tl.dot_scaled: the "old" column of the side-by-side comparison.
-OLD_DEFAULTS = [
-    (48, dict(path="pair", BM=16, split_gate_up=2, split_down=2, dequant="dot_scaled",
-              gate_up=dict(BN=32, BK=256, num_warps=2, num_stages=3),
-              down=dict(BN=32, BK=256, num_warps=2, num_stages=3))),
-    (1024, dict(path="sorted", BM=16, split_gate_up=1, split_down=1, dequant="dot_scaled",
-                gate_up=dict(BN=32, BK=256, num_warps=2, num_stages=3),
-                down=dict(BN=64, BK=256, num_warps=2, num_stages=3))),
+# The default plans committed in session 3 (benchmarks/results/mxfp4_moe_2026-11-30-s3.md: the bits dequantization,
+# separate K-split / SwiGLU / sum kernels): the "s3" column of the side-by-side comparison.
+S3_DEFAULTS = [
+    (48, dict(path="pair", BM=16, split_gate_up=4, split_down=2, gate_up_halves=True,
+              gate_up=dict(BN=64, BK=128, num_warps=2, num_stages=3),
+              down=dict(BN=64, BK=128, num_warps=2, num_stages=3))),
+    (1024, dict(path="sorted", BM=16, split_gate_up=1, split_down=1, gate_up_halves=True,
+                gate_up=dict(BN=64, BK=256, num_warps=2, num_stages=3),
+                down=dict(BN=128, BK=128, num_warps=2, num_stages=3))),
 ]
 
 
-def old_default(num_pairs):
-    return next(cfg for bound, cfg in OLD_DEFAULTS if num_pairs <= bound)
+def s3_default(num_pairs):
+    return next(cfg for bound, cfg in S3_DEFAULTS if num_pairs <= bound)
 
 
-def _tile(bn, bk, w, st):
-    return dict(BN=bn, BK=bk, num_warps=w, num_stages=st)
+def _tile(bn, bk, w, st, bk_dot=None):
+    return dict(BN=bn, BK=bk, num_warps=w, num_stages=st, **({} if bk_dot is None else dict(BK_DOT=bk_dot)))
+
+
+def _tile_name(c):
+    return f"{c['BN']}k{c['BK']}{'d%d' % c['BK_DOT'] if 'BK_DOT' in c else ''}w{c['num_warps']}s{c['num_stages']}"
 
 
 def variants(t):
-    """(name, config) pairs timed for T tokens: the default, the previous default (tl.dot_scaled), then paths x
-    K splits x tile configs for the bits dequantization (pair paths only where they can win: tiny T), and gate/up
-    in separate programs (``gate_up_halves``)."""
-    out = [("default", mx.default_config(t * K)), ("old_default_dot_scaled", old_default(t * K))]
+    """(name, config) pairs timed for T tokens: the default, the s3 default, then plans around them: BK per pipeline
+    stage vs BK_DOT per dequantize + dot step (fewer live registers, more blocks per SM), K splits at T = 1."""
+    out = [("default", mx.default_config(t * K)), ("s3_default", s3_default(t * K))]
 
-    def add(path, sg, sd, gu, dn, halves=False, dequant="auto"):
-        name = (f"{path}_s{sg}x{sd}{'_halves' if halves else ''}_gu{gu['BN']}k{gu['BK']}w{gu['num_warps']}"
-                f"s{gu['num_stages']}_dn{dn['BN']}k{dn['BK']}w{dn['num_warps']}s{dn['num_stages']}"
-                f"{'' if dequant == 'auto' else '_' + dequant}")
+    def add(path, sg, sd, gu, dn, halves=True):
+        name = f"{path}_s{sg}x{sd}{'_halves' if halves else ''}_gu{_tile_name(gu)}_dn{_tile_name(dn)}"
         out.append((name, dict(path=path, BM=16, split_gate_up=sg, split_down=sd, gate_up_halves=halves,
-                               gate_up=gu, down=dn, dequant=dequant)))
+                               gate_up=gu, down=dn)))
 
-    t32, t64, t128 = _tile(32, 256, 2, 3), _tile(64, 128, 2, 3), _tile(128, 128, 2, 3)
-    t64s4 = _tile(64, 128, 2, 4)
+    t64, t128 = _tile(64, 128, 2, 3), _tile(128, 128, 2, 3)
+    g256d128, g512d128, g256d64 = _tile(64, 256, 2, 3, 128), _tile(64, 512, 2, 2, 128), _tile(64, 256, 2, 3, 64)
     if t <= 4:
-        for sg, sd in [(8, 4), (4, 4), (8, 2), (8, 8), (4, 2), (2, 2)]:
-            add("pair", sg, sd, t64, t64, halves=True)
-        for gu in (t128, t64s4, _tile(128, 128, 4, 3), _tile(32, 128, 2, 4), _tile(32, 256, 2, 3)):
-            add("pair", 8, 4, gu, t64, halves=True)
-        for dn in (t128, t64s4, t32, _tile(64, 256, 2, 3), _tile(16, 256, 1, 4), _tile(128, 128, 4, 3)):
-            add("pair", 8, 4, t64, dn, halves=True)
-        for sg, sd in [(4, 4), (8, 4), (2, 2)]:
-            add("pair", sg, sd, t64, t64)
-        add("pair", 4, 2, t32, t32)
-        add("pair_token", 8, 1, t64, _tile(16, 256, 1, 4), halves=True)
-        add("pair_token", 8, 1, t64, _tile(32, 128, 2, 4), halves=True)
-        add("sorted", 8, 4, t64, t64, halves=True)
-        add("pair", 8, 4, t64, t64, halves=True, dequant="dot_scaled")
+        for gu in (g256d128, g512d128, g256d64, _tile(64, 256, 2, 4, 128)):
+            add("pair", 4, 2, gu, t64)
+        for sg in (2, 8):
+            add("pair", sg, 2, g256d128, t64)
+        add("pair", 2, 2, g512d128, t64)
+        for dn in (g256d128, g512d128, g256d64, _tile(128, 256, 2, 3, 64)):
+            add("pair", 4, 2, g256d128, dn)
+        add("pair", 4, 1, g256d128, g512d128)
+        add("pair", 4, 4, g256d128, g256d128)
+        add("pair", 4, 2, _tile(128, 256, 4, 3, 128), t64)
     else:
-        paths = ("sorted", "pair", "pair_token") if t <= 16 else ("sorted",)
-        for path in paths:
-            add(path, 1, 1, t64, t128, halves=True)
-        for gu in (t64s4, t128, _tile(128, 128, 4, 3), _tile(32, 128, 2, 4), _tile(64, 256, 2, 3), t32,
-                   _tile(64, 128, 4, 3)):
-            add("sorted", 1, 1, gu, t128, halves=True)
-        for dn in (t64, t64s4, _tile(128, 128, 4, 3), _tile(64, 256, 2, 3)):
-            add("sorted", 1, 1, t64, dn, halves=True)
-        for gu in (t64, _tile(128, 128, 4, 3), t64s4, t32):
+        for gu in (g256d128, g512d128, g256d64, _tile(128, 256, 4, 3, 128), _tile(64, 512, 2, 3, 128)):
             add("sorted", 1, 1, gu, t128)
-        add("sorted", 1, 1, t64, t128, halves=True, dequant="dot_scaled")
+        for dn in (g256d128, g512d128, _tile(128, 256, 2, 3, 64), _tile(128, 512, 2, 2, 128), g256d64):
+            add("sorted", 1, 1, g256d128, dn)
+            add("sorted", 1, 1, g512d128, dn)
     return out
 
 
@@ -207,7 +201,7 @@ def correctness(dev, weights, ts):
         kinds, plans = set(), [("default", None)]
         for n, c in variants(t)[1:]:  # the first variant of each path / split / halves kind
             kind = (c["path"], c["split_gate_up"] > 1, c["split_down"] > 1, c.get("gate_up_halves", False),
-                    c.get("dequant", "auto"))
+                    c.get("dequant", "auto"), "BK_DOT" in c["gate_up"], "BK_DOT" in c["down"])
             if kind not in kinds:
                 kinds.add(kind)
                 plans.append((n, c))
@@ -245,8 +239,9 @@ def timing(dev, weights, deadline, sweep, ts, save):
 
         row["default_config"] = mx.default_config(t * K)
         row["ours_us"] = bench_graph(call(None), 60)
-        row["old_config"] = old_default(t * K)
-        row["old_us"] = bench_graph(call(row["old_config"]), 60)  # the previous default, same run
+        row["s3_config"] = s3_default(t * K)
+        row["s3_us"] = bench_graph(call(row["s3_config"]), 60)  # the session-3 default, same run
+        row["ours_us_again"] = bench_graph(call(None), 60)  # the default timed twice: the run-to-run spread
         # stages of the default plan (each timed alone over the same ROT sets; inputs from a full run)
         plans = [mx._plan(sets[i][0], w13, s13, w2, s2, sets[i][2], sets[i][1], LIMIT, None, False, outs[i], None,
                           msb) for i in range(ROT)]
@@ -270,6 +265,9 @@ def timing(dev, weights, deadline, sweep, ts, save):
         good = {"default": row["ours_us"], **{k: v for k, v in sw.items() if isinstance(v, float)}}
         best = min(good.items(), key=lambda kv: kv[1])
         row["best_variant"], row["best_us"] = best
+        if best[0] != "default":  # the sweep's winner timed on its own, as the default was
+            row["best_config"] = dict(variants(t))[best[0]]
+            row["best_retimed_us"] = bench_graph(call(row["best_config"]), 60)
         x, ids, wts = sets[0]
         b, row["baseline_impl"] = baseline_moe(x, w13, s13, w2, s2, wts, ids, lut)
         o = mx.fused_moe_mxfp4(x, w13, s13, w2, s2, wts, ids, swiglu_limit=LIMIT, max_scale_byte=msb)
@@ -285,14 +283,14 @@ def timing(dev, weights, deadline, sweep, ts, save):
     return rows
 
 
-def profile_once(t):
-    """For a profiler (ncu): the default plan at T tokens, 3 calls (the first compiles)."""
+def profile_once(t, config=None):
+    """For a profiler (ncu): ``config`` (default: the default plan) at T tokens, 3 calls (the first compiles)."""
     dev = torch.device("cuda")
     w13, s13, w2, s2 = make_weights(dev)
     x, ids, wts = make_routing(t, dev, seed=5)
     msb = mx.mxfp4_max_scale_byte(s13, s2)
     for _ in range(3):
-        mx.fused_moe_mxfp4(x, w13, s13, w2, s2, wts, ids, swiglu_limit=LIMIT, max_scale_byte=msb)
+        mx.fused_moe_mxfp4(x, w13, s13, w2, s2, wts, ids, swiglu_limit=LIMIT, max_scale_byte=msb, config=config)
     torch.cuda.synchronize()
 
 
@@ -301,9 +299,9 @@ def _finish(res):
         r["floor_us_copy"] = r["floor_bytes"] / (res["copy_GBps"] * 1e9) * 1e6
         r["pct_floor_4p3"] = 100 * r["floor_us_4p3"] / r["ours_us"]
         r["pct_floor_4p3_best"] = 100 * r["floor_us_4p3"] / r["best_us"]
-        if "old_us" in r:
-            r["pct_floor_4p3_old"] = 100 * r["floor_us_4p3"] / r["old_us"]
-            r["speedup_vs_old"] = r["old_us"] / r["ours_us"]
+        if "s3_us" in r:
+            r["pct_floor_4p3_s3"] = 100 * r["floor_us_4p3"] / r["s3_us"]
+            r["speedup_vs_s3"] = r["s3_us"] / r["ours_us"]
         r["speedup_vs_baseline"] = r["baseline_us"] / r["ours_us"]
 
 
@@ -315,9 +313,11 @@ def main():
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--profile", type=int, default=0, help="only run the default plan at this T (for ncu)")
+    ap.add_argument("--profile-variant", default=None, help="with --profile: a variant name of that T instead")
     args = ap.parse_args()
     if args.profile:
-        return profile_once(args.profile)
+        cfg = dict(variants(args.profile))[args.profile_variant] if args.profile_variant else None
+        return profile_once(args.profile, cfg)
     t0 = time.time()
     ts = [int(v) for v in args.ts.split(",")]
     dev = torch.device("cuda")
@@ -349,12 +349,12 @@ def main():
     res["timing"] = timing(dev, weights, t0 + args.budget, not args.no_sweep, ts, save)
     save()
     print(f"\n{res['device']}  copy {res['copy_GBps']:.0f} GB/s  correctness ok: {res.get('correct_all_ok')}")
-    print(f"{'T':>4} {'experts':>7} {'floor':>7} {'ours':>8} {'%floor':>6} {'old':>8} {'%old':>5} {'best':>8} {'%':>5} "
+    print(f"{'T':>4} {'experts':>7} {'floor':>7} {'ours':>8} {'%floor':>6} {'s3':>8} {'%s3':>5} {'best':>8} {'%':>5} "
           f"{'baseline':>9} {'x':>6}  stages / best variant")
     for r in res["timing"]:
         st = " ".join(f"{k}={v:.1f}" for k, v in r["stages_us"].items())
         print(f"{r['T']:>4} {r['distinct_experts']:7.1f} {r['floor_us_4p3']:7.1f} {r['ours_us']:8.1f} "
-              f"{r['pct_floor_4p3']:6.1f} {r['old_us']:8.1f} {r['pct_floor_4p3_old']:5.1f} {r['best_us']:8.1f} "
+              f"{r['pct_floor_4p3']:6.1f} {r['s3_us']:8.1f} {r['pct_floor_4p3_s3']:5.1f} {r['best_us']:8.1f} "
               f"{r['pct_floor_4p3_best']:5.1f} {r['baseline_us']:9.1f} {r['speedup_vs_baseline']:6.1f}  {st} / "
               f"{r['best_variant']}")
     print("wrote", path)

@@ -5,7 +5,7 @@ dequantization, from an sm_90a ahead-of-time build with whatever Triton is insta
 
 For each default tile config (DeepSeek-V4 shapes: H = 4096, I = 2048, top-6; 16-row blocks): compiles
 ``_gate_up_kernel`` and ``_down_kernel`` with DEQ = 0 (dot_scaled) and 1 (bits), disassembles the cubin with the
-cuobjdump that ships with Triton, takes the longest loop (the K loop) and divides its instruction count by the
+cuobjdump that ships with Triton, takes the longest loop (the K loop, ``pd.kernels.sass_stats``) and divides its instruction count by the
 weights one thread handles per iteration (BN x BK x (2 for fused gate/up) / (32 x num_warps)). Also prints the
 registers per thread (cuobjdump -res-usage), which set the blocks per SM.
 """
@@ -15,10 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -28,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernel_modules import kernel_module  # noqa: E402  (pd.kernels installed or not)
 
 mx = kernel_module("mxfp4_moe")
+sass = kernel_module("sass_stats")  # the loop counter tests/test_mxfp4_moe.py uses too
 
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 GU_SIG = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "*i32", "sorted_ptr": "*i32",
           "blk_exp_ptr": "*i32", "nblk_ptr": "*i32", "h_ptr": "*bf16", "part_ptr": "*fp32", "stride_xt": "i32",
           "limit": "fp32", "P": "i32", "E": "i32"}
@@ -47,24 +44,6 @@ def compile_sm90a(fn, sig, const, tile, stride_arg):
                           options=dict(num_warps=tile["num_warps"], num_stages=tile["num_stages"]))
 
 
-def loop_stats(cubin: bytes):
-    """(instructions in the longest backward-branch loop, registers per thread)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-        res = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    lines = [m for m in (re.match(r"\s+/\*([0-9a-f]{4})\*/\s+(.*)", ln) for ln in sass.splitlines()) if m]
-    addr = [int(m.group(1), 16) for m in lines]
-    longest = 0
-    for i, m in enumerate(lines):
-        tgt = re.search(r"BRA\s.*0x([0-9a-f]+)\s*;", m.group(2))
-        if tgt and int(tgt.group(1), 16) in addr[:i]:
-            longest = max(longest, i - addr.index(int(tgt.group(1), 16)) + 1)
-    regs = re.search(r"REG:(\d+)", res)
-    return longest, int(regs.group(1)) if regs else None
-
-
 def measure():
     rows = []
     seen = set()
@@ -80,18 +59,21 @@ def measure():
             for deq, name in ((0, "dot_scaled"), (1, "bits")):
                 if kind == "gate_up":
                     const = dict(DIMS, SORTED=True, HAS_LIMIT=True, UP_FIRST=False, SPLIT=1, HALVES=halves, BM=16,
-                                 BN=tile["BN"], BK=tile["BK"], DEQ=deq)
+                                 BN=tile["BN"], BK=tile["BK"], BKD=tile.get("BK_DOT", tile["BK"]), DEQ=deq)
                     k = compile_sm90a(mx._gate_up_kernel, GU_SIG, const, tile, "stride_xt")
                     weights = (1 if halves else 2) * tile["BN"] * tile["BK"]
                 else:
-                    const = dict(DIMS, MODE=0, SPLIT=1, BM=16, BN=tile["BN"], BK=tile["BK"], DEQ=deq)
+                    const = dict(DIMS, MODE=0, SPLIT=1, BM=16, BN=tile["BN"], BK=tile["BK"],
+                                 BKD=tile.get("BK_DOT", tile["BK"]), DEQ=deq)
                     k = compile_sm90a(mx._down_kernel, DN_SIG, const, tile, "stride_ot")
                     weights = tile["BN"] * tile["BK"]
-                n, regs = loop_stats(k.asm["cubin"])
+                n, ops = sass.longest_loop(k.asm["cubin"])
+                regs = sass.registers(k.asm["cubin"])
                 per_thread = weights / (32 * tile["num_warps"])
                 rows.append(dict(kernel=kind, halves=halves if kind == "gate_up" else None, tile=tile, dequant=name,
                                  loop_sass=n, weights_per_thread=per_thread, sass_per_weight=n / per_thread,
-                                 regs=regs, ptx_mul_bf16x2=k.asm["ptx"].count("mul.rn.bf16x2")))
+                                 regs=regs, ptx_mul_bf16x2=k.asm["ptx"].count("mul.rn.bf16x2"),
+                                 loop_ops=dict(ops.most_common(12))))
                 print(json.dumps(rows[-1]), flush=True)
     return rows
 
