@@ -18,7 +18,12 @@ nothing past a request's length is read, scored or sorted.
    several launches): ``q . k^T`` with one ``tl.dot`` (bf16 x bf16, or fp8 x fp8 for an fp8 query; mma.sync on
    sm_120, wgmma on sm_90), then ``sum_h relu(.) * w_h * scale_k`` per token. Key tiles are either loaded as fp8
    and software-pipelined by Triton (asynchronous copies, ``num_stages``) or loaded packed as int32 with a hand
-   prefetch of the next tile (``SCORE_CONFIGS``; sm_90 fp8 x fp8 is wgmma e4m3, sm_120 mma.sync e4m3). It stores
+   prefetch of the next tile (``SCORE_CONFIGS``; sm_90 fp8 x fp8 is wgmma e4m3, sm_120 mma.sync e4m3). The "fp8pv"
+   tiles take their page ids from a register vector loaded once per ``PV_TILES`` tiles: with the page lookup of
+   each position done by a load inside the loop ("fp8"), the pipeliner turns that lookup into an asynchronous copy
+   of its own and, copies completing in order, waits for every copy in flight before each tile (cp.async.wait_group
+   0), so a program has one tile in flight and not while it computes; without it the keys of the next
+   ``num_stages - 1`` tiles stay in flight (wait_group num_stages - 2). It stores
    the fp32 scores, per group of ``GROUP`` = 8 positions their max, and counts each group max into a per-row
    histogram of the top 12 bits of its order key (4096 1/8-binade bins; relaxed atomics). Requests whose longest
    query token sees <= topk positions are skipped.
@@ -32,14 +37,20 @@ nothing past a request's length is read, scored or sorted.
    order into its own candidate list (fixed slots in the workspace; no atomics, so the order is deterministic).
    (c) A ticket (acq_rel atomic counter per query token, reset by its last user): the last slice to finish
    gathers all slices' lists (every position that can be selected, ~topk of them), zeroes the histogram for the
-   next call, finds the exact threshold T among them in registers (``SELECT_SEARCH``: an 8-way count search, one
-   block-wide reduction a step, or radix select, ``tl.histogram``) and takes keys > T, then keys == T in position
-   order. Set-equal to ``torch.topk`` up to
-   ties. Fallbacks keep it exact on any input, streamed from memory over the whole live row: more candidates than
-   the register tile (``candidate_capacity``; mass ties) or fewer than topk (only a stale histogram, e.g. a
-   workspace that skipped a select). At 32K a query token's select is three dependent memory round trips in
-   parallel programs (histogram with the first group-max tile, the score gather, the candidate lists) and a few
-   block-wide passes over ~topk-sized register tiles, independent of the max context.
+   next call, finds the exact threshold T among them in registers and takes keys > T, then keys == T in position
+   order. ``SELECT_SEARCH`` "fine": in (b) every slice also counts its candidates into a per-row histogram of
+   ``FINE_BINS`` bins of 2**``FINE_SHIFT`` order keys above t0 (relaxed atomics), so the final program reads the
+   bin b holding the topk-th candidate, checks it against its own candidates (their counts above and in b must
+   bracket topk, else it searches all of them) and resolves only bin b: usually it holds exactly the missing
+   ones, or a few more whose smallest values it drops; else radix select on the bin ("radix": radix select over
+   all candidates, ``tl.histogram`` passes). The select kernel is launched with programmatic dependent launch
+   (``SELECT_PDL``, compute capability >= 9) and waits for the scores with griddepcontrol.wait. Set-equal to
+   ``torch.topk`` up to ties. Fallbacks keep it exact on any input, streamed from memory over the whole live row:
+   more candidates than the register tile (``candidate_capacity``; mass ties) or fewer than topk (only a stale
+   histogram, e.g. a workspace that skipped a select). At 32K a query token's select is three dependent memory
+   round trips in parallel programs (histogram with the first group-max tile, the score gather, the candidate
+   lists), then the fine histogram and a few block-wide reductions over a ~topk-sized register tile, independent
+   of the max context.
 """
 
 from __future__ import annotations
@@ -104,6 +115,27 @@ def _load_k_fp8(k8_ptr, bt_row, t, l_max, PAGE: tl.constexpr, BLOCK_N: tl.conste
     page = tl.load(bt_row + pos // PAGE, mask=inb, other=0).to(tl.int64)
     d = tl.arange(0, 128)
     return tl.load(k8_ptr + (page * (PAGE * 132) + (pos % PAGE) * 128)[:, None] + d[None, :], mask=inb[:, None],
+                   other=0.0)
+
+
+@triton.jit
+def _pages_of_tile(pv, jv, pb, t, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Physical page (int64 [BLOCK_N]) of each position of tile t, picked from the page ids pv [NPV] of logical pages
+    pb + jv held in registers (a tile spans at most two pages: PAGE >= BLOCK_N / 2). No load on the way, so the
+    software pipeliner can issue the tile's key gather stages ahead."""
+    pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = (t * BLOCK_N) // PAGE - pb
+    p0 = tl.sum(tl.where(jv == first, pv, 0), 0)
+    p1 = tl.sum(tl.where(jv == first + 1, pv, 0), 0)
+    return tl.where(pos // PAGE - pb == first, p0, p1).to(tl.int64)
+
+
+@triton.jit
+def _scales_pv(ks_ptr, pv, jv, pb, t, t_end, l_max, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """fp32 key scales [BLOCK_N] of tile t through the register page ids (zeros past l_max or when t >= t_end)."""
+    pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    page = _pages_of_tile(pv, jv, pb, t, PAGE, BLOCK_N)
+    return tl.load(ks_ptr + page * (PAGE * 33) + PAGE * 32 + pos % PAGE, mask=pos < tl.where(t < t_end, l_max, 0),
                    other=0.0)
 
 
@@ -210,9 +242,12 @@ def _index_scores_kernel(
     G: tl.constexpr, LEN_2D: tl.constexpr, HAS_QS: tl.constexpr, Q_FP8: tl.constexpr, MIN_TILES: tl.constexpr,
     DOT_F32: tl.constexpr, TOKENS_M: tl.constexpr = True, PREFETCH: tl.constexpr = True,
     DOT_PREC: tl.constexpr = "tf32", KEYS: tl.constexpr = "fp8", NB: tl.constexpr = 4096,
-    SHIFT: tl.constexpr = 20, PROBE: tl.constexpr = 0,
+    SHIFT: tl.constexpr = 20, PROBE: tl.constexpr = 0, PDL: tl.constexpr = False, CH: tl.constexpr = 8,
+    NPV: tl.constexpr = 32,
 ):
     # this launch scores query tokens s0 .. s0 + S - 1 (S <= 4) of the S_ALL per request
+    if PDL:  # the select kernel may be scheduled once every score program has started (it waits for the results)
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     sp = tl.program_id(1)
     so = tl.arange(0, S_P2)
@@ -243,6 +278,24 @@ def _index_scores_kernel(
                 _score_tile(kf, ksc, q, w, t, lens, l_max, rows, so, S, score_ptr, gmax_ptr, hist_ptr, max_len,
                             ng_buf, hist_ok, topk, S_P2, H, BLOCK_N, G, Q_FP8, DOT_F32, TOKENS_M, DOT_PREC, NB, SHIFT,
                             PROBE)
+        elif KEYS == "fp8pv":  # fp8 tiles, page ids of CH tiles at a time in registers (see _pages_of_tile)
+            jv = tl.arange(0, NPV)
+            for tc in range(t_begin, t_end, CH):
+                tce = tl.minimum(tc + CH, t_end)
+                pb = (tc * BLOCK_N) // PAGE
+                pv = tl.load(bt_row + pb + jv, mask=(pb + jv) * PAGE < l_max, other=0)
+                ksc_next = _scales_pv(ks_ptr, pv, jv, pb, tc, tce, l_max, PAGE, BLOCK_N)
+                for t in range(tc, tce):
+                    ksc = ksc_next
+                    ksc_next = _scales_pv(ks_ptr, pv, jv, pb, t + 1, tce, l_max, PAGE, BLOCK_N)
+                    pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+                    page = _pages_of_tile(pv, jv, pb, t, PAGE, BLOCK_N)
+                    d = tl.arange(0, 128)
+                    kf = tl.load(k8_ptr + (page * (PAGE * 132) + (pos % PAGE) * 128)[:, None] + d[None, :],
+                                 mask=(pos < l_max)[:, None], other=0.0)
+                    _score_tile(kf, ksc, q, w, t, lens, l_max, rows, so, S, score_ptr, gmax_ptr, hist_ptr, max_len,
+                                ng_buf, hist_ok, topk, S_P2, H, BLOCK_N, G, Q_FP8, DOT_F32, TOKENS_M, DOT_PREC, NB,
+                                SHIFT, PROBE)
         else:  # packed int32 tiles, hand-pipelined: the gather of tile t + 1 is in flight while t is scored
             if PREFETCH:
                 k, ksc = _load_k_packed(kc32_ptr, ks_ptr, bt_row, t_begin, t_end, l_max, PAGE, BLOCK_N)
@@ -345,50 +398,6 @@ def _add2(a0, b0, a1, b1):
 
 
 @triton.jit
-def _minmax(a0, b0, a1, b1):
-    return tl.minimum(a0, a1), tl.maximum(b0, b1)
-
-
-@triton.jit
-def _kth_largest_count(keys, valid, k):
-    """As _kth_largest_radix, by an 8-way search on the key range: each step counts the keys at or above 7
-    thresholds in one block-wide reduction (16-bit fields of two int64 sums; at most MAX_TILE_P keys) and keeps the
-    eighth of the range that holds the answer (~8 steps for the ~24-bit ranges of ~topk candidates). A step is one
-    reduction, where a radix pass is a block-wide histogram, a scan and two reductions."""
-    lo, hi = tl.reduce((tl.where(valid, keys, 2147483647), tl.where(valid, keys, -2147483648)), 0, _minmax)
-    lo = lo.to(tl.int64)
-    hi = hi.to(tl.int64)
-    kv = keys.to(tl.int64)
-    while lo < hi:
-        step = (hi - lo + 7) // 8
-        a = tl.zeros(keys.shape, tl.int64)
-        c = tl.zeros(keys.shape, tl.int64)
-        for i in tl.static_range(1, 5):
-            a += (kv >= tl.minimum(lo + i * step, hi)).to(tl.int64) << (16 * (i - 1))
-        for i in tl.static_range(5, 8):
-            c += (kv >= tl.minimum(lo + i * step, hi)).to(tl.int64) << (16 * (i - 5))
-        sa, sc = tl.reduce((tl.where(valid, a, 0), tl.where(valid, c, 0)), 0, _add2)
-        # the largest i with #(>= m_i) >= k (m_0 = lo qualifies by the invariant) bounds the answer to
-        # [m_i, m_{i+1} - 1]; counts fall as i grows, so the last qualifying i wins
-        new_lo = lo
-        new_hi = tl.minimum(lo + step, hi) - 1
-        for i in tl.static_range(1, 8):
-            if i < 5:
-                cnt = (sa >> (16 * (i - 1))) & 0xFFFF
-            else:
-                cnt = (sc >> (16 * (i - 5))) & 0xFFFF
-            ok = cnt >= k
-            new_lo = tl.where(ok, tl.minimum(lo + i * step, hi), new_lo)
-            if i < 7:
-                new_hi = tl.where(ok, tl.minimum(lo + (i + 1) * step, hi) - 1, new_hi)
-            else:
-                new_hi = tl.where(ok, hi, new_hi)
-        lo = new_lo
-        hi = new_hi
-    return lo.to(tl.int32)
-
-
-@triton.jit
 def _stream_keys(srow, idx_ptr, i0, n, INDIRECT: tl.constexpr, TILE: tl.constexpr):
     """Order keys, mask and positions of items i0 .. i0 + TILE - 1 of a streamed list: row positions i
     (INDIRECT False) or the positions stored at idx_ptr[i]."""
@@ -456,11 +465,12 @@ def _select_streamed(srow, idx_ptr, n, topk, out_row, INDIRECT: tl.constexpr, TI
 
 @triton.jit
 def _select_topk_kernel(
-    score_ptr, gmax_ptr, hist_ptr, tick_ptr, scr_ptr, len_ptr, out_ptr,
+    score_ptr, gmax_ptr, hist_ptr, tick_ptr, fine_ptr, scr_ptr, len_ptr, out_ptr,
     S, max_len, stride_row, ng_buf, topk,
     LEN_2D: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, SHIFT: tl.constexpr, NSEL: tl.constexpr,
     CAP: tl.constexpr, CAP_P: tl.constexpr, TGS: tl.constexpr, TILE: tl.constexpr, RADIX: tl.constexpr,
-    CLEAR_HIST: tl.constexpr, PROBE: tl.constexpr = 0, SEARCH: tl.constexpr = "count",
+    CLEAR_HIST: tl.constexpr, PROBE: tl.constexpr = 0, SEARCH: tl.constexpr = "fine",
+    NBF: tl.constexpr = 4096, FSHIFT: tl.constexpr = 11, DROP_MAX: tl.constexpr = 8, PDL: tl.constexpr = False,
 ):
     # program (r, j): slice j of query row r's group maxima (whole tiles of TGS groups, spread over the grid's
     # nsel <= NSEL programs per row); the last active program of the row to finish does the row's final selection.
@@ -477,6 +487,8 @@ def _select_topk_kernel(
     n_gt = tl.cdiv(ng, TGS)
     per = tl.maximum(tl.cdiv(n_gt, nsel), 1)
     n_act = tl.cdiv(n_gt, per)  # programs with group tiles; the others only write short rows or exit
+    if PDL:  # launched early (programmatic dependent launch): wait for the scores kernel's results
+        tl.extra.cuda.gdc_wait()
     if ln <= topk:
         if j == 0:  # every live position, then -1 (no scores were computed for such rows)
             for o in range(0, topk, TILE):
@@ -521,6 +533,9 @@ def _select_topk_kernel(
             keep = cf & (slot < CAP)
             tl.store(pos_blk + j * CAP + slot, cp, mask=keep)
             tl.store(key_blk + j * CAP + slot, ck, mask=keep)
+            if SEARCH == "fine":  # the row's fine histogram of candidate keys above t0 (NBF bins of 2**FSHIFT)
+                fb = tl.minimum(tl.maximum(ck.to(tl.int64) - t0, 0) >> FSHIFT, NBF - 1).to(tl.int32)
+                tl.atomic_add(fine_ptr + r64 * NBF + fb, tl.full(fb.shape, 1, tl.int32), mask=cf, sem="relaxed")
             n += tl.sum(cf.to(tl.int32), 0)
         tl.store(cnt_ptr + j, n)
         # 3) ticket: every thread's stores are issued (barrier) before the release; the last slice to arrive sees
@@ -541,6 +556,10 @@ def _select_topk_kernel(
                 src = tl.where((i >= total) & (i < total + c), q * CAP + i - total, src)
                 over = tl.maximum(over, c - CAP)
                 total += c
+            if SEARCH == "fine":  # read and clear the fine histogram on every path
+                fbins = tl.arange(0, NBF)
+                hf = tl.load(fine_ptr + r64 * NBF + fbins, cache_modifier=".cg")
+                tl.store(fine_ptr + r64 * NBF + fbins, tl.zeros([NBF], tl.int32))
             if PROBE == 2:
                 tl.store(out_row, total)
                 return
@@ -549,17 +568,43 @@ def _select_topk_kernel(
                 # or more candidates than the register tile (mass ties): exact over the whole live row, streamed
                 _select_streamed(srow, pos_blk, ln, topk, out_row, False, TILE)
             else:
-                # 4) exact threshold T among the candidates (radix select in registers); 5) keys > T, then == T in
-                #    position order
+                # 4) exact threshold T among the candidates (in registers; SELECT_SEARCH); 5) keys > T, then == T
+                #    in position order
                 m = i < total
                 rp = tl.load(pos_blk + src, mask=m, other=0, cache_modifier=".cg")
                 keys = tl.load(key_blk + src, mask=m, other=0, cache_modifier=".cg")
-                if SEARCH == "count":
-                    thr = _kth_largest_count(keys, m, topk)
+                if SEARCH == "fine":
+                    # the fine bin b holding the topk-th candidate (from the slices' atomics); the candidates'
+                    # own counts above and in b decide (a stale histogram can only fall back, never mislead)
+                    cf2 = tl.cumsum(hf, 0, reverse=True)
+                    bsel = tl.max(tl.where(cf2 >= topk, fbins, 0), 0)
+                    fk = tl.minimum((keys.to(tl.int64) - t0) >> FSHIFT, NBF - 1)
+                    above, inb = tl.reduce(((m & (fk > bsel)).to(tl.int32), (m & (fk == bsel)).to(tl.int32)), 0,
+                                           _add2)
+                    ok = (bsel < NBF - 1) & (above < topk) & (above + inb >= topk)
+                    base = (m & (fk > bsel)) & (tl.zeros_like(m) | ok)  # (a scalar & a vector is not boolean
+                    cand = m & ((fk == bsel) | (tl.zeros_like(m) | ~ok))  # in the interpreter)
+                    kk = tl.where(ok, topk - above, topk)
+                    c = tl.where(ok, inb, total)
+                    if c - kk <= DROP_MAX:
+                        # a few too many in the bin: drop its smallest values while >= kk remain
+                        cur = cand
+                        mn = tl.min(tl.where(cur, keys, 2147483647), 0)
+                        nm = tl.sum((cur & (keys == mn)).to(tl.int32), 0)
+                        while c - nm >= kk:
+                            cur = cur & (keys != mn)
+                            c -= nm
+                            mn = tl.min(tl.where(cur, keys, 2147483647), 0)
+                            nm = tl.sum((cur & (keys == mn)).to(tl.int32), 0)
+                        thr = mn
+                    else:
+                        thr = _kth_largest_radix(keys, cand, kk, RADIX)
+                    gt = base | (cand & (keys > thr))
+                    eq = cand & (keys == thr)
                 else:
                     thr = _kth_largest_radix(keys, m, topk, RADIX)
-                gt = m & (keys > thr)
-                eq = m & (keys == thr)
+                    gt = m & (keys > thr)
+                    eq = m & (keys == thr)
                 need_eq = topk - tl.sum(gt.to(tl.int32), 0)
                 take = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need_eq))
                 tl.store(out_row + tl.cumsum(take.to(tl.int32), 0) - 1, rp, mask=take)
@@ -573,8 +618,10 @@ def _cfg(bn, w, tm, keys, stages, pf=False):
 # Score-kernel configs (fixed, not autotuned, so a launch is capturable). TOKENS_M puts the key tile on the
 # dot's M side (q^T on N), else the stacked queries are M. KEYS "packed": int32 tiles unpacked in registers, with
 # a hand prefetch (PREFETCH) of the next tile; "fp8": fp8 tiles loaded as such, software-pipelined by Triton over
-# num_stages (asynchronous copies into shared memory). Every config compiles for sm_120a with mma.sync and <= 99 KiB
-# of shared memory, and for sm_90a, for 1, 2 and 4 stacked query tokens (tests/test_indexer.py).
+# num_stages (asynchronous copies into shared memory); "fp8pv": the same with the page ids of PV_TILES tiles loaded
+# into registers at once (pages of >= BLOCK_N / 2 positions; smaller pages take the "fp8" path). Every config
+# compiles for sm_120a with mma.sync and <= 99 KiB of shared memory, and for sm_90a, for 1, 2 and 4 stacked query
+# tokens (tests/test_indexer.py; fp8pv 128/8 in 3 stages and 128/4 in 4 need > 99 KiB for 4 tokens).
 SCORE_CONFIGS = [
     _cfg(64, 4, True, "packed", 1, pf=True),
     _cfg(64, 8, True, "packed", 1, pf=True),
@@ -588,6 +635,7 @@ SCORE_CONFIGS = [
     _cfg(128, 8, True, "fp8", 3),
     _cfg(128, 4, True, "fp8", 3),
     _cfg(64, 4, False, "fp8", 3),
+    _cfg(128, 4, True, "fp8pv", 3),
 ]
 # (sm_90?, stacked query tokens) -> config for a bf16 query. sm_90: the fastest configs of the H200 sweeps at 32K live
 # / 128K max (S = 1: benchmarks/results/indexer_2026-11-30.md, keys on M 64/4 packed, 94.6 us vs 113.5 for heads on
@@ -604,12 +652,15 @@ DEFAULT_SCORE_CONFIGS = {
     (True, 2): _cfg(64, 4, True, "fp8", 2),
     (True, 4): _cfg(128, 4, True, "fp8", 3),
 }
-# fp8 query overrides (fp8 x fp8 dots need no key conversion; the query SGLang's DSv4 decode passes): sm_90 S = 1 from
-# the same sweep, fp8 tiles 128/4 in 3 stages (49.7 / 114.3 us vs 51.0 / 122.2 with the bf16 default at B = 16 / 64);
-# -s3 confirms it over 64/4 and 128/8 tiles, a 4th stage and a two-tiles-ahead scale prefetch (all within 1 us or
-# slower)
+# fp8 query overrides (fp8 x fp8 dots need no key conversion; the query SGLang's DSv4 decode passes): sm_90 S = 1:
+# fp8 tiles 128/4 in 3 stages with the page ids in registers ("fp8pv"), picked in the -s4 run (full step at 32K,
+# B = 16 / 64: 42.6 / 111.0 us vs 42.2 / 116.9 with the per-position page lookup "fp8" 128/4 of r2 / s3, and 45.7 /
+# 129.1 with fp8pv 64/4 in 4 stages; scores alone at B = 64 87.0 vs 93.8). Earlier: fp8 128/4 beat the bf16 default
+# (49.7 / 114.3 vs 51.0 / 122.2), 64/4 and 128/8 tiles, a 4th stage and a two-tiles-ahead scale prefetch. Not kept
+# (-s4 exploration): fp8 tiles loaded into registers a tile or two ahead by hand (num_stages 1) and stored to shared
+# memory for the dot, 40-102 us for the scores alone at B = 16 (fewer programs per SM, loads through registers).
 DEFAULT_FP8Q_SCORE_CONFIGS = {
-    (True, 1): _cfg(128, 4, True, "fp8", 3),
+    (True, 1): _cfg(128, 4, True, "fp8pv", 3),
 }
 S_CHUNK = 4  # query tokens stacked per score launch (S > 4: several launches)
 SELECT_WARPS = (4, 8, 16)
@@ -626,13 +677,33 @@ SELECT_TGS = 256  # group maxima per select tile (a 32K-long row: one tile for e
 SELECT_PROGRAMS = 256
 _SELECT_PROBE = 0  # benchmark only: stop the select after a phase (see _select_topk_kernel)
 _SCORES_PROBE = 0  # benchmark only: 1 = scores without histogram atomics, 2 = also without stores (wrong output)
-# final threshold search: "count" (8-way count search) or "radix" (RADIX_BITS a pass). -s3 at 32K, B = 16 / 64:
-# count 48.7 / 119.9 us, radix 8 bits 49.2 / 120.3, radix 6 bits 47.2 / 117.5 (so radix 6 bits is the default)
-SELECT_SEARCH = "radix"
+# final threshold search: "fine" (the slices count their candidates into a per-row histogram of fine bins above
+# t0 with atomics, so the final program reads the bin holding the topk-th candidate and only resolves that bin: by
+# dropping its smallest values when a few too many, else radix select on it) or "radix" (radix select over all
+# candidates, RADIX_BITS a pass: s3's default; Triton 3.9's PTX for tl.histogram is one shared-memory atomic per
+# key, which collide when the candidates' top digits agree). H200 -s4 (benchmarks/results/indexer_2026-11-30-s4.md,
+# 32K, fp8 query): B = 16 43.6 us vs radix 45.7, B = 64 110.8 vs 113.1; the select alone at B = 16 14.8 vs s3's 17.4;
+# exploration run: 4K B = 16 21.8 vs 26.7. (s3: an 8-way count search, 48.7 / 119.9, slower than radix, is gone.)
+SELECT_SEARCH = "fine"
+# launch the select kernel with programmatic dependent launch (compute capability >= 9): its programs are placed on
+# the SMs while the scores kernel's last programs run, and wait there (griddepcontrol.wait) for its results. -s4 at
+# 32K: B = 16 43.6 us vs 45.1 without, B = 64 110.8 vs 113.4
+SELECT_PDL = True
+FINE_BINS = 4096  # fine histogram of the candidates (SELECT_SEARCH "fine"): bins of 2**FINE_SHIFT order keys above t0
+FINE_SHIFT = 11  # 4096 x 2**11 = one binade above t0 (the topk-th score lies within it unless scores are extreme)
+PV_TILES = 8  # "fp8pv" score path: key tiles per chunk of page ids loaded into registers at once
 MIN_TILES = 4  # tiles per score program at least (fewer, larger programs for short rows)
 # score programs per SM to aim for: ~3 fit at once (~150 registers x 128 threads), so 8 keeps the last partial
 # wave small; each still gets >= MIN_TILES tiles (the benchmark sweep times half and double this)
 PROGRAMS_PER_SM = 8
+
+def page_vector_consts(block_n: int, page_size: int):
+    """(tiles per page-id chunk, page ids per chunk as a power of two) of the "fp8pv" score path, or (PV_TILES, 0)
+    when a tile can span more than two pages (page_size < block_n / 2; that path then does not apply)."""
+    if 2 * page_size < block_n:
+        return PV_TILES, 0
+    return PV_TILES, triton.next_power_of_2(PV_TILES * block_n // page_size + 1)
+
 
 def candidate_capacity(topk: int) -> int:
     """Candidate positions (scores >= the histogram bound) the select kernel handles in registers without its
@@ -646,22 +717,23 @@ _tile_p = candidate_capacity
 
 def _workspace_layout(rows: int, max_len: int, topk: int):
     """(groups per row, candidate capacity, per-row scratch, int32 elements in all): scores [rows, max_len],
-    group maxima [rows, ng], histograms [rows, HIST_BINS], select tickets [rows], scratch [rows, SELECT_SPLIT *
-    (2 * cap + 1)] (per slice: candidate positions [cap] and keys [cap]; then one count per slice)."""
+    group maxima [rows, ng], histograms [rows, HIST_BINS], select tickets [rows], fine histograms [rows, FINE_BINS],
+    scratch [rows, SELECT_SPLIT * (2 * cap + 1)] (per slice: candidate positions [cap] and keys [cap]; then one count
+    per slice)."""
     ng = triton.cdiv(max_len, GROUP)
     cap = candidate_capacity(topk)
     scr = SELECT_SPLIT * (2 * cap + 1)
-    return ng, cap, scr, rows * (max_len + ng + HIST_BINS + 1 + scr)
+    return ng, cap, scr, rows * (max_len + ng + HIST_BINS + 1 + FINE_BINS + scr)
 
 
 def indexer_workspace(batch: int, s: int, max_len: int, topk: int = 512, device="cuda") -> torch.Tensor:
     """A reusable, zero-initialized int32 workspace for ``dsa_indexer_topk(..., workspace=...)``: fp32 scores
-    [B*S, max_len], group maxima [B*S, max_len / 8], group-max histograms [B*S, 4096], select tickets [B*S] and
-    candidate scratch [B*S, 16 * (8 * min(4096, 4 * next_pow2(topk)) + 4) bytes]; 4.5 bytes per position of the
-    block table plus ~280 KB per query token at topk 512. ``max_len`` = block_table.shape[1] * page_size. Allocate
-    once per (max batch, max context) so a CUDA graph captures fixed addresses. Each call leaves the histograms
-    and tickets zeroed for the next; a workspace with nonzero histograms (never passed through a full call) still
-    gives exact results, one call more slowly."""
+    [B*S, max_len], group maxima [B*S, max_len / 8], group-max histograms [B*S, 4096], select tickets [B*S],
+    fine candidate histograms [B*S, 4096] and candidate scratch [B*S, 16 * (8 * min(4096, 4 * next_pow2(topk)) + 4)
+    bytes]; 4.5 bytes per position of the block table plus ~300 KB per query token at topk 512. ``max_len`` =
+    block_table.shape[1] * page_size. Allocate once per (max batch, max context) so a CUDA graph captures fixed
+    addresses. Each call leaves the histograms and tickets zeroed for the next; a workspace with nonzero histograms
+    (never passed through a full call) still gives exact results, one call more slowly."""
     return torch.zeros(_workspace_layout(batch * s, max_len, topk)[3], dtype=torch.int32, device=device)
 
 
@@ -730,14 +802,17 @@ def _workspace_views(workspace, rows, max_len, topk, dev):
     ng, cap, scr, n = _workspace_layout(rows, max_len, topk)
     if workspace is None:
         workspace = torch.empty(n, dtype=torch.int32, device=dev)
-        workspace[rows * (max_len + ng): rows * (max_len + ng + HIST_BINS + 1)].zero_()  # histograms, tickets
+        # histograms, tickets, fine histograms
+        workspace[rows * (max_len + ng): rows * (max_len + ng + HIST_BINS + 1 + FINE_BINS)].zero_()
     elif not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.int32 or workspace.numel() < n \
             or not workspace.is_contiguous() or workspace.device != dev:
         _fail("workspace", f"must be a contiguous int32 tensor of >= {n} elements on {dev} (indexer_workspace())")
     ws = workspace.view(-1)
     o1, o2, o3 = rows * max_len, rows * (max_len + ng), rows * (max_len + ng + HIST_BINS)
     o4 = o3 + rows
-    return ws[:o1].view(torch.float32), ws[o1:o2].view(torch.float32), ws[o2:o3], ws[o3:o4], ws[o4:n], ng, cap
+    o5 = o4 + rows * FINE_BINS
+    return (ws[:o1].view(torch.float32), ws[o1:o2].view(torch.float32), ws[o2:o3], ws[o3:o4], ws[o4:o5], ws[o5:n],
+            ng, cap)
 
 
 def _interp(name, default):
@@ -753,16 +828,16 @@ def _select_split(rows, select_split):
     return select_split
 
 
-def _select_launch(scores, gmax, hist, tick, scr, lens, out, rows, s, max_len, stride_row, ng, cap, topk, len_2d,
-                   warps, nsel, clear_hist=True):
+def _select_launch(scores, gmax, hist, tick, fine, scr, lens, out, rows, s, max_len, stride_row, ng, cap, topk,
+                   len_2d, warps, nsel, clear_hist=True, pdl=False):
     _select_topk_kernel[(rows, nsel)](
-        scores, gmax, hist, tick, scr, lens, out, s, max_len, stride_row, ng, topk,
+        scores, gmax, hist, tick, fine, scr, lens, out, s, max_len, stride_row, ng, topk,
         LEN_2D=len_2d, G=GROUP, NB=HIST_BINS, SHIFT=HIST_SHIFT, NSEL=SELECT_SPLIT, CAP=cap,
         CAP_P=cap if not _INTERPRET else min(cap, _interp("PD_INDEXER_INTERP_TILE_P", cap)),
         TGS=SELECT_TGS if not _INTERPRET else _interp("PD_INDEXER_INTERP_TGS", 8),
         TILE=1024 if not _INTERPRET else 16, RADIX=RADIX_BITS, CLEAR_HIST=clear_hist, PROBE=_SELECT_PROBE,
-        SEARCH=SELECT_SEARCH,
-        num_warps=warps,
+        SEARCH=SELECT_SEARCH, NBF=FINE_BINS, FSHIFT=FINE_SHIFT, PDL=pdl,
+        num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )
 
 
@@ -857,8 +932,9 @@ def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512,
         _fail("n_split", f"must be a positive int, got {n_split!r}")
 
     rows = b * s
-    scores, gmax, hist, tick, scr, ng, cap = _workspace_views(workspace, rows, max_len, topk, dev)
+    scores, gmax, hist, tick, fine, scr, ng, cap = _workspace_views(workspace, rows, max_len, topk, dev)
     q_fp8 = q.dtype == torch.float8_e4m3fn
+    pdl = SELECT_PDL and not _INTERPRET and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
     qs = q_scale if q_scale is not None else weights
     sm90 = is_sm90(dev)
     k8 = kc32.view(torch.float8_e4m3fn)
@@ -869,6 +945,9 @@ def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512,
                    or DEFAULT_SCORE_CONFIGS[(sm90, sp2)])
         if _INTERPRET:
             cfg["BLOCK_N"] = 32  # small tiles keep interpreted runs short
+        ch, npv = page_vector_consts(cfg["BLOCK_N"], page_size)
+        if cfg["KEYS"] == "fp8pv" and not npv:
+            cfg["KEYS"] = "fp8"  # pages smaller than half a tile: page ids per position (the fp8 path)
         _index_scores_kernel[(b, n_split)](
             q, weights, qs, kc32, k8, kc32.view(torch.float32), block_table, seq_lens, scores, gmax, hist,
             q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1), block_table.stride(0),
@@ -876,12 +955,12 @@ def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512,
             S=sc, S_P2=sp2, H=h, PAGE=page_size, BLOCK_N=cfg["BLOCK_N"], G=GROUP, LEN_2D=len_2d,
             HAS_QS=q_scale is not None, Q_FP8=q_fp8, MIN_TILES=MIN_TILES, DOT_F32=_INTERPRET,
             TOKENS_M=cfg["TOKENS_M"], PREFETCH=cfg["PREFETCH"], DOT_PREC="ieee" if _INTERPRET else "tf32",
-            KEYS=cfg["KEYS"], NB=HIST_BINS, SHIFT=HIST_SHIFT, PROBE=_SCORES_PROBE,
+            KEYS=cfg["KEYS"], NB=HIST_BINS, SHIFT=HIST_SHIFT, PROBE=_SCORES_PROBE, PDL=pdl, CH=ch, NPV=max(npv, 2),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if "select" in stages:
-        _select_launch(scores, gmax, hist, tick, scr, seq_lens, out, rows, s, max_len, max_len, ng, cap, topk, len_2d,
-                       warps, nsel, clear_hist="scores" in stages)
+        _select_launch(scores, gmax, hist, tick, fine, scr, seq_lens, out, rows, s, max_len, max_len, ng, cap, topk,
+                       len_2d, warps, nsel, clear_hist="scores" in stages, pdl=pdl and "scores" in stages)
     return out
 
 
@@ -910,12 +989,13 @@ def topk_from_scores(scores, lengths, topk=512, out=None, *, select_warps=None):
     gmax = torch.empty(r, ng, dtype=torch.float32, device=dev)
     hist = torch.zeros(r, HIST_BINS, dtype=torch.int32, device=dev)
     tick = torch.zeros(r, dtype=torch.int32, device=dev)
+    fine = torch.zeros(r, FINE_BINS, dtype=torch.int32, device=dev)
     scr = torch.empty(r, SELECT_SPLIT * (2 * cap + 1), dtype=torch.int32, device=dev)
     block = 256 if not _INTERPRET else 32
     n_split = max(1, min(64, triton.cdiv(PROGRAMS_PER_SM * num_sms(dev), r)))
     _group_max_kernel[(r, n_split)](scores, gmax, hist, lengths, scores.stride(0), ng, n_split, w, topk,
                                     G=GROUP, BLOCK=block, MIN_TILES=MIN_TILES, NB=HIST_BINS, SHIFT=HIST_SHIFT,
                                     num_warps=4)
-    _select_launch(scores, gmax, hist, tick, scr, lengths, out, r, 1, w, scores.stride(0), ng, cap, topk, True,
+    _select_launch(scores, gmax, hist, tick, fine, scr, lengths, out, r, 1, w, scores.stride(0), ng, cap, topk, True,
                    warps, _select_split(r, None))
     return out

@@ -74,7 +74,8 @@ def _inputs(b, s, h, ps, pool_pages, max_pages, g, q_fp8=False):
 
 
 def run_indexer(name, b, s, h, ps, topk, lens, max_pages, pool_pages=None, *, q_fp8=False, qscale=False,
-                view4=False, zero_q=False, use_out=False, use_ws=False, seed=0, config=None, select_split=None):
+                view4=False, zero_q=False, use_out=False, use_ws=False, seed=0, config=None, select_split=None,
+                n_split=None):
     g = torch.Generator().manual_seed(seed)
     q, w, kc, bt = _inputs(b, s, h, ps, pool_pages or max_pages * b, max_pages, g, q_fp8)
     if zero_q:
@@ -92,6 +93,8 @@ def run_indexer(name, b, s, h, ps, topk, lens, max_pages, pool_pages=None, *, q_
         kw["config"] = config
     if select_split:
         kw["select_split"] = select_split
+    if n_split:
+        kw["n_split"] = n_split
     out = dsa_indexer_topk(q, w, cache, bt, seq, **kw)
     if use_out:
         assert out.data_ptr() == kw["out"].data_ptr()
@@ -125,7 +128,7 @@ def run_select(name, rows, width, topk, lens, kind, seed=0, search=None):
     lengths = torch.tensor(lens, dtype=torch.int32)
     buf = torch.full((rows + 1, topk), -7, dtype=torch.int32)  # last row: guard against writes past the output
     default_search = K.SELECT_SEARCH
-    K.SELECT_SEARCH = search or default_search  # the final threshold search: radix (default) or count
+    K.SELECT_SEARCH = search or default_search  # the final threshold search: fine (default) or radix
     try:
         out = topk_from_scores(sc, lengths, topk, out=buf[:rows])
     finally:
@@ -217,35 +220,44 @@ def run_select_paths(seed=0):
     (the interpreter resolves it from the module's globals at call time)."""
     import pd.kernels.indexer as K
 
-    calls = []
-    real = K._select_streamed
+    calls, radix_calls = [], []
+    real, real_radix = K._select_streamed, K._kth_largest_radix
 
     class Counting:
+        def __init__(self, fn, log):
+            self.fn, self.log = fn, log
+
         def __call__(self, *args, **kw):
-            calls.append(1)
-            return real(*args, **kw)
+            self.log.append(1)
+            return self.fn(*args, **kw)
 
     g = torch.Generator().manual_seed(seed)
-    K._select_topk_kernel.fn.__globals__["_select_streamed"] = Counting()
+    K._select_topk_kernel.fn.__globals__["_select_streamed"] = Counting(real, calls)
+    K._select_topk_kernel.fn.__globals__["_kth_largest_radix"] = Counting(real_radix, radix_calls)
     try:
         res = {}
         # rows of more and of fewer groups than topk (group-max and score histograms)
         for kind, sc in (("randn", torch.randn(4, 3000, generator=g)), ("constant", torch.full((1, 3000), 2.0))):
             lengths = torch.tensor([3000, 2500, 1000, 200][: sc.shape[0]], dtype=torch.int32)
             calls.clear()
+            radix_calls.clear()
             out = topk_from_scores(sc, lengths, 32)
             res[f"{kind}_streamed_calls"] = len(calls)
+            res[f"{kind}_radix_calls"] = len(radix_calls)  # fine search: the threshold bin resolved without radix
             res[f"{kind}_exact"] = all(v == 0 for v in check_rows(out, sc.double(), lengths, 32)["bad"].values())
         # the same through the scores kernel's histograms
         q, w, kc, bt = _inputs(2, 1, 16, 64, 24, 12, g)
         seq = torch.tensor([700, 200], dtype=torch.int32)
         calls.clear()
+        radix_calls.clear()
         out = dsa_indexer_topk(q, w, kc, bt, seq, topk=32)
         res["indexer_streamed_calls"] = len(calls)
+        res["indexer_radix_calls"] = len(radix_calls)
         res["indexer_exact"] = all(v == 0 for v in check_rows(out, index_scores_ref(q, w, kc, bt, seq), live_lengths(
             seq, 1, 12 * 64), 32, score_error_bound(q, w, kc, bt))["bad"].values())
     finally:
         K._select_topk_kernel.fn.__globals__["_select_streamed"] = real
+        K._select_topk_kernel.fn.__globals__["_kth_largest_radix"] = real_radix
     return dict(name="select_paths", **res)
 
 
@@ -270,6 +282,22 @@ INDEXER_CASES = [
     ("fp8_keys_heads_m_fp8q", dict(b=2, s=1, h=16, ps=64, topk=24, lens=[400, 90], max_pages=7, q_fp8=True,
                                    config=dict(BLOCK_N=64, num_warps=4, num_stages=3, TOKENS_M=False,
                                                PREFETCH=False, KEYS="fp8"))),
+    # fp8 tiles with the page ids of 8 tiles at a time in registers (interpreter tiles: 32 positions): one score
+    # program per request walks several chunks (page 64 and 256: tiles inside a page; page 16: two pages a tile;
+    # page 8: more than two pages a tile, the per-position fp8 path instead)
+    ("fp8_page_vector_p64_chunks", dict(b=2, s=2, h=16, ps=64, topk=20, lens=[700, 150], max_pages=12, n_split=1,
+                                        config=dict(BLOCK_N=128, num_warps=4, num_stages=3, TOKENS_M=True,
+                                                    PREFETCH=False, KEYS="fp8pv"))),
+    ("fp8_page_vector_p256_fp8q", dict(b=2, s=1, h=16, ps=256, topk=24, lens=[1000, 90], max_pages=4, n_split=1,
+                                       q_fp8=True, config=dict(BLOCK_N=128, num_warps=4, num_stages=3,
+                                                               TOKENS_M=True, PREFETCH=False, KEYS="fp8pv"))),
+    ("fp8_page_vector_p16_two_pages_a_tile", dict(b=2, s=1, h=16, ps=16, topk=24, lens=[300, 200], max_pages=20,
+                                                  n_split=1, config=dict(BLOCK_N=128, num_warps=4, num_stages=3,
+                                                                         TOKENS_M=True, PREFETCH=False,
+                                                                         KEYS="fp8pv"))),
+    ("fp8_page_vector_p8_falls_back", dict(b=1, s=1, h=16, ps=8, topk=24, lens=[300], max_pages=40,
+                                           config=dict(BLOCK_N=128, num_warps=4, num_stages=3, TOKENS_M=True,
+                                                        PREFETCH=False, KEYS="fp8pv"))),
     ("packed_no_prefetch", dict(b=1, s=2, h=16, ps=64, topk=20, lens=[333], max_pages=6,
                                 config=dict(BLOCK_N=64, num_warps=4, num_stages=1, TOKENS_M=True, PREFETCH=False,
                                             KEYS="packed"))),
@@ -286,10 +314,10 @@ SELECT_CASES = [
     ("select_grid_ties", dict(rows=3, width=400, topk=32, lens=[400, 250, 400], kind="grid")),
     ("select_constant", dict(rows=2, width=400, topk=16, lens=[400, 17], kind="constant")),
     ("select_wide_range", dict(rows=2, width=1000, topk=64, lens=[1000, 2000], kind="wide_range")),
-    # the count threshold search (the non-default SELECT_SEARCH) on ties and on 60 binades
-    ("select_grid_ties_count", dict(rows=3, width=400, topk=32, lens=[400, 250, 400], kind="grid", search="count")),
-    ("select_wide_range_count", dict(rows=2, width=1000, topk=64, lens=[1000, 2000], kind="wide_range",
-                                     search="count")),
+    # radix select over all candidates (the non-default SELECT_SEARCH, s3's) on ties and on 60 binades
+    ("select_grid_ties_radix", dict(rows=3, width=400, topk=32, lens=[400, 250, 400], kind="grid", search="radix")),
+    ("select_wide_range_radix", dict(rows=2, width=1000, topk=64, lens=[1000, 2000], kind="wide_range",
+                                     search="radix")),
 ]
 
 if __name__ == "__main__":

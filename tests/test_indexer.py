@@ -27,10 +27,12 @@ def interp_results():
 
 INDEXER_CASES = ["decode_h64_p64", "mtp3_h16_p16_view4_out", "len2d_h32_p32_ws", "fp8q_qscale_h16",
                  "all_ties_fallback", "fp8_keys_tokens_m", "fp8_keys_heads_m_fp8q", "packed_no_prefetch",
-                 "decode_select_split2_multi_tile", "mtp6_two_launches"]
+                 "decode_select_split2_multi_tile", "mtp6_two_launches", "fp8_page_vector_p64_chunks",
+                 "fp8_page_vector_p256_fp8q", "fp8_page_vector_p16_two_pages_a_tile",
+                 "fp8_page_vector_p8_falls_back"]
 SELECT_CASES = ["select_randn", "select_few_values", "select_grid_ties", "select_constant", "select_wide_range",
-                "select_grid_ties_count", "select_wide_range_count"]
-DISTINCT_VALUES = {"select_randn", "select_wide_range", "select_wide_range_count"}  # a unique answer: must equal torch.topk's set
+                "select_grid_ties_radix", "select_wide_range_radix"]
+DISTINCT_VALUES = {"select_randn", "select_wide_range", "select_wide_range_radix"}  # a unique answer: must equal torch.topk's set
 
 
 @pytest.mark.parametrize("name", INDEXER_CASES + SELECT_CASES)
@@ -54,10 +56,11 @@ def test_workspace_histograms_never_change_the_answer(interp_results):
 
 def test_select_takes_the_bounded_path_on_distinct_scores(interp_results):
     """Random scores never reach the streamed fallbacks (the speed contract), for rows of more and of fewer groups
-    than topk, from precomputed scores and through the scores kernel; constant scores do, and stay exact."""
+    than topk, from precomputed scores and through the scores kernel, and the fine search resolves their threshold
+    bin without a radix pass; constant scores reach the fallback, and stay exact."""
     r = interp_results["select_paths"]
-    assert r["randn_streamed_calls"] == 0 and r["randn_exact"], r
-    assert r["indexer_streamed_calls"] == 0 and r["indexer_exact"], r
+    assert r["randn_streamed_calls"] == 0 and r["randn_radix_calls"] == 0 and r["randn_exact"], r
+    assert r["indexer_streamed_calls"] == 0 and r["indexer_radix_calls"] == 0 and r["indexer_exact"], r
     assert r["constant_streamed_calls"] >= 1 and r["constant_exact"], r
 
 
@@ -161,13 +164,14 @@ def test_topk_from_scores_validation(mutate, arg):
 
 
 def test_workspace_size_and_capacity():
-    from pd.kernels.indexer import HIST_BINS, candidate_capacity, indexer_workspace
+    from pd.kernels.indexer import FINE_BINS, HIST_BINS, candidate_capacity, indexer_workspace
 
     assert candidate_capacity(512) == 2048 and candidate_capacity(300) == 2048 and candidate_capacity(2048) == 4096
     ws = indexer_workspace(4, 2, 8192, 512, device="cpu")
-    # scores + group maxima + histogram + ticket + per select slice (16) candidate positions, keys and a count,
-    # per query token
-    assert ws.dtype == torch.int32 and ws.numel() == 8 * (8192 + 1024 + HIST_BINS + 1 + 16 * (2 * 2048 + 1))
+    # scores + group maxima + histogram + ticket + fine histogram + per select slice (16) candidate positions, keys
+    # and a count, per query token
+    assert ws.dtype == torch.int32 and ws.numel() == 8 * (8192 + 1024 + HIST_BINS + 1 + FINE_BINS
+                                                          + 16 * (2 * 2048 + 1))
     assert not ws.any()  # the histograms must start at zero
 
 
@@ -202,11 +206,12 @@ SCORE_ALIGNED = ("q_ptr", "w_ptr", "qs_ptr", "kc32_ptr", "k8_ptr", "ks_ptr", "bt
 
 
 def _compile_scores(cfg, cc, s_p2=1, fp8=False):
-    from pd.kernels.indexer import GROUP, HIST_BINS, HIST_SHIFT, MIN_TILES, _index_scores_kernel
+    from pd.kernels.indexer import GROUP, HIST_BINS, HIST_SHIFT, MIN_TILES, _index_scores_kernel, page_vector_consts
 
     const = dict(S=s_p2, S_P2=s_p2, H=64, PAGE=64, BLOCK_N=cfg["BLOCK_N"], G=GROUP, LEN_2D=False, HAS_QS=fp8,
                  Q_FP8=fp8, MIN_TILES=MIN_TILES, DOT_F32=False, TOKENS_M=cfg["TOKENS_M"], PREFETCH=cfg["PREFETCH"],
-                 DOT_PREC="tf32", KEYS=cfg["KEYS"], NB=HIST_BINS, SHIFT=HIST_SHIFT, PROBE=0)
+                 DOT_PREC="tf32", KEYS=cfg["KEYS"], NB=HIST_BINS, SHIFT=HIST_SHIFT, PROBE=0, PDL=False,
+                 CH=page_vector_consts(cfg["BLOCK_N"], 64)[0], NPV=page_vector_consts(cfg["BLOCK_N"], 64)[1])
     sig = dict(SCORE_SIG, q_ptr="*fp8e4nv" if fp8 else "*bf16")
     return compile_for(_index_scores_kernel, sig, const, cc, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                        aligned=SCORE_ALIGNED)
@@ -251,18 +256,21 @@ def test_aot_default_configs_fp8_query(sm90):
 def test_aot_select_and_group_max(topk):
     """The select kernel has no dot (compares, reductions, scans: no tensor-core work to do), so sm_120a only
     needs no wgmma and <= 99 KiB of shared memory; every select warp count compiles for both targets."""
-    from pd.kernels.indexer import (GROUP, HIST_BINS, HIST_SHIFT, MIN_TILES, RADIX_BITS, SELECT_SPLIT, SELECT_TGS,
-                                    SELECT_WARPS, _group_max_kernel, _select_topk_kernel, candidate_capacity)
+    from pd.kernels.indexer import (FINE_BINS, FINE_SHIFT, GROUP, HIST_BINS, HIST_SHIFT, MIN_TILES, RADIX_BITS,
+                                    SELECT_SPLIT, SELECT_TGS, SELECT_WARPS, _group_max_kernel, _select_topk_kernel,
+                                    candidate_capacity)
 
-    sig = {"score_ptr": "*fp32", "gmax_ptr": "*fp32", "hist_ptr": "*i32", "tick_ptr": "*i32", "scr_ptr": "*i32",
+    sig = {"score_ptr": "*fp32", "gmax_ptr": "*fp32", "hist_ptr": "*i32", "tick_ptr": "*i32", "fine_ptr": "*i32",
+           "scr_ptr": "*i32",
            "len_ptr": "*i32", "out_ptr": "*i32", "S": "i32", "max_len": "i32", "stride_row": "i32", "ng_buf": "i32",
            "topk": "i32"}
     cap = candidate_capacity(topk)
     const = dict(LEN_2D=False, G=GROUP, NB=HIST_BINS, SHIFT=HIST_SHIFT, NSEL=SELECT_SPLIT, CAP=cap, CAP_P=cap,
-                 TGS=SELECT_TGS, TILE=1024, RADIX=RADIX_BITS, CLEAR_HIST=True, PROBE=0)
+                 TGS=SELECT_TGS, TILE=1024, RADIX=RADIX_BITS, CLEAR_HIST=True, PROBE=0, NBF=FINE_BINS,
+                 FSHIFT=FINE_SHIFT, DROP_MAX=8, PDL=False)
     for w in SELECT_WARPS:
         for cc in (120, 90):
-            for search in ("count", "radix"):
+            for search in ("radix", "fine"):
                 k = compile_for(_select_topk_kernel, sig, dict(const, SEARCH=search), cc, num_warps=w, num_stages=1)
                 if cc == 120:
                     assert_sm120_ok(k, needs_mma=False)

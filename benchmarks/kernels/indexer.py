@@ -1,14 +1,15 @@
 """Device benchmark for pd.kernels.indexer (DSA lightning-indexer decode step: scores + top-512).
 
   python benchmarks/kernels/indexer.py [--out DIR] [--quick] [--skip-correctness] [--skip-sweep] [--query fp8|bf16]
-      [--baseline PATH] [--full-sweep] [--sweep-first] [--deadline S]
+      [--baseline PATH] [--full-sweep] [--sweep-first] [--deadline S] [--pick-fp8q-config NAME,NAME,...]
   TRITON_INTERPRET=1 python benchmarks/kernels/indexer.py --smoke   # CPU: tiny shapes, checks the script only
 
 1. correctness at real shapes against the fp64 torch reference (pd.kernels.indexer_reference): bf16 and fp8
    queries, S = 1/2/4/6, topk 512 and 2048, page 64 and 128, live lengths from 0 to 100K (the streamed group-max
    path), every score config, mass ties; the selection must be exact up to ties (a swap with an unselected
    position is allowed only when the two reference scores differ by less than their fp32 error bounds), and
-   ``topk_from_scores`` must return exactly torch.topk's values;
+   ``topk_from_scores`` must return exactly torch.topk's values; a CUDA-graph capture replayed on fresh inputs must
+   equal an eager call;
 2. decode step time (H = 64, S = 1, topk 512, page 64; query dtype --query, default fp8: what SGLang's DSv4 decode
    passes, see SGLANG_QUERY_NOTE) at actual length 512, 4K, 32K with the block table sized for max context 8K,
    128K, 1M, B = 16 and 64: ours and the naive torch indexer of DESIGN.md's anchor
@@ -19,7 +20,8 @@
    4.8 TB/s; the naive numbers are listed next to the anchor's (DESIGN.md, actual length 512);
 3. a sweep at 32K (max 128K): score configs, splits, select warps / programs per row / threshold search, the two
    kernels timed apart and phase probes of each, the other query dtype, MTP verify (S = 2, 4); with --baseline,
-   the same main rows for another version of the kernel module (e.g. the committed one) in the same run;
+   the same main rows for another version of the kernel module (e.g. the committed one) in the same run; with
+   --pick-fp8q-config, the named score configs are timed first and the fastest is the fp8-query default of the run;
 4. writes indexer_<date>.json (device, date, command, all numbers) and indexer_<date>.md to --out.
 """
 
@@ -201,6 +203,34 @@ def correctness(dev, smoke, part, deadline):
     run("mtp_s2", 8, 2, [2, 513, 514, 1000, 9000, 40000, 40001, 77777], 131072)
     run("mtp_s4_fp8_qscale", 4, 4, [515, 3000, 20000, 66000], 131072, fp8=True, qscale=True)
     run("all_ties_zero_q", 2, 1, [40000, 600], 65536, zero_q=True)
+    if deadline.ok("correctness graph_replay"):
+        # captured in a CUDA graph (the select's programmatic dependent launch becomes a graph edge), replayed on
+        # fresh inputs: the same selection as an eager call on those inputs
+        b, mc = 16, 65536
+        kc = make_pool(b * mc // PS, dev, seed=77)
+        bt = make_tables(b, mc, mc, kc.shape[0], dev, g)[0]
+        seq = torch.randint(1, mc + 1, (b,), device=dev, generator=g, dtype=torch.int32)
+        (q, w), = make_queries(b, 1, dev, g, fp8=True)
+        ws = K.indexer_workspace(b, 1, mc, TOPK, device=dev)
+        out = torch.empty(b, 1, TOPK, dtype=torch.int32, device=dev)
+        K.dsa_indexer_topk(q, w, kc, bt, seq, topk=TOPK, out=out, workspace=ws)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            K.dsa_indexer_topk(q, w, kc, bt, seq, topk=TOPK, out=out, workspace=ws)
+        (q2, w2), = make_queries(b, 1, dev, g, fp8=True)
+        q.copy_(q2)
+        w.copy_(w2)
+        seq.copy_(torch.randint(1, mc + 1, (b,), device=dev, generator=g, dtype=torch.int32))
+        out.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = K.dsa_indexer_topk(q, w, kc, bt, seq, topk=TOPK, workspace=ws)
+        c = dict(name="graph_replay_fresh_inputs", equal_to_eager=bool(torch.equal(out, eager)),
+                 ok=bool(torch.equal(out, eager)))
+        cases.append(c)
+        print("correct", c, flush=True)
+        del graph, kc
     if deadline.ok("correctness topk_from_scores_randn"):
         # the select stage alone on exact values: must return torch.topk's values exactly
         sc = torch.randn(64, 50000, device=dev, generator=g)
@@ -313,6 +343,35 @@ class Setup:
         return [lambda: R.dsa_indexer_topk_naive(self.qw[0][0], self.qw[0][1], buf, self.seq, topk=TOPK)]
 
 
+def pick_fp8q_config(dev, pool, smoke, names):
+    """Time the full step with each named score config (fp8 query, S = 1, 32K live / 128K max, B = 16 and 64) and
+    make the best the module's sm_90 fp8-query default for the rest of the run: the least t16 + t64 / 4 among the
+    configs whose B=64 time is within 1% of the first (the committed default), so B=64 does not regress."""
+    by_name = {cfg_name(c): c for c in K.SCORE_CONFIGS}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise SystemExit(f"--pick-fp8q-config: unknown config(s) {unknown}; known: {sorted(by_name)}")
+    g = torch.Generator(device=dev).manual_seed(13)
+    live, max_ctx = (32768, 131072) if not smoke else (300, 512)
+    times = {n: {} for n in names}
+    for b in ((16, 64) if not smoke else (2,)):
+        st = Setup(b, 1, live, max_ctx, dev, pool, g, fp8=True)
+        for _ in range(2):  # two interleaved rounds, the smaller time of each
+            for n in names:
+                t = time_graph(st.ours(config=by_name[n]), 50, smoke)
+                times[n][str(b)] = min(times[n].get(str(b), t), t)
+        del st
+    if smoke:
+        for n in names:
+            times[n]["16"] = times[n]["64"] = times[n]["2"]
+    ref64 = times[names[0]]["64"]
+    ok = [n for n in names if times[n]["64"] <= 1.01 * ref64]
+    best = min(ok, key=lambda n: times[n]["16"] + times[n]["64"] / 4)
+    K.DEFAULT_FP8Q_SCORE_CONFIGS[(True, 1)] = by_name[best]
+    print("pick", best, times, flush=True)
+    return dict(picked=best, times=times)
+
+
 def timing(dev, pool, smoke, quick, deadline, fp8):
     """The headline grid (query dtype `fp8`: SGLang's DSv4 decode path) for ours and the naive torch indexer."""
     g = torch.Generator(device=dev).manual_seed(7)
@@ -343,7 +402,7 @@ def cfg_name(c):
         + ("_pf" if c["PREFETCH"] else "")
 
 
-def sweep(dev, pool, smoke, deadline, fp8, base=None, full=False):
+def sweep(dev, pool, smoke, deadline, fp8, base=None, full=False, base_label="base"):
     """At live 32K / max 128K (smoke: tiny), B = 16 and 64: for the headline query dtype (`fp8`) the default, the
     score configs of that dtype's kind (every config with `full`), score splits, select warps, the two kernels timed
     apart; the other query dtype's default and stages; MTP S = 2 / 4; the same rows for the `base` module (the
@@ -391,14 +450,14 @@ def sweep(dev, pool, smoke, deadline, fp8, base=None, full=False):
             return call
         return [wrap(f) for f in calls]
 
-    mods = [("", K)] + ([("r3_", base)] if base is not None else [])
+    mods = [("", K)] + ([(base_label + "_", base)] if base is not None else [])
     for b in batches:
         st = Setup(b, 1, live, max_ctx, dev, pool, g, fp8=fp8)
         for pre, mod in mods:
             timed(st, pre + "default", st.ours(mod))
             stages(st, pre, mod)
         for c in K.SCORE_CONFIGS:
-            if full or (c["KEYS"] == "fp8") == fp8:
+            if full or c["KEYS"].startswith("fp8") == fp8:
                 timed(st, "cfg_" + cfg_name(c), st.ours(config=c))
         base_split = max(1, min(64, triton.cdiv(K.PROGRAMS_PER_SM * K.num_sms(dev), b)))
         for ns in sorted({max(1, base_split // 4), max(1, base_split // 2), base_split * 2} - {base_split}):
@@ -417,9 +476,9 @@ def sweep(dev, pool, smoke, deadline, fp8, base=None, full=False):
                                                              _SELECT_PROBE=probe))
             if probe == 2 and not smoke and res and res[-1]["variant"] == "select_only_probe2":
                 res[-1]["candidates_row0"] = int(st.out[0, 0, 0])
-        # the final threshold search's alternatives to the default (radix select, 6-bit digits)
-        timed(st, "select_search_count", patched("", st.ours(), SELECT_SEARCH="count"))
-        timed(st, "select_search_radix8", patched("", st.ours(), SELECT_SEARCH="radix", RADIX_BITS=8))
+        # the select's alternatives to the default (fine-histogram search, programmatic dependent launch)
+        timed(st, "select_search_radix", patched("", st.ours(), SELECT_SEARCH="radix"))
+        timed(st, "select_pdl_off", patched("", st.ours(), SELECT_PDL=False))
         # the scores kernel alone without its histogram atomics (1), and also without its stores (2)
         for probe in (1, 2):
             timed(st, f"scores_only_probe{probe}", patched("", st.ours(stages=("scores",), workspace=ws_p),
@@ -481,7 +540,8 @@ def to_markdown(res):
                 lines.append(f"- B={b}, actual {live}: t(1M) / t({base_mc // 1024}K) = {t / base:.3f}")
     if res.get("sweep"):
         lines += ["", f"Variants at actual 32K, max 128K ({res.get('query', 'bf16')} query unless the name says "
-                  "otherwise; r3_*: the committed r3 kernel in the same run; default score configs, bf16 query: "
+                  f"otherwise; {res.get('baseline_label', 'base')}_*: the --baseline kernel in the same run; "
+                  "default score configs, bf16 query: "
                   + ", ".join(f"{'sm90' if k[0] else 'sm120'} S{k[1]} {cfg_name(c)}"
                               for k, c in K.DEFAULT_SCORE_CONFIGS.items()) + "; fp8 query: "
                   + ", ".join(f"{'sm90' if k[0] else 'sm120'} S{k[1]} {cfg_name(c)}"
@@ -489,6 +549,13 @@ def to_markdown(res):
                   "| B | S | variant | us | floor us |", "|---|---|---|---|---|"]
         for r in res["sweep"]:
             lines.append(f"| {r['B']} | {r['S']} | {r['variant']} | {r['us']:.1f} | {r['floor_us']:.1f} |")
+    if res.get("pick"):
+        p = res["pick"]
+        lines += ["", f"fp8-query score config (sm_90, S = 1) picked in this run before the grid (full step at 32K / "
+                      f"128K; the least B=16 time + B=64 time / 4 among those within 1% of the first at B=64): "
+                      f"**{p['picked']}**", "", "| config | B=16 us | B=64 us |", "|---|---|---|"]
+        for name, t in p["times"].items():
+            lines.append(f"| {name} | {t['16']:.1f} | {t['64']:.1f} |")
     if res.get("correctness"):
         ok = sum(c["ok"] for c in res["correctness"])
         lines += ["", f"Correctness: {ok}/{len(res['correctness'])} cases exact up to ties (fp64 reference)."]
@@ -521,6 +588,9 @@ def main():
     ap.add_argument("--baseline", default=None,
                     help="path of another version of kernels/indexer.py (e.g. the committed one) timed side by side")
     ap.add_argument("--full-sweep", action="store_true", help="every score config, not only the query dtype's kind")
+    ap.add_argument("--pick-fp8q-config", default=None,
+                    help="comma-separated score config names (cfg_name; the committed default first): time them "
+                         "first and use the fastest as the sm_90 fp8-query default for the whole run")
     args = ap.parse_args()
     deadline = Deadline(args.deadline)
     smoke = args.smoke
@@ -559,15 +629,21 @@ def main():
     pool = make_pool(ROT * 64 * 32768 // PS if not smoke else 64, dev, seed=99)
     fp8 = args.query == "fp8"
     base = load_baseline(args.baseline) if args.baseline else None
+    base_label = "base"
     if base is not None:
         res["baseline"] = args.baseline
+        base_label = os.path.basename(args.baseline).replace("_indexer_", "").replace(".py", "").strip("_") or "base"
+        res["baseline_label"] = base_label
+    if args.pick_fp8q_config:
+        res["pick"] = pick_fp8q_config(dev, pool, smoke, args.pick_fp8q_config.split(","))
+        save()
     if args.sweep_first and not args.skip_sweep:
-        res["sweep"] = sweep(dev, pool, smoke, deadline, fp8, base, args.full_sweep)
+        res["sweep"] = sweep(dev, pool, smoke, deadline, fp8, base, args.full_sweep, base_label)
         save()
     res["timing"] = timing(dev, pool, smoke, args.quick, deadline, fp8)
     save()
     if not args.skip_sweep and not args.sweep_first:
-        res["sweep"] = sweep(dev, pool, smoke, deadline, fp8, base, args.full_sweep)
+        res["sweep"] = sweep(dev, pool, smoke, deadline, fp8, base, args.full_sweep, base_label)
         save()
     if not args.skip_correctness and not smoke:
         del pool
