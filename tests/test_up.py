@@ -42,6 +42,16 @@ def test_pdserve_up_serves_and_ctrl_c_stops_everything(model_cache, tmp_path):
         assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
         pids = [int(p) for p in re.findall(r"started engine pid (\d+)", out)]
         assert len(pids) == 2
+        # the printed submit line works from a plain shell (ray binary path, token auth mode)
+        m = re.search(r"from another shell: (RAY_AUTH_MODE=token )?(\S+/ray) job submit --address (\S+) ", out)
+        assert m, out[-3000:]
+        env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+        if m.group(1):
+            env["RAY_AUTH_MODE"] = "token"
+        job = subprocess.run([m.group(2), "job", "submit", "--address", m.group(3), "--", "python", "-c",
+                              "print('submitted-from-another-shell')"], env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert job.returncode == 0 and "submitted-from-another-shell" in job.stdout, job.stdout + job.stderr
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
         try:
