@@ -13,7 +13,8 @@ of the selected tokens BLOCK_N at a time: gathers the 584-byte records of the ti
 for all BLOCK_H heads at once (MLA: K = V = the 512-wide latent), with an online softmax in base 2. When
 (batch * query tokens * head blocks) is too small to fill the GPU the topk is split across programs, each
 writing a normalized partial output and its lse, and ``_combine_kernel`` merges them by log-sum-exp (the extra
-cache is just more splits). Work past ``topk_length`` is skipped, not masked.
+cache is just more splits), launched as a programmatic dependent of the split kernel on compute capability >= 9
+(COMBINE_PDL). Work past ``topk_length`` is skipped, not masked.
 
 ``_sparse_mla_fwd_chunked_kernel`` handles the 512 columns as 8 chunks of 64 (no [N, 512] fp32 tile);
 ``_sparse_mla_fwd_pipelined_kernel`` is the same math with every load inside the loop, so Triton's software
@@ -129,8 +130,10 @@ def _sparse_mla_fwd_kernel(
     stride_qb, stride_qs, stride_qh, grid_bucket,  # grid_bucket: autotune key only (log2 of the grid)
     HAS_LEN: tl.constexpr, HAS_SINK: tl.constexpr, DIRECT: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-    DOT_PREC: tl.constexpr = "tf32",
+    DOT_PREC: tl.constexpr = "tf32", PDL: tl.constexpr = False,
 ):
+    if PDL:  # let the combine launch's programs be placed now (they wait for this grid's partials: gdc_wait)
+        tl.extra.cuda.gdc_launch_dependents()
     pid_bs = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_sp = tl.program_id(2)
@@ -323,12 +326,14 @@ def _sparse_mla_fwd_chunked_kernel(
     stride_qb, stride_qs, stride_qh, grid_bucket,
     HAS_LEN: tl.constexpr, HAS_SINK: tl.constexpr, DIRECT: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-    DOT_PREC: tl.constexpr = "tf32",
+    DOT_PREC: tl.constexpr = "tf32", PDL: tl.constexpr = False,
 ):
     """Same contract as _sparse_mla_fwd_kernel, but the 512 columns are handled as 8 chunks of 64 (7 fp8 nope
     chunks with one scale each + the bf16 rope chunk): no zero padding, no [N, 512] fp32 tile, eight
     [BLOCK_H, 64] accumulators. With BLOCK_H = 64 the dots have 64 rows, so on sm_90 Triton lowers them to wgmma
     (the default there for 64-head programs, DEFAULT_CONFIG_SM90); on sm_120 they stay mma.sync."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_bs = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_sp = tl.program_id(2)
@@ -473,7 +478,7 @@ def _sparse_mla_fwd_pipelined_kernel(
     stride_qb, stride_qs, stride_qh, grid_bucket,
     HAS_LEN: tl.constexpr, HAS_SINK: tl.constexpr, DIRECT: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-    DOT_PREC: tl.constexpr = "tf32", LOOP_STAGES: tl.constexpr = 3,
+    DOT_PREC: tl.constexpr = "tf32", LOOP_STAGES: tl.constexpr = 3, PDL: tl.constexpr = False,
 ):
     """Same contract and column chunking as _sparse_mla_fwd_chunked_kernel, but every load of a tile (index
     list, 7 nope chunks, the 8 scale bytes as one int64, the rope chunk) is written inside the loop with no
@@ -481,6 +486,8 @@ def _sparse_mla_fwd_pipelined_kernel(
     cp.async into shared memory LOOP_STAGES - 1 tiles ahead: the next tiles' gathered records are in flight
     while this tile is dequantized and multiplied (with 3 stages the index list is fetched a stage earlier than
     the records it addresses). Raw bytes wait in shared memory, not registers, so the accumulators keep theirs."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_bs = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_sp = tl.program_id(2)
@@ -548,8 +555,15 @@ def _sparse_mla_fwd_pipelined_kernel(
 @triton.jit
 def _combine_kernel(
     part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_ptr, S, H, n_splits,
-    HAS_SINK: tl.constexpr, SPLITS_P2: tl.constexpr, ROUND: tl.constexpr,
+    HAS_SINK: tl.constexpr, SPLITS_P2: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    """Merge the topk splits' partial outputs of one (batch * query token, head) row by log-sum-exp: lse = log sum_j
+    exp(lse_j), out = sum_j exp(lse_j - lse) * o_j, times the sink factor 1 / (1 + exp(sink - lse)); out = 0 and lse
+    = +inf for a row with no usable token. With PDL (launched as a programmatic dependent of the split kernel) its
+    programs start while the split programs run and wait (griddepcontrol.wait) until that grid has finished and its
+    partials are visible."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)  # (b * S + s) * H + h
     h = pid % H
     bs = pid // H
@@ -698,6 +712,17 @@ def _default_config(block_h: int, rows: int, sm90: bool) -> dict:
     return (DEFAULT_CONFIG_SM90 if sm90 else DEFAULT_CONFIG)[block_h]
 
 
+# Launch _combine_kernel with programmatic dependent launch (compute capability >= 9): its programs are placed on
+# the SMs while the split programs run and wait there (griddepcontrol.wait), so the second launch's start-up overlaps
+# the first's tail. H200 same-run A/B (s4b, topk 512): H=16 B=1 / 16 / 64 / 128 7.1 / 8.4 / 18.9 / 28.5 us vs 7.5 /
+# 8.9 / 19.2 / 29.2 without, H=64 B=1 / 64 7.2 / 39.0 vs 7.7 / 39.5 (B=16: 18.5 vs 18.3); the -s4b results run vs the
+# s4 kernel: 7.0 / 8.6 / 18.7 / 28.2 vs 7.6 / 8.9 / 19.0 / 29.1 (benchmarks/results/*-s4b). Merging inside the split
+# kernel instead (the row's last split program, elected by an atomic ticket, reads the other splits' partials from
+# L2) was slower: 23.8 us at H=16 B=64, 58 at H=64 B=16 (the unrolled merge raised registers to 213-255 with spills,
+# and one program per row did the whole merge serially after the others finished).
+COMBINE_PDL = True
+
+
 def sparse_mla_decode(
     q,
     k_cache,
@@ -794,6 +819,9 @@ def sparse_mla_decode(
         part_lse = torch.empty(b * s * h * ns_total, dtype=torch.float32, device=dev)
     sink = attn_sink if attn_sink is not None else lse
     sm_scale_log2 = float(softmax_scale) * LOG2E
+    # the autotuned kernel objects are launched without the PDL constant, so their combine is a plain launch
+    pdl = (not direct and COMBINE_PDL and not _INTERPRET and dev.type == "cuda" and not (autotune and config is None)
+           and torch.cuda.get_device_capability(dev)[0] >= 9)
     for c8, c16, ps, pstride, idx, tl_len, ch, ns, soff in jobs:
         args = (q, c8, c16, idx, tl_len if tl_len is not None else idx, sink, out, lse, part_o, part_lse,
                 sm_scale_log2, pstride, s, h, idx.shape[2], ch, soff, ns_total,
@@ -805,6 +833,8 @@ def sparse_mla_decode(
         if autotune and not _INTERPRET and config is None:
             _TUNED[block_h][grid](*args, **consts)
         else:
+            # the launch right before a PDL combine (the extra cache's, when there is one) releases it early
+            consts["PDL"] = pdl and soff + ns == ns_total
             if cfg.get("PIPELINE"):
                 _sparse_mla_fwd_pipelined_kernel[grid](*args, **consts, BLOCK_N=cfg["BLOCK_N"],
                                                        LOOP_STAGES=cfg["PIPELINE"], num_warps=cfg["num_warps"],
@@ -819,5 +849,5 @@ def sparse_mla_decode(
         _combine_kernel[(b * s * h,)](part_o, part_lse, sink, out, lse, s, h, ns_total,
                                       HAS_SINK=attn_sink is not None,
                                       SPLITS_P2=triton.next_power_of_2(ns_total), ROUND=_INTERPRET,
-                                      num_warps=4)
+                                      PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
     return out, lse

@@ -136,6 +136,8 @@ def _compile(bh, cfg, cc, direct=False, chunked=False, pipeline=None):
 
     const = dict(HAS_LEN=True, HAS_SINK=True, DIRECT=direct, PAGE_SIZE=64, BLOCK_H=bh, DOT_F32=False,
                  DOT_PREC="tf32", BLOCK_N=cfg.kwargs["BLOCK_N"])
+    # split programs release the combine launch early (programmatic dependent launch), as the default path runs them
+    const["PDL"] = not direct
     if pipeline:
         const["LOOP_STAGES"] = pipeline
         return compile_for(_sparse_mla_fwd_pipelined_kernel, SIG, const, cc, num_warps=cfg.num_warps,
@@ -165,13 +167,14 @@ def test_aot_sm90a_and_combine(bh):
         k = _compile(bh, cfg, 90, direct=True)
         assert "mma" in k.asm["ptx"]
     if bh == 16:
-        const = dict(HAS_SINK=True, SPLITS_P2=8, ROUND=False)
         sig = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
                "lse_ptr": "*fp32", "S": "i32", "H": "i32", "n_splits": "i32"}
         for cc in (90, 120):
-            k = compile_for(_combine_kernel, sig, const, cc)
-            if cc == 120:
-                assert_sm120_ok(k, needs_mma=False)
+            for pdl in (False, True):  # plain launch, and programmatic dependent launch (the default on cc >= 9)
+                k = compile_for(_combine_kernel, sig, dict(HAS_SINK=True, SPLITS_P2=8, ROUND=False, PDL=pdl), cc)
+                assert ("griddepcontrol.wait" in k.asm["ptx"]) == pdl
+                if cc == 120:
+                    assert_sm120_ok(k, needs_mma=False)
 
 
 @aot
@@ -213,6 +216,7 @@ def test_aot_pipelined_configs_sm120a_and_sm90a(i):
     for cc in (120, 90):
         k = _compile(bh, _cfg(c), cc, direct=bool(i % 2), pipeline=c["PIPELINE"])
         assert "cp.async" in k.asm["ptx"] and _sync_record_loads(k) == 0, c
+        assert ("griddepcontrol.launch_dependents" in k.asm["ptx"]) == (not i % 2), c
         if cc == 120:
             assert_sm120_ok(k)
 

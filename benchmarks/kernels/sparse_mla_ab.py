@@ -2,13 +2,16 @@
 
   python benchmarks/kernels/sparse_mla_ab.py [--out DIR] [--budget-s 200] [--cases h64|h16|all]
       [--baseline OLD/sparse_mla_decode.py] [--profile] [--alt-kernel FILE.py:NAME]
+      [--combine-modes pdl,launch] [--graph-check] [--correctness] [--case-list "16,1,64;64,1,16"]
 
 For each case (B, H, S; topk 512, page 64, the input sets of benchmarks/kernels/sparse_mla_decode.py cycled so KV
 is not served from L2) times the default path, every variant of ``variants_for`` (heads per program, tile, warps,
 pipeline stages, topk splits), the default path of another version of the kernel file (``--baseline``, e.g.
 ``git show HEAD:kernels/sparse_mla_decode.py``) and a rewritten kernel dropped in for the pipelined one
 (``--alt-kernel``), with CUDA-graph replay, and checks each output against the fp64 reference
-(||out - ref|| / ||ref||). ``--profile`` adds the per-tile cost (topk_length 64..512 at one split, KV cold and
+(||out - ref|| / ||ref||). ``--combine-modes pdl,launch`` times the default path with and without programmatic dependent
+launch of the combine (COMBINE_PDL), ``--graph-check`` checks CUDA-graph replay on fresh inputs against eager calls,
+``--correctness`` runs the benchmark's quick correctness cases. ``--profile`` adds the per-tile cost (topk_length 64..512 at one split, KV cold and
 L2-hot). Ends with registers / spills / shared memory / cp.async and async_wait counts of every kernel the
 device compiled. Stops adding variants once --budget-s seconds have passed, so a device call ends inside its
 limit; writes sparse_mla_ab.json to --out after every case.
@@ -43,15 +46,13 @@ def pipelined(bh, bn, w, stages, ns=None, ppsm=None):
 
 
 def variants_for(h, b, s):
-    """Variants timed next to the default path (and the --baseline file's default, when given)."""
+    """Variants timed next to the default path (and the --baseline file's default, when given): the default path
+    at other topk split counts (the fold combine makes splits cheaper; s4 measured 2/3/6 with the combine launch)."""
     out = [("default", {})]
-    if h % 64 == 0 and b * s >= 16:
-        out += [pipelined(64, 64, 8, st) for st in (4, 5)]
     if h == 16 and b * s > 32:
-        out += [pipelined(16, 32, 4, 3, ppsm=2), pipelined(16, 32, 8, 5, ppsm=2), pipelined(16, 32, 4, 5, ns=2),
-                pipelined(16, 32, 4, 5, ns=6), pipelined(16, 64, 8, 3, ns=2)]
-    elif h == 16 or b * s < 16:
-        out += [pipelined(16, 32, 4, 3), pipelined(16, 32, 4, 5, ppsm=2), pipelined(16, 32, 8, 5)]
+        out += [pipelined(16, 32, 4, 5, ns=ns, ppsm=2) for ns in (2, 3, 8)]
+    elif b * s * h // 16 <= 32:
+        out += [(f"default_s{ns}", dict(num_splits=ns)) for ns in (2, 4)]
     return out
 
 
@@ -59,6 +60,20 @@ CASES = {
     "h64": [(64, 1, 64), (64, 1, 128), (64, 2, 16), (64, 2, 64), (64, 1, 16), (64, 1, 1)],
     "h16": [(16, 1, 64), (16, 1, 128), (16, 2, 64), (16, 1, 16), (16, 1, 1), (16, 2, 16), (16, 2, 1)],
 }
+
+
+def with_combine(mode):
+    """sparse_mla_decode with the module's COMBINE_PDL set to ``mode == "pdl"`` for each call."""
+    mod = sys.modules[sparse_mla_decode.__module__]
+
+    def fn(*a, **kw):
+        orig = mod.COMBINE_PDL
+        mod.COMBINE_PDL = mode == "pdl"
+        try:
+            return sparse_mla_decode(*a, **kw)
+        finally:
+            mod.COMBINE_PDL = orig
+    return fn
 
 
 def load_alt(spec):
@@ -169,6 +184,10 @@ def main():
                     "in the pipelined configs of --alt-configs in its place (exploring a rewrite)")
     ap.add_argument("--alt-configs", default="64,64,8,3;64,64,8,5;64,32,8,5",
                     help="';'-separated block_h,BLOCK_N,num_warps,loop_stages for --alt-kernel")
+    ap.add_argument("--combine-modes", default="", help="'pdl', 'launch' or both (','-separated): the default path timed with and without PDL combine")
+    ap.add_argument("--graph-check", action="store_true", help="CUDA-graph replay vs eager on fresh inputs")
+    ap.add_argument("--correctness", action="store_true", help="the benchmark's quick correctness cases first")
+    ap.add_argument("--case-list", help="';'-separated H,S,B cases instead of --cases")
     args = ap.parse_args()
     t0 = time.time()
     dev = torch.device("cuda")
@@ -176,6 +195,8 @@ def main():
     # interleave so a budget stop still covers both head counts
     if args.cases == "all":
         cases = [c for pair in zip(CASES["h64"], CASES["h16"]) for c in pair] + CASES["h64"][len(CASES["h16"]):]
+    if args.case_list:
+        cases = [tuple(map(int, c.split(","))) for c in args.case_list.split(";")]
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=bm.triton.__version__,
                date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), cases=[])
     try:
@@ -183,6 +204,9 @@ def main():
     except Exception as e:  # noqa: BLE001  (report, keep timing)
         res["bits_dequant_mismatches"] = repr(e)[:300]
     print("bits dequant mismatches (all e4m3 codes x scale bytes):", res["bits_dequant_mismatches"], flush=True)
+    if args.correctness:
+        res["correctness"] = bm.correctness(dev, quick=True)
+        print("correctness ok", sum(c["ok"] for c in res["correctness"]), "/", len(res["correctness"]), flush=True)
     base_fn = bm.load_baseline(args.baseline) if args.baseline else None
     alt = load_alt(args.alt_kernel) if args.alt_kernel else None
     for h, s, b in cases:
@@ -197,6 +221,9 @@ def main():
         runs = [(name, sparse_mla_decode, kw) for name, kw in variants_for(h, b, s)]
         if base_fn is not None:
             runs.insert(0, ("baseline", base_fn, {}))
+        for mode in args.combine_modes.split(","):
+            if mode:
+                runs.insert(2, (f"combine_{mode}", with_combine(mode), {}))
         if alt is not None:
             for spec in args.alt_configs.split(";"):
                 bh, bn, w, st = map(int, spec.split(","))
@@ -226,6 +253,8 @@ def main():
         del q, kc, idx, ref
         if time.time() - t0 > args.budget_s:
             break
+    if args.graph_check:
+        res["graph_replay"] = bm.graph_replay_check(dev)
     if args.profile:
         res["per_tile"] = []
         for h, b, kw in ((64, 128, {}), (16, 128, dict(config=TWO_PER_SM))):

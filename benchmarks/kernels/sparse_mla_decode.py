@@ -12,6 +12,7 @@
    SGLang's per-(batch, head) Triton sm_120 kernel (file from the pip-installed sglang, path in
    $SGLANG_SM120_TRITON, if present; q_len 1 only) vs the HBM byte floor (selected KV bytes + q + out +
    indices at 4.8 TB/s);
+   plus CUDA-graph capture safety: a captured call replayed on fresh inputs gives the eager result (bitwise);
 3. writes sparse_mla_decode_<date><tag>.json with the device name, date and command to --out.
 """
 
@@ -128,6 +129,42 @@ def correctness(dev, fm=None, quick=False):
     return cases
 
 
+def graph_replay_check(dev):
+    """CUDA-graph capture safety of the default path: capture one call (split programs + the combine launch, a
+    programmatic dependent launch on compute capability >= 9), copy fresh inputs into the captured input buffers,
+    replay, and compare with an eager call on those inputs (bitwise: same kernels, same order), three replays in a
+    row. -> one dict per case (H, B, S, max abs difference of out and finite lse, ok)."""
+    res = []
+    for h, b, s in ((16, 64, 1), (16, 1, 1), (64, 16, 1), (16, 64, 2), (64, 1, 1)):
+        topk, ps = 512, 64
+        q, kc, idx, ln = make_inputs(3 * b, s, h, topk, ps, 16384, dev, holes=True, lengths=True, seed=11 + b)
+        kc4 = view4(kc, ps)
+        sink = torch.randn(h, device=dev)
+        sq, sidx, sln = q[:b].clone(), idx[:b].clone(), ln[:b].clone()
+        sparse_mla_decode(sq, kc4, sidx, topk_length=sln, attn_sink=sink)  # compile outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            go, gl = sparse_mla_decode(sq, kc4, sidx, topk_length=sln, attn_sink=sink)
+        diffs = []
+        for r in (1, 2, 1):
+            sl = slice(r * b, (r + 1) * b)
+            sq.copy_(q[sl])
+            sidx.copy_(idx[sl])
+            sln.copy_(ln[sl])
+            g.replay()
+            eo, el = sparse_mla_decode(q[sl], kc4, idx[sl], topk_length=ln[sl], attn_sink=sink)
+            torch.cuda.synchronize()
+            fin = torch.isfinite(el)
+            diffs.append(max((go.float() - eo.float()).abs().max().item(),
+                             (gl[fin] - el[fin]).abs().max().item() if fin.any() else 0.0,
+                             float(not torch.equal(torch.isinf(gl), torch.isinf(el)))))
+        res.append(dict(H=h, B=b, S=s, max_abs_diff=max(diffs), ok=max(diffs) == 0.0))
+        print("graph replay", res[-1], flush=True)
+        del g
+    return res
+
+
 def load_flashmla():
     try:
         import flash_mla  # noqa: F401
@@ -208,7 +245,9 @@ def sweep_variants(h, b, s, quick, full, sm90):
     return out
 
 
-def timing(dev, quick, fm, sgl, full_sweep=False, budget_s=float("inf"), baseline=None):
+def timing(dev, quick, fm, sgl, full_sweep=False, budget_s=float("inf"), baseline=None, on_row=None):
+    """Time every (H, S, B) row (see the module docstring); ``on_row(rows)`` is called after each row (the caller
+    saves partial results, so a run stopped at a device limit keeps the rows it finished)."""
     t_start = time.time()
     sm90 = torch.cuda.get_device_capability(dev)[0] == 9
     rows = []
@@ -264,6 +303,8 @@ def timing(dev, quick, fm, sgl, full_sweep=False, budget_s=float("inf"), baselin
                     except Exception as e:  # noqa: BLE001
                         row["sglang_triton_error"] = repr(e)[:200]
                 rows.append(row)
+                if on_row is not None:
+                    on_row(rows)
                 print("time", {k: v for k, v in row.items() if k != "sweep_us"}, flush=True)
     return rows
 
@@ -292,16 +333,24 @@ def main():
     fm = load_flashmla()
     if not args.skip_correctness:
         res["correctness"] = correctness(dev, fm, args.quick)
-        res["correct_all_ok"] = all(c["ok"] for c in res["correctness"])
+        res["graph_replay"] = graph_replay_check(dev)
+        res["correct_all_ok"] = all(c["ok"] for c in res["correctness"] + res["graph_replay"])
     res["command"] = " ".join(sys.argv)
     res["baseline_file"] = args.baseline
-    res["timing"] = timing(dev, args.quick, fm, load_sglang_triton(), args.full_sweep, args.sweep_budget_s,
-                           load_baseline(args.baseline) if args.baseline else None)
-    res["wall_s"] = time.time() - t0
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"sparse_mla_decode_{res['date'][:10]}{args.tag}.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
+
+    def save(rows=None):
+        if rows is not None:
+            res["timing"] = rows
+        res["wall_s"] = time.time() - t0
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+
+    save()
+    res["timing"] = timing(dev, args.quick, fm, load_sglang_triton(), args.full_sweep, args.sweep_budget_s,
+                           load_baseline(args.baseline) if args.baseline else None, on_row=save)
+    save()
     print(f"\n{res['device']}  copy {res['copy_GBps']:.0f} GB/s  correctness ok: {res.get('correct_all_ok')}")
     print(f"{'B':>4} {'H':>3} {'S':>2} {'floor':>7} {'ours':>8} {'best':>8} {'baseline':>9} {'flashmla':>9} "
           f"{'sglang':>9}  best variant")
