@@ -13,9 +13,10 @@ nothing past a request's length is read, scored or sorted.
 
 1. ``_index_scores_kernel``, grid (B, n_split): program (b, j) scores its share of request b's live tiles
    (``BLOCK_N`` tokens; the share is computed on the device from ``seq_lens``, at least ``MIN_TILES`` tiles, so
-   programs past the live range exit at once). Per tile it gathers the fp8 keys and scales through the block table
-   once and scores it for all S query tokens at once (up to 4 stacked as one [S * H, 128] operand; S > 4 takes
-   several launches): ``q . k^T`` with one ``tl.dot`` (bf16 x bf16, or fp8 x fp8 for an fp8 query; mma.sync on
+   programs past the live range exit at once; n_split from ``score_split``: one wave of programs at small batch for
+   configs that say how many fit on an SM, so each fills its key pipeline once). Per tile it gathers the fp8 keys
+   and scales through the block table once and scores it for all S query tokens at once (up to 4 stacked as one
+   [S * H, 128] operand; S > 4 takes several launches): ``q . k^T`` with one ``tl.dot`` (bf16 x bf16, or fp8 x fp8 for an fp8 query; mma.sync on
    sm_120, wgmma on sm_90), then ``sum_h relu(.) * w_h * scale_k`` per token. Key tiles are either loaded as fp8
    and software-pipelined by Triton (asynchronous copies, ``num_stages``) or loaded packed as int32 with a hand
    prefetch of the next tile (``SCORE_CONFIGS``; sm_90 fp8 x fp8 is wgmma e4m3, sm_120 mma.sync e4m3). The "fp8pv"
@@ -611,8 +612,10 @@ def _select_topk_kernel(
 
 # ------------------------------------------------------------------------------------------------ host side
 
-def _cfg(bn, w, tm, keys, stages, pf=False):
-    return {"BLOCK_N": bn, "num_warps": w, "num_stages": stages, "TOKENS_M": tm, "PREFETCH": pf, "KEYS": keys}
+def _cfg(bn, w, tm, keys, stages, pf=False, wave=0, maxnreg=0):
+    c = {"BLOCK_N": bn, "num_warps": w, "num_stages": stages, "TOKENS_M": tm, "PREFETCH": pf, "KEYS": keys}
+    # optional: one-wave score split (WAVE programs per SM, see score_split), register cap per thread (ptxas .maxnreg)
+    return dict(c, **({"WAVE": wave} if wave else {}), **({"MAXNREG": maxnreg} if maxnreg else {}))
 
 
 # Score-kernel configs (fixed, not autotuned, so a launch is capturable). TOKENS_M puts the key tile on the
@@ -636,6 +639,7 @@ SCORE_CONFIGS = [
     _cfg(128, 4, True, "fp8", 3),
     _cfg(64, 4, False, "fp8", 3),
     _cfg(128, 4, True, "fp8pv", 3),
+    _cfg(128, 4, True, "fp8pv", 3, wave=3, maxnreg=128),
 ]
 # (sm_90?, stacked query tokens) -> config for a bf16 query. sm_90: the fastest configs of the H200 sweeps at 32K live
 # / 128K max (S = 1: benchmarks/results/indexer_2026-11-30.md, keys on M 64/4 packed, 94.6 us vs 113.5 for heads on
@@ -659,8 +663,15 @@ DEFAULT_SCORE_CONFIGS = {
 # (49.7 / 114.3 vs 51.0 / 122.2), 64/4 and 128/8 tiles, a 4th stage and a two-tiles-ahead scale prefetch. Not kept
 # (-s4 exploration): fp8 tiles loaded into registers a tile or two ahead by hand (num_stages 1) and stored to shared
 # memory for the dot, 40-102 us for the scores alone at B = 16 (fewer programs per SM, loads through registers).
+# -s4b (benchmarks/results/indexer_2026-11-30-s4b.md): the same tiles split in one wave ("_wave3": 3 programs of
+# 57 KB shared memory fit on an SM, so B = 16 runs 24 programs of 11 tiles per request instead of 64 of 4 in 2.6
+# waves; B = 64 keeps 17 per request, see score_split): full step at 32K B = 16 40.2 vs 42.7 us in the pick (41.0 vs
+# 43.1 in the sweep, the scores alone 27.0 vs 29.1), B = 64 110.9 vs 110.5; around it n_split 22 / 26 (26 x 16 > 396
+# slots: a second wave) / 48: 41.4 / 47.2 / 42.0. 2 stages in one wave of 4 per SM (41 KB, 128 registers) tied at
+# B = 16 (40.3) and lost at B = 64 (114.7 with 8 per request); not kept. maxnreg 128 as measured (4 programs'
+# registers; shared memory holds it to 3).
 DEFAULT_FP8Q_SCORE_CONFIGS = {
-    (True, 1): _cfg(128, 4, True, "fp8pv", 3),
+    (True, 1): _cfg(128, 4, True, "fp8pv", 3, wave=3, maxnreg=128),
 }
 S_CHUNK = 4  # query tokens stacked per score launch (S > 4: several launches)
 SELECT_WARPS = (4, 8, 16)
@@ -693,9 +704,23 @@ FINE_BINS = 4096  # fine histogram of the candidates (SELECT_SEARCH "fine"): bin
 FINE_SHIFT = 11  # 4096 x 2**11 = one binade above t0 (the topk-th score lies within it unless scores are extreme)
 PV_TILES = 8  # "fp8pv" score path: key tiles per chunk of page ids loaded into registers at once
 MIN_TILES = 4  # tiles per score program at least (fewer, larger programs for short rows)
-# score programs per SM to aim for: ~3 fit at once (~150 registers x 128 threads), so 8 keeps the last partial
-# wave small; each still gets >= MIN_TILES tiles (the benchmark sweep times half and double this)
+# score programs per SM to aim for (configs without WAVE, or batches too large for a one-wave split): ~3 fit at once
+# (~150 registers x 128 threads), so 8 keeps the last partial wave small; each still gets >= MIN_TILES tiles (the
+# benchmark sweep times splits around the default)
 PROGRAMS_PER_SM = 8
+MIN_WAVE_SPLIT = 8  # one-wave score splits (config WAVE) only down to this many programs per request
+
+
+def score_split(batch: int, cfg: dict, sms: int) -> int:
+    """Score programs per request (grid dim 1, at most 64). A config with ``WAVE`` = w (w of its programs fit on an
+    SM at once) launches at most w * sms programs in all, one wave, so each program fills its key pipeline once for
+    more tiles and no small last wave idles the GPU, when that still splits a request over >= MIN_WAVE_SPLIT
+    programs; otherwise (and for configs without WAVE) ~PROGRAMS_PER_SM programs per SM, several waves."""
+    wave = cfg.get("WAVE", 0) * sms // batch
+    if wave >= MIN_WAVE_SPLIT:
+        return min(64, wave)
+    return max(1, min(64, triton.cdiv(PROGRAMS_PER_SM * sms, batch)))
+
 
 def page_vector_consts(block_n: int, page_size: int):
     """(tiles per page-id chunk, page ids per chunk as a power of two) of the "fp8pv" score path, or (PV_TILES, 0)
@@ -926,9 +951,7 @@ def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512,
         _fail("config", f"must be one of SCORE_CONFIGS, got {config!r}")
     warps = _check_warps(select_warps, topk)
     nsel = _select_split(b * s, select_split)
-    if n_split is None:
-        n_split = max(1, min(64, triton.cdiv(PROGRAMS_PER_SM * num_sms(dev), b)))
-    if isinstance(n_split, bool) or not isinstance(n_split, int) or n_split < 1:
+    if n_split is not None and (isinstance(n_split, bool) or not isinstance(n_split, int) or n_split < 1):
         _fail("n_split", f"must be a positive int, got {n_split!r}")
 
     rows = b * s
@@ -948,15 +971,17 @@ def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512,
         ch, npv = page_vector_consts(cfg["BLOCK_N"], page_size)
         if cfg["KEYS"] == "fp8pv" and not npv:
             cfg["KEYS"] = "fp8"  # pages smaller than half a tile: page ids per position (the fp8 path)
-        _index_scores_kernel[(b, n_split)](
+        ns = n_split or score_split(b, cfg, num_sms(dev))
+        _index_scores_kernel[(b, ns)](
             q, weights, qs, kc32, k8, kc32.view(torch.float32), block_table, seq_lens, scores, gmax, hist,
             q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1), block_table.stride(0),
-            max_len, ng, n_split, topk, s, s0,
+            max_len, ng, ns, topk, s, s0,
             S=sc, S_P2=sp2, H=h, PAGE=page_size, BLOCK_N=cfg["BLOCK_N"], G=GROUP, LEN_2D=len_2d,
             HAS_QS=q_scale is not None, Q_FP8=q_fp8, MIN_TILES=MIN_TILES, DOT_F32=_INTERPRET,
             TOKENS_M=cfg["TOKENS_M"], PREFETCH=cfg["PREFETCH"], DOT_PREC="ieee" if _INTERPRET else "tf32",
             KEYS=cfg["KEYS"], NB=HIST_BINS, SHIFT=HIST_SHIFT, PROBE=_SCORES_PROBE, PDL=pdl, CH=ch, NPV=max(npv, 2),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            **({"maxnreg": cfg["MAXNREG"]} if cfg.get("MAXNREG") else {}),
         )
     if "select" in stages:
         _select_launch(scores, gmax, hist, tick, fine, scr, seq_lens, out, rows, s, max_len, max_len, ng, cap, topk,

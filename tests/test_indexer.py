@@ -183,6 +183,20 @@ def test_default_configs_are_score_configs():
     assert {k for k in DEFAULT_SCORE_CONFIGS} == {(sm90, s) for sm90 in (False, True) for s in (1, 2, 4)}
 
 
+def test_score_split_one_wave_at_small_batch():
+    """A WAVE config launches at most WAVE programs per SM in all (B=16 on 132 SMs: 24 per request, 384 <= 396),
+    unless that leaves fewer than MIN_WAVE_SPLIT per request (B=64: 6), where the oversubscribed split applies, as
+    for configs without WAVE."""
+    from pd.kernels.indexer import DEFAULT_FP8Q_SCORE_CONFIGS, MIN_WAVE_SPLIT, PROGRAMS_PER_SM, score_split
+
+    wave = DEFAULT_FP8Q_SCORE_CONFIGS[(True, 1)]
+    plain = {k: v for k, v in wave.items() if k != "WAVE"}
+    assert wave["WAVE"] == 3 and score_split(16, wave, 132) == 24 and score_split(1, wave, 132) == 64
+    assert 3 * 132 // 64 < MIN_WAVE_SPLIT and score_split(64, wave, 132) == score_split(64, plain, 132) == 17
+    assert score_split(16, plain, 132) == min(64, -(-PROGRAMS_PER_SM * 132 // 16)) == 64
+    assert score_split(4096, plain, 132) == 1
+
+
 # ---------------------------------------------------------------- AOT compile (no GPU needed)
 
 SCORE_SIG = {"q_ptr": "*bf16", "w_ptr": "*fp32", "qs_ptr": "*fp32", "kc32_ptr": "*i32", "k8_ptr": "*fp8e4nv",
@@ -214,12 +228,12 @@ def _compile_scores(cfg, cc, s_p2=1, fp8=False):
                  CH=page_vector_consts(cfg["BLOCK_N"], 64)[0], NPV=page_vector_consts(cfg["BLOCK_N"], 64)[1])
     sig = dict(SCORE_SIG, q_ptr="*fp8e4nv" if fp8 else "*bf16")
     return compile_for(_index_scores_kernel, sig, const, cc, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                       aligned=SCORE_ALIGNED)
+                       aligned=SCORE_ALIGNED, maxnreg=cfg.get("MAXNREG"))
 
 
 def _cfg_id(c):
     return (f"{c['KEYS']}_{'tokM' if c['TOKENS_M'] else 'headM'}_n{c['BLOCK_N']}_w{c['num_warps']}_s{c['num_stages']}"
-            f"{'_pf' if c['PREFETCH'] else ''}")
+            f"{'_pf' if c['PREFETCH'] else ''}{'_wave%d' % c['WAVE'] if c.get('WAVE') else ''}")
 
 
 @aot

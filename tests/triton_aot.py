@@ -19,14 +19,14 @@ aot = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
 
 
 def compile_for(fn, signature: dict, constexprs: dict, cc: int, num_warps: int = 4, num_stages: int = 2,
-                aligned: tuple = ()):
+                aligned: tuple = (), maxnreg: int | None = None):
     """Compile the ``@triton.jit`` function ``fn`` for compute capability ``cc`` (120 or 90).
 
     ``signature`` maps each runtime argument to a Triton type string ("*bf16", "i32", "fp32", ...); every
     name in ``constexprs`` is added as "constexpr". ``aligned`` names arguments to specialize as divisible by
     16, as the launcher does at run time for 16-byte-aligned pointers (vector loads and cp.async pipelining,
-    hence the real shared-memory use, depend on it). Returns the compiled kernel (``.asm["ptx"]``,
-    ``.metadata.shared`` in bytes). Raises whatever Triton raises when the kernel does not lower.
+    hence the real shared-memory use, depend on it); ``maxnreg`` caps registers per thread, as the launch option
+    does. Returns the compiled kernel (``.asm["ptx"]``, ``.metadata.shared`` in bytes). Raises whatever Triton raises when the kernel does not lower.
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -36,7 +36,8 @@ def compile_for(fn, signature: dict, constexprs: dict, cc: int, num_warps: int =
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", cc, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages,
+                                       **({"maxnreg": maxnreg} if maxnreg else {})))
 
 
 def assert_sm120_ok(kernel, needs_mma: bool = True) -> None:

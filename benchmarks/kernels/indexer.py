@@ -399,7 +399,7 @@ def timing(dev, pool, smoke, quick, deadline, fp8):
 
 def cfg_name(c):
     return f"{c['KEYS']}_{'tokM' if c['TOKENS_M'] else 'headM'}_n{c['BLOCK_N']}_w{c['num_warps']}_s{c['num_stages']}" \
-        + ("_pf" if c["PREFETCH"] else "")
+        + ("_pf" if c["PREFETCH"] else "") + (f"_wave{c['WAVE']}" if c.get("WAVE") else "")
 
 
 def sweep(dev, pool, smoke, deadline, fp8, base=None, full=False, base_label="base"):
@@ -451,17 +451,26 @@ def sweep(dev, pool, smoke, deadline, fp8, base=None, full=False, base_label="ba
         return [wrap(f) for f in calls]
 
     mods = [("", K)] + ([(base_label + "_", base)] if base is not None else [])
+    # first, at both batches, the rows that compare the default with the baseline and its closest alternatives (so a
+    # deadline cuts only the exploratory rows after them)
     for b in batches:
         st = Setup(b, 1, live, max_ctx, dev, pool, g, fp8=fp8)
         for pre, mod in mods:
             timed(st, pre + "default", st.ours(mod))
             stages(st, pre, mod)
+        cfg = (K.DEFAULT_FP8Q_SCORE_CONFIGS if fp8 else {}).get((True, 1)) or K.DEFAULT_SCORE_CONFIGS[(True, 1)]
+        base_split = K.score_split(b, cfg, K.num_sms(dev))
+        # the config's one-wave split also where the default does not use it (B=64)
+        one_wave = {max(1, cfg["WAVE"] * K.num_sms(dev) // b)} if cfg.get("WAVE") else set()
+        for ns in sorted(({max(1, base_split // 2), max(1, base_split - 2), base_split + 2, base_split * 2}
+                          | one_wave) - {base_split}):
+            timed(st, f"n_split_{ns}", st.ours(n_split=ns))
+        del st
+    for b in batches:
+        st = Setup(b, 1, live, max_ctx, dev, pool, g, fp8=fp8)
         for c in K.SCORE_CONFIGS:
             if full or c["KEYS"].startswith("fp8") == fp8:
                 timed(st, "cfg_" + cfg_name(c), st.ours(config=c))
-        base_split = max(1, min(64, triton.cdiv(K.PROGRAMS_PER_SM * K.num_sms(dev), b)))
-        for ns in sorted({max(1, base_split // 4), max(1, base_split // 2), base_split * 2} - {base_split}):
-            timed(st, f"n_split_{ns}", st.ours(n_split=ns))
         for w in K.SELECT_WARPS:
             timed(st, f"select_warps_{w}", st.ours(select_warps=w))
         for ns in range(0, 5):
