@@ -26,7 +26,8 @@ def compile_for(fn, signature: dict, constexprs: dict, cc: int, num_warps: int =
     name in ``constexprs`` is added as "constexpr". ``aligned`` names arguments to specialize as divisible by
     16, as the launcher does at run time for 16-byte-aligned pointers (vector loads and cp.async pipelining,
     hence the real shared-memory use, depend on it); ``maxnreg`` caps registers per thread, as the launch option
-    does. Returns the compiled kernel (``.asm["ptx"]``, ``.metadata.shared`` in bytes). Raises whatever Triton raises when the kernel does not lower.
+    does. Returns the compiled kernel (``.asm["ptx"]``, ``.metadata.shared`` in bytes). Raises whatever Triton
+    raises when the kernel does not lower.
     """
     import triton
     from triton.backends.compiler import GPUTarget
