@@ -16,8 +16,10 @@ Kernels (weights are never dequantized in memory):
     PRMT lookup table per 8 values, or the cvt instruction Triton emits for sm_120, then a multiply by the bf16
     ``2 ** (scale - 127)``), or on sm_90 the "bits" dequantization (``_E2M1_BITS_ASM``: bit arithmetic on packed
     32-bit words; the K loop takes ~3.3-3.65 SASS instructions per weight instead of ~4.6-5.0; needs every scale
-    <= 2, which the caller states with ``max_scale_byte``). The epilogue rounds gate/up to bf16, clamps, applies SiLU(gate) * up and
-    stores h (bf16).
+    <= 2, which the caller states with ``max_scale_byte``). With ``weight_layout="sm90_bits"`` the weights were
+    reordered once at load time (``prepare_mxfp4_weights_sm90``, ``_E2M1_PREP_ASM``): about half the integer
+    work and ~2.7-3.1 SASS per weight, the product computed transposed (converted weights as the mma A operand).
+    The epilogue rounds gate/up to bf16, clamps, applies SiLU(gate) * up and stores h (bf16).
   * ``_down_kernel``: the same over K = I for the down projection; multiplies by the routing weight and either
     stores the per-pair rows (fp32) for ``_topk_sum_kernel``, or (``pair_token`` path) loops over a token's k
     experts and writes the summed bf16 output itself.
@@ -25,10 +27,12 @@ Kernels (weights are never dequantized in memory):
     BM rows (histogram + scan + atomic cursors), so each expert's weights are read once per block.
 Paths: ``pair`` / ``pair_token`` give every (token, slot) pair its own programs (no sorting; for the draft's
 small T the routed experts of a token are distinct and shared ones are served from L2); ``sorted`` reads each
-routed expert once per BM rows, for larger T. ``DEFAULT_CONFIGS`` picks by the number of pairs; all paths
+routed expert once per BM rows, for larger T. ``DEFAULT_CONFIGS`` (``DEFAULT_CONFIGS_SM90_BITS`` for prepared
+weights) picks by the number of pairs; all paths
 launch fixed grids computed from shapes alone and read routing on the device, so a call is CUDA-graph
 capturable (no host sync). H200 numbers and profile: benchmarks/results/mxfp4_moe_2026-11-30.md (dot_scaled),
-mxfp4_moe_2026-11-30-s3.md (bits) and -s4.md (BK_DOT steps; Nsight Compute stall reasons).
+mxfp4_moe_2026-11-30-s3.md (bits), -s4.md (BK_DOT steps; Nsight Compute stall reasons) and -s4b.md (prepared
+layout).
 """
 
 from __future__ import annotations
@@ -120,6 +124,40 @@ min.u16x2 $1, b, c;
 """)
 
 
+# Weight layout WL = 1 ("sm90_bits", made once at weight load by ``prepare_mxfp4_weights_sm90``): each row is a
+# sequence of 16-bit little-endian elements; element 8 g + i (g: scale group, i = 0..7) holds the four values
+# K = 32 g + 8 c + i, c = 0..3 ("value c"), with the bits (s e1 e0 m of value c, bit 15 first):
+#   v0.s v3.e0 v3.m v1.s v3.s v3.e1 v2.s v0.e1 | v0.e0 v0.m v1.e1 v1.e0 v1.m v2.e1 v2.e0 v2.m
+# i.e. value 0 already sits where the bf16 pattern wants it (bits 6..8 and 15, see above), value 1 and value 2 one
+# left shift (3, 6) away, and value 3's bits move by >> 7, >> 2 and << 4 without collisions. On a 32-bit word of two
+# elements (one per 16-bit lane) that is 4 bf16 pairs in 7 integer-pipe ops (4 LOP3, 2 SHF.R; value 1/2's left
+# shifts and value 3's << 4 + add go to IMAD) instead of 12 plus the activation's even/odd split; every lane depends
+# on its own element only. The activation is four 8-column runs per group (value c: K = 32 g + 8 c + 0..7), each a
+# tl.dot operand of its own, loaded straight from memory (H200: benchmarks/results/mxfp4_moe_2026-11-30-s4b.md).
+_E2M1_PREP_ASM = tl.constexpr("""
+{
+.reg .b32 v, x, t, u;
+and.b32 v, $4, 0x81C081C0;
+mul.rn.bf16x2 $0, v, $5;
+shl.b32 t, $4, 3;
+and.b32 v, t, 0x81C081C0;
+mul.rn.bf16x2 $1, v, $5;
+shl.b32 t, $4, 6;
+and.b32 v, t, 0x81C081C0;
+mul.rn.bf16x2 $2, v, $5;
+and.b32 x, $4, 0x6C006C00;
+shr.b32 t, x, 7;
+shr.b32 u, x, 2;
+mad.lo.u32 u, x, 16, u;
+lop3.b32 v, t, u, 0x81C081C0, 0xA8;
+mul.rn.bf16x2 $3, v, $5;
+}
+""")
+WL_SGLANG = 0  # SGLang's checkpoint layout (any dequantization)
+WL_SM90_BITS = 1  # the prepared layout above (bits dequantization only)
+WEIGHT_LAYOUTS = {"sglang": WL_SGLANG, "sm90_bits": WL_SM90_BITS}
+
+
 @triton.jit
 def _e2m1_bits_f32(code, f):
     """4-bit codes (int32, 0..15) -> fp32 code value * 2**-126 * f: the bf16 bit pattern of the PTX above in the
@@ -147,6 +185,104 @@ def _mx_dot_eo(acc, xe, xo, w, s, DEQ: tl.constexpr, BN: tl.constexpr, BK: tl.co
         acc = tl.dot(xe.to(tl.float32), _e2m1_bits_f32(wt & 15, f), acc, input_precision="ieee")
         acc = tl.dot(xo.to(tl.float32), _e2m1_bits_f32(wt >> 4, f), acc, input_precision="ieee")
     return acc
+
+
+@triton.jit
+def _mx_dot_prep(acc_t, x0, x1, x2, x3, w, s, DEQ: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """acc_t [BN, BM] fp32 += dequant(w [BN, BK/4] uint16 in the prepared layout WL 1, s [BN, BK/32] UE8M0) @ x^T,
+    the activation given as its value-c columns x_c = x[:, 32 g + 8 c + 0..7] ([BM, BK/4] bf16 each); DEQ 1 (PTX)
+    or 2 (the same bit moves in Triton ops, for the interpreter). Transposed product: the converted weights are the
+    mma A operand (registers the conversion writes freely) and the activation rows the B operand; with the
+    activation as A, Triton's kWidth-4 layout (byte-wide scales in the chain) needed ~150 register moves per K
+    step for its fragments, as B ~90 (triton 3.9, sm_90a)."""
+    if DEQ == 1:
+        f = tl.inline_asm_elementwise(_UE8M0_FACTOR_ASM, "=r,=r,r", [s], tl.bfloat16, is_pure=True, pack=4)
+        f = tl.reshape(tl.broadcast_to(f[:, :, None], [BN, BK // 32, 8]), [BN, BK // 4])
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(_E2M1_PREP_ASM, "=r,=r,=r,=r,r,r", [w, f],
+                                                   (tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+                                                   is_pure=True, pack=2)
+        acc_t = tl.dot(w0, tl.trans(x0), acc_t)
+        acc_t = tl.dot(w1, tl.trans(x1), acc_t)
+        acc_t = tl.dot(w2, tl.trans(x2), acc_t)
+        acc_t = tl.dot(w3, tl.trans(x3), acc_t)
+    else:
+        f = ((tl.minimum(s.to(tl.int32), 129) + 126) << 23).to(tl.float32, bitcast=True)
+        f = tl.reshape(tl.broadcast_to(f[:, :, None], [BN, BK // 32, 8]), [BN, BK // 4])
+        wt = w.to(tl.int32) & 0xFFFF
+        c0 = ((wt >> 6) & 7) | ((wt >> 12) & 8)
+        c1 = ((wt >> 3) & 7) | ((wt >> 9) & 8)
+        c2 = (wt & 7) | ((wt >> 6) & 8)
+        c3 = ((wt >> 13) & 3) | ((wt >> 8) & 12)
+        acc_t = tl.dot(_e2m1_bits_f32(c0, f), tl.trans(x0.to(tl.float32)), acc_t, input_precision="ieee")
+        acc_t = tl.dot(_e2m1_bits_f32(c1, f), tl.trans(x1.to(tl.float32)), acc_t, input_precision="ieee")
+        acc_t = tl.dot(_e2m1_bits_f32(c2, f), tl.trans(x2.to(tl.float32)), acc_t, input_precision="ieee")
+        acc_t = tl.dot(_e2m1_bits_f32(c3, f), tl.trans(x3.to(tl.float32)), acc_t, input_precision="ieee")
+    return acc_t
+
+
+@triton.jit
+def _acc_init(BM: tl.constexpr, BN: tl.constexpr, WL: tl.constexpr):
+    """Zero accumulator: [BM, BN], or transposed [BN, BM] for WL 1 (see ``_mx_dot_prep``)."""
+    if WL == 1:
+        return tl.zeros([BN, BM], tl.float32)
+    else:
+        return tl.zeros([BM, BN], tl.float32)
+
+
+@triton.jit
+def _acc_out(acc, WL: tl.constexpr):
+    """The accumulator as [BM, BN]."""
+    if WL == 1:
+        return tl.trans(acc)
+    else:
+        return acc
+
+
+@triton.jit
+def _x_cols(BKD: tl.constexpr, WL: tl.constexpr):
+    """Activation column offsets of one dequantize + dot step: [BKD] (WL 0), or the [BKD/4] columns of the
+    prepared layout's value 0, 32 g + 0..7 per group g (WL 1; value c's columns are these + 8 c)."""
+    if WL == 1:
+        j = tl.arange(0, BKD // 4)
+        return (j // 8) * 32 + j % 8
+    else:
+        return tl.arange(0, BKD)
+
+
+@triton.jit
+def _load_x(ptrs, mask, WL: tl.constexpr):
+    """Activation operands at ``ptrs`` (from ``_x_cols``): WL 0 the [BM, BKD] tile (four times, unused but the
+    first); WL 1 the value-0..3 columns."""
+    x0 = tl.load(ptrs, mask=mask, other=0.0)
+    if WL == 1:
+        x1 = tl.load(ptrs + 8, mask=mask, other=0.0)
+        x2 = tl.load(ptrs + 16, mask=mask, other=0.0)
+        x3 = tl.load(ptrs + 24, mask=mask, other=0.0)
+    else:
+        x1 = x0
+        x2 = x0
+        x3 = x0
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _mx_step(acc, x0, x1, x2, x3, w, s, DEQ: tl.constexpr, WL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr):
+    """``_mx_dot`` for WL 0 (x0 = the [BM, BK] tile), ``_mx_dot_prep`` for WL 1."""
+    if WL == 1:
+        acc = _mx_dot_prep(acc, x0, x1, x2, x3, w, s, DEQ, BN, BK)
+    else:
+        acc = _mx_dot(acc, x0, w, s, DEQ, BM, BN, BK)
+    return acc
+
+
+@triton.jit
+def _w_elems(w_ptr, WL: tl.constexpr):
+    """Weight bytes as the elements the kernels load: uint8 (WL 0), or uint16 (WL 1: four e2m1 values each)."""
+    if WL == 1:
+        return w_ptr.to(tl.pointer_type(tl.uint16))
+    else:
+        return w_ptr
 
 
 @triton.jit
@@ -226,7 +362,7 @@ def _gate_up_kernel(
     stride_xt, limit, P, E,
     H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, SORTED: tl.constexpr, HAS_LIMIT: tl.constexpr,
     UP_FIRST: tl.constexpr, SPLIT: tl.constexpr, HALVES: tl.constexpr, ROUND: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, BKD: tl.constexpr, DEQ: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, BKD: tl.constexpr, DEQ: tl.constexpr, WL: tl.constexpr = 0,
 ):
     """Program (row block, BN columns, K split). Fused (HALVES False): BN intermediate columns, gate and up rows
     both; with SPLIT == 1 it writes h[pair] = SwiGLU (bf16). Otherwise it writes fp32 partial sums of its K
@@ -243,25 +379,28 @@ def _gate_up_kernel(
         tok = (rows // TOPK).to(tl.int64)
         e64 = e.to(tl.int64)
         k0 = pid_k * (H // SPLIT)
-        w_base = w_ptr + e64 * (2 * I * (H // 2)) + k0 // 2
-        s_base = s_ptr + e64 * (2 * I * (H // 32)) + k0 // 32
-        kb = tl.arange(0, BKD // 2)
-        ks = tl.arange(0, BKD // 32)
-        x_ptrs = x_ptr + tok[:, None] * stride_xt + k0 + tl.arange(0, BKD)[None, :]
+        WV: tl.constexpr = 2 + 2 * WL  # values per weight element
+        w_base = _w_elems(w_ptr, WL) + e64 * (2 * I * (H // WV)) + k0 // WV
+        SK: tl.constexpr = 32  # K per scale byte
+        s_base = s_ptr + e64 * (2 * I * (H // SK)) + k0 // SK
+        kb = tl.arange(0, BKD // WV)
+        ks = tl.arange(0, BKD // SK)
+        x_ptrs = x_ptr + tok[:, None] * stride_xt + k0 + _x_cols(BKD, WL)[None, :]
         r64 = rows.to(tl.int64)[:, None]
         if HALVES:
             w_row = pid_n * BN + tl.arange(0, BN)
-            w_ptrs = w_base + w_row[:, None] * (H // 2) + kb[None, :]
-            sc_ptrs = s_base + w_row[:, None] * (H // 32) + ks[None, :]
-            acc = tl.zeros([BM, BN], tl.float32)
+            w_ptrs = w_base + w_row[:, None] * (H // WV) + kb[None, :]
+            sc_ptrs = s_base + w_row[:, None] * (H // SK) + ks[None, :]
+            acc = _acc_init(BM, BN, WL)
             for _ in range(0, H // SPLIT // BK):
                 for j in tl.static_range(BK // BKD):
-                    x = tl.load(x_ptrs + j * BKD, mask=rmask[:, None], other=0.0)
-                    acc = _mx_dot(acc, x, tl.load(w_ptrs + j * (BKD // 2)), tl.load(sc_ptrs + j * (BKD // 32)), DEQ,
-                                  BM, BN, BKD)
+                    x0, x1, x2, x3 = _load_x(x_ptrs + j * BKD, rmask[:, None], WL)
+                    acc = _mx_step(acc, x0, x1, x2, x3, tl.load(w_ptrs + j * (BKD // WV)),
+                                   tl.load(sc_ptrs + j * (BKD // SK)), DEQ, WL, BM, BN, BKD)
                 x_ptrs += BK
-                w_ptrs += BK // 2
-                sc_ptrs += BK // 32
+                w_ptrs += BK // WV
+                sc_ptrs += BK // SK
+            acc = _acc_out(acc, WL)
             if UP_FIRST:  # part keeps [gate | up]
                 col = (w_row + I) % (2 * I)
             else:
@@ -275,26 +414,28 @@ def _gate_up_kernel(
             else:
                 g_row = offs_n
                 u_row = offs_n + I
-            wg_ptrs = w_base + g_row[:, None] * (H // 2) + kb[None, :]
-            wu_ptrs = w_base + u_row[:, None] * (H // 2) + kb[None, :]
-            sg_ptrs = s_base + g_row[:, None] * (H // 32) + ks[None, :]
-            su_ptrs = s_base + u_row[:, None] * (H // 32) + ks[None, :]
-            acc_g = tl.zeros([BM, BN], tl.float32)
-            acc_u = tl.zeros([BM, BN], tl.float32)
+            wg_ptrs = w_base + g_row[:, None] * (H // WV) + kb[None, :]
+            wu_ptrs = w_base + u_row[:, None] * (H // WV) + kb[None, :]
+            sg_ptrs = s_base + g_row[:, None] * (H // SK) + ks[None, :]
+            su_ptrs = s_base + u_row[:, None] * (H // SK) + ks[None, :]
+            acc_g = _acc_init(BM, BN, WL)
+            acc_u = _acc_init(BM, BN, WL)
             for _ in range(0, H // SPLIT // BK):
                 for j in tl.static_range(BK // BKD):
-                    x = tl.load(x_ptrs + j * BKD, mask=rmask[:, None], other=0.0)
-                    wg = tl.load(wg_ptrs + j * (BKD // 2))
-                    wu = tl.load(wu_ptrs + j * (BKD // 2))
-                    sg = tl.load(sg_ptrs + j * (BKD // 32))
-                    su = tl.load(su_ptrs + j * (BKD // 32))
-                    acc_g = _mx_dot(acc_g, x, wg, sg, DEQ, BM, BN, BKD)
-                    acc_u = _mx_dot(acc_u, x, wu, su, DEQ, BM, BN, BKD)
+                    x0, x1, x2, x3 = _load_x(x_ptrs + j * BKD, rmask[:, None], WL)
+                    wg = tl.load(wg_ptrs + j * (BKD // WV))
+                    wu = tl.load(wu_ptrs + j * (BKD // WV))
+                    sg = tl.load(sg_ptrs + j * (BKD // SK))
+                    su = tl.load(su_ptrs + j * (BKD // SK))
+                    acc_g = _mx_step(acc_g, x0, x1, x2, x3, wg, sg, DEQ, WL, BM, BN, BKD)
+                    acc_u = _mx_step(acc_u, x0, x1, x2, x3, wu, su, DEQ, WL, BM, BN, BKD)
                 x_ptrs += BK
-                wg_ptrs += BK // 2
-                wu_ptrs += BK // 2
-                sg_ptrs += BK // 32
-                su_ptrs += BK // 32
+                wg_ptrs += BK // WV
+                wu_ptrs += BK // WV
+                sg_ptrs += BK // SK
+                su_ptrs += BK // SK
+            acc_g = _acc_out(acc_g, WL)
+            acc_u = _acc_out(acc_u, WL)
             if SPLIT == 1:
                 hv = _swiglu_bf16(acc_g, acc_u, limit, HAS_LIMIT, ROUND)
                 tl.store(h_ptr + r64 * I + offs_n[None, :], hv.to(tl.bfloat16), mask=rmask[:, None])
@@ -324,25 +465,28 @@ def _swiglu_kernel(part_ptr, ids_ptr, h_ptr, limit, P, E, I: tl.constexpr, SPLIT
 
 @triton.jit
 def _down_tile(h_ptr, w_base, s_base, rows, rmask, offs_n, k0, KLEN: tl.constexpr, I: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKD: tl.constexpr, DEQ: tl.constexpr):
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKD: tl.constexpr, DEQ: tl.constexpr,
+               WL: tl.constexpr):
     """[BM, BN] fp32 = h[rows, k0:k0+KLEN] @ W_down[expert][offs_n, k0:k0+KLEN]^T (BK of K per loop iteration,
     in BK / BKD dequantize + dot steps, as in _gate_up_kernel)."""
-    kb = tl.arange(0, BKD // 2)
-    ks = tl.arange(0, BKD // 32)
-    w_ptrs = w_base + offs_n[:, None] * (I // 2) + k0 // 2 + kb[None, :]
-    s_ptrs = s_base + offs_n[:, None] * (I // 32) + k0 // 32 + ks[None, :]
-    a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * I + k0 + tl.arange(0, BKD)[None, :]
-    acc = tl.zeros([BM, BN], tl.float32)
+    WV: tl.constexpr = 2 + 2 * WL  # values per weight element
+    kb = tl.arange(0, BKD // WV)
+    SK: tl.constexpr = 32  # K per scale byte
+    ks = tl.arange(0, BKD // SK)
+    w_ptrs = _w_elems(w_base, WL) + offs_n[:, None] * (I // WV) + k0 // WV + kb[None, :]
+    s_ptrs = s_base + offs_n[:, None] * (I // SK) + k0 // SK + ks[None, :]
+    a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * I + k0 + _x_cols(BKD, WL)[None, :]
+    acc = _acc_init(BM, BN, WL)
     for _ in range(0, KLEN // BK):
         for j in tl.static_range(BK // BKD):
-            a = tl.load(a_ptrs + j * BKD, mask=rmask[:, None], other=0.0)
-            w = tl.load(w_ptrs + j * (BKD // 2))
-            s = tl.load(s_ptrs + j * (BKD // 32))
-            acc = _mx_dot(acc, a, w, s, DEQ, BM, BN, BKD)
+            a0, a1, a2, a3 = _load_x(a_ptrs + j * BKD, rmask[:, None], WL)
+            w = tl.load(w_ptrs + j * (BKD // WV))
+            s = tl.load(s_ptrs + j * (BKD // SK))
+            acc = _mx_step(acc, a0, a1, a2, a3, w, s, DEQ, WL, BM, BN, BKD)
         a_ptrs += BK
-        w_ptrs += BK // 2
-        s_ptrs += BK // 32
-    return acc
+        w_ptrs += BK // WV
+        s_ptrs += BK // SK
+    return _acc_out(acc, WL)
 
 
 @triton.jit
@@ -351,7 +495,7 @@ def _down_kernel(
     stride_ot, scaling, P, E,
     H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr,
     ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKD: tl.constexpr,
-    DEQ: tl.constexpr,
+    DEQ: tl.constexpr, WL: tl.constexpr = 0,
 ):
     """MODE 0: sorted row blocks, 1: one pair per program (both write the routing-weighted rows of K split
     ``pid_k`` to y[pid_k, pair] fp32 for _topk_sum_kernel); MODE 2 (SPLIT 1): one token per program, its k
@@ -371,7 +515,7 @@ def _down_kernel(
             if (e >= 0) & (e < E):
                 rows = pair + offs_m * 0
                 acc = _down_tile(h_ptr, w_ptr + e.to(tl.int64) * w_stride_e, s_ptr + e.to(tl.int64) * s_stride_e,
-                                 rows, offs_m == 0, offs_n, 0, I, I, BM, BN, BK, BKD, DEQ)
+                                 rows, offs_m == 0, offs_n, 0, I, I, BM, BN, BK, BKD, DEQ, WL)
                 wt = tl.load(tw_ptr + pair).to(tl.float32) * scaling
                 total += tl.sum(tl.where(offs_m[:, None] == 0, acc, 0.0), axis=0) * wt
         if ROUND:
@@ -381,7 +525,7 @@ def _down_kernel(
         e, rows, rmask, active = _rows_of(pid_m, ids_ptr, sorted_ptr, blk_exp_ptr, nblk_ptr, P, E, MODE == 0, BM)
         if active:
             acc = _down_tile(h_ptr, w_ptr + e.to(tl.int64) * w_stride_e, s_ptr + e.to(tl.int64) * s_stride_e,
-                             rows, rmask, offs_n, pid_k * (I // SPLIT), I // SPLIT, I, BM, BN, BK, BKD, DEQ)
+                             rows, rmask, offs_n, pid_k * (I // SPLIT), I // SPLIT, I, BM, BN, BK, BKD, DEQ, WL)
             wt = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32) * scaling
             y_ptrs = y_ptr + (pid_k * P + rows.to(tl.int64))[:, None] * H + offs_n[None, :]
             tl.store(y_ptrs, acc * wt[:, None], mask=rmask[:, None])
@@ -451,9 +595,25 @@ DEFAULT_CONFIGS = [
 ]
 
 
-def default_config(num_pairs: int) -> dict:
-    """The launch plan ``fused_moe_mxfp4`` uses for ``num_pairs`` = T * k (see DEFAULT_CONFIGS)."""
-    for bound, cfg in DEFAULT_CONFIGS:
+# Default plan for weights in the prepared layout (weight_layout="sm90_bits"), from the H200 run of
+# benchmarks/results/mxfp4_moe_2026-11-30-s4b.md (same run as the committed SGLang-layout kernel): the prepared
+# K loop needs 72-122 registers where the SGLang layout's took 128-247, so for T >= 16 gate/up does BK 256 in one
+# step (T = 16 / 64 / 128: 410.0 / 1044.4 / 1294.5 us vs 440.3 / 1116.5 / 1386.0 with the SGLang-layout plan's
+# two BK_DOT 128 steps). T = 1 keeps gate/up BK 256 in two steps (49.6 us vs 50.2 for the SGLang plan's BK 128).
+# Only plans whose results were checked on the device are here; faster ones seen in the same sweep but not checked
+# (gate/up 128 columns with 4 warps, which compiles to wgmma: 379.7 us at T = 16; 4 stages: -1 to -4%) are not.
+DEFAULT_CONFIGS_SM90_BITS = [
+    (48, dict(DEFAULT_CONFIGS[0][1], gate_up=dict(BN=64, BK=256, BK_DOT=128, num_warps=2, num_stages=3))),
+    (1024, dict(DEFAULT_CONFIGS[1][1], gate_up=dict(BN=64, BK=256, num_warps=2, num_stages=3))),
+    DEFAULT_CONFIGS[2],
+]
+
+
+def default_config(num_pairs: int, weight_layout: str = "sglang") -> dict:
+    """The launch plan ``fused_moe_mxfp4`` uses for ``num_pairs`` = T * k (see DEFAULT_CONFIGS, and
+    DEFAULT_CONFIGS_SM90_BITS for ``weight_layout="sm90_bits"``)."""
+    table = DEFAULT_CONFIGS_SM90_BITS if weight_layout == "sm90_bits" else DEFAULT_CONFIGS
+    for bound, cfg in table:
         if num_pairs <= bound:
             return cfg
     raise AssertionError("unreachable")
@@ -550,6 +710,56 @@ def mxfp4_max_scale_byte(*scales: torch.Tensor) -> int:
     return best
 
 
+def prepare_mxfp4_weights_sm90(w13: torch.Tensor, w2: torch.Tensor, *, inplace: bool = False,
+                               chunk_bytes: int = 1 << 26) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reorder packed e2m1 weights once, at weight-load time, into ``weight_layout="sm90_bits"``, which the sm_90
+    bits dequantization reads with about half the integer instructions of SGLang's layout.
+
+    Layout (per row of K values v[0..K), K = H for w13 and I for w2, a multiple of 32): SGLang's byte j holds
+    v[2 j] (low nibble) and v[2 j + 1]; the prepared row is K / 4 little-endian 16-bit elements (bytes 2 m, 2 m + 1
+    hold bits 0..7 and 8..15 of element m), element m = 8 g + i (g = scale group, i = 0..7) holding the four
+    values c = 0..3 at K = 32 g + 8 c + i, each a 4-bit code s e1 e0 m (OCP MX e2m1), at bits
+        value 0: m 6, e0 7, e1 8, s 15     value 1: m 3, e0 4, e1 5, s 12
+        value 2: m 0, e0 1, e1 2, s 9      value 3: m 13, e0 14, e1 10, s 11.
+    Every value stays in its scale group (the UE8M0 scale tensors are unchanged), and the layout is this project's
+    own (``pd.kernels.mxfp4_moe._E2M1_PREP_ASM`` says why these positions).
+
+    Args:
+        w13: [E, 2 I, H / 2] uint8/int8 (SGLang's layout, see ``fused_moe_mxfp4``). w2: [E, H, I / 2] uint8/int8.
+        inplace: write the result into w13 / w2 (no second copy of the weights; done ``chunk_bytes`` at a time).
+        chunk_bytes: weight bytes converted per step (bounds the temporaries, ~10x this).
+    Returns:
+        (w13, w2) in the prepared layout, same shapes and dtypes (the inputs themselves when ``inplace``).
+    Raises:
+        ValueError: a tensor that is not 3-D uint8/int8 and contiguous, or whose last dimension is not a multiple of
+        16 (K a multiple of 32).
+    """
+    return tuple(_prepare_sm90(name, w, inplace, chunk_bytes) for name, w in (("w13", w13), ("w2", w2)))
+
+
+def _prepare_sm90(name: str, w: torch.Tensor, inplace: bool, chunk_bytes: int) -> torch.Tensor:
+    if not isinstance(w, torch.Tensor) or w.dtype not in (torch.uint8, torch.int8) or w.dim() != 3 \
+            or not w.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous 3-D uint8/int8 tensor of packed e2m1 pairs, got "
+                         f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
+    if w.shape[2] % 16:
+        raise ValueError(f"{name}: the packed row length must be a multiple of 16 bytes (K % 32 == 0), got "
+                         f"{w.shape[2]}")
+    out = w if inplace else torch.empty_like(w)
+    src, dst = w.view(torch.uint8), out.view(torch.uint8)
+    per_expert = max(1, w[0].numel())
+    step = max(1, chunk_bytes // per_expert)
+    for e0 in range(0, w.shape[0], step):
+        b = src[e0:e0 + step].to(torch.int32)
+        v = torch.stack((b & 15, b >> 4), dim=-1)  # [n, rows, K / 2, 2]: the K values in order
+        v = v.reshape(*b.shape[:2], -1, 4, 8)  # [n, rows, group, value c, i]
+        c0, c1, c2, c3 = v.unbind(-2)
+        el = (((c0 & 7) << 6) | ((c0 >> 3) << 15) | ((c1 & 7) << 3) | ((c1 >> 3) << 12) | (c2 & 7)
+              | ((c2 >> 3) << 9) | ((c3 & 3) << 13) | ((c3 & 4) << 8) | ((c3 >> 3) << 11))
+        dst[e0:e0 + step] = torch.stack((el & 255, el >> 8), dim=-1).reshape(b.shape).to(torch.uint8)
+    return out
+
+
 def _dequant_mode(choice: str, max_scale_byte: int | None, dev: torch.device) -> int:
     """The kernels' DEQ constexpr for a config's ``dequant`` choice (see DEQUANT_CHOICES)."""
     bits_ok = max_scale_byte is not None and max_scale_byte <= BITS_MAX_SCALE_BYTE
@@ -601,6 +811,7 @@ def fused_moe_mxfp4(
     out: torch.Tensor | None = None,
     config: dict | None = None,
     max_scale_byte: int | None = None,
+    weight_layout: str = "sglang",
 ) -> torch.Tensor:
     """Top-k routed MoE with MXFP4 experts (computation: ``pd.kernels.mxfp4_moe_reference``).
 
@@ -621,29 +832,35 @@ def fused_moe_mxfp4(
             scale <= 2) an sm_90 GPU dequantizes with bit arithmetic (~2x fewer instructions than tl.dot_scaled;
             see ``_E2M1_BITS_ASM``); None (unknown) or larger keeps tl.dot_scaled. A wrong value that lets a byte
             > 128 reach the bits path gives inf/NaN outputs, not silently wrong numbers.
+        weight_layout: "sglang" (the layout above) or "sm90_bits": w13 and w2 as returned by
+            ``prepare_mxfp4_weights_sm90`` (same shapes and dtypes, bytes reordered once at weight-load time; the
+            scales unchanged), read by the bits dequantization with about half its integer work. Needs a GPU of
+            compute capability >= 9.0 (or the interpreter) and max_scale_byte <= 128; ``dequant="dot_scaled"`` is
+            refused.
         config: launch plan override (benchmarks): {"path": "pair_token"|"pair"|"sorted", "BM": 16|32|64,
             "split_gate_up": 1|2|4|8, "split_down": ..., "gate_up_halves": bool, "dequant": "auto"|"bits"|
             "dot_scaled", "gate_up": {BN, BK, num_warps, num_stages[, BK_DOT]}, "down": {...}}; default
-            ``default_config(T * k)``. BK: K per loop iteration (pipeline stage), 128/256/512; BK_DOT: K per
-            dequantize + dot step inside it (64/128/256, default BK).
+            ``default_config(T * k, weight_layout)``. BK: K per loop iteration (pipeline stage), 128/256/512;
+            BK_DOT: K per dequantize + dot step inside it (64/128/256, default BK).
     Returns:
         [T, H] bfloat16 (``out`` when given).
     Raises:
         ValueError: naming the argument, for a wrong dtype, shape, layout or device, H or I not a multiple of
         128, a bad swiglu_limit / routed_scaling_factor / max_scale_byte / config (``dequant="bits"`` without
-        max_scale_byte <= 128); raised before any launch.
+        max_scale_byte <= 128), an unknown weight_layout or "sm90_bits" where the bits path cannot run; raised
+        before any launch.
     Requires H % 128 == 0 and I % 128 == 0 (DeepSeek-V4: H = 4096, I = 2048 / TP). Capturable in a CUDA graph
     (fixed grids from shapes, routing read on the device, workspaces from the caching allocator).
     """
     out, stages = _plan(hidden_states, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
-                        routed_scaling_factor, up_first, out, config, max_scale_byte)
+                        routed_scaling_factor, up_first, out, config, max_scale_byte, weight_layout)
     for _, launch in stages:
         launch()
     return out
 
 
 def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit, routed_scaling_factor, up_first,
-          out, config, max_scale_byte=None):
+          out, config, max_scale_byte=None, weight_layout="sglang"):
     """Validate, allocate, and return (out, [(stage name, launch callable), ...]); the stages run in order."""
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2:
         raise ValueError(f"hidden_states must be a bfloat16 tensor [T, H], got "
@@ -691,9 +908,19 @@ def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
     if max_scale_byte is not None and (isinstance(max_scale_byte, bool) or not isinstance(max_scale_byte, int)
                                        or not 0 <= max_scale_byte <= 254):
         raise ValueError(f"max_scale_byte must be None or an int in [0, 254], got {max_scale_byte!r}")
-    cfg = config if config is not None else default_config(t * k)
+    cfg = config if config is not None else default_config(t * k, weight_layout)
     _check_config(cfg, h, inter)
-    deq = _dequant_mode(cfg.get("dequant", "auto"), max_scale_byte, dev)
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout must be one of {tuple(WEIGHT_LAYOUTS)}, got {weight_layout!r}")
+    wl = WEIGHT_LAYOUTS[weight_layout]
+    if wl == WL_SM90_BITS:
+        if cfg.get("dequant", "auto") == "dot_scaled":
+            raise ValueError("config: dequant='dot_scaled' cannot read weight_layout='sm90_bits' weights")
+        if dev.type == "cuda" and not _INTERPRET and torch.cuda.get_device_capability(dev)[0] < 9:
+            raise ValueError("weight_layout='sm90_bits' needs compute capability >= 9.0 (mul.rn.bf16x2)")
+        deq = _dequant_mode("bits", max_scale_byte, dev)
+    else:
+        deq = _dequant_mode(cfg.get("dequant", "auto"), max_scale_byte, dev)
     if out is None:
         out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
     if t == 0:
@@ -717,7 +944,7 @@ def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
     hbuf = torch.empty(p, inter, dtype=torch.bfloat16, device=dev)
     two_pass = halves or sp_gu > 1  # gate/up partial sums, then _swiglu_kernel
     part = torch.empty(sp_gu, p, 2 * inter, dtype=torch.float32, device=dev) if two_pass else hbuf
-    common = dict(H=h, I=inter, TOPK=k, ROUND=_INTERPRET, DEQ=deq)
+    common = dict(H=h, I=inter, TOPK=k, ROUND=_INTERPRET, DEQ=deq, WL=wl)
     stages = []
     if path == "sorted":
         bm = cfg.get("BM", 16)

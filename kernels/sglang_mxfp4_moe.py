@@ -21,7 +21,10 @@ Weights load exactly as SGLang's ``Fp8MoEMethod`` lays them out (its ``create_we
   w2_weight int8 [E, H, I / 2], w2_weight_scale_inv fp32 [E, H, I / 32]
 (E local experts, H hidden size, I intermediate size per TP rank), which is the layout
 ``pd.kernels.mxfp4_moe.fused_moe_mxfp4`` reads. After loading, the scales are stored as UE8M0 bytes
-(``mxfp4_moe.as_ue8m0``: ``log2(scale) + 127``, exact for powers of two). ``apply`` passes the dispatcher's bf16 hidden
+(``mxfp4_moe.as_ue8m0``: ``log2(scale) + 127``, exact for powers of two); on an sm_90 GPU with every scale <= 2 the
+packed weights are also reordered in place into the kernel's ``"sm90_bits"`` layout
+(``mxfp4_moe.prepare_mxfp4_weights_sm90``; H200: 1.05-1.08x at T = 16..128, 0.88x at T = 1,
+benchmarks/results/mxfp4_moe_2026-11-30-s4b.md). ``apply`` passes the dispatcher's bf16 hidden
 states [T, H] and the top-k weights/ids [T, k] (routed scaling factor already folded in, since the method
 declares ``fuse_routed_scaling_factor_in_topk``) with the layer's SwiGLU clamp (``swiglu_limit``) to
 ``fused_moe_mxfp4`` and returns its [T, H] output; the TP all-reduce stays with ``FusedMoE``.
@@ -69,6 +72,7 @@ class PdserveMxfp4MoEMethod:
     runner = None
     fuse_routed_scaling_factor_in_topk = True
     max_scale_byte = None  # set when the weights are loaded
+    weight_layout = "sglang"  # "sm90_bits" once the weights are prepared for the sm_90 bits dequantization
 
     def __init__(self, fp8_method, prefix: str):
         self._fp8 = fp8_method
@@ -92,20 +96,26 @@ class PdserveMxfp4MoEMethod:
     def process_weights_after_loading(self, layer) -> None:
         """Store the loaded fp32 power-of-two scales as the UE8M0 bytes the kernel reads (once, in place, as
         SGLang's own MXFP4 methods repack theirs) and note their largest byte, which lets sm_90 use the bit-arithmetic
-        dequantization (scales <= 2); the packed weights are used as loaded.
+        dequantization (scales <= 2). On an sm_90 GPU with scales <= 2 the packed weights are then reordered in
+        place into ``weight_layout="sm90_bits"`` (``mxfp4_moe.prepare_mxfp4_weights_sm90``: about half the
+        integer work per weight in the kernels' K loops); elsewhere (sm_120, larger scales) they stay as loaded.
 
         Raises:
             ValueError: a scale that is not a power of two (not an MXFP4 checkpoint).
         """
-        from .mxfp4_moe import BITS_MAX_SCALE_BYTE, as_ue8m0, mxfp4_max_scale_byte
+        from .mxfp4_moe import BITS_MAX_SCALE_BYTE, as_ue8m0, mxfp4_max_scale_byte, prepare_mxfp4_weights_sm90
 
         for name in ("w13", "w2"):
             sc = getattr(layer, f"{name}_weight_scale_inv")
             sc.data = as_ue8m0(sc.data)
         self.max_scale_byte = mxfp4_max_scale_byte(layer.w13_weight_scale_inv.data, layer.w2_weight_scale_inv.data)
+        if self.max_scale_byte <= BITS_MAX_SCALE_BYTE and is_sm90(layer.w13_weight.device):
+            prepare_mxfp4_weights_sm90(layer.w13_weight.data, layer.w2_weight.data, inplace=True)  # no second copy
+            self.weight_layout = "sm90_bits"
         logger.info("pdserve mxfp4_moe: %s runs pd.kernels.mxfp4_moe.fused_moe_mxfp4 (%d experts, largest scale "
-                    "2**%d%s)", self.prefix, layer.w13_weight.shape[0], self.max_scale_byte - 127,
-                    "" if self.max_scale_byte <= BITS_MAX_SCALE_BYTE else ": no bits dequantization on sm_90")
+                    "2**%d%s, weight layout %s)", self.prefix, layer.w13_weight.shape[0], self.max_scale_byte - 127,
+                    "" if self.max_scale_byte <= BITS_MAX_SCALE_BYTE else ": no bits dequantization on sm_90",
+                    self.weight_layout)
 
     def apply(self, layer, dispatch_output):
         from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
@@ -117,9 +127,15 @@ class PdserveMxfp4MoEMethod:
         out = fused_moe_mxfp4(
             dispatch_output.hidden_states, layer.w13_weight, layer.w13_weight_scale_inv,
             layer.w2_weight, layer.w2_weight_scale_inv, topk_weights.contiguous(), topk_ids.contiguous(),
-            swiglu_limit=cfg.swiglu_limit, max_scale_byte=self.max_scale_byte,
+            swiglu_limit=cfg.swiglu_limit, max_scale_byte=self.max_scale_byte, weight_layout=self.weight_layout,
         )
         return StandardCombineInput(hidden_states=out)
+
+
+def is_sm90(device: torch.device) -> bool:
+    """Whether ``device`` is a CUDA GPU of compute capability 9.x (H100 / H200), where the prepared weight layout
+    is read by the bits dequantization."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def unsupported_reason(layer) -> str | None:

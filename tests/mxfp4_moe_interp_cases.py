@@ -30,10 +30,11 @@ def make_inputs(t, h, inter, e, k, g, *, skip=0, shared=False, skip_token0=False
 
 def run_case(name, t, h, inter, e, k, *, path, bm=16, splits=(1, 1), halves=False, limit=10.0, scaling=None,
              up_first=False, skip=0, shared=False, skip_token0=False, ids64=False, wbf16=False, int8=False, seed=0,
-             dequant="dot_scaled", tiles=None):
+             dequant="dot_scaled", tiles=None, layout="sglang"):
     import torch
 
-    from pd.kernels.mxfp4_moe import default_config, fused_moe_mxfp4, mxfp4_max_scale_byte
+    from pd.kernels.mxfp4_moe import (default_config, fused_moe_mxfp4, mxfp4_max_scale_byte,
+                                      prepare_mxfp4_weights_sm90)
     from pd.kernels.mxfp4_moe_reference import fused_moe_mxfp4_reference
 
     g = torch.Generator().manual_seed(seed)
@@ -50,8 +51,10 @@ def run_case(name, t, h, inter, e, k, *, path, bm=16, splits=(1, 1), halves=Fals
     out = torch.full((t, h), float("nan"), dtype=torch.bfloat16)  # poisoned: every element must be written
     kw = dict(swiglu_limit=limit, routed_scaling_factor=scaling, up_first=up_first)
     ww13, ww2 = (w13.view(torch.int8), w2.view(torch.int8)) if int8 else (w13, w2)
+    if layout == "sm90_bits":  # the reference below keeps reading the original layout
+        ww13, ww2 = prepare_mxfp4_weights_sm90(ww13, ww2)
     res = fused_moe_mxfp4(x, ww13, s13, ww2, s2, wts, ids, out=out, config=cfg,
-                          max_scale_byte=mxfp4_max_scale_byte(s13, s2), **kw)
+                          max_scale_byte=mxfp4_max_scale_byte(s13, s2), weight_layout=layout, **kw)
     ref = fused_moe_mxfp4_reference(x, w13, s13, w2, s2, wts, ids, **kw)
     rel = ((res.double() - ref).norm() / ref.norm()).item()
     r = dict(name=name, rel=rel, nan=bool(torch.isnan(res).any()), same_buffer=res.data_ptr() == out.data_ptr())
@@ -96,6 +99,17 @@ CASES = [
     ("pair_bk_dot_substeps", dict(t=2, h=512, inter=256, e=4, k=2, path="pair", splits=(2, 1), skip=1,
                                   tiles=(dict(BN=64, BK=256, BK_DOT=128, num_warps=2, num_stages=3),
                                          dict(BN=64, BK=256, BK_DOT=64, num_warps=2, num_stages=3)))),
+    # the prepared layout (prepare_mxfp4_weights_sm90 -> weight_layout="sm90_bits"), its pure-Triton twin
+    ("prep_sorted_halves_bk_dot", dict(t=4, h=512, inter=256, e=3, k=2, path="sorted", halves=True, skip=1,
+                                       dequant="auto", layout="sm90_bits",
+                                       tiles=(dict(BN=64, BK=256, BK_DOT=128, num_warps=2, num_stages=3),
+                                              dict(BN=64, BK=256, BK_DOT=64, num_warps=2, num_stages=3)))),
+    ("prep_pair_token_fused_int8", dict(t=3, h=256, inter=128, e=5, k=3, path="pair_token", scaling=1.5, skip=1,
+                                        int8=True, up_first=True, dequant="bits", layout="sm90_bits")),
+    ("prep_pair_split2x2", dict(t=2, h=256, inter=256, e=4, k=2, path="pair", splits=(2, 2), halves=True,
+                                dequant="bits", layout="sm90_bits")),
+    ("prep_sorted_bm64_multiblock", dict(t=24, h=256, inter=128, e=3, k=2, path="sorted", bm=64, shared=True,
+                                         skip=3, dequant="bits", layout="sm90_bits")),
     ("bits_sorted_bm32_multiblock", dict(t=20, h=128, inter=256, e=3, k=2, path="sorted", bm=32, shared=True,
                                          skip=3, dequant="bits")),
 ]

@@ -721,8 +721,36 @@ def test_our_moe_method_loads_like_sglang_and_calls_the_kernel(moe_world):
     out = m.apply(layer, dispatch)
     ((args, kw),) = moe_world.seen
     assert args == (hs, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv, tw, ti)
-    assert kw == {"swiglu_limit": 10.0, "max_scale_byte": int(exps13.max()) + 127}
+    assert kw == {"swiglu_limit": 10.0, "max_scale_byte": int(exps13.max()) + 127, "weight_layout": "sglang"}
     assert torch.equal(out.hidden_states, hs * 2)
+
+
+def test_our_moe_method_prepares_the_sm90_layout_at_load(moe_world, monkeypatch):
+    """On sm_90 with scales <= 2 the packed weights are reordered in place (prepare_mxfp4_weights_sm90) and the
+    kernel is told so; with a scale > 2 they stay as loaded."""
+    from pd.kernels.mxfp4_moe import prepare_mxfp4_weights_sm90
+
+    monkeypatch.setattr(SX, "is_sm90", lambda dev: True)
+    for exp, layout in ((1.0, "sm90_bits"), (2.0, "sglang")):
+        layer = moe_world.FusedMoE()
+        w13 = torch.randint(-128, 127, (2, 128, 64), dtype=torch.int8)
+        w2 = torch.randint(-128, 127, (2, 128, 32), dtype=torch.int8)
+        layer.w13_weight = torch.nn.Parameter(w13.clone(), requires_grad=False)
+        layer.w2_weight = torch.nn.Parameter(w2.clone(), requires_grad=False)
+        layer.w13_weight_scale_inv = torch.nn.Parameter(torch.full((2, 128, 4), 2.0 ** exp), requires_grad=False)
+        layer.w2_weight_scale_inv = torch.nn.Parameter(torch.full((2, 128, 2), 0.5), requires_grad=False)
+        m = SX.PdserveMxfp4MoEMethod(None, "p")
+        m.create_moe_runner(layer, layer.moe_runner_config)
+        ptr = layer.w13_weight.data.data_ptr()
+        m.process_weights_after_loading(layer)
+        assert m.weight_layout == layout and layer.w13_weight.data.data_ptr() == ptr
+        want13, want2 = prepare_mxfp4_weights_sm90(w13, w2) if layout == "sm90_bits" else (w13, w2)
+        assert torch.equal(layer.w13_weight.data, want13) and torch.equal(layer.w2_weight.data, want2)
+        moe_world.seen.clear()
+        m.apply(layer, types.SimpleNamespace(hidden_states=torch.randn(1, 128).bfloat16(),
+                                             topk_output=(torch.rand(1, 2), torch.zeros(1, 2, dtype=torch.int32),
+                                                          None)))
+        assert moe_world.seen[0][1]["weight_layout"] == layout
 
 
 def test_non_power_of_two_scales_are_refused_at_load(moe_world):

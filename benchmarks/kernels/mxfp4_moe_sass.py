@@ -4,7 +4,8 @@ dequantization, from an sm_90a ahead-of-time build with whatever Triton is insta
   python benchmarks/kernels/mxfp4_moe_sass.py [--json FILE]
 
 For each default tile config (DeepSeek-V4 shapes: H = 4096, I = 2048, top-6; 16-row blocks): compiles
-``_gate_up_kernel`` and ``_down_kernel`` with DEQ = 0 (dot_scaled) and 1 (bits), disassembles the cubin with the
+``_gate_up_kernel`` and ``_down_kernel`` with DEQ = 0 (dot_scaled), 1 (bits) and 1 on the prepared layout
+(WL = 1, "bits_prepared"; also for the tiles of DEFAULT_CONFIGS_SM90_BITS), disassembles the cubin with the
 cuobjdump that ships with Triton, takes the longest loop (the K loop, ``pd.kernels.sass_stats``) and divides its instruction count by the
 weights one thread handles per iteration (BN x BK x (2 for fused gate/up) / (32 x num_warps)). Also prints the
 registers per thread (cuobjdump -res-usage), which set the blocks per SM.
@@ -47,24 +48,27 @@ def compile_sm90a(fn, sig, const, tile, stride_arg):
 def measure():
     rows = []
     seen = set()
-    for bound, cfg in mx.DEFAULT_CONFIGS:
+    kinds = ((0, 0, "dot_scaled"), (1, 0, "bits"), (1, 1, "bits_prepared"))
+    plans = [(cfg, kinds) for _, cfg in mx.DEFAULT_CONFIGS] + [(cfg, kinds[2:]) for _, cfg in
+                                                               mx.DEFAULT_CONFIGS_SM90_BITS]
+    for cfg, deqs in plans:
         if cfg.get("BM", 16) != 16:
             continue
         halves = cfg.get("gate_up_halves", False)
         for kind, tile in (("gate_up", cfg["gate_up"]), ("down", cfg["down"])):
-            key = (kind, halves if kind == "gate_up" else None, tuple(sorted(tile.items())))
-            if key in seen:
-                continue
-            seen.add(key)
-            for deq, name in ((0, "dot_scaled"), (1, "bits")):
+            for deq, wl, name in deqs:
+                key = (kind, halves if kind == "gate_up" else None, tuple(sorted(tile.items())), name)
+                if key in seen:
+                    continue
+                seen.add(key)
                 if kind == "gate_up":
                     const = dict(DIMS, SORTED=True, HAS_LIMIT=True, UP_FIRST=False, SPLIT=1, HALVES=halves, BM=16,
-                                 BN=tile["BN"], BK=tile["BK"], BKD=tile.get("BK_DOT", tile["BK"]), DEQ=deq)
+                                 BN=tile["BN"], BK=tile["BK"], BKD=tile.get("BK_DOT", tile["BK"]), DEQ=deq, WL=wl)
                     k = compile_sm90a(mx._gate_up_kernel, GU_SIG, const, tile, "stride_xt")
                     weights = (1 if halves else 2) * tile["BN"] * tile["BK"]
                 else:
                     const = dict(DIMS, MODE=0, SPLIT=1, BM=16, BN=tile["BN"], BK=tile["BK"],
-                                 BKD=tile.get("BK_DOT", tile["BK"]), DEQ=deq)
+                                 BKD=tile.get("BK_DOT", tile["BK"]), DEQ=deq, WL=wl)
                     k = compile_sm90a(mx._down_kernel, DN_SIG, const, tile, "stride_ot")
                     weights = tile["BN"] * tile["BK"]
                 n, ops = sass.longest_loop(k.asm["cubin"])
