@@ -220,11 +220,14 @@ SCORE_ALIGNED = ("q_ptr", "w_ptr", "qs_ptr", "kc32_ptr", "k8_ptr", "ks_ptr", "bt
 
 
 def _compile_scores(cfg, cc, s_p2=1, fp8=False):
-    from pd.kernels.indexer import GROUP, HIST_BINS, HIST_SHIFT, MIN_TILES, _index_scores_kernel, page_vector_consts
+    """The score kernel as the launcher builds it on sm_90 / sm_120 (both cc >= 9: with the PDL release when
+    SELECT_PDL is on)."""
+    from pd.kernels.indexer import (GROUP, HIST_BINS, HIST_SHIFT, MIN_TILES, SELECT_PDL, _index_scores_kernel,
+                                    page_vector_consts)
 
     const = dict(S=s_p2, S_P2=s_p2, H=64, PAGE=64, BLOCK_N=cfg["BLOCK_N"], G=GROUP, LEN_2D=False, HAS_QS=fp8,
                  Q_FP8=fp8, MIN_TILES=MIN_TILES, DOT_F32=False, TOKENS_M=cfg["TOKENS_M"], PREFETCH=cfg["PREFETCH"],
-                 DOT_PREC="tf32", KEYS=cfg["KEYS"], NB=HIST_BINS, SHIFT=HIST_SHIFT, PROBE=0, PDL=False,
+                 DOT_PREC="tf32", KEYS=cfg["KEYS"], NB=HIST_BINS, SHIFT=HIST_SHIFT, PROBE=0, PDL=SELECT_PDL,
                  CH=page_vector_consts(cfg["BLOCK_N"], 64)[0], NPV=page_vector_consts(cfg["BLOCK_N"], 64)[1])
     sig = dict(SCORE_SIG, q_ptr="*fp8e4nv" if fp8 else "*bf16")
     return compile_for(_index_scores_kernel, sig, const, cc, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -246,8 +249,15 @@ def test_aot_score_config_sm120a_and_sm90a(cfg):
     assert_sm120_ok(builds[0])
     assert_sm120_ok(builds[1])
     assert "mma" in builds[2].asm["ptx"]
+    assert all(("griddepcontrol.launch_dependents" in k.asm["ptx"]) == _select_pdl() for k in builds)
     if cfg["KEYS"] == "fp8" and cfg["num_stages"] > 1:
         assert all("cp.async" in k.asm["ptx"] for k in builds)
+
+
+def _select_pdl():
+    from pd.kernels.indexer import SELECT_PDL
+
+    return SELECT_PDL
 
 
 @aot
@@ -271,8 +281,8 @@ def test_aot_select_and_group_max(topk):
     """The select kernel has no dot (compares, reductions, scans: no tensor-core work to do), so sm_120a only
     needs no wgmma and <= 99 KiB of shared memory; every select warp count compiles for both targets."""
     from pd.kernels.indexer import (FINE_BINS, FINE_SHIFT, GROUP, HIST_BINS, HIST_SHIFT, MIN_TILES, RADIX_BITS,
-                                    SELECT_SPLIT, SELECT_TGS, SELECT_WARPS, _group_max_kernel, _select_topk_kernel,
-                                    candidate_capacity)
+                                    SELECT_PDL, SELECT_SPLIT, SELECT_TGS, SELECT_WARPS, _group_max_kernel,
+                                    _select_topk_kernel, candidate_capacity)
 
     sig = {"score_ptr": "*fp32", "gmax_ptr": "*fp32", "hist_ptr": "*i32", "tick_ptr": "*i32", "fine_ptr": "*i32",
            "scr_ptr": "*i32",
@@ -281,11 +291,12 @@ def test_aot_select_and_group_max(topk):
     cap = candidate_capacity(topk)
     const = dict(LEN_2D=False, G=GROUP, NB=HIST_BINS, SHIFT=HIST_SHIFT, NSEL=SELECT_SPLIT, CAP=cap, CAP_P=cap,
                  TGS=SELECT_TGS, TILE=1024, RADIX=RADIX_BITS, CLEAR_HIST=True, PROBE=0, NBF=FINE_BINS,
-                 FSHIFT=FINE_SHIFT, DROP_MAX=8, PDL=False)
+                 FSHIFT=FINE_SHIFT, DROP_MAX=8, PDL=SELECT_PDL)  # as launched on cc >= 9
     for w in SELECT_WARPS:
         for cc in (120, 90):
             for search in ("radix", "fine"):
                 k = compile_for(_select_topk_kernel, sig, dict(const, SEARCH=search), cc, num_warps=w, num_stages=1)
+                assert ("griddepcontrol.wait" in k.asm["ptx"]) == SELECT_PDL
                 if cc == 120:
                     assert_sm120_ok(k, needs_mma=False)
     if topk == 512:
