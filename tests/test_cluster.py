@@ -210,3 +210,21 @@ def test_config_needing_more_gpus_than_the_cluster_fails_clearly(ray_head):
     logs = ray_head.logs(job)
     assert "the config needs 12 GPUs" in logs and "the Ray cluster has 8" in logs
     assert "FAILED" in ray_head.status(job) or "failed" in ray_head.status(job)
+
+
+def test_bundle_no_node_can_hold_is_named_at_once(ray_head):
+    """The README's multi-node example on a one-node head: the job log names the missing custom resource right
+    away (the launcher keeps waiting for an autoscaler to add such a node; the test stops it)."""
+    path = os.path.join(ROOT, "deploy", f".test-placement-{free_port()}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump({"decode": {"placement": {"resources": {"decode_node": 0.01}}}, "router": {"port": free_port()}}, f)
+    try:
+        job = ray_head.submit("python", "-m", "pd.launch", os.path.relpath(path, ROOT))
+    finally:
+        os.remove(path)
+    try:
+        m = ray_head.wait_log(job, r"pdserve: decode-0: (no alive node has resource 'decode_node'[^\n]*)", timeout=60)
+        assert "ray start --resources '{\"decode_node\": 1}'" in m.group(1) and "_group_" not in m.group(1)
+        assert "prefill-0: no alive node" not in ray_head.logs(job)  # the prefill bundle fits
+    finally:
+        ray_head.stop_job(job)
