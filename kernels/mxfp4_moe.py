@@ -550,6 +550,16 @@ def _topk_sum_kernel(y_ptr, ids_ptr, out_ptr, stride_ot, P, E, H: tl.constexpr, 
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(tl.bfloat16), mask=offs < H)
 
 
+# Triton types of the runtime (non-constexpr) arguments of _gate_up_kernel / _down_kernel, for ahead-of-time
+# compiles without a GPU (tests/test_mxfp4_moe.py, benchmarks/kernels/mxfp4_moe_sass.py).
+GATE_UP_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "*i32", "sorted_ptr": "*i32",
+                     "blk_exp_ptr": "*i32", "nblk_ptr": "*i32", "h_ptr": "*bf16", "part_ptr": "*fp32",
+                     "stride_xt": "i32", "limit": "fp32", "P": "i32", "E": "i32"}
+DOWN_SIGNATURE = {"h_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "*i32", "tw_ptr": "*fp32",
+                  "sorted_ptr": "*i32", "blk_exp_ptr": "*i32", "nblk_ptr": "*i32", "y_ptr": "*fp32", "out_ptr": "*bf16",
+                  "stride_ot": "i32", "scaling": "fp32", "P": "i32", "E": "i32"}
+
+
 # ---------------------------------------------------------------------------------------------------- configs
 
 # Tile configs (BN: output columns per program, BK: K per pipeline stage, BK_DOT: K per dequantize + dot step,

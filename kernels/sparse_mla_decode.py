@@ -267,6 +267,27 @@ def _q_chunks(q_row, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _program_start(q_ptr, len_ptr, idx_ptr, S, TOPK, chunk, stride_qb, stride_qs, stride_qh, HAS_LEN: tl.constexpr,
+                   PDL: tl.constexpr, BLOCK_H: tl.constexpr, DOT_F32: tl.constexpr):
+    """What a chunked / pipelined program owns (grid: batch * query token, head block, topk split): returns
+    (pid_bs, pid_sp, b, s, offs_h [BLOCK_H], its index row pointer, its topk range start, end, and its query rows
+    as 8 x [BLOCK_H, 64] chunks). With PDL it first releases the combine launch (programmatic dependent launch)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    pid_bs = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_sp = tl.program_id(2)
+    b = pid_bs // S
+    s = pid_bs % S
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    q_row = q_ptr + b.to(tl.int64) * stride_qb + s * stride_qs + offs_h[:, None] * stride_qh
+    q0, q1, q2, q3, q4, q5, q6, q7 = _q_chunks(q_row, DOT_F32)
+    start, end = _split_range(len_ptr, b, pid_sp, chunk, TOPK, HAS_LEN)
+    idx_row = idx_ptr + pid_bs.to(tl.int64) * TOPK
+    return pid_bs, pid_sp, b, s, offs_h, idx_row, start, end, q0, q1, q2, q3, q4, q5, q6, q7
+
+
+@triton.jit
 def _zero_state(BLOCK_H: tl.constexpr):
     """Online-softmax state before the first tile: running max -inf, sum 0, 8 zero [BLOCK_H, 64] fp32 accumulators."""
     return (tl.full([BLOCK_H], float("-inf"), tl.float32), tl.zeros([BLOCK_H], tl.float32),
@@ -332,22 +353,9 @@ def _sparse_mla_fwd_chunked_kernel(
     chunks with one scale each + the bf16 rope chunk): no zero padding, no [N, 512] fp32 tile, eight
     [BLOCK_H, 64] accumulators. With BLOCK_H = 64 the dots have 64 rows, so on sm_90 Triton lowers them to wgmma
     (the default there for 64-head programs, DEFAULT_CONFIG_SM90); on sm_120 they stay mma.sync."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    pid_bs = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    pid_sp = tl.program_id(2)
-    b = pid_bs // S
-    s = pid_bs % S
-
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    q_row = q_ptr + b.to(tl.int64) * stride_qb + s * stride_qs + offs_h[:, None] * stride_qh
-    q0, q1, q2, q3, q4, q5, q6, q7 = _q_chunks(q_row, DOT_F32)
-
-    start, end = _split_range(len_ptr, b, pid_sp, chunk, TOPK, HAS_LEN)
-
+    pid_bs, pid_sp, b, s, offs_h, idx_row, start, end, q0, q1, q2, q3, q4, q5, q6, q7 = _program_start(
+        q_ptr, len_ptr, idx_ptr, S, TOPK, chunk, stride_qb, stride_qs, stride_qh, HAS_LEN, PDL, BLOCK_H, DOT_F32)
     m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _zero_state(BLOCK_H)
-    idx_row = idx_ptr + pid_bs.to(tl.int64) * TOPK
     # Latency, not bandwidth, bounds this loop: every global round trip (index list, then the gathered
     # records) costs ~1 us. So the next tile's indices are fetched one tile ahead, and all of a tile's loads
     # (7 nope chunks + scales + rope) are issued before its first dot: the shared-memory barrier each dot
@@ -486,22 +494,9 @@ def _sparse_mla_fwd_pipelined_kernel(
     cp.async into shared memory LOOP_STAGES - 1 tiles ahead: the next tiles' gathered records are in flight
     while this tile is dequantized and multiplied (with 3 stages the index list is fetched a stage earlier than
     the records it addresses). Raw bytes wait in shared memory, not registers, so the accumulators keep theirs."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    pid_bs = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    pid_sp = tl.program_id(2)
-    b = pid_bs // S
-    s = pid_bs % S
-
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    q_row = q_ptr + b.to(tl.int64) * stride_qb + s * stride_qs + offs_h[:, None] * stride_qh
-    q0, q1, q2, q3, q4, q5, q6, q7 = _q_chunks(q_row, DOT_F32)
-
-    start, end = _split_range(len_ptr, b, pid_sp, chunk, TOPK, HAS_LEN)
-
+    pid_bs, pid_sp, b, s, offs_h, idx_row, start, end, q0, q1, q2, q3, q4, q5, q6, q7 = _program_start(
+        q_ptr, len_ptr, idx_ptr, S, TOPK, chunk, stride_qb, stride_qs, stride_qh, HAS_LEN, PDL, BLOCK_H, DOT_F32)
     m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _zero_state(BLOCK_H)
-    idx_row = idx_ptr + pid_bs.to(tl.int64) * TOPK
     # the 8 scale bytes of a token (7 UE8M0 + pad) are 8-byte aligned: one int64 load per token
     kc64_ptr = kc8_ptr.to(tl.pointer_type(tl.int64))
     r64 = tl.arange(0, 64)

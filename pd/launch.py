@@ -80,13 +80,14 @@ class Launcher:
         self.check_resources()
         actor_cls = ray.remote(EngineWorker)
         specs = []
+        nodes = ray.nodes()
         for role, group in self.cfg.groups().items():
             for i in range(group.replicas):
                 bundle = {"GPU": group.tp_size, **group.placement.resources}
                 kwargs = {}
                 if group.placement.node_labels:
                     kwargs["bundle_label_selector"] = [dict(group.placement.node_labels)]
-                why = unplaceable_reason(bundle, group.placement.node_labels, ray.nodes())
+                why = unplaceable_reason(bundle, group.placement.node_labels, nodes)
                 if why:  # an autoscaler may still add such a node, so this only warns
                     say(f"{role}-{i}: {why}; waiting up to {PG_READY_TIMEOUT:g}s for one to join")
                 pg = placement_group([bundle], strategy="STRICT_PACK", name=f"pdserve-{role}-{i}", **kwargs)

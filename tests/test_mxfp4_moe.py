@@ -211,12 +211,6 @@ def test_empty_batch_returns_empty_output():
 
 # ---------------------------------------------------------------------------------------------------- AOT compile
 
-GU_SIG = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "*i32", "sorted_ptr": "*i32",
-          "blk_exp_ptr": "*i32", "nblk_ptr": "*i32", "h_ptr": "*bf16", "part_ptr": "*fp32", "stride_xt": "i32",
-          "limit": "fp32", "P": "i32", "E": "i32"}
-DN_SIG = {"h_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "*i32", "tw_ptr": "*fp32",
-          "sorted_ptr": "*i32", "blk_exp_ptr": "*i32", "nblk_ptr": "*i32", "y_ptr": "*fp32", "out_ptr": "*bf16",
-          "stride_ot": "i32", "scaling": "fp32", "P": "i32", "E": "i32"}
 DIMS = dict(H=4096, I=2048, TOPK=6, ROUND=False)  # DeepSeek-V4-Flash
 
 
@@ -225,21 +219,21 @@ def _aligned(sig, stride):  # what the launcher specializes for 16-byte-aligned 
 
 
 def _gate_up(cfg, cc, bm=16, sorted_=True, split=1, halves=False, deq=0, wl=0):
-    from pd.kernels.mxfp4_moe import _gate_up_kernel
+    from pd.kernels.mxfp4_moe import GATE_UP_SIGNATURE, _gate_up_kernel
 
     const = dict(DIMS, SORTED=sorted_, HAS_LIMIT=True, UP_FIRST=False, SPLIT=split, HALVES=halves, BM=bm,
                  BN=cfg["BN"], BK=cfg["BK"], BKD=cfg.get("BK_DOT", cfg["BK"]), DEQ=deq, WL=wl)
-    return compile_for(_gate_up_kernel, GU_SIG, const, cc, cfg["num_warps"], cfg["num_stages"],
-                       aligned=_aligned(GU_SIG, "stride_xt"))
+    return compile_for(_gate_up_kernel, GATE_UP_SIGNATURE, const, cc, cfg["num_warps"], cfg["num_stages"],
+                       aligned=_aligned(GATE_UP_SIGNATURE, "stride_xt"))
 
 
 def _down(cfg, cc, bm=16, mode=0, split=1, deq=0, wl=0):
-    from pd.kernels.mxfp4_moe import _down_kernel
+    from pd.kernels.mxfp4_moe import DOWN_SIGNATURE, _down_kernel
 
     const = dict(DIMS, MODE=mode, SPLIT=split, BM=bm, BN=cfg["BN"], BK=cfg["BK"], BKD=cfg.get("BK_DOT", cfg["BK"]),
                  DEQ=deq, WL=wl)
-    return compile_for(_down_kernel, DN_SIG, const, cc, cfg["num_warps"], cfg["num_stages"],
-                       aligned=_aligned(DN_SIG, "stride_ot"))
+    return compile_for(_down_kernel, DOWN_SIGNATURE, const, cc, cfg["num_warps"], cfg["num_stages"],
+                       aligned=_aligned(DOWN_SIGNATURE, "stride_ot"))
 
 
 def _tile_configs():

@@ -28,12 +28,6 @@ from kernel_modules import kernel_module  # noqa: E402  (pd.kernels installed or
 mx = kernel_module("mxfp4_moe")
 sass = kernel_module("sass_stats")  # the loop counter tests/test_mxfp4_moe.py uses too
 
-GU_SIG = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "*i32", "sorted_ptr": "*i32",
-          "blk_exp_ptr": "*i32", "nblk_ptr": "*i32", "h_ptr": "*bf16", "part_ptr": "*fp32", "stride_xt": "i32",
-          "limit": "fp32", "P": "i32", "E": "i32"}
-DN_SIG = {"h_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "*i32", "tw_ptr": "*fp32",
-          "sorted_ptr": "*i32", "blk_exp_ptr": "*i32", "nblk_ptr": "*i32", "y_ptr": "*fp32", "out_ptr": "*bf16",
-          "stride_ot": "i32", "scaling": "fp32", "P": "i32", "E": "i32"}
 DIMS = dict(H=4096, I=2048, TOPK=6, ROUND=False)
 
 
@@ -64,12 +58,12 @@ def measure():
                 if kind == "gate_up":
                     const = dict(DIMS, SORTED=True, HAS_LIMIT=True, UP_FIRST=False, SPLIT=1, HALVES=halves, BM=16,
                                  BN=tile["BN"], BK=tile["BK"], BKD=tile.get("BK_DOT", tile["BK"]), DEQ=deq, WL=wl)
-                    k = compile_sm90a(mx._gate_up_kernel, GU_SIG, const, tile, "stride_xt")
+                    k = compile_sm90a(mx._gate_up_kernel, mx.GATE_UP_SIGNATURE, const, tile, "stride_xt")
                     weights = (1 if halves else 2) * tile["BN"] * tile["BK"]
                 else:
                     const = dict(DIMS, MODE=0, SPLIT=1, BM=16, BN=tile["BN"], BK=tile["BK"],
                                  BKD=tile.get("BK_DOT", tile["BK"]), DEQ=deq, WL=wl)
-                    k = compile_sm90a(mx._down_kernel, DN_SIG, const, tile, "stride_ot")
+                    k = compile_sm90a(mx._down_kernel, mx.DOWN_SIGNATURE, const, tile, "stride_ot")
                     weights = tile["BN"] * tile["BK"]
                 n, ops = sass.longest_loop(k.asm["cubin"])
                 regs = sass.registers(k.asm["cubin"])
