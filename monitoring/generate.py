@@ -33,6 +33,7 @@ def render_files(slo: SLO) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Write (or with --check, compare) the dashboards and rules from the SLOs; returns 1 on a --check difference."""
     p = argparse.ArgumentParser(prog="python -m pd.monitoring.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 on any difference")

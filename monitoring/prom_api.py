@@ -66,6 +66,7 @@ class Prometheus:
         return sorted({s[label] for s in series if label in s})
 
     def close(self) -> None:
+        """Close the HTTP client."""
         self.http.close()
 
 

@@ -177,6 +177,8 @@ def render(prom: Prometheus, out: Path, range_s: float, end: float, step: float,
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``pdserve render-dashboard``: query Prometheus and write the PNG; returns 1 when a query fails or no panel
+    has data, 2 without matplotlib."""
     p = argparse.ArgumentParser(prog="pdserve render-dashboard", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prometheus", required=True, metavar="URL", help="Prometheus that scrapes the cluster")

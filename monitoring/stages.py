@@ -98,6 +98,7 @@ class Stage:
     matchers: tuple[str, ...] = ()
 
     def filters(self) -> tuple[str, ...]:
+        """Label matchers for this stage's histogram: its own plus the router's or the engines' filter."""
         extra = (ROUTER_FILTER,) if self.hist.side == "router" else ENGINE_FILTERS
         return self.matchers + extra
 

@@ -20,6 +20,8 @@ commands:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Dispatch ``pdserve SUBCOMMAND ...`` to its module's ``main``; exits with that status
+    (2 for an unknown subcommand)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)

@@ -250,9 +250,11 @@ class PDConfig(_Strict):
         return self
 
     def groups(self) -> dict[str, Group]:
+        """The two worker groups by role: ``{"prefill": ..., "decode": ...}``."""
         return {"prefill": self.prefill, "decode": self.decode}
 
     def total_gpus(self) -> int:
+        """GPUs the deployment needs: sum over both groups of replicas x tp_size."""
         return sum(g.replicas * g.tp_size for g in self.groups().values())
 
 

@@ -423,6 +423,7 @@ class Context:
 
     @property
     def sglang(self) -> bool:
+        """True when the config's engine is SGLang (the SGLang-only checks apply)."""
         return self.cfg.engine == "sglang"
 
     def value(self, role: str, attr: str):

@@ -40,6 +40,7 @@ class Shutdown(Exception):
 
 
 def say(msg: str) -> None:
+    """Print a launcher message (prefixed ``pdserve:``) to the job log, flushed at once."""
     print(f"pdserve: {msg}", flush=True)
 
 
@@ -70,6 +71,11 @@ class Launcher:
                               f"decode {self.cfg.decode.replicas}x{self.cfg.decode.tp_size}); the Ray cluster has {have:g}")
 
     def start(self) -> None:
+        """Place and start every worker, then the router and the metrics endpoint; returns when the router answers.
+
+        Raises ConfigError when the Ray cluster lacks the GPUs or a bundle cannot be placed within
+        PG_READY_TIMEOUT (naming the missing resource), RuntimeError when an engine or the router fails to start.
+        The caller's ``shutdown()`` stops whatever was started."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -142,6 +148,7 @@ class Launcher:
         return argv
 
     def router_env(self) -> dict[str, str]:
+        """Environment for the router process: ours plus the admin key and, when set, the API key."""
         from pd.router.config import ADMIN_KEY_ENV, API_KEY_ENV
 
         env = dict(os.environ, **{ADMIN_KEY_ENV: self.admin_key})
@@ -150,6 +157,7 @@ class Launcher:
         return env
 
     def router_admin_url(self) -> str:
+        """Base URL of the router's admin API as reachable from this host (a wildcard bind becomes 127.0.0.1)."""
         r = self.cfg.router
         host = "127.0.0.1" if r.host in ("0.0.0.0", "::", "") else r.host
         return f"http://[{host}]:{r.port}" if ":" in host else f"http://{host}:{r.port}"
@@ -161,6 +169,7 @@ class Launcher:
             self.membership.sync(infos)
 
     def start_router(self) -> None:
+        """Start the router process group and wait until it answers; raises RuntimeError if it exits or times out."""
         import subprocess
 
         r = self.cfg.router
@@ -283,6 +292,9 @@ def _raise_shutdown(signum, _frame):
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m pd.launch [CONFIG]``: run one cluster until SIGTERM/SIGINT, then stop all of it.
+
+    Returns 0 on a clean stop, 2 for a bad config, failed preflight or unplaceable layout, 1 when a start fails."""
     p = argparse.ArgumentParser(prog="python -m pd.launch", description="Run a pdserve PD cluster as a Ray job.")
     p.add_argument("config", nargs="?", help="cluster config YAML (default: $PDSERVE_CONFIG_YAML, else deploy/local.yaml)")
     args = p.parse_args(argv)

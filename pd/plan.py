@@ -49,6 +49,7 @@ def plan(cfg: PDConfig, host: str = "127.0.0.1") -> list[dict]:
 
 
 def render(cfg: PDConfig, workers: list[dict]) -> str:
+    """Human-readable plan: one block per worker with its GPUs, ports, ready path, env and argv."""
     lines = [f"engine: {cfg.engine}   model: {cfg.model_path}   router: {cfg.router.host}:{cfg.router.port}",
              "(ports are picked free at launch; shown: what a fresh node gets)", ""]
     for w in workers:
@@ -62,6 +63,7 @@ def render(cfg: PDConfig, workers: list[dict]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """``pdserve plan [CONFIG] [--json]``: print the plan; returns 2 for a bad config, else 0."""
     p = argparse.ArgumentParser(prog="pdserve plan", description="Dry run: workers, GPUs, ports, engine argv and env.")
     p.add_argument("config", nargs="?", help="cluster config YAML (default: deploy/local.yaml)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")

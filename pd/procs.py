@@ -63,9 +63,11 @@ class LoggedGroup:
 
     @property
     def pid(self) -> int:
+        """PID of the group leader (also the process group id)."""
         return self.proc.pid
 
     def alive(self) -> bool:
+        """True while the leader process has not exited."""
         return self.proc.poll() is None
 
     def tail(self, n: int = 30) -> str:

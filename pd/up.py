@@ -31,6 +31,7 @@ READY = re.compile(r"pdserve: router ready at (\S+)")
 
 
 def say(msg: str) -> None:
+    """Print a ``pdserve up:`` message, flushed at once."""
     print(f"pdserve up: {msg}", flush=True)
 
 
@@ -89,6 +90,7 @@ def start_local_head(cfg: PDConfig, dashboard_port: int, log_path: Path) -> subp
 
 
 async def follow(client, job_id: str, router_seen: list, model: str) -> None:
+    """Print the job's log as it arrives; on the router's ready line, print its URL and a curl example once."""
     async for chunk in client.tail_job_logs(job_id):
         for line in chunk.splitlines():
             print(line, flush=True)
@@ -103,6 +105,9 @@ async def follow(client, job_id: str, router_seen: list, model: str) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """``pdserve up [CONFIG]``: start (or reuse) a Ray head, submit the cluster job and follow its log; Ctrl-C
+    or SIGTERM stops the job and the head it started. Returns 0 when the job succeeded or was stopped, 1 when it
+    failed, 2 for an invalid config."""
     p = argparse.ArgumentParser(prog="pdserve up", description=__doc__.split("\n\n")[0])
     p.add_argument("config", nargs="?", help=f"cluster config YAML (default: {DEFAULT_CONFIG.relative_to(REPO)})")
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "http://127.0.0.1:8265"),

@@ -110,6 +110,8 @@ class EngineWorker:
         return await self.info()
 
     async def info(self) -> dict:
+        """This worker's state for the launcher and router: name, role, state, host, ports, url, engine pid,
+        restarts, last exit, diagnosis, GPUs."""
         return {
             "name": self.name, "role": self.role, "state": self.state, "host": self.host,
             "port": self.port, "bootstrap_port": self.bootstrap_port,
@@ -121,6 +123,7 @@ class EngineWorker:
         }
 
     async def log(self, lines: int = 100) -> list[str]:
+        """The engine log's last ``lines`` lines kept by the actor (oldest first)."""
         return list(self.log_tail)[-lines:]
 
     async def stop(self) -> None:

@@ -55,6 +55,7 @@ class AdminAPI:
         self.health = health
 
     def routes(self) -> list[Route]:
+        """The admin routes (/workers GET/POST/DELETE, /workers/drain, /workers/activate), each behind the admin key."""
         return [
             Route("/workers", self._guard(self.list_workers), methods=["GET"]),
             Route("/workers", self._guard(self.add_worker), methods=["POST"]),
@@ -96,11 +97,13 @@ class AdminAPI:
         return w, None
 
     async def list_workers(self, request: Request) -> Response:
+        """GET /workers: every worker's description and the per-role counts."""
         workers = [w.describe() for w in self.pool.all]
         return _json({"workers": workers, "total": len(workers),
                       "stats": {"prefill_count": len(self.pool.prefill), "decode_count": len(self.pool.decode)}})
 
     async def add_worker(self, request: Request) -> Response:
+        """POST /workers {url, worker_type|role, bootstrap_port?}: add a worker; 400 naming the bad field."""
         body, err = await self._body(request)
         if err:
             return err
@@ -118,6 +121,7 @@ class AdminAPI:
         return _json({"worker": w.describe()}, 201)
 
     async def remove_worker(self, request: Request) -> Response:
+        """DELETE /workers?url=: remove a worker at once (its in-flight requests finish); 404 if unknown."""
         w, err = self._find(request.query_params.get("url"))
         if err:
             return err
@@ -127,6 +131,7 @@ class AdminAPI:
         return _json({"removed": w.describe()})
 
     async def drain_worker(self, request: Request) -> Response:
+        """POST /workers/drain {url, timeout_secs?}: stop new requests to a worker and wait for its in-flight ones."""
         body, err = await self._body(request)
         if err:
             return err
@@ -146,6 +151,7 @@ class AdminAPI:
         return _json({"worker": w.describe(), "drained": drained, "removed": removed})
 
     async def activate_worker(self, request: Request) -> Response:
+        """POST /workers/activate {url}: end a drain and reset the worker's circuit breaker."""
         body, err = await self._body(request)
         if err:
             return err

@@ -73,6 +73,7 @@ class Router:
         self.health.start(self.session)
 
     async def stop(self) -> None:
+        """Stop health checks, let in-flight background work drain, close the HTTP sessions."""
         await self.health.stop()
         await self.dispatcher.tasks.drain(SHUTDOWN_DRAIN)
         if self.session is not None:

@@ -33,6 +33,7 @@ log = logging.getLogger("pd.router")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The router's argument parser (sglang-router's flag names where one exists)."""
     p = argparse.ArgumentParser(
         prog="pdserve router",
         description="The pdserve PD router: pairs each request with one prefill and one decode worker, adds the "

@@ -89,6 +89,7 @@ class PrefillOutcome:
 
     @property
     def ok(self) -> bool:
+        """True when prefill answered with a 2xx status."""
         return _ok(self.status)
 
 
@@ -138,6 +139,7 @@ class Exchange:
         self._decode_open = False
 
     def decode_begin(self) -> None:
+        """The decode side started: its sequences count as load on the decode worker until decode_end()."""
         self._decode_open = True
         self.decode.begin(self.seqs)
 
@@ -188,6 +190,7 @@ class PDDispatcher:
         self.worker_headers = header_block({"Content-Type": "application/json", **auth.worker_headers()})
 
     def bind(self, session: aiohttp.ClientSession, client: UpstreamClient) -> None:
+        """Attach the HTTP session and upstream client once the event loop runs."""
         self.session = session
         self.aborter.session = session
         self.client = client

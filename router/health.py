@@ -85,11 +85,13 @@ class HealthMonitor:
         return [{"worker": w.url, "role": w.role, "error": err} for w, err in zip(workers, results) if err is not None]
 
     def start(self, session: aiohttp.ClientSession) -> None:
+        """Start the periodic health-check loop on ``session`` (none when interval_secs is 0)."""
         self.session = session
         if self.cfg.interval_secs > 0:
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
+        """Cancel the health-check loop and wait for it to end."""
         if self._task is not None:
             self._task.cancel()
             try:

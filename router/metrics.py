@@ -92,12 +92,15 @@ class GaugeValue:
         self.value = 0.0
 
     def inc(self, amount: float = 1) -> None:
+        """Add ``amount``."""
         self.value += amount
 
     def dec(self, amount: float = 1) -> None:
+        """Subtract ``amount``."""
         self.value -= amount
 
     def set(self, value: float) -> None:
+        """Set to ``value``."""
         self.value = float(value)
 
 

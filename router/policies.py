@@ -105,35 +105,46 @@ class Policy:
 
 
 class RoundRobin(Policy):
+    """Each worker in turn (``--policy round_robin``)."""
     name = "round_robin"
 
     def pick(self, candidates, key):
+        """The next worker in turn."""
         return candidates[next(self._turn) % len(candidates)]
 
 
 class Random(Policy):
+    """A uniformly random worker (``--policy random``)."""
     name = "random"
 
     def pick(self, candidates, key):
+        """A uniformly random candidate."""
         return random.choice(candidates)
 
 
 class LeastLoad(Policy):
+    """The worker with the fewest requests in flight (``--policy least_load``)."""
     name = "least_load"
 
     def score(self, candidates, key):
+        """Requests in flight per candidate (lower is better)."""
         return [w.load for w in candidates]
 
 
 class PowerOfTwo(Policy):
+    """The less loaded of two random workers (``--policy power_of_two``)."""
     name = "power_of_two"
 
     def pick(self, candidates, key):
+        """The less loaded of two random candidates."""
         a, b = random.sample(candidates, 2)
         return a if a.load <= b.load else b
 
 
 class CacheAware(Policy):
+    """sglang-router's cache-aware policy (``--policy cache_aware``): the worker whose radix tree of routed
+    prefixes matches the request text best, unless load is imbalanced beyond the balance thresholds, then the
+    least loaded."""
     name = "cache_aware"
     uses_key = True
 
@@ -144,12 +155,14 @@ class CacheAware(Policy):
         self._next_eviction = time.monotonic() + self.cfg.eviction_interval_secs
 
     def tree(self, worker: "Worker") -> RadixTree:
+        """The radix tree of text routed to ``worker`` (created on first use)."""
         t = self.trees.get(worker.url)
         if t is None:
             t = self.trees[worker.url] = RadixTree()
         return t
 
     def pick(self, candidates, key):
+        """Best prefix match above cache_threshold; otherwise, or when load is imbalanced, the least loaded."""
         loads = [w.load for w in candidates]
         lo, hi = min(loads), max(loads)
         if not key or (hi - lo > self.cfg.balance_abs_threshold and hi > lo * self.cfg.balance_rel_threshold):
@@ -165,9 +178,11 @@ class CacheAware(Policy):
         return tied[next(self._turn) % len(tied)]
 
     def score(self, candidates, key):
+        """Requests in flight per candidate (the fallback ranks by load)."""
         return [w.load for w in candidates]
 
     def picked(self, worker, key):
+        """Record that ``key`` went to ``worker``; evict trees to max_tree_size every eviction interval."""
         if not key:
             return
         now = time.monotonic()
@@ -178,6 +193,7 @@ class CacheAware(Policy):
                 t.evict(self.cfg.max_tree_size)
 
     def forget(self, worker):
+        """Drop a removed worker's tree."""
         self.trees.pop(worker.url, None)
 
 

@@ -90,6 +90,7 @@ class Worker:
             self._g_circuit.set(state)
 
     def set_healthy(self, ok: bool) -> None:
+        """Record the health-check verdict and export it as the worker's health gauge."""
         self.healthy = ok
         if self._g_healthy is not None:
             self._g_healthy.set(1 if ok else 0)
@@ -154,6 +155,7 @@ class WorkerPool:
 
     @property
     def all(self) -> list[Worker]:
+        """Every worker, prefill first."""
         return self.prefill + self.decode
 
     @property
@@ -162,6 +164,7 @@ class WorkerPool:
         return any(p.uses_key for p in self.policies.values())
 
     def get(self, url: str) -> Optional[Worker]:
+        """The worker with this URL (normalized), or None."""
         url = normalize_url(url)
         for w in self.prefill + self.decode:
             if w.url == url:

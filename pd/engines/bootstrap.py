@@ -86,6 +86,7 @@ class BootstrapServer:
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
+        """Start serving /pd/register, /pd/abort and /health on ``host:port``."""
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/pd/register", self._handle_register)
         app.router.add_post("/pd/abort", self._handle_abort)
@@ -95,17 +96,21 @@ class BootstrapServer:
         await web.TCPSite(self._runner, self.host, self.port).start()
 
     async def stop(self) -> None:
+        """Stop the HTTP server (idempotent)."""
         if self._runner is not None:
             await self._runner.cleanup()
 
     # ---- tombstones ---------------------------------------------------------------------
     def tombstone(self, room: int, reason: str) -> None:
+        """Remember for ``tombstone_ttl`` seconds that bootstrap room ``room`` ended with ``reason``,
+        so a late register from the peer is refused with that reason; expired entries are dropped here."""
         now = time.monotonic()
         self.tombstones[room] = (reason, now + self.tombstone_ttl)
         for r in [r for r, (_, exp) in self.tombstones.items() if exp < now]:
             del self.tombstones[r]
 
     def tombstone_reason(self, room: int) -> Optional[str]:
+        """Why bootstrap room ``room`` ended, or None if it has no live tombstone."""
         entry = self.tombstones.get(room)
         if entry is None or entry[1] < time.monotonic():
             return None

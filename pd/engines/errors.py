@@ -24,6 +24,8 @@ class EngineError(Exception):
 
     @property
     def error_type(self) -> str:
+        """OpenAI-style error type for the HTTP status (404 NotFoundError, 409 ConflictError, other 4xx
+        BadRequestError, 5xx InternalServerError)."""
         if self.status == 404:
             return "NotFoundError"
         if self.status == 409:

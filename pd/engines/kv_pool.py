@@ -48,10 +48,12 @@ class KVPagePool:
 
     @property
     def base_addr(self) -> int:
+        """Device address of the first KV page (the buffer registered with the transfer engine)."""
         return self.pages.data_ptr()
 
     @property
     def total_bytes(self) -> int:
+        """Size of the page buffer in bytes (num_pages x page_bytes)."""
         return self.num_pages * self.page_bytes
 
     def page_addr(self, page: int) -> int:
@@ -59,6 +61,7 @@ class KVPagePool:
         return self.base_addr + page * self.page_bytes
 
     def pages_for(self, num_tokens: int) -> int:
+        """KV pages needed for ``num_tokens`` tokens (at least one)."""
         return max(1, -(-num_tokens // self.page_size))
 
     @property

@@ -103,9 +103,11 @@ class EngineMetrics:
             m.labels(**self.labels)
 
     def observe_ttft(self, seconds: float, stream: bool) -> None:
+        """Record one time to first token, in seconds."""
         self.ttft.labels(**self.request_labels, is_streaming=_bool(stream)).observe(seconds)
 
     def observe_itl(self, seconds: float) -> None:
+        """Record one inter-token latency, in seconds."""
         self.itl.labels(**self.request_labels).observe(seconds)
 
     def observe_finished(self, e2e: float, prompt_tokens: int, completion_tokens: int, stream: bool,
@@ -133,6 +135,7 @@ class EngineMetrics:
         self.num_aborted.labels(**self.request_labels).inc()
 
     def observe_stage(self, stage: str, seconds: float) -> None:
+        """Record one PD stage duration in seconds; ``stage`` is one of STAGES (SGLang's label values)."""
         self.stage.labels(**self.labels, stage=stage).observe(seconds)
 
     def observe_transfer(self, nbytes: int, seconds: float) -> None:
@@ -145,6 +148,7 @@ class EngineMetrics:
         self.transfer_bytes.labels(**self.labels).inc(nbytes)
 
     def set_pool(self, held_pages: int, num_pages: int, page_size: int) -> None:
+        """Publish KV pool occupancy: pages held, token usage (fraction of pages) and tokens held."""
         self.pages_held.labels(**self.labels).set(held_pages)
         self.token_usage.labels(**self.labels).set(held_pages / max(1, num_pages))
         self.num_used_tokens.labels(**self.labels).set(held_pages * page_size)

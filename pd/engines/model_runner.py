@@ -32,9 +32,11 @@ class KVLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The KV cache element type as a torch dtype."""
         return DTYPES[self.dtype]
 
     def bytes_per_token(self) -> int:
+        """KV bytes one token takes over all layers: layers x 2 (K and V) x kv heads x head_dim x element size."""
         elem = torch.empty((), dtype=self.torch_dtype).element_size()
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * elem
 
@@ -94,10 +96,12 @@ class ModelRunner:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
+        """Text of one token id, special tokens kept (for logprob entries)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     # ---- forward ------------------------------------------------------------------------
     def new_cache(self):
+        """An empty transformers DynamicCache for this model."""
         from transformers import DynamicCache
 
         return DynamicCache(config=self.config)

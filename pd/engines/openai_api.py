@@ -156,6 +156,7 @@ class OpenAIResponder:
         self.object = "text_completion" if kind == "completion" else "chat.completion"
 
     def full(self, seqs: list[Sequence]) -> dict:
+        """The whole non-streaming response object (one choice per sequence, usage included)."""
         choices = []
         for seq in seqs:
             reason, matched = finish_fields(seq)
@@ -171,6 +172,7 @@ class OpenAIResponder:
                 "choices": choices, "usage": usage(seqs, self.n)}
 
     def chunk(self, choices: list[dict], usage_info: Optional[dict] = None) -> dict:
+        """One streaming chunk object with ``choices`` (and ``usage`` when given)."""
         obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
         if usage_info is not None:

@@ -45,6 +45,7 @@ class GenerateRequest(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    """OpenAI ``stream_options``: ``include_usage`` adds a final usage chunk."""
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
 
@@ -102,6 +103,7 @@ class CompletionRequest(_OpenAIBase):
 
 
 class ChatMessage(BaseModel):
+    """One chat message: role and content (text, or a list of content parts); other fields are kept."""
     model_config = ConfigDict(extra="allow")
     role: str
     content: Optional[Union[str, list[dict]]] = None
@@ -196,6 +198,7 @@ def bootstraps(body: BaseModel, count: int, repeat: int) -> list[Optional[Bootst
 
 
 def new_rid() -> str:
+    """A fresh request id (32 hex digits)."""
     return uuid.uuid4().hex
 
 

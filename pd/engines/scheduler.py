@@ -120,6 +120,8 @@ class Scheduler:
                  self.mode, self.pool.num_pages, self.pool.page_size, self.pool.total_bytes / 1e6, self.transfer.session_id)
 
     async def stop(self) -> None:
+        """Cancel every running sequence (its client gets an error), wait up to 10 s for them, then stop the
+        bootstrap and HTTP servers."""
         for seq in list(self.sequences):
             self.cancel(seq, "engine shutting down")
         tasks = [s.task for s in self.sequences if s.task is not None]

@@ -56,6 +56,7 @@ class Sequence:
     # ---- progress -----------------------------------------------------------------------
     @property
     def done(self) -> bool:
+        """True once the sequence has finished or failed."""
         return self.finish_reason is not None or self.error is not None
 
     def banned_tokens(self, step: int) -> list[int]:
@@ -103,17 +104,20 @@ class Sequence:
             self.finish_reason = {"type": "length", "length": n}
 
     def finish(self, reason: dict) -> None:
+        """Mark finished with ``reason`` (the first reason wins) and wake the listener."""
         if self.finish_reason is None:
             self.finish_reason = reason
         self.finish_time = time.perf_counter()
         self.signal()
 
     def fail(self, error: EngineError) -> None:
+        """Mark failed with ``error`` and wake the listener."""
         self.error = error
         self.finish_time = time.perf_counter()
         self.signal()
 
     def signal(self) -> None:
+        """Wake the listener, if any, so it emits what is new."""
         if self.listener is not None:
             self.listener.put_nowait(self)
 

@@ -37,10 +37,12 @@ HEALTH_CHECK_TIMEOUT = 20.0  # seconds, SGLang's SGLANG_HEALTH_CHECK_TIMEOUT
 
 
 def error_response(e: EngineError) -> JSONResponse:
+    """The JSON error response for an EngineError, with its HTTP status."""
     return JSONResponse(e.body(), status_code=e.status)
 
 
 def sse(obj) -> bytes:
+    """One server-sent event ``data: <json>`` frame."""
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
@@ -307,6 +309,7 @@ class EngineServer:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The reference engine's argument parser (SGLang's flag names; see add_engine_args)."""
     p = argparse.ArgumentParser(
         prog="pdserve engine",
         description="The pdserve reference engine: an exact CPU engine that speaks SGLang's HTTP and "

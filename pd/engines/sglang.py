@@ -64,6 +64,7 @@ def pinned_sglang_requirement() -> str:
 
 
 def pinned_sglang_version() -> str:
+    """The SGLang version pinned in pyproject.toml, e.g. ``0.5.23``."""
     return pinned_sglang_requirement().split("==", 1)[1]
 
 
@@ -154,6 +155,7 @@ def sglang_parser() -> argparse.ArgumentParser:
 
 
 def known_flags() -> list[str]:
+    """Every ``--flag`` the pinned SGLang's server argument parser accepts, sorted."""
     return sorted(o for a in sglang_parser()._actions for o in a.option_strings if o.startswith("--"))
 
 
