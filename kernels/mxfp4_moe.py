@@ -296,6 +296,38 @@ def _mx_dot(acc, x, w, s, DEQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     return acc
 
 
+# L2 prefetch of one 128-byte line per lane (sm_80+: sm_90 and sm_120): the loads a program will issue, all in
+# flight at once instead of the 2-3 stages of its cp.async pipeline; ``evict_last`` keeps lines read by a later
+# launch (the down weights a gate/up program fetches for the down kernel) ahead of the streamed gate/up lines.
+_PREFETCH_L2_ASM = tl.constexpr("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;")
+_PREFETCH_L2_LAST_ASM = tl.constexpr("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;")
+PF_LINE = tl.constexpr(128)  # bytes per prefetch
+
+
+@triton.jit
+def _prefetch_rows(row_ptrs, nbytes, EVICT_LAST: tl.constexpr):
+    """Prefetch ``nbytes`` bytes from each of the row start addresses ``row_ptrs`` (uint8 pointers, any shape) into
+    L2."""
+    for off in range(0, nbytes, PF_LINE):
+        if EVICT_LAST:
+            tl.inline_asm_elementwise(_PREFETCH_L2_LAST_ASM, "=r,l", [row_ptrs + off], tl.int32, is_pure=False,
+                                      pack=1)
+        else:
+            tl.inline_asm_elementwise(_PREFETCH_L2_ASM, "=r,l", [row_ptrs + off], tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_span(base, nbytes, EVICT_LAST: tl.constexpr, LANES: tl.constexpr):
+    """Prefetch the byte range [base, base + nbytes) (uint8 pointer) into L2, LANES lines per step."""
+    for off in range(0, nbytes, PF_LINE * LANES):
+        o = off + tl.arange(0, LANES) * PF_LINE
+        ptrs = base + tl.where(o < nbytes, o, 0)  # lanes past the end fetch the first line again (harmless)
+        if EVICT_LAST:
+            tl.inline_asm_elementwise(_PREFETCH_L2_LAST_ASM, "=r,l", [ptrs], tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise(_PREFETCH_L2_ASM, "=r,l", [ptrs], tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, blk_exp_ptr, nblk_ptr, cursor_ptr, P, max_rows, E,
                   E_BINS: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr):
@@ -358,11 +390,12 @@ def _swiglu_bf16(g, u, limit, HAS_LIMIT: tl.constexpr, ROUND: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, s_ptr, ids_ptr, sorted_ptr, blk_exp_ptr, nblk_ptr, h_ptr, part_ptr,
+    x_ptr, w_ptr, s_ptr, ids_ptr, sorted_ptr, blk_exp_ptr, nblk_ptr, h_ptr, part_ptr, tick_ptr, w2_ptr, s2_ptr,
     stride_xt, limit, P, E,
     H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, SORTED: tl.constexpr, HAS_LIMIT: tl.constexpr,
     UP_FIRST: tl.constexpr, SPLIT: tl.constexpr, HALVES: tl.constexpr, ROUND: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BKD: tl.constexpr, DEQ: tl.constexpr, WL: tl.constexpr = 0,
+    PF: tl.constexpr = 0, FOLD: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Program (row block, BN columns, K split). Fused (HALVES False): BN intermediate columns, gate and up rows
     both; with SPLIT == 1 it writes h[pair] = SwiGLU (bf16). Otherwise it writes fp32 partial sums of its K
@@ -370,15 +403,44 @@ def _gate_up_kernel(
     covers BN of the 2 I rows of w13 (one accumulator: half the registers, more programs). Each loop iteration
     (one cp.async pipeline stage) covers BK of K as BK / BKD separate loads + dequantize + dot steps: the
     converted weights of only BKD columns are live at a time (BK 256 as one step: 247 registers, as two steps of
-    128: 142, so 6 instead of 4 blocks per SM on sm_90)."""
+    128: 142, so 6 instead of 4 blocks per SM on sm_90).
+    PF 1: the program first prefetches all its weight rows (and scales) of its K range into L2, so every load is
+    in flight at once (the pipeline keeps only 2-3 stages); PF 2 (pair paths): also its 1 / (programs per pair)
+    slice of the pair's expert's down weights and scales (w2_ptr, s2_ptr), evict_last, for the down launch.
+    FOLD (pair path, SPLIT > 1 or HALVES): the last of the 2 SPLIT (HALVES) or SPLIT programs of a (pair, BN
+    columns) group to finish (acq_rel ticket in tick_ptr[pair * I / BN + column block], reset by that program)
+    sums the group's partials in split order and writes h = SwiGLU itself, as ``_swiglu_kernel`` would (same
+    arithmetic, same order: identical bits). PDL: releases the programmatic dependent launch of the next kernel at
+    the start (its programs may take free SM slots once every program here has started)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     e, rows, rmask, active = _rows_of(pid_m, ids_ptr, sorted_ptr, blk_exp_ptr, nblk_ptr, P, E, SORTED, BM)
     if active:
         tok = (rows // TOPK).to(tl.int64)
         e64 = e.to(tl.int64)
         k0 = pid_k * (H // SPLIT)
+        if PF >= 1:  # this program's weight rows and scales over its K range, into L2
+            if HALVES:
+                pf_rows = pid_n * BN + tl.arange(0, BN)
+            else:
+                pf_rows = tl.join(pid_n * BN + tl.arange(0, BN), pid_n * BN + tl.arange(0, BN) + I)
+            pf_rows = pf_rows.to(tl.int64) + e64 * (2 * I)
+            _prefetch_rows(w_ptr + pf_rows * (H // 2) + k0 // 2, H // SPLIT // 2, False)
+            _prefetch_rows(s_ptr + pf_rows * (H // 32) + k0 // 32, H // SPLIT // 32, False)
+        if PF >= 2:  # a slice of this expert's down weights and scales, for the down launch
+            n_q = tl.num_programs(1) * SPLIT
+            q = pid_n * SPLIT + pid_k
+            W2B: tl.constexpr = H * (I // 2)
+            S2B: tl.constexpr = H * (I // 32)
+            per_w = tl.cdiv(tl.cdiv(W2B, n_q), PF_LINE) * PF_LINE
+            per_s = tl.cdiv(tl.cdiv(S2B, n_q), PF_LINE) * PF_LINE
+            w_lo = tl.minimum(q * per_w, W2B)
+            s_lo = tl.minimum(q * per_s, S2B)
+            _prefetch_span(w2_ptr + e64 * W2B + w_lo, tl.minimum(per_w, W2B - w_lo), True, 128)
+            _prefetch_span(s2_ptr + e64 * S2B + s_lo, tl.minimum(per_s, S2B - s_lo), True, 128)
         WV: tl.constexpr = 2 + 2 * WL  # values per weight element
         w_base = _w_elems(w_ptr, WL) + e64 * (2 * I * (H // WV)) + k0 // WV
         SK: tl.constexpr = 32  # K per scale byte
@@ -406,6 +468,9 @@ def _gate_up_kernel(
             else:
                 col = w_row
             tl.store(part_ptr + (pid_k * P + r64) * (2 * I) + col[None, :], acc, mask=rmask[:, None])
+            if FOLD:
+                _fold_swiglu(part_ptr, h_ptr, tick_ptr, pid_m, pid_n % (I // BN), limit, P, I, BN, 2 * SPLIT,
+                             SPLIT, HAS_LIMIT, ROUND)
         else:
             offs_n = pid_n * BN + tl.arange(0, BN)
             if UP_FIRST:
@@ -443,6 +508,30 @@ def _gate_up_kernel(
                 part = part_ptr + (pid_k * P + r64) * (2 * I) + offs_n[None, :]
                 tl.store(part, acc_g, mask=rmask[:, None])
                 tl.store(part + I, acc_u, mask=rmask[:, None])
+                if FOLD:
+                    _fold_swiglu(part_ptr, h_ptr, tick_ptr, pid_m, pid_n, limit, P, I, BN, SPLIT, SPLIT, HAS_LIMIT,
+                                 ROUND)
+
+
+@triton.jit
+def _fold_swiglu(part_ptr, h_ptr, tick_ptr, pair, cb, limit, P, I: tl.constexpr, BN: tl.constexpr,
+                 ARRIVALS: tl.constexpr, SPLIT: tl.constexpr, HAS_LIMIT: tl.constexpr, ROUND: tl.constexpr):
+    """Ticket fold of ``_swiglu_kernel`` into the gate/up programs (pair paths): called by each of the ARRIVALS
+    programs of (pair, column block cb) after storing its partials; the last one writes h[pair, cb BN : cb BN + BN]
+    from the SPLIT partial rows (summed in split order, as _swiglu_kernel does) and resets the ticket."""
+    tl.debug_barrier()  # every thread's partial stores are issued before the release
+    tick = tick_ptr + pair * (I // BN) + cb
+    if tl.atomic_add(tick, 1, sem="acq_rel") == ARRIVALS - 1:
+        tl.store(tick, 0)  # for the next call
+        offs = cb * BN + tl.arange(0, BN)
+        g = tl.zeros([BN], tl.float32)
+        u = tl.zeros([BN], tl.float32)
+        for s in tl.static_range(SPLIT):
+            row = part_ptr + (s * P + pair).to(tl.int64) * (2 * I)
+            g += tl.load(row + offs, cache_modifier=".cg")
+            u += tl.load(row + I + offs, cache_modifier=".cg")
+        hv = _swiglu_bf16(g, u, limit, HAS_LIMIT, ROUND)
+        tl.store(h_ptr + pair.to(tl.int64) * I + offs, hv.to(tl.bfloat16))
 
 
 @triton.jit
@@ -491,15 +580,21 @@ def _down_tile(h_ptr, w_base, s_base, rows, rmask, offs_n, k0, KLEN: tl.constexp
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, sorted_ptr, blk_exp_ptr, nblk_ptr, y_ptr, out_ptr,
+    h_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, sorted_ptr, blk_exp_ptr, nblk_ptr, y_ptr, out_ptr, tick_ptr,
     stride_ot, scaling, P, E,
     H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr,
     ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKD: tl.constexpr,
-    DEQ: tl.constexpr, WL: tl.constexpr = 0,
+    DEQ: tl.constexpr, WL: tl.constexpr = 0, PF: tl.constexpr = 0, FOLD: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """MODE 0: sorted row blocks, 1: one pair per program (both write the routing-weighted rows of K split
     ``pid_k`` to y[pid_k, pair] fp32 for _topk_sum_kernel); MODE 2 (SPLIT 1): one token per program, its k
-    experts summed here, bf16 out[token] written."""
+    experts summed here, bf16 out[token] written.
+    PF 1 (MODE 0, 1): prefetch the program's weight rows and scales over its K range into L2 first. PDL: launched
+    as a programmatic dependent of the gate/up kernel: the routing reads and the prefetch (inputs only) run before
+    griddepcontrol.wait, everything that reads h after it. FOLD (MODE 1): the last of the TOPK * SPLIT programs
+    of a (token, BN columns) group to finish (acq_rel ticket in tick_ptr[token * H / BN + pid_n], reset by it)
+    writes out[token] as ``_topk_sum_kernel`` would (same order: identical bits)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -507,6 +602,8 @@ def _down_kernel(
     w_stride_e = H * (I // 2)
     s_stride_e = H * (I // 32)
     if MODE == 2:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         offs_m = tl.arange(0, BM)
         total = tl.zeros([BN], tl.float32)
         for j in tl.static_range(TOPK):
@@ -523,12 +620,36 @@ def _down_kernel(
         tl.store(out_ptr + pid_m.to(tl.int64) * stride_ot + offs_n, total.to(tl.bfloat16))
     else:
         e, rows, rmask, active = _rows_of(pid_m, ids_ptr, sorted_ptr, blk_exp_ptr, nblk_ptr, P, E, MODE == 0, BM)
+        if PF >= 1:
+            if active:
+                k0 = pid_k * (I // SPLIT)
+                pf_rows = e.to(tl.int64) * H + offs_n
+                _prefetch_rows(w_ptr + pf_rows * (I // 2) + k0 // 2, I // SPLIT // 2, False)
+                _prefetch_rows(s_ptr + pf_rows * (I // 32) + k0 // 32, I // SPLIT // 32, False)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         if active:
             acc = _down_tile(h_ptr, w_ptr + e.to(tl.int64) * w_stride_e, s_ptr + e.to(tl.int64) * s_stride_e,
                              rows, rmask, offs_n, pid_k * (I // SPLIT), I // SPLIT, I, BM, BN, BK, BKD, DEQ, WL)
             wt = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32) * scaling
             y_ptrs = y_ptr + (pid_k * P + rows.to(tl.int64))[:, None] * H + offs_n[None, :]
             tl.store(y_ptrs, acc * wt[:, None], mask=rmask[:, None])
+        if FOLD:  # MODE 1: every program of the token arrives, skipped pairs too
+            tl.debug_barrier()  # every thread's y stores are issued before the release
+            t = pid_m // TOPK
+            tick = tick_ptr + t * (H // BN) + pid_n
+            if tl.atomic_add(tick, 1, sem="acq_rel") == TOPK * SPLIT - 1:
+                tl.store(tick, 0)  # for the next call
+                total = tl.zeros([BN], tl.float32)
+                for j in tl.static_range(TOPK):
+                    pair = t * TOPK + j
+                    ej = tl.load(ids_ptr + pair).to(tl.int32)
+                    if (ej >= 0) & (ej < E):
+                        for sp in tl.static_range(SPLIT):
+                            total += tl.load(y_ptr + (sp * P + pair).to(tl.int64) * H + offs_n, cache_modifier=".cg")
+                if ROUND:
+                    total = _rne_bf16(total)
+                tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, total.to(tl.bfloat16))
 
 
 @triton.jit
@@ -554,10 +675,11 @@ def _topk_sum_kernel(y_ptr, ids_ptr, out_ptr, stride_ot, P, E, H: tl.constexpr, 
 # compiles without a GPU (tests/test_mxfp4_moe.py, benchmarks/kernels/mxfp4_moe_sass.py).
 GATE_UP_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "*i32", "sorted_ptr": "*i32",
                      "blk_exp_ptr": "*i32", "nblk_ptr": "*i32", "h_ptr": "*bf16", "part_ptr": "*fp32",
+                     "tick_ptr": "*i32", "w2_ptr": "*u8", "s2_ptr": "*u8",
                      "stride_xt": "i32", "limit": "fp32", "P": "i32", "E": "i32"}
 DOWN_SIGNATURE = {"h_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "*i32", "tw_ptr": "*fp32",
                   "sorted_ptr": "*i32", "blk_exp_ptr": "*i32", "nblk_ptr": "*i32", "y_ptr": "*fp32", "out_ptr": "*bf16",
-                  "stride_ot": "i32", "scaling": "fp32", "P": "i32", "E": "i32"}
+                  "tick_ptr": "*i32", "stride_ot": "i32", "scaling": "fp32", "P": "i32", "E": "i32"}
 
 
 # ---------------------------------------------------------------------------------------------------- configs
@@ -700,6 +822,19 @@ def _check_config(cfg: dict, h: int, inter: int) -> None:
         raise ValueError("config: gate_up_halves must be a bool")
     if cfg["path"] == "pair_token" and cfg.get("split_down", 1) != 1:
         raise ValueError("config: the pair_token path sums over k in the down kernel, so split_down must be 1")
+    for key in ("fold", "pdl"):
+        if not isinstance(cfg.get(key, False), bool):
+            raise ValueError(f"config: {key} must be a bool")
+    if cfg.get("fold", False) and cfg["path"] != "pair":
+        raise ValueError("config: fold (ticket-folded SwiGLU and k-sum) needs path 'pair'")
+    if cfg.get("pdl", False) and not cfg.get("fold", False):
+        raise ValueError("config: pdl (the down launch as a programmatic dependent of gate/up) needs fold")
+    if cfg.get("prefetch_gate_up", 0) not in (0, 1, 2):
+        raise ValueError(f"config: prefetch_gate_up must be 0, 1 or 2, got {cfg.get('prefetch_gate_up')!r}")
+    if cfg.get("prefetch_gate_up", 0) == 2 and cfg["path"] == "sorted":
+        raise ValueError("config: prefetch_gate_up=2 (down weights fetched by gate/up) needs a pair path")
+    if cfg.get("prefetch_down", 0) not in (0, 1):
+        raise ValueError(f"config: prefetch_down must be 0 or 1, got {cfg.get('prefetch_down')!r}")
 
 
 def mxfp4_max_scale_byte(*scales: torch.Tensor) -> int:
@@ -806,6 +941,43 @@ def max_sorted_blocks(num_pairs: int, num_experts: int, bm: int) -> int:
     return (num_pairs + min(num_experts, num_pairs) * (bm - 1)) // bm
 
 
+_TICKETS: dict = {}  # device -> the shared int32 ticket counters of the fold plans, all zero between calls
+
+
+def mxfp4_moe_workspace(max_tokens: int, topk: int, hidden: int, intermediate: int, device="cuda") -> torch.Tensor:
+    """A zeroed int32 workspace for ``fused_moe_mxfp4(..., workspace=...)``: the ticket counters of the ``fold``
+    plans, [max_tokens * (topk * intermediate + hidden) / 16] (one per (pair, 16 intermediate columns) and per
+    (token, 16 hidden columns)). Every call leaves it zeroed for the next. Give each caller that may run at the
+    same time as another (different CUDA streams) its own; calls on one stream, or replays of CUDA graphs, can
+    share one.
+
+    Raises:
+        ValueError: a size argument that is not a positive int.
+    """
+    for name, v in (("max_tokens", max_tokens), ("topk", topk), ("hidden", hidden), ("intermediate", intermediate)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return torch.zeros(_ticket_count(max_tokens, topk, hidden, intermediate), dtype=torch.int32, device=device)
+
+
+def _ticket_count(t: int, k: int, h: int, inter: int, bn_gu: int = 16, bn_dn: int = 16) -> int:
+    return t * k * (inter // bn_gu) + t * (h // bn_dn)
+
+
+def _ticket_buffer(dev: torch.device, n: int) -> torch.Tensor:
+    """n int32 ticket counters when the caller passed no workspace: one buffer per device, zero on entry and left
+    zero by every call (each ticket's last user resets it), made outside graph capture, so a captured call adds
+    no memset node and its replays may run on any stream. During capture with no large enough buffer yet, a fresh
+    zeroed one (a memset node in the graph) is used rather than caching memory of the graph's pool."""
+    buf = _TICKETS.get(str(dev))
+    if buf is None or buf.numel() < n:
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.zeros(n, dtype=torch.int32, device=dev)
+        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=dev)
+        _TICKETS[str(dev)] = buf
+    return buf
+
+
 def fused_moe_mxfp4(
     hidden_states: torch.Tensor,
     w13: torch.Tensor,
@@ -822,6 +994,7 @@ def fused_moe_mxfp4(
     config: dict | None = None,
     max_scale_byte: int | None = None,
     weight_layout: str = "sglang",
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Top-k routed MoE with MXFP4 experts (computation: ``pd.kernels.mxfp4_moe_reference``).
 
@@ -849,28 +1022,37 @@ def fused_moe_mxfp4(
             refused.
         config: launch plan override (benchmarks): {"path": "pair_token"|"pair"|"sorted", "BM": 16|32|64,
             "split_gate_up": 1|2|4|8, "split_down": ..., "gate_up_halves": bool, "dequant": "auto"|"bits"|
-            "dot_scaled", "gate_up": {BN, BK, num_warps, num_stages[, BK_DOT]}, "down": {...}}; default
+            "dot_scaled", "gate_up": {BN, BK, num_warps, num_stages[, BK_DOT]}, "down": {...}, "fold": bool,
+            "pdl": bool, "prefetch_gate_up": 0|1|2, "prefetch_down": 0|1}; default
             ``default_config(T * k, weight_layout)``. BK: K per loop iteration (pipeline stage), 128/256/512;
-            BK_DOT: K per dequantize + dot step inside it (64/128/256, default BK).
+            BK_DOT: K per dequantize + dot step inside it (64/128/256, default BK). fold (path "pair"): the SwiGLU
+            and the sum over k are done by the last program of each group (atomic tickets in ``workspace``), so
+            a call is 2 launches instead of 4; pdl (with fold; compute capability >= 9, else ignored): the down
+            launch is a programmatic dependent of gate/up (its programs start during gate/up's last wave and wait
+            with griddepcontrol.wait); prefetch_*: 1 = each program first prefetches its weight rows into L2, 2
+            (gate/up, pair paths) = also a slice of its expert's down weights (evict_last) for the down launch.
+        workspace: int32 ticket counters for fold plans, from ``mxfp4_moe_workspace`` (zeroed once; every call
+            leaves it zeroed). None: one buffer per device kept by this module, so two fold calls must not run
+            at the same time on different streams without their own workspaces.
     Returns:
         [T, H] bfloat16 (``out`` when given).
     Raises:
         ValueError: naming the argument, for a wrong dtype, shape, layout or device, H or I not a multiple of
         128, a bad swiglu_limit / routed_scaling_factor / max_scale_byte / config (``dequant="bits"`` without
-        max_scale_byte <= 128), an unknown weight_layout or "sm90_bits" where the bits path cannot run; raised
-        before any launch.
+        max_scale_byte <= 128), an unknown weight_layout or "sm90_bits" where the bits path cannot run, a
+        workspace of the wrong dtype, device or size; raised before any launch.
     Requires H % 128 == 0 and I % 128 == 0 (DeepSeek-V4: H = 4096, I = 2048 / TP). Capturable in a CUDA graph
     (fixed grids from shapes, routing read on the device, workspaces from the caching allocator).
     """
     out, stages = _plan(hidden_states, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
-                        routed_scaling_factor, up_first, out, config, max_scale_byte, weight_layout)
+                        routed_scaling_factor, up_first, out, config, max_scale_byte, weight_layout, workspace)
     for _, launch in stages:
         launch()
     return out
 
 
 def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit, routed_scaling_factor, up_first,
-          out, config, max_scale_byte=None, weight_layout="sglang"):
+          out, config, max_scale_byte=None, weight_layout="sglang", workspace=None):
     """Validate, allocate, and return (out, [(stage name, launch callable), ...]); the stages run in order."""
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2:
         raise ValueError(f"hidden_states must be a bfloat16 tensor [T, H], got "
@@ -915,6 +1097,13 @@ def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
         if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or tuple(out.shape) != (t, h) \
                 or out.stride(1) != 1 or out.device != dev:
             raise ValueError(f"out must be a bfloat16 tensor [{t}, {h}] with unit column stride on {dev}")
+    if workspace is not None and (not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.int32
+                                  or workspace.dim() != 1 or not workspace.is_contiguous() or workspace.device != dev
+                                  or workspace.numel() < _ticket_count(t, k, h, inter)):
+        raise ValueError(f"workspace must be a contiguous 1-D int32 tensor on {dev} of at least "
+                         f"{_ticket_count(t, k, h, inter)} elements (mxfp4_moe_workspace), got "
+                         f"{getattr(workspace, 'dtype', type(workspace).__name__)} "
+                         f"{tuple(getattr(workspace, 'shape', ()))}")
     if max_scale_byte is not None and (isinstance(max_scale_byte, bool) or not isinstance(max_scale_byte, int)
                                        or not 0 <= max_scale_byte <= 254):
         raise ValueError(f"max_scale_byte must be None or an int in [0, 254], got {max_scale_byte!r}")
@@ -972,27 +1161,42 @@ def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
         sorted_ids, blk_exp, nblk = ids, ids, ids  # unused
         grid_m = p
     sorted_mode = path == "sorted"
+    fold = cfg.get("fold", False)
+    on_gpu = dev.type == "cuda" and not _INTERPRET
+    pdl = cfg.get("pdl", False) and on_gpu and torch.cuda.get_device_capability(dev)[0] >= 9
+    pf_gu = cfg.get("prefetch_gate_up", 0) if on_gpu else 0  # inline PTX: not in the interpreter
+    pf_dn = cfg.get("prefetch_down", 0) if on_gpu else 0
+    n_gu_tick = p * (inter // gu["BN"])
+    n_tick = n_gu_tick + t * (h // dn["BN"])
+    if fold and workspace is not None:
+        ticks = workspace
+    else:
+        ticks = _ticket_buffer(dev, n_tick) if fold else ids
+    gu_ticks, dn_ticks = (ticks[:n_gu_tick], ticks[n_gu_tick:]) if fold else (ids, ids)
     stages.append(("gate_up", lambda: _gate_up_kernel[(grid_m, (2 if halves else 1) * inter // gu["BN"], sp_gu)](
-        x, w13u, s13u, ids, sorted_ids, blk_exp, nblk, hbuf, part, x.stride(0), limit, p, n_exp,
+        x, w13u, s13u, ids, sorted_ids, blk_exp, nblk, hbuf, part, gu_ticks, w2u, s2u, x.stride(0), limit, p, n_exp,
         SORTED=sorted_mode, HAS_LIMIT=has_limit, UP_FIRST=bool(up_first), SPLIT=sp_gu, HALVES=halves, BM=bm,
         BN=gu["BN"], BK=gu["BK"], BKD=gu["BK_DOT"], num_warps=gu["num_warps"], num_stages=gu["num_stages"],
-        **common)))
-    if two_pass:
+        PF=pf_gu, FOLD=fold and two_pass, PDL=pdl, **common)))
+    if two_pass and not fold:
         blk = math.gcd(inter, 256)  # small blocks: enough programs at T = 1
         stages.append(("swiglu", lambda: _swiglu_kernel[(p, inter // blk)](
             part, ids, hbuf, limit, p, n_exp, I=inter, SPLIT=sp_gu, HAS_LIMIT=has_limit, ROUND=_INTERPRET,
             BLOCK=blk, num_warps=4)))
     if path == "pair_token":
         stages.append(("down", lambda: _down_kernel[(t, h // dn["BN"], 1)](
-            hbuf, w2u, s2u, ids, topk_weights, ids, ids, ids, out, out, out.stride(0), float(scaling), p, n_exp,
-            MODE=2, SPLIT=1, BM=16, BN=dn["BN"], BK=dn["BK"], BKD=dn["BK_DOT"], num_warps=dn["num_warps"],
+            hbuf, w2u, s2u, ids, topk_weights, ids, ids, ids, out, out, ids, out.stride(0), float(scaling), p,
+            n_exp, MODE=2, SPLIT=1, BM=16, BN=dn["BN"], BK=dn["BK"], BKD=dn["BK_DOT"], num_warps=dn["num_warps"],
             num_stages=dn["num_stages"], **common)))
         return out, stages
     y = torch.empty(sp_dn, p, h, dtype=torch.float32, device=dev)
     stages.append(("down", lambda: _down_kernel[(grid_m, h // dn["BN"], sp_dn)](
-        hbuf, w2u, s2u, ids, topk_weights, sorted_ids, blk_exp, nblk, y, out, out.stride(0), float(scaling), p,
-        n_exp, MODE=0 if sorted_mode else 1, SPLIT=sp_dn, BM=bm, BN=dn["BN"], BK=dn["BK"], BKD=dn["BK_DOT"],
-        num_warps=dn["num_warps"], num_stages=dn["num_stages"], **common)))
+        hbuf, w2u, s2u, ids, topk_weights, sorted_ids, blk_exp, nblk, y, out, dn_ticks, out.stride(0),
+        float(scaling), p, n_exp, MODE=0 if sorted_mode else 1, SPLIT=sp_dn, BM=bm, BN=dn["BN"], BK=dn["BK"],
+        BKD=dn["BK_DOT"], num_warps=dn["num_warps"], num_stages=dn["num_stages"], PF=pf_dn, FOLD=fold, PDL=pdl,
+        **common, **({"launch_pdl": True} if pdl else {}))))
+    if fold:
+        return out, stages
     block = 256  # enough programs at T = 1 (the row is read k * split times)
     stages.append(("sum", lambda: _topk_sum_kernel[(t, triton.cdiv(h, block))](
         y, ids, out, out.stride(0), p, n_exp, H=h, TOPK=k, SPLIT=sp_dn, ROUND=_INTERPRET, BLOCK=block,

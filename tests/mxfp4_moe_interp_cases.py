@@ -30,10 +30,10 @@ def make_inputs(t, h, inter, e, k, g, *, skip=0, shared=False, skip_token0=False
 
 def run_case(name, t, h, inter, e, k, *, path, bm=16, splits=(1, 1), halves=False, limit=10.0, scaling=None,
              up_first=False, skip=0, shared=False, skip_token0=False, ids64=False, wbf16=False, int8=False, seed=0,
-             dequant="dot_scaled", tiles=None, layout="sglang"):
+             dequant="dot_scaled", tiles=None, layout="sglang", extra=None, calls=1, workspace=False):
     import torch
 
-    from pd.kernels.mxfp4_moe import (default_config, fused_moe_mxfp4, mxfp4_max_scale_byte,
+    from pd.kernels.mxfp4_moe import (default_config, fused_moe_mxfp4, mxfp4_max_scale_byte, mxfp4_moe_workspace,
                                       prepare_mxfp4_weights_sm90)
     from pd.kernels.mxfp4_moe_reference import fused_moe_mxfp4_reference
 
@@ -48,19 +48,30 @@ def run_case(name, t, h, inter, e, k, *, path, bm=16, splits=(1, 1), halves=Fals
                gate_up_halves=halves, dequant=dequant)
     if tiles:  # (gate_up, down) tile overrides
         cfg = dict(cfg, gate_up=tiles[0], down=tiles[1])
+    cfg.update(extra or {})  # e.g. fold / pdl / prefetch options
     out = torch.full((t, h), float("nan"), dtype=torch.bfloat16)  # poisoned: every element must be written
     kw = dict(swiglu_limit=limit, routed_scaling_factor=scaling, up_first=up_first)
+    ws = mxfp4_moe_workspace(t, k, h, inter, device="cpu") if workspace else None
     ww13, ww2 = (w13.view(torch.int8), w2.view(torch.int8)) if int8 else (w13, w2)
     if layout == "sm90_bits":  # the reference below keeps reading the original layout
         ww13, ww2 = prepare_mxfp4_weights_sm90(ww13, ww2)
     res = fused_moe_mxfp4(x, ww13, s13, ww2, s2, wts, ids, out=out, config=cfg,
-                          max_scale_byte=mxfp4_max_scale_byte(s13, s2), weight_layout=layout, **kw)
+                          max_scale_byte=mxfp4_max_scale_byte(s13, s2), weight_layout=layout, workspace=ws, **kw)
+    repeat_equal = True
+    for _ in range(calls - 1):  # later calls (fold: the tickets were reset) give the same bits
+        again = torch.full((t, h), float("nan"), dtype=torch.bfloat16)
+        fused_moe_mxfp4(x, ww13, s13, ww2, s2, wts, ids, out=again, config=cfg,
+                        max_scale_byte=mxfp4_max_scale_byte(s13, s2), weight_layout=layout, workspace=ws, **kw)
+        repeat_equal &= bool(torch.equal(again, res))
     ref = fused_moe_mxfp4_reference(x, w13, s13, w2, s2, wts, ids, **kw)
     rel = ((res.double() - ref).norm() / ref.norm()).item()
-    r = dict(name=name, rel=rel, nan=bool(torch.isnan(res).any()), same_buffer=res.data_ptr() == out.data_ptr())
+    r = dict(name=name, rel=rel, nan=bool(torch.isnan(res).any()), same_buffer=res.data_ptr() == out.data_ptr(),
+             repeat_equal=repeat_equal)
     if limit is not None:  # how much the clamp changes the answer (the case must exercise it)
         ref_nl = fused_moe_mxfp4_reference(x, w13, s13, w2, s2, wts, ids, **dict(kw, swiglu_limit=None))
         r["clamp_effect"] = ((ref_nl - ref).norm() / ref.norm()).item()
+    if ws is not None:  # every call leaves the tickets zeroed
+        r["workspace_zero"] = bool((ws == 0).all())
     if skip_token0:  # a token whose every slot is skipped must come out as exact zeros
         r["all_skipped_row_zero"] = bool((res[0] == 0).all())
     return r
@@ -112,6 +123,16 @@ CASES = [
                                          skip=3, dequant="bits", layout="sm90_bits")),
     ("bits_sorted_bm32_multiblock", dict(t=20, h=128, inter=256, e=3, k=2, path="sorted", bm=32, shared=True,
                                          skip=3, dequant="bits")),
+    # fold: SwiGLU and the k-sum done by the last program of each group (tickets), 2 kernels; called twice, so the
+    # tickets must have been reset by the first call
+    ("fold_pair_halves_split2x2_skip", dict(t=3, h=256, inter=256, e=5, k=3, path="pair", splits=(2, 2),
+                                            halves=True, skip=2, up_first=True, calls=2,
+                                            extra=dict(fold=True, pdl=True, prefetch_gate_up=2, prefetch_down=1))),
+    ("prep_fold_pair_fused_split2x2_skipped_token", dict(t=2, h=256, inter=128, e=4, k=2, path="pair",
+                                                         splits=(2, 2), skip_token0=True, dequant="bits",
+                                                         layout="sm90_bits", calls=2, extra=dict(fold=True))),
+    ("fold_pair_one_pass_down_split2", dict(t=2, h=128, inter=256, e=4, k=3, path="pair", splits=(1, 2), skip=1,
+                                            scaling=1.5, calls=2, workspace=True, extra=dict(fold=True))),
 ]
 
 if __name__ == "__main__":

@@ -38,9 +38,12 @@ def test_interpreter_matches_reference(interp_results, name):
     r = interp_results[name]
     assert not r["nan"], r  # the output buffer was NaN-poisoned: every element written
     assert r["same_buffer"], r
+    assert r["repeat_equal"], r  # a second call (fold: tickets reset by the first) gives the same bits
     assert r["rel"] <= REL_TOL, r
     if "clamp_effect" in r:  # the case's data exercise the SwiGLU clamp (so a missing clamp would fail)
         assert r["clamp_effect"] > 50 * REL_TOL, r
+    if "workspace_zero" in r:
+        assert r["workspace_zero"], r
     if "all_skipped_row_zero" in r:
         assert r["all_skipped_row_zero"], r
 
@@ -212,6 +215,7 @@ def test_empty_batch_returns_empty_output():
 # ---------------------------------------------------------------------------------------------------- AOT compile
 
 DIMS = dict(H=4096, I=2048, TOPK=6, ROUND=False)  # DeepSeek-V4-Flash
+NO_FOLD = dict(PF=0, FOLD=False, PDL=False)  # the options' defaults (an AOT build gets no launcher defaults)
 
 
 def _aligned(sig, stride):  # what the launcher specializes for 16-byte-aligned tensors and a 4096 stride
@@ -222,7 +226,7 @@ def _gate_up(cfg, cc, bm=16, sorted_=True, split=1, halves=False, deq=0, wl=0):
     from pd.kernels.mxfp4_moe import GATE_UP_SIGNATURE, _gate_up_kernel
 
     const = dict(DIMS, SORTED=sorted_, HAS_LIMIT=True, UP_FIRST=False, SPLIT=split, HALVES=halves, BM=bm,
-                 BN=cfg["BN"], BK=cfg["BK"], BKD=cfg.get("BK_DOT", cfg["BK"]), DEQ=deq, WL=wl)
+                 BN=cfg["BN"], BK=cfg["BK"], BKD=cfg.get("BK_DOT", cfg["BK"]), DEQ=deq, WL=wl, **NO_FOLD)
     return compile_for(_gate_up_kernel, GATE_UP_SIGNATURE, const, cc, cfg["num_warps"], cfg["num_stages"],
                        aligned=_aligned(GATE_UP_SIGNATURE, "stride_xt"))
 
@@ -231,7 +235,7 @@ def _down(cfg, cc, bm=16, mode=0, split=1, deq=0, wl=0):
     from pd.kernels.mxfp4_moe import DOWN_SIGNATURE, _down_kernel
 
     const = dict(DIMS, MODE=mode, SPLIT=split, BM=bm, BN=cfg["BN"], BK=cfg["BK"], BKD=cfg.get("BK_DOT", cfg["BK"]),
-                 DEQ=deq, WL=wl)
+                 DEQ=deq, WL=wl, **NO_FOLD)
     return compile_for(_down_kernel, DOWN_SIGNATURE, const, cc, cfg["num_warps"], cfg["num_stages"],
                        aligned=_aligned(DOWN_SIGNATURE, "stride_ot"))
 
@@ -596,3 +600,74 @@ def test_aot_sm90a_prepared_layout_default_configs_cut_the_loop():
              for wl in (0, 1)}
     for j in range(2):
         assert per_w[1][j] <= 0.92 * per_w[0][j], per_w
+
+
+# ------------------------------------------------------------------------- fold / PDL / L2 prefetch (session 5)
+
+_PAIR = dict(path="pair", split_gate_up=2, split_down=2, gate_up_halves=True,
+             gate_up=dict(BN=32, BK=128, num_warps=2, num_stages=3), down=dict(BN=32, BK=128, num_warps=2,
+                                                                                num_stages=3))
+
+
+@pytest.mark.parametrize("kw, arg", [
+    (dict(config=dict(_PAIR, fold=1)), "fold"),
+    (dict(config=dict(_PAIR, path="sorted", fold=True)), "fold"),
+    (dict(config=dict(_PAIR, path="pair_token", split_down=1, fold=True)), "fold"),
+    (dict(config=dict(_PAIR, pdl=True)), "pdl"),
+    (dict(config=dict(_PAIR, prefetch_gate_up=3)), "prefetch_gate_up"),
+    (dict(config=dict(_PAIR, path="sorted", prefetch_gate_up=2)), "prefetch_gate_up"),
+    (dict(config=dict(_PAIR, prefetch_down=2)), "prefetch_down"),
+    (dict(config=dict(_PAIR, fold=True), workspace=torch.zeros(4096, dtype=torch.int64)), "workspace"),
+    (dict(config=dict(_PAIR, fold=True), workspace=torch.zeros(8, dtype=torch.int32)), "workspace"),
+])
+def test_fold_options_are_validated(kw, arg):
+    from pd.kernels.mxfp4_moe import fused_moe_mxfp4
+
+    with pytest.raises(ValueError, match=arg):
+        fused_moe_mxfp4(**_inputs(), **kw)
+
+
+def test_mxfp4_moe_workspace_size_and_errors():
+    from pd.kernels.mxfp4_moe import mxfp4_moe_workspace
+
+    ws = mxfp4_moe_workspace(8, 6, 4096, 2048, device="cpu")
+    # one ticket per (pair, 16 intermediate columns) and per (token, 16 hidden columns): the smallest BN
+    assert ws.dtype == torch.int32 and ws.numel() == 8 * 6 * 2048 // 16 + 8 * 4096 // 16 and not ws.any()
+    for bad in (dict(max_tokens=0), dict(topk=1.5), dict(hidden=True)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            mxfp4_moe_workspace(**dict(dict(max_tokens=1, topk=6, hidden=128, intermediate=128), **bad))
+
+
+@aot
+@pytest.mark.parametrize("cc, wl", [(90, 1), (120, 0)])
+def test_aot_fold_pdl_prefetch_variants(cc, wl):
+    """The T = 1 options compile on both targets (sm_120a: mma.sync, no wgmma, <= 99 KiB) and are really in the
+    code only when asked for: L2 prefetches (evict_last for the down slice), the gate/up release and the down
+    wait of programmatic dependent launch, the acq_rel tickets of the fold."""
+    deq = 1 if cc == 90 else 0
+    tile = dict(BN=64, BK=256, BK_DOT=128, num_warps=2, num_stages=3)
+    const = dict(DIMS, SORTED=False, HAS_LIMIT=True, UP_FIRST=False, SPLIT=4, HALVES=True, BM=16, BN=64, BK=256,
+                 BKD=128, DEQ=deq, WL=wl, **NO_FOLD)
+    from pd.kernels.mxfp4_moe import DOWN_SIGNATURE, GATE_UP_SIGNATURE, _down_kernel, _gate_up_kernel
+
+    def build(fn, sig, c, stride):
+        k = compile_for(fn, sig, c, cc, tile["num_warps"], tile["num_stages"], aligned=_aligned(sig, stride))
+        if cc == 120:
+            assert_sm120_ok(k)
+        else:
+            assert "mma" in k.asm["ptx"] and k.metadata.shared <= 232448
+        return k.asm["ptx"]
+
+    plain = build(_gate_up_kernel, GATE_UP_SIGNATURE, const, "stride_xt")
+    gu = build(_gate_up_kernel, GATE_UP_SIGNATURE, dict(const, PF=2, FOLD=True, PDL=True), "stride_xt")
+    dconst = dict(DIMS, MODE=1, SPLIT=2, BM=16, BN=64, BK=128, BKD=128, DEQ=deq, WL=wl, **NO_FOLD)
+    dplain = build(_down_kernel, DOWN_SIGNATURE, dconst, "stride_ot")
+    dn = build(_down_kernel, DOWN_SIGNATURE, dict(dconst, PF=1, FOLD=True, PDL=True), "stride_ot")
+    for ptx in (plain, dplain):
+        assert "prefetch.global" not in ptx and "griddepcontrol" not in ptx and "atom." not in ptx
+    assert "prefetch.global.L2::evict_last" in gu and "prefetch.global.L2 " in gu
+    assert "griddepcontrol.launch_dependents" in gu and "griddepcontrol.wait" not in gu
+    assert "prefetch.global.L2 " in dn and "griddepcontrol.wait" in dn
+    for ptx in (gu, dn):
+        atoms = [ln for ln in ptx.splitlines() if "atom." in ln]
+        assert atoms and all("acq_rel" in ln and ".gpu" in ln and ".add" in ln for ln in atoms), atoms

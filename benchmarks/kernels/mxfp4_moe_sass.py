@@ -57,12 +57,13 @@ def measure():
                 seen.add(key)
                 if kind == "gate_up":
                     const = dict(DIMS, SORTED=True, HAS_LIMIT=True, UP_FIRST=False, SPLIT=1, HALVES=halves, BM=16,
-                                 BN=tile["BN"], BK=tile["BK"], BKD=tile.get("BK_DOT", tile["BK"]), DEQ=deq, WL=wl)
+                                 BN=tile["BN"], BK=tile["BK"], BKD=tile.get("BK_DOT", tile["BK"]), DEQ=deq, WL=wl,
+                                 PF=0, FOLD=False, PDL=False)
                     k = compile_sm90a(mx._gate_up_kernel, mx.GATE_UP_SIGNATURE, const, tile, "stride_xt")
                     weights = (1 if halves else 2) * tile["BN"] * tile["BK"]
                 else:
                     const = dict(DIMS, MODE=0, SPLIT=1, BM=16, BN=tile["BN"], BK=tile["BK"],
-                                 BKD=tile.get("BK_DOT", tile["BK"]), DEQ=deq, WL=wl)
+                                 BKD=tile.get("BK_DOT", tile["BK"]), DEQ=deq, WL=wl, PF=0, FOLD=False, PDL=False)
                     k = compile_sm90a(mx._down_kernel, mx.DOWN_SIGNATURE, const, tile, "stride_ot")
                     weights = tile["BN"] * tile["BK"]
                 n, ops = sass.longest_loop(k.asm["cubin"])
