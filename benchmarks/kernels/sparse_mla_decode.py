@@ -1,6 +1,7 @@
 """Device benchmark for pd.kernels.sparse_mla_decode (run on the GPU machine, not in CI).
 
-  python benchmarks/kernels/sparse_mla_decode.py [--out DIR] [--quick] [--full-sweep] [--tag -s3] [--baseline FILE]
+  python benchmarks/kernels/sparse_mla_decode.py [--out DIR] [--quick] [--full-sweep | --sweep-set s5] [--tag -s3]
+      [--baseline FILE] [--precompile N]
 
 1. correctness at real shapes (topk 512/2048, H 16/64/128, S 1/2/4, page 64/256, -1 slots, topk_length,
    attn_sink, extra cache) against the fp64 torch reference: ||out - ref_bf16|| / ||ref|| and max |lse - ref|;
@@ -13,6 +14,7 @@
    $SGLANG_SM120_TRITON, if present; q_len 1 only) vs the HBM byte floor (selected KV bytes + q + out +
    indices at 4.8 TB/s);
    plus CUDA-graph capture safety: a captured call replayed on fresh inputs gives the eager result (bitwise);
+   ``--precompile N`` first builds every kernel of the run in N processes (the device has 16 cores);
 3. writes sparse_mla_decode_<date><tag>.json with the device name, date and command to --out.
 """
 
@@ -48,8 +50,15 @@ def make_inputs(b, s, h, topk, page_size, pool_tokens, dev, *, holes=False, leng
     kv = torch.randn(pages * page_size, 512, generator=g) * 0.5
     kc = quantize_kv(kv, page_size).to(dev)
     q = torch.randn(b, s, h, 512, generator=g).to(torch.bfloat16).to(dev)
-    # distinct tokens per (b, s) row, like a real top-k
-    idx = torch.stack([torch.randperm(pages * page_size, generator=g)[:topk] for _ in range(b * s)])
+    # distinct tokens per (b, s) row, like a real top-k (large pools: the topk of uniform draws on the GPU, in row
+    # chunks, instead of a CPU randperm per row, which took seconds at B=128 S=2)
+    n_tok = pages * page_size
+    if n_tok > 100_000 and dev.type == "cuda":
+        gd = torch.Generator(device=dev).manual_seed(seed)
+        idx = torch.cat([torch.rand(min(64, b * s - r), n_tok, generator=gd, device=dev).topk(topk, 1).indices.cpu()
+                         for r in range(0, b * s, 64)])
+    else:
+        idx = torch.stack([torch.randperm(n_tok, generator=g)[:topk] for _ in range(b * s)])
     idx = idx.view(b, s, topk).to(torch.int32)
     if holes:
         idx[torch.rand(idx.shape, generator=g) < 0.1] = -1
@@ -78,13 +87,53 @@ def lse_err(a, b):
     return d if same_inf else float("inf")
 
 
-def correctness(dev, fm=None, quick=False):
+# sm_90 candidates timed next to the default (``--sweep-set s5``) and checked in ``correctness``, per heads per
+# program: (name, config); "x4" = two programs per SM with twice the split count, "x1" = one per SM.
+S5_CANDIDATES = {
+    16: [("pipe3x4_bh16_n64_w8", {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "PIPELINE": 3, "PROGRAMS_PER_SM": 4}),
+         ("pipe5x2_bh16_n32_w8", {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "PIPELINE": 5, "PROGRAMS_PER_SM": 2}),
+         ("pipe3x1_bh16_n64_w8", {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "PIPELINE": 3}),
+         ("pipe3x1_bh16_n64_w16", {"BLOCK_N": 64, "num_warps": 16, "num_stages": 1, "PIPELINE": 3})],
+    64: [("pipe3_bh64_n64_w16", {"BLOCK_N": 64, "num_warps": 16, "num_stages": 1, "PIPELINE": 3}),
+         ("pipe3_bh64_n32_w16", {"BLOCK_N": 32, "num_warps": 16, "num_stages": 1, "PIPELINE": 3})],
+}
+CORRECTNESS_CASES = [
+    (512, 16, 1, 64, False), (512, 64, 2, 64, True), (512, 128, 4, 256, False),
+    (2048, 16, 2, 256, True), (2048, 64, 1, 64, False), (2048, 128, 2, 64, False),
+    (2048, 64, 4, 256, True), (512, 64, 1, 256, False),
+]
+
+
+def correctness_variants(h, quick, sm90):
+    """(block_h, num_splits, config) of one correctness case: the default path at default / 1 / 4 splits, 64-head
+    programs forced, sm_120's 16-head configs forced, and on sm_90 the s5 16-head candidates forced."""
+    variants = [(None, ns, None) for ns in ((None, 1, 4) if not quick else (None, 4))]
+    if h % 64 == 0:
+        variants += [(64, None, None), (64, 1, None)]
+    variants += [(16, None, TWO_PER_SM_CONFIG_16), (16, None, DEFAULT_CONFIG[16])]
+    if sm90:
+        variants += [(bh, None, c) for bh, cands in S5_CANDIDATES.items() if h % bh == 0 and (bh == 64 or h == 16)
+                     for _, c in cands]
+    return variants
+
+
+def _config_name(cfg):
+    if cfg is None:
+        return None
+    if cfg is TWO_PER_SM_CONFIG_16:
+        return "two_per_sm_16"
+    if cfg is DEFAULT_CONFIG[16]:
+        return "sm120_16"
+    return next(n for cands in S5_CANDIDATES.values() for n, c in cands if c is cfg)
+
+
+def correctness(dev, fm=None, quick=False, only=None):
+    """Every correctness case (or only the (case index, variant index) pair ``only``, to compile it elsewhere)."""
     cases = []
-    for topk, h, s, ps, extra in [
-        (512, 16, 1, 64, False), (512, 64, 2, 64, True), (512, 128, 4, 256, False),
-        (2048, 16, 2, 256, True), (2048, 64, 1, 64, False), (2048, 128, 2, 64, False),
-        (2048, 64, 4, 256, True), (512, 64, 1, 256, False),
-    ]:
+    sm90 = torch.cuda.get_device_capability(dev)[0] == 9
+    for ci, (topk, h, s, ps, extra) in enumerate(CORRECTNESS_CASES):
+        if only is not None and only[0] != ci:
+            continue
         b = 3
         q, kc, idx, tl_len = make_inputs(b, s, h, topk, ps, 8 * topk, dev, holes=True, lengths=True,
                                          seed=topk + h + s)
@@ -95,19 +144,23 @@ def correctness(dev, fm=None, quick=False):
             _, ekc, eidx, etl = make_inputs(b, s, h, 128, 64, 1024, dev, holes=True, lengths=True, seed=7)
             kw.update(extra_k_cache=view4(ekc, 64), extra_indices=eidx, extra_topk_length=etl)
             rkw.update(extra_k_cache=ekc, extra_indices=eidx, extra_topk_length=etl, extra_page_size=64)
-        # block_h 64 forced as well (on sm_90 that is the pipelined wgmma kernel, DEFAULT_CONFIG_SM90[64])
-        variants = [(None, ns, None) for ns in ((None, 1, 4) if not quick else (None, 4))]
-        if h % 64 == 0:
-            variants += [(64, None, None), (64, 1, None)]
-        # the default path's other 16-head configs, forced at this small batch: grids of > 32 rows, and sm_120's
-        # (on sm_90 small grids run DEFAULT_CONFIG_SM90[16])
-        variants += [(16, None, TWO_PER_SM_CONFIG_16), (16, None, DEFAULT_CONFIG[16])]
-        for bh, ns, cfg in variants:
-            out, lse = sparse_mla_decode(q, view4(kc, ps), idx, num_splits=ns, block_h=bh, config=cfg, **kw)
-            torch.cuda.synchronize()
+        for vi, (bh, ns, cfg) in enumerate(correctness_variants(h, quick, sm90)):
+            if only is not None and only[1] != vi:
+                continue
+            candidate = _config_name(cfg) not in (None, "two_per_sm_16", "sm120_16")
+            try:
+                out, lse = sparse_mla_decode(q, view4(kc, ps), idx, num_splits=ns, block_h=bh, config=cfg, **kw)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001  (an s5 candidate that does not build is reported, not fatal)
+                if not candidate:
+                    raise
+                cases.append(dict(topk=topk, H=h, S=s, config=_config_name(cfg), candidate=True, ok=False,
+                                  error=repr(e)[:300]))
+                print("correct", cases[-1], flush=True)
+                continue
             ro, rl = sparse_mla_decode_ref(q, kc, idx, page_size=ps, **rkw)
             c = dict(topk=topk, H=h, S=s, page_size=ps, extra=extra, num_splits=ns, block_h=bh,
-                     config=None if cfg is None else "two_per_sm_16" if cfg is TWO_PER_SM_CONFIG_16 else "sm120_16",
+                     config=_config_name(cfg), candidate=candidate,
                      rel_err_vs_ref_bf16=rel(out, ro.to(torch.bfloat16)), rel_err_vs_ref_fp64=rel(out, ro),
                      lse_max_abs_err=lse_err(lse, rl), nan=bool(torch.isnan(out).any()))
             c["meets_2e-3"] = c["rel_err_vs_ref_fp64"] <= 2e-3
@@ -217,12 +270,17 @@ def load_baseline(path):
     return importlib.import_module("baseline_kernels.sparse_mla_decode").sparse_mla_decode
 
 
-def sweep_variants(h, b, s, quick, full, sm90):
+def sweep_variants(h, b, s, quick, full, sm90, sweep_set="default"):
     """(name, sparse_mla_decode kwargs) timed next to the default path. ``full``: every autotune config of the
     original kernel x topk splits (None, 1, 4) for 16/32/64 heads per program, plus every pipelined and sm_90-only
-    config; otherwise the default path's alternatives: each pipelined / sm_90-only config and the original
-    kernel's default config, at the default split count."""
+    config; ``sweep_set="s5"``: on sm_90 the S5_CANDIDATES configs (16- or 64-head programs for H=16 / H=64 rows)
+    at B=16/64/128 S=1 and B=64 S=2; otherwise the default path's alternatives: each pipelined / sm_90-only config
+    and the original kernel's default config, at the default split count."""
     out = []
+    if sweep_set == "s5":
+        if sm90 and (s, b) in ((1, 16), (1, 64), (1, 128), (2, 64)):
+            out = [(name, dict(block_h=h, config=c)) for name, c in S5_CANDIDATES[h]]
+        return out
     splits = (None, 1, 4) if full and not quick else (None,)
     for bh in (16, 32, 64):
         if h % bh:
@@ -245,67 +303,138 @@ def sweep_variants(h, b, s, quick, full, sm90):
     return out
 
 
-def timing(dev, quick, fm, sgl, full_sweep=False, budget_s=float("inf"), baseline=None, on_row=None):
+TIMING_ROWS = [(h, s, b) for h in (16, 64) for s in (1, 2) for b in (1, 16, 64, 128)]
+
+
+def _precompile_job(job):
+    """Worker process: run one correctness (case, variant) or one timing call once on small inputs, so every kernel
+    the main process runs is in Triton's on-disk cache (device compiles take seconds each; 16 cores do them at
+    once)."""
+    kind, args, baseline, sweep_set = job
+    dev = torch.device("cuda")
+    try:
+        if kind == "correct":
+            correctness(dev, only=args)
+        else:
+            h, s, b, which, kw = args
+            q, kc, idx, _ = make_inputs(b, s, h, 512, 64, 16384, dev, seed=1)
+            if which == "sglang":
+                load_sglang_triton()(q, view4(kc, 64), idx, None, None, 512, 512 ** -0.5)
+            else:
+                (load_baseline(baseline) if which == "baseline" else sparse_mla_decode)(q, view4(kc, 64), idx, **kw)
+        torch.cuda.synchronize()
+        return None
+    except Exception as e:  # noqa: BLE001  (the main process runs it again and reports)
+        return f"{kind} {args}: {e!r}"[:300]
+
+
+def precompile(dev, workers, quick, baseline, sweep_set, full_sweep, with_sglang):
+    """Compile the kernels of the whole run in ``workers`` spawned processes first. -> (seconds, errors)."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    sm90 = torch.cuda.get_device_capability(dev)[0] == 9
+    jobs = [("correct", (ci, vi), baseline, sweep_set) for ci, c in enumerate(CORRECTNESS_CASES)
+            for vi in range(len(correctness_variants(c[1], quick, sm90)))]
+    for h, s, b in TIMING_ROWS:
+        jobs.append(("time", (h, s, b, "ours", {}), baseline, sweep_set))
+        if baseline:
+            jobs.append(("time", (h, s, b, "baseline", {}), baseline, sweep_set))
+        if with_sglang and s == 1 and b in (1, 16, 64):
+            jobs.append(("time", (h, s, b, "sglang", {}), baseline, sweep_set))
+        jobs += [("time", (h, s, b, name, kw), baseline, sweep_set)
+                 for name, kw in sweep_variants(h, b, s, quick, full_sweep, sm90, sweep_set)]
+    t = time.time()
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        errs = [e for e in ex.map(_precompile_job, jobs) if e]
+    print(f"precompiled {len(jobs)} jobs in {time.time() - t:.1f} s, errors: {errs}", flush=True)
+    return time.time() - t, errs
+
+
+def compiled_facts(mod=None):
+    """Registers, spills and shared memory of every sparse-MLA kernel compiled in this process (occupancy: two
+    programs per SM need <= 128 registers at 8 warps, <= 115712 bytes of shared memory on sm_90)."""
+    mod = mod or _smd
+    facts = []
+    for name in ("_sparse_mla_fwd_pipelined_kernel", "_sparse_mla_fwd_chunked_kernel", "_sparse_mla_fwd_kernel",
+                 "_combine_kernel"):
+        for dc in getattr(getattr(mod, name), "device_caches", {}).values():
+            cache = dc[0] if isinstance(dc, tuple) else dc
+            for k in cache.values():
+                try:
+                    k._init_handles()
+                except Exception:  # noqa: BLE001
+                    pass
+                c = getattr(getattr(k, "src", None), "constants", None) or getattr(k, "constants", None) or {}
+                facts.append(dict(kernel=name, constants={str(a): v for a, v in dict(c).items()
+                                                          if isinstance(v, (int, float, str, bool))},
+                                  num_warps=k.metadata.num_warps, n_regs=getattr(k, "n_regs", None),
+                                  n_spills=getattr(k, "n_spills", None), shared=k.metadata.shared,
+                                  wgmma=k.asm.get("ptx", "").count("wgmma.mma_async"),
+                                  cp_async=k.asm.get("ptx", "").count("cp.async.c")))
+    return facts
+
+
+def timing(dev, quick, fm, sgl, full_sweep=False, budget_s=float("inf"), baseline=None, on_row=None,
+           sweep_set="default"):
     """Time every (H, S, B) row (see the module docstring); ``on_row(rows)`` is called after each row (the caller
     saves partial results, so a run stopped at a device limit keeps the rows it finished)."""
     t_start = time.time()
     sm90 = torch.cuda.get_device_capability(dev)[0] == 9
     rows = []
-    for h in (16, 64):
-        for s in (1, 2):
-            for b in (1, 16, 64, 128):
-                topk, ps = 512, 64
-                q, kc, idx, _ = make_inputs(ROT * b, s, h, topk, ps, max(16384, ROT * b * s * topk * 5 // 4),
-                                            dev, seed=b + h)
-                kc4 = view4(kc, ps)
-                qs = [q[i * b:(i + 1) * b] for i in range(ROT)]
-                ids = [idx[i * b:(i + 1) * b] for i in range(ROT)]
-                floor_bytes = b * s * topk * BYTES_PER_TOKEN + 2 * b * s * h * 512 * 2 + b * s * topk * 4
-                row = dict(B=b, H=h, S=s, topk=topk, page_size=ps,
-                           floor_us=floor_bytes / HBM_BPS * 1e6, bytes=floor_bytes)
-                out, _ = sparse_mla_decode(qs[0], kc4, ids[0])
-                row["ours_default_us"] = bench(lambda i: sparse_mla_decode(qs[i], kc4, ids[i]), quick)
-                if baseline is not None:
-                    row["baseline_us"] = bench(lambda i: baseline(qs[i], kc4, ids[i]), quick)
-                best = (row["ours_default_us"], "default")
-                sweep = {}
-                for key, kw in sweep_variants(h, b, s, quick, full_sweep, sm90):
-                    if time.time() - t_start > budget_s:
-                        row["sweep_stopped"] = "budget"
-                        break
-                    try:
-                        t = bench(lambda i: sparse_mla_decode(qs[i], kc4, ids[i], **kw), quick)
-                    except Exception as e:  # noqa: BLE001
-                        print("variant failed", key, repr(e)[:200], flush=True)
-                        continue
-                    sweep[key] = t
-                    if t < best[0]:
-                        best = (t, key)
-                row["ours_best_us"], row["ours_best_variant"] = best
-                row["sweep_us"] = sweep
-                if fm is not None:
-                    fwk, gmeta = fm
-                    try:
-                        metas = [gmeta()[0] for _ in range(ROT)]
-                        fo, fl = fwk(qs[0], kc4, None, None, 512, metas[0], indices=ids[0], use_legacy=True)
-                        row["flashmla_vs_ours_rel"] = rel(out, fo)
-                        row["flashmla_us"] = bench(
-                            lambda i: fwk(qs[i], kc4, None, None, 512, metas[i], indices=ids[i], use_legacy=True),
-                            quick)
-                    except Exception as e:  # noqa: BLE001
-                        row["flashmla_error"] = repr(e)[:200]
-                if sgl is not None and s == 1 and b in (1, 16, 64):
-                    try:
-                        so, _ = sgl(qs[0], kc4, ids[0], None, None, 512, 512 ** -0.5)
-                        row["sglang_triton_vs_ours_rel"] = rel(out, so)
-                        row["sglang_triton_us"] = bench(
-                            lambda i: sgl(qs[i], kc4, ids[i], None, None, 512, 512 ** -0.5), True)
-                    except Exception as e:  # noqa: BLE001
-                        row["sglang_triton_error"] = repr(e)[:200]
-                rows.append(row)
-                if on_row is not None:
-                    on_row(rows)
-                print("time", {k: v for k, v in row.items() if k != "sweep_us"}, flush=True)
+    for h, s, b in TIMING_ROWS:
+        topk, ps = 512, 64
+        q, kc, idx, _ = make_inputs(ROT * b, s, h, topk, ps, max(16384, ROT * b * s * topk * 5 // 4),
+                                    dev, seed=b + h)
+        kc4 = view4(kc, ps)
+        qs = [q[i * b:(i + 1) * b] for i in range(ROT)]
+        ids = [idx[i * b:(i + 1) * b] for i in range(ROT)]
+        floor_bytes = b * s * topk * BYTES_PER_TOKEN + 2 * b * s * h * 512 * 2 + b * s * topk * 4
+        row = dict(B=b, H=h, S=s, topk=topk, page_size=ps,
+                   floor_us=floor_bytes / HBM_BPS * 1e6, bytes=floor_bytes)
+        out, _ = sparse_mla_decode(qs[0], kc4, ids[0])
+        row["ours_default_us"] = bench(lambda i: sparse_mla_decode(qs[i], kc4, ids[i]), quick)
+        if baseline is not None:
+            row["baseline_us"] = bench(lambda i: baseline(qs[i], kc4, ids[i]), quick)
+        best = (row["ours_default_us"], "default")
+        sweep = {}
+        for key, kw in sweep_variants(h, b, s, quick, full_sweep, sm90, sweep_set):
+            if time.time() - t_start > budget_s:
+                row["sweep_stopped"] = "budget"
+                break
+            try:
+                t = bench(lambda i: sparse_mla_decode(qs[i], kc4, ids[i], **kw), quick)
+            except Exception as e:  # noqa: BLE001
+                print("variant failed", key, repr(e)[:200], flush=True)
+                continue
+            sweep[key] = t
+            if t < best[0]:
+                best = (t, key)
+        row["ours_best_us"], row["ours_best_variant"] = best
+        row["sweep_us"] = sweep
+        if fm is not None:
+            fwk, gmeta = fm
+            try:
+                metas = [gmeta()[0] for _ in range(ROT)]
+                fo, fl = fwk(qs[0], kc4, None, None, 512, metas[0], indices=ids[0], use_legacy=True)
+                row["flashmla_vs_ours_rel"] = rel(out, fo)
+                row["flashmla_us"] = bench(
+                    lambda i: fwk(qs[i], kc4, None, None, 512, metas[i], indices=ids[i], use_legacy=True),
+                    quick)
+            except Exception as e:  # noqa: BLE001
+                row["flashmla_error"] = repr(e)[:200]
+        if sgl is not None and s == 1 and b in (1, 16, 64):
+            try:
+                so, _ = sgl(qs[0], kc4, ids[0], None, None, 512, 512 ** -0.5)
+                row["sglang_triton_vs_ours_rel"] = rel(out, so)
+                row["sglang_triton_us"] = bench(
+                    lambda i: sgl(qs[i], kc4, ids[i], None, None, 512, 512 ** -0.5), True)
+            except Exception as e:  # noqa: BLE001
+                row["sglang_triton_error"] = repr(e)[:200]
+        rows.append(row)
+        if on_row is not None:
+            on_row(rows)
+        print("time", {k: v for k, v in row.items() if k != "sweep_us"}, flush=True)
     return rows
 
 
@@ -321,6 +450,10 @@ def main():
     ap.add_argument("--tag", default="", help="suffix of the JSON file name (sparse_mla_decode_<date><tag>.json)")
     ap.add_argument("--baseline", help="another kernels/sparse_mla_decode.py whose default path is timed in the "
                     "same run (e.g. the committed one: git show HEAD:kernels/sparse_mla_decode.py > FILE)")
+    ap.add_argument("--sweep-set", default="default", choices=["default", "s5"],
+                    help="s5: the S5_CANDIDATES configs (sm_90) as the sweep")
+    ap.add_argument("--precompile", type=int, default=0,
+                    help="compile every kernel of the run in this many processes first (device: 16 cores)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     t0 = time.time()
@@ -331,10 +464,17 @@ def main():
     res["copy_GBps"] = 2 * x.numel() / (triton.testing.do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3) / 1e9
     del x, y
     fm = load_flashmla()
+    if args.precompile:
+        res["precompile_s"], res["precompile_errors"] = precompile(
+            dev, args.precompile, args.quick, args.baseline, args.sweep_set, args.full_sweep,
+            load_sglang_triton() is not None)
     if not args.skip_correctness:
         res["correctness"] = correctness(dev, fm, args.quick)
         res["graph_replay"] = graph_replay_check(dev)
-        res["correct_all_ok"] = all(c["ok"] for c in res["correctness"] + res["graph_replay"])
+        # the default path and its forced configs; the s5 candidates are reported per config
+        res["correct_all_ok"] = all(c["ok"] for c in res["correctness"] + res["graph_replay"] if not c.get("candidate"))
+        res["candidates_ok"] = {n: all(c["ok"] for c in res["correctness"] if c.get("config") == n)
+                                for n in {c["config"] for c in res["correctness"] if c.get("candidate")}}
     res["command"] = " ".join(sys.argv)
     res["baseline_file"] = args.baseline
     os.makedirs(args.out, exist_ok=True)
@@ -348,8 +488,11 @@ def main():
             json.dump(res, f, indent=1)
 
     save()
+    res["t_before_timing_s"] = time.time() - t0
     res["timing"] = timing(dev, args.quick, fm, load_sglang_triton(), args.full_sweep, args.sweep_budget_s,
-                           load_baseline(args.baseline) if args.baseline else None, on_row=save)
+                           load_baseline(args.baseline) if args.baseline else None, on_row=save,
+                           sweep_set=args.sweep_set)
+    res["compiled"] = compiled_facts()
     save()
     print(f"\n{res['device']}  copy {res['copy_GBps']:.0f} GB/s  correctness ok: {res.get('correct_all_ok')}")
     print(f"{'B':>4} {'H':>3} {'S':>2} {'floor':>7} {'ours':>8} {'best':>8} {'baseline':>9} {'flashmla':>9} "
