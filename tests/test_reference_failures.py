@@ -60,6 +60,13 @@ async def test_bad_inputs_get_4xx_and_hold_nothing(engines, side):
         assert_error(r, 400, "maximum context length")
         r = await c.post("/generate", json={"text": "hi", "sampling_params": {"temperature": -1}, **pd_fields, "bootstrap_room": 3})
         assert_error(r, 400, "temperature")
+        # SGLang refuses a sampling_params key it does not know (a misspelt max_new_tokens is not the default)
+        r = await c.post("/generate", json={"text": "hi", "sampling_params": {"max_new_token": 2}, **pd_fields,
+                                            "bootstrap_room": 4})
+        assert assert_error(r, 400, "unknown field `max_new_token`", "max_new_tokens")["param"] == "sampling_params"
+        r = await c.post("/generate", json={"text": ["a", "b"], "sampling_params": [{}, {"tempreature": 0}],
+                                            **pd_fields, "bootstrap_room": [5, 6]})
+        assert_error(r, 400, "unknown field `tempreature`")
         r = await c.post("/v1/completions", json={"prompt": "hi", "n": "three"})
         assert_error(r, 400, "n")
         r = await c.post("/nope", json={})

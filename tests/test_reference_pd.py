@@ -66,6 +66,36 @@ async def test_generate_single(engines, stream, logprobs):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+async def test_generate_return_text_in_logprobs(engines, stream):
+    """SGLang's ``return_text_in_logprobs``: each logprob entry's third item is the token's text
+    (null without the flag), on both PD sides, streamed or not."""
+    body = {"text": "Paris", "sampling_params": {"max_new_tokens": 4, **GREEDY}, "stream": stream,
+            "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}
+
+    def entries(out):
+        m = out["meta_info"]
+        tops = [e for row in m["input_top_logprobs"] + m["output_top_logprobs"] if row for e in row]
+        return m["input_token_logprobs"] + m["output_token_logprobs"] + tops
+
+    plain = await null_post(engines["null"], "/generate", body)
+    dec, pre = await pd(engines, "/generate", {**body, "return_text_in_logprobs": True}, None)
+    if stream:
+        plain, dec = final_generate_chunks(plain)[0], final_generate_chunks(dec)[0]
+        pre = [c for c in pre if c != "[DONE]"][-1]
+    merged = merge_logprobs(dec, pre)
+    assert all(e[2] is None for e in entries(plain))
+    with_text = entries(merged)
+    assert len(with_text) == len(entries(plain)) > 8
+    assert all(isinstance(e[2], str) for e in with_text), with_text
+    # ByT5 ids 3..258 are the bytes 0..255: an ASCII token's text is its byte
+    out_lp = merged["meta_info"]["output_token_logprobs"]
+    assert [chr(tid - 3) for _, tid, _ in out_lp if 3 + 32 <= tid < 3 + 127] == \
+        [t for _, tid, t in out_lp if 3 + 32 <= tid < 3 + 127]
+    prompt_lp = merged["meta_info"]["input_token_logprobs"]
+    assert "".join(t for _, _, t in prompt_lp) == "Paris"
+
+
+@pytest.mark.parametrize("stream", [False, True])
 async def test_generate_batch_of_8(engines, stream):
     texts = [f"prompt number {i} says" + "!" * i for i in range(8)]
     body = {"text": texts, "sampling_params": {"max_new_tokens": 12, **GREEDY}, "stream": stream,

@@ -15,7 +15,7 @@ from typing import Optional
 from pd.engines.errors import bad_request
 from pd.engines.model_runner import ModelRunner
 from pd.engines.protocol import GenerateRequest, SeqSpec, expand, per_item
-from pd.engines.sampling import SamplingParams
+from pd.engines.sampling import SGLANG_SAMPLING_KEYS, SamplingParams
 from pd.engines.sequence import Sequence
 
 
@@ -27,7 +27,8 @@ def specs_from_generate(req: GenerateRequest, runner: ModelRunner) -> tuple[list
 
     Raises:
         EngineError: 400 for a body with neither or both of text/input_ids, mismatched list
-            lengths, inconsistent ``n``, or bad sampling values.
+            lengths, inconsistent ``n``, a ``sampling_params`` key SGLang does not know, or bad
+            sampling values.
     """
     if (req.text is None) == (req.input_ids is None):
         raise bad_request("exactly one of text or input_ids must be given", "text")
@@ -45,6 +46,11 @@ def specs_from_generate(req: GenerateRequest, runner: ModelRunner) -> tuple[list
     count = len(prompts)
     raw = req.sampling_params if req.sampling_params is not None else {}
     raw_list = per_item(raw, count, "sampling_params")
+    for sp in raw_list:
+        unknown = sorted(set(sp) - SGLANG_SAMPLING_KEYS)
+        if unknown:
+            raise bad_request(f"sampling_params: unknown field `{unknown[0]}`, expected one of "
+                              f"{', '.join(sorted(SGLANG_SAMPLING_KEYS))}", "sampling_params")
     ns = {int(sp.get("n", 1)) for sp in raw_list}
     if len(ns) != 1:
         raise bad_request("sampling_params: n must be the same for every prompt of a batch", "sampling_params")

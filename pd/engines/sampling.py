@@ -15,6 +15,19 @@ from pydantic import BaseModel, ConfigDict, Field
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
 
+# Every key SGLang 0.5.23's /generate accepts in ``sampling_params`` (the API fields of
+# sglang/srt/sampling/sampling_params.py; its JSON contract, sglang/api/v1, rejects any other key with a
+# 400). The reference engine honours the fields of SamplingParams below and ignores the rest of these,
+# but an unknown key is refused as SGLang refuses it, so a misspelt ``max_new_token`` is not silently
+# replaced by the default.
+SGLANG_SAMPLING_KEYS = frozenset({
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
+    "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+    "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width",
+    "watermark", "choice",
+})
+
 
 class SamplingParams(BaseModel):
     """The subset of SGLang's ``sampling_params`` the reference engine honours.

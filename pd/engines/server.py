@@ -168,7 +168,8 @@ class EngineServer:
         async def generate(request: Request):
             req = parse(GenerateRequest, await read_json(request, limit))
             specs, is_single = generate_api.specs_from_generate(req, self.runner)
-            return await self._run(request, specs, req.stream, *self._generate_renderers(specs, is_single))
+            renderers = self._generate_renderers(specs, is_single, req.return_text_in_logprobs)
+            return await self._run(request, specs, req.stream, *renderers)
 
         @app.post("/v1/completions")
         async def completions(request: Request):
@@ -255,8 +256,7 @@ class EngineServer:
         return {self.served_name, self.args.model_path}
 
     # ---- renderers ----------------------------------------------------------------------
-    def _generate_renderers(self, specs, is_single: bool):
-        with_text = False
+    def _generate_renderers(self, specs, is_single: bool, with_text: bool):
         runner = self.runner
 
         def full(seqs):
