@@ -411,12 +411,10 @@ def _gate_up_kernel(
     columns) group to finish (acq_rel ticket in tick_ptr[pair * I / BN + column block], reset by that program)
     sums the group's partials in split order and writes h = SwiGLU itself, as ``_swiglu_kernel`` would (same
     arithmetic, same order: identical bits). PDL: releases the programmatic dependent launch of the next kernel at
-    the start (its programs may take free SM slots once every program here has started)."""
+    the end of its K loop (the down programs may take free SM slots once every program here has got there)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     e, rows, rmask, active = _rows_of(pid_m, ids_ptr, sorted_ptr, blk_exp_ptr, nblk_ptr, P, E, SORTED, BM)
     if active:
         tok = (rows // TOPK).to(tl.int64)
@@ -462,6 +460,8 @@ def _gate_up_kernel(
                 x_ptrs += BK
                 w_ptrs += BK // WV
                 sc_ptrs += BK // SK
+            if PDL:  # released after the K loop: released at the start, the down programs crowded onto the SMs
+                tl.extra.cuda.gdc_launch_dependents()  # freed first (H200: down 1.5x slower)
             acc = _acc_out(acc, WL)
             if UP_FIRST:  # part keeps [gate | up]
                 col = (w_row + I) % (2 * I)
@@ -499,6 +499,8 @@ def _gate_up_kernel(
                 wu_ptrs += BK // WV
                 sg_ptrs += BK // SK
                 su_ptrs += BK // SK
+            if PDL:
+                tl.extra.cuda.gdc_launch_dependents()
             acc_g = _acc_out(acc_g, WL)
             acc_u = _acc_out(acc_u, WL)
             if SPLIT == 1:
@@ -692,9 +694,11 @@ DOWN_SIGNATURE = {"h_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "
 TILE_CONFIGS = [
     dict(BN=BN, BK=BK, num_warps=w, num_stages=st)
     for BN, BK, w, st in [(16, 256, 1, 4), (32, 256, 2, 3), (32, 128, 2, 4), (64, 256, 2, 3), (64, 128, 4, 3),
-                          (128, 128, 4, 3), (64, 128, 2, 3), (64, 128, 2, 4), (128, 128, 2, 3)]
+                          (128, 128, 4, 3), (64, 128, 2, 3), (64, 128, 2, 4), (128, 128, 2, 3), (128, 256, 4, 3)]
 ] + [dict(BN=64, BK=256, BK_DOT=128, num_warps=2, num_stages=3)]
-BM_CHOICES = (16, 32, 64)
+# rows per block: the pair paths hold one pair per program (row 0; BM 1 keeps the activation tile and the epilogue
+# to that row, tl.dot pads it to the mma shape), the sorted path up to BM pairs of one expert
+BM_CHOICES = (1, 2, 4, 8, 16, 32, 64)
 SPLIT_CHOICES = (1, 2, 4, 8)
 PATHS = ("pair_token", "pair", "sorted")
 # "bits": the bit-arithmetic dequantization (needs max_scale_byte <= 128); "dot_scaled": tl.dot_scaled; "auto": bits
@@ -727,16 +731,16 @@ DEFAULT_CONFIGS = [
 ]
 
 
-# Default plan for weights in the prepared layout (weight_layout="sm90_bits"), from the H200 run of
-# benchmarks/results/mxfp4_moe_2026-11-30-s4b.md (same run as the committed SGLang-layout kernel): the prepared
-# K loop needs 72-122 registers where the SGLang layout's took 128-247, so for T >= 16 gate/up does BK 256 in one
-# step (T = 16 / 64 / 128: 410.0 / 1044.4 / 1294.5 us vs 440.3 / 1116.5 / 1386.0 with the SGLang-layout plan's
-# two BK_DOT 128 steps). T = 1 keeps gate/up BK 256 in two steps (49.6 us vs 50.2 for the SGLang plan's BK 128).
-# Only plans whose results were checked on the device are here; faster ones seen in the same sweep but not checked
-# (gate/up 128 columns with 4 warps, which compiles to wgmma: 379.7 us at T = 16; 4 stages: -1 to -4%) are not.
+# Default plan for weights in the prepared layout (weight_layout="sm90_bits"), from the H200 runs of
+# benchmarks/results/mxfp4_moe_2026-11-30-s4b.md and -s5.md (each the same run as the committed kernel): the
+# prepared K loop needs 72-161 registers where the SGLang layout's took 128-247, so for T >= 16 gate/up does BK 256
+# in one step; s5: 128 columns with 4 warps (wgmma, the converted weights as its register A operand; 161 registers)
+# over s4b's 64 columns with 2 warps, 1.05-1.07x at T = 16 / 64 / 128 (370.2 / 932.4 / 1156.6 us vs 387.3 / 992.0 /
+# 1223.8; 4 stages no faster). T = 1 keeps gate/up BK 256 in two steps (49.6 us vs 50.2 for the SGLang plan's
+# BK 128). Only plans whose results were checked on the device are here.
 DEFAULT_CONFIGS_SM90_BITS = [
     (48, dict(DEFAULT_CONFIGS[0][1], gate_up=dict(BN=64, BK=256, BK_DOT=128, num_warps=2, num_stages=3))),
-    (1024, dict(DEFAULT_CONFIGS[1][1], gate_up=dict(BN=64, BK=256, num_warps=2, num_stages=3))),
+    (1024, dict(DEFAULT_CONFIGS[1][1], gate_up=dict(BN=128, BK=256, num_warps=4, num_stages=3))),
     DEFAULT_CONFIGS[2],
 ]
 
@@ -803,6 +807,8 @@ def _check_config(cfg: dict, h: int, inter: int) -> None:
         raise ValueError(f"config: path must be one of {PATHS}, got {cfg!r}")
     if cfg.get("BM", 16) not in BM_CHOICES:
         raise ValueError(f"config: BM must be one of {BM_CHOICES}")
+    if cfg["path"] != "sorted" and cfg.get("BM", 16) > 16:
+        raise ValueError("config: the pair paths take BM <= 16 (one pair per program)")
     for part, n_dim in (("gate_up", inter), ("down", h)):
         c = cfg.get(part)
         if not isinstance(c, dict) or not {"BN", "BK", "num_warps", "num_stages"} <= set(c) \
@@ -1157,7 +1163,7 @@ def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
             CHUNK=64 if _INTERPRET else 1024, num_warps=4)))
         grid_m = n_blk
     else:
-        bm = 16
+        bm = cfg.get("BM", 16)
         sorted_ids, blk_exp, nblk = ids, ids, ids  # unused
         grid_m = p
     sorted_mode = path == "sorted"
@@ -1186,7 +1192,7 @@ def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
     if path == "pair_token":
         stages.append(("down", lambda: _down_kernel[(t, h // dn["BN"], 1)](
             hbuf, w2u, s2u, ids, topk_weights, ids, ids, ids, out, out, ids, out.stride(0), float(scaling), p,
-            n_exp, MODE=2, SPLIT=1, BM=16, BN=dn["BN"], BK=dn["BK"], BKD=dn["BK_DOT"], num_warps=dn["num_warps"],
+            n_exp, MODE=2, SPLIT=1, BM=bm, BN=dn["BN"], BK=dn["BK"], BKD=dn["BK_DOT"], num_warps=dn["num_warps"],
             num_stages=dn["num_stages"], **common)))
         return out, stages
     y = torch.empty(sp_dn, p, h, dtype=torch.float32, device=dev)

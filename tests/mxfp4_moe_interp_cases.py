@@ -128,10 +128,14 @@ CASES = [
     ("fold_pair_halves_split2x2_skip", dict(t=3, h=256, inter=256, e=5, k=3, path="pair", splits=(2, 2),
                                             halves=True, skip=2, up_first=True, calls=2,
                                             extra=dict(fold=True, pdl=True, prefetch_gate_up=2, prefetch_down=1))),
-    ("prep_fold_pair_fused_split2x2_skipped_token", dict(t=2, h=256, inter=128, e=4, k=2, path="pair",
+    ("prep_fold_pair_fused_split2x2_skipped_token", dict(t=2, h=256, inter=128, e=4, k=2, path="pair", bm=1,
                                                          splits=(2, 2), skip_token0=True, dequant="bits",
                                                          layout="sm90_bits", calls=2, extra=dict(fold=True))),
-    ("fold_pair_one_pass_down_split2", dict(t=2, h=128, inter=256, e=4, k=3, path="pair", splits=(1, 2), skip=1,
+    # fewer rows per block: BM 1 / 8 (tl.dot pads them to the mma shape)
+    ("bits_pair_token_bm1", dict(t=3, h=128, inter=128, e=5, k=2, path="pair_token", bm=1, skip=1, dequant="bits")),
+    ("prep_sorted_bm8_multiblock", dict(t=12, h=256, inter=128, e=3, k=2, path="sorted", bm=8, shared=True, skip=2,
+                                        halves=True, dequant="bits", layout="sm90_bits")),
+    ("fold_pair_one_pass_down_split2", dict(t=2, h=128, inter=256, e=4, k=3, path="pair", bm=8, splits=(1, 2), skip=1,
                                             scaling=1.5, calls=2, workspace=True, extra=dict(fold=True))),
 ]
 
