@@ -135,6 +135,31 @@ async def test_completions_list_prompt(engines, stream, logprobs):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+async def test_completions_echo(engines, stream):
+    """``echo``: each choice's text starts with its prompt (token-id prompts decoded), streamed in the
+    first chunk; the completion after it is the one without echo. echo + logprobs is refused."""
+    ids = [3 + ord(ch) for ch in "Token ids"]  # ByT5: byte b is id b + 3
+    body = {"model": "builtin:tiny", "prompt": ["Once upon a time", "In a galaxy far"], "max_tokens": 6,
+            "temperature": 0, "n": 2, "stream": stream}
+
+    async def texts(b, rooms):
+        dec, _ = await pd(engines, "/v1/completions", b, rooms)
+        if stream:
+            return {i: v["text"] for i, v in openai_stream_result(dec, False)[0].items()}
+        return {c["index"]: c["text"] for c in dec["choices"]}
+
+    plain = await texts(body, 4)
+    echoed = await texts({**body, "echo": True}, 4)
+    prompts = ["Once upon a time"] * 2 + ["In a galaxy far"] * 2  # prompt-major, n samples each
+    assert echoed == {i: prompts[i] + plain[i] for i in range(4)}
+    ids_body = {**body, "prompt": ids, "n": 1}
+    assert await texts({**ids_body, "echo": True}, 1) == {0: "Token ids" + (await texts(ids_body, 1))[0]}
+    async with httpx.AsyncClient(timeout=60) as c:
+        r = await c.post(engines["null"].url + "/v1/completions", json={**body, "echo": True, "logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("logprobs", [False, True])
 async def test_chat_n3(engines, stream, logprobs):
     # n=3 with sampling: each sample has its own seed (seed + s), so the three differ but PD == null.

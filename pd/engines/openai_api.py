@@ -34,7 +34,8 @@ def _check_common(req) -> None:
 
 
 def specs_from_completion(req: CompletionRequest, runner: ModelRunner) -> list[SeqSpec]:
-    """Raises EngineError 400 for an empty prompt list, max_tokens <= 0, n < 1, logprobs < 0."""
+    """Raises EngineError 400 for an empty prompt list, max_tokens <= 0, n < 1, logprobs < 0, or echo
+    with logprobs."""
     _check_common(req)
     p = req.prompt
     if isinstance(p, str):
@@ -49,6 +50,10 @@ def specs_from_completion(req: CompletionRequest, runner: ModelRunner) -> list[S
         raise bad_request("prompt must be a string, a list of strings, or token ids", "prompt")
     if req.logprobs is not None and req.logprobs < 0:
         raise bad_request("logprobs must be >= 0", "logprobs")
+    if req.echo and req.logprobs is not None:
+        # SGLang warns "Echo is not compatible with logprobs" and points to /generate for prompt logprobs
+        raise bad_request("echo with logprobs is not supported: for the prompt's logprobs use /generate with "
+                          "return_logprob and logprob_start_len 0", "echo")
     params = req.sampling(COMPLETIONS_DEFAULT_MAX_TOKENS)
     count = len(prompts)
     return expand(
@@ -95,6 +100,21 @@ def finish_fields(seq: Sequence) -> tuple[Optional[str], object]:
     if fr is None:
         return None, None
     return fr["type"], fr.get("matched") if fr["type"] == "stop" else None
+
+
+def echo_texts(req: CompletionRequest, runner: ModelRunner) -> Optional[list[str]]:
+    """With ``echo``: the text each prompt's choices start with, by prompt index (the prompt string
+    itself, or token-id prompts decoded without special tokens, as SGLang echoes them); else None."""
+    if not req.echo:
+        return None
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if all(isinstance(x, str) for x in p):
+        return list(p)
+    if all(isinstance(x, int) for x in p):
+        return [runner.decode(list(p))]
+    return [runner.decode(list(x)) for x in p]
 
 
 def usage(seqs: list[Sequence], n: int) -> dict:
@@ -144,10 +164,13 @@ class OpenAIResponder:
         model: the model name to report.
         runner: for token texts in logprobs.
         n: samples per prompt (for usage).
+        echo: completions with ``echo``: the prompt text each choice starts with, by prompt index
+            (``echo_texts``); None otherwise.
     """
 
-    def __init__(self, kind: str, model: str, runner: ModelRunner, n: int):
+    def __init__(self, kind: str, model: str, runner: ModelRunner, n: int, echo: Optional[list[str]] = None):
         self.kind = kind
+        self.echo = echo
         self.model = model
         self.runner = runner
         self.n = n
@@ -162,7 +185,7 @@ class OpenAIResponder:
             reason, matched = finish_fields(seq)
             choice = {"index": seq.spec.index, "finish_reason": reason, "matched_stop": matched}
             if self.kind == "completion":
-                choice["text"] = seq.text()
+                choice["text"] = self._echo(seq) + seq.text()
                 choice["logprobs"] = completion_logprobs(seq, self.runner, 0) if seq.spec.return_logprob else None
             else:
                 choice["message"] = {"role": "assistant", "content": seq.text()}
@@ -170,6 +193,9 @@ class OpenAIResponder:
             choices.append(choice)
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage(seqs, self.n)}
+
+    def _echo(self, seq: Sequence) -> str:
+        return self.echo[seq.spec.prompt_index] if self.echo else ""
 
     def chunk(self, choices: list[dict], usage_info: Optional[dict] = None) -> dict:
         """One streaming chunk object with ``choices`` (and ``usage`` when given)."""
@@ -186,7 +212,7 @@ class OpenAIResponder:
         choice: dict = {"index": seq.spec.index, "finish_reason": reason, "matched_stop": matched}
         has_lp = seq.spec.return_logprob and lp_start < len(seq.output_ids)
         if self.kind == "completion":
-            choice["text"] = text_delta
+            choice["text"] = (self._echo(seq) if first else "") + text_delta
             choice["logprobs"] = completion_logprobs(seq, self.runner, lp_start) if has_lp else None
         else:
             delta: dict = {"role": "assistant", "content": text_delta} if first else {}
