@@ -1,18 +1,21 @@
 """Device A/B for pd.kernels.mxfp4_moe, session 5 (run on the GPU machine, not in CI).
 
   python benchmarks/kernels/mxfp4_moe_s5.py --out DIR [--head PATH] [--budget SECONDS] [--baseline] [--sweep]
+      [--ts 1,4,8,16,64,128] [--rounds 3]
 
 Same shapes, data, routing and timing method as benchmarks/kernels/mxfp4_moe.py (256 experts, top-6, H 4096,
 I 2048, UE8M0 scales 116..123, CUDA-graph medians over 4 routing sets, floor at 4.3 TB/s), weights in the prepared
 sm_90 layout (``prepare_mxfp4_weights_sm90``). In one run:
-1. correctness of every plan timed below (T = 1, 16, 64, 128, 256; int64 ids, a -1 slot, NaN-poisoned output)
-   against the torch reference, and of the fold plans twice in a row (the tickets reset) and replayed in a graph;
-2. a kernel-level profile of one T = 1 call (torch.profiler over CUDA-graph replays: per-kernel durations, the
-   gaps between the kernels of a call, the call's span) for the committed plan on both layouts and the new plans;
-3. timing in interleaved rounds (``--rounds``, each round times every plan once), median over rounds: the
-   committed kernel (``--head``: a copy of the last committed kernels/mxfp4_moe.py, its default plan), this
-   checkout's default plan, and the candidate plans (``--sweep``: more T = 1 variants, each timed once first; the
-   fastest three go into the rounds); ``--baseline``: dequantize + torch grouped matmul, same run.
+1. correctness of every plan timed below (each T, and T = 256; int64 ids, a -1 slot, NaN-poisoned output) against
+   the torch reference; fold plans called twice (the tickets reset); every T = 1 plan captured in a CUDA graph and
+   replayed on fresh inputs (bitwise equal to eager calls);
+2. timing in interleaved rounds (``--rounds``, each round times every plan once), median over rounds: the
+   committed kernel (``--head``: a copy of the last committed kernels/mxfp4_moe.py, its default plan, on the
+   prepared and on the SGLang layout), this checkout's default plan, and candidate plans. At T = 1 (``--sweep``)
+   every candidate is timed once first and the fastest three go into the rounds; T = 2..8 time T = 1's round plans;
+   ``--baseline``: dequantize + torch grouped matmul, same run;
+3. a kernel-level profile of T = 1 (torch.profiler over CUDA-graph replays: per-kernel durations, the gaps between
+   the kernels of a call, the call's span) for the committed plan on both layouts and the plans of the rounds.
 Writes mxfp4_moe_s5.json (device, date, versions, command, every number); prints a table last.
 """
 
@@ -187,7 +190,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--head", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "_mxfp4_moe_s4b.py"))
     ap.add_argument("--budget", type=float, default=120.0, help="seconds; sweeps and rounds stop when they run out")
-    ap.add_argument("--ts", default="1,16,64,128")
+    ap.add_argument("--ts", default="1,4,8,16,64,128")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sweep", action="store_true", help="more T = 1 variants (each timed once, the best retimed)")
     ap.add_argument("--baseline", action="store_true", help="also time dequantize + torch grouped matmul")
@@ -285,7 +288,7 @@ def main():
     # 2. timing
     res["timing"] = []
     lut = bm._lut_pairs(dev)
-    share = {t: (3 if t * K <= 48 and args.sweep else 1) for t in ts}  # the T = 1 sweep gets a larger share
+    share = {t: (3 if t == 1 and args.sweep else 1) for t in ts}  # the T = 1 sweep gets a larger share
     for n_t, t in enumerate(ts):
         t_deadline = time.time() + (deadline - time.time()) * share[t] / sum(share[u] for u in ts[n_t:])
         sets = [bm.make_routing(t, dev, seed=7 * t + r) for r in range(bm.ROT)]
@@ -302,7 +305,10 @@ def main():
                     for i in range(bm.ROT)]
         cand = dict(plans[t])
         row["sweep_us"] = {}
-        if len(cand) > 4:  # one timing each, then the fastest three go into the rounds
+        t1_row = next((r for r in res["timing"] if r["T"] == 1), None)
+        if t > 1 and t * K <= 48 and t1_row is not None:  # T = 2..8: the plans of T = 1's rounds, no sweep
+            cand = {n: cand[n] for n in t1_row["median_us"] if n in cand}
+        elif len(cand) > 4:  # one timing each, then the fastest three go into the rounds
             for name, cfg in cand.items():
                 if name != "default" and time.time() > t_deadline - 8:
                     row["sweep_truncated"] = True
@@ -316,7 +322,7 @@ def main():
             cand = {"default": cand["default"], **{k: cand[k] for _, k in good[:3]}}
         timed = {"head": call(head, p13, p2), "head_sglang": call(head, w13, w2, layout="sglang")}
         timed.update({n: call(mx, p13, p2, c) for n, c in cand.items()})
-        if t * K <= 48:  # the one-row fold plan on the SGLang layout (for DEFAULT_CONFIGS; not a default here)
+        if t == 1:  # the one-row fold plan on the SGLang layout (for DEFAULT_CONFIGS; not a default here)
             timed["sglang_bm1_fold"] = call(mx, w13, w2, SGLANG_T1, layout="sglang")
         rounds = {n: [] for n in timed}
         for r in range(args.rounds):
