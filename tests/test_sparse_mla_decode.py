@@ -128,6 +128,7 @@ def _all_configs():
 ALIGNED = ("q_ptr", "kc8_ptr", "kc16_ptr", "idx_ptr", "out_ptr", "part_o_ptr", "page_stride", "stride_qb",
            "stride_qs", "stride_qh", "TOPK")
 SM90_SHARED_LIMIT = 232448  # bytes of shared memory per block on sm_90 (227 KiB)
+SM90_SHARED_PER_SM = 233472  # bytes of shared memory per SM on sm_90 (228 KiB; each block also reserves 1 KiB)
 
 
 def _compile(bh, cfg, cc, direct=False, chunked=False, pipeline=None):
@@ -219,6 +220,8 @@ def test_aot_pipelined_configs_sm120a_and_sm90a(i):
         assert ("griddepcontrol.launch_dependents" in k.asm["ptx"]) == (not i % 2), c
         if cc == 120:
             assert_sm120_ok(k)
+        else:  # the programs per SM its default split count assumes fit the SM's shared memory
+            assert c.get("PROGRAMS_PER_SM", 1) * (k.metadata.shared + 1024) <= SM90_SHARED_PER_SM, (c, k.metadata.shared)
 
 
 def test_sm120_defaults_are_unchunked_and_sm90_only_picks_64():

@@ -88,9 +88,12 @@ def lse_err(a, b):
 
 
 # sm_90 candidates timed next to the default (``--sweep-set s5``) and checked in ``correctness``, per heads per
-# program: (name, config); "x4" = two programs per SM with twice the split count, "x1" = one per SM.
+# program: (name, config); "x2" / "x4" = two programs per SM with the split count for two / four, "x1" = one per SM.
+# All lost to the committed defaults on the H200 (benchmarks/results/sparse_mla_decode_2026-11-30-s5.md, where the
+# first one ran as the default path).
 S5_CANDIDATES = {
-    16: [("pipe3x4_bh16_n64_w8", {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "PIPELINE": 3, "PROGRAMS_PER_SM": 4}),
+    16: [("pipe3x2_bh16_n64_w8", {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "PIPELINE": 3, "PROGRAMS_PER_SM": 2}),
+         ("pipe3x4_bh16_n64_w8", {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "PIPELINE": 3, "PROGRAMS_PER_SM": 4}),
          ("pipe5x2_bh16_n32_w8", {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "PIPELINE": 5, "PROGRAMS_PER_SM": 2}),
          ("pipe3x1_bh16_n64_w8", {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "PIPELINE": 3}),
          ("pipe3x1_bh16_n64_w16", {"BLOCK_N": 64, "num_warps": 16, "num_stages": 1, "PIPELINE": 3})],
@@ -358,6 +361,7 @@ def compiled_facts(mod=None):
     facts = []
     for name in ("_sparse_mla_fwd_pipelined_kernel", "_sparse_mla_fwd_chunked_kernel", "_sparse_mla_fwd_kernel",
                  "_combine_kernel"):
+        arg_names = getattr(getattr(mod, name), "arg_names", [])
         for dc in getattr(getattr(mod, name), "device_caches", {}).values():
             cache = dc[0] if isinstance(dc, tuple) else dc
             for k in cache.values():
@@ -366,8 +370,10 @@ def compiled_facts(mod=None):
                 except Exception:  # noqa: BLE001
                     pass
                 c = getattr(getattr(k, "src", None), "constants", None) or getattr(k, "constants", None) or {}
-                facts.append(dict(kernel=name, constants={str(a): v for a, v in dict(c).items()
-                                                          if isinstance(v, (int, float, str, bool))},
+                # constants are keyed by argument index tuples, e.g. (22,): name them
+                named = {(arg_names[a[0]] if isinstance(a, tuple) and len(a) == 1 and a[0] < len(arg_names)
+                          else str(a)): v for a, v in dict(c).items() if isinstance(v, (int, float, str, bool))}
+                facts.append(dict(kernel=name, constants=named,
                                   num_warps=k.metadata.num_warps, n_regs=getattr(k, "n_regs", None),
                                   n_spills=getattr(k, "n_spills", None), shared=k.metadata.shared,
                                   wgmma=k.asm.get("ptx", "").count("wgmma.mma_async"),
