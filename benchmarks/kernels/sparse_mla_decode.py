@@ -498,7 +498,10 @@ def main():
     res["timing"] = timing(dev, args.quick, fm, load_sglang_triton(), args.full_sweep, args.sweep_budget_s,
                            load_baseline(args.baseline) if args.baseline else None, on_row=save,
                            sweep_set=args.sweep_set)
-    res["compiled"] = compiled_facts()
+    try:
+        res["compiled"] = compiled_facts()
+    except Exception as e:  # noqa: BLE001  (diagnostics only: never lose the timing table to them)
+        res["compiled_error"] = repr(e)[:300]
     save()
     print(f"\n{res['device']}  copy {res['copy_GBps']:.0f} GB/s  correctness ok: {res.get('correct_all_ok')}")
     print(f"{'B':>4} {'H':>3} {'S':>2} {'floor':>7} {'ours':>8} {'best':>8} {'baseline':>9} {'flashmla':>9} "
