@@ -25,14 +25,17 @@ Kernels (weights are never dequantized in memory):
     experts and writes the summed bf16 output itself.
   * ``_align_kernel`` (``sorted`` path): one program groups the (token, slot) pairs by expert into blocks of
     BM rows (histogram + scan + atomic cursors), so each expert's weights are read once per block.
+  * ``fold`` plans (pair path): no ``_swiglu_kernel`` / ``_topk_sum_kernel`` launches; the last gate/up program of
+    each (pair, columns) group and the last down program of each (token, columns) group, elected by acq_rel atomic
+    tickets (``mxfp4_moe_workspace``, left zeroed), do that work with the same arithmetic in the same order.
 Paths: ``pair`` / ``pair_token`` give every (token, slot) pair its own programs (no sorting; for the draft's
 small T the routed experts of a token are distinct and shared ones are served from L2); ``sorted`` reads each
 routed expert once per BM rows, for larger T. ``DEFAULT_CONFIGS`` (``DEFAULT_CONFIGS_SM90_BITS`` for prepared
 weights) picks by the number of pairs; all paths
 launch fixed grids computed from shapes alone and read routing on the device, so a call is CUDA-graph
 capturable (no host sync). H200 numbers and profile: benchmarks/results/mxfp4_moe_2026-11-30.md (dot_scaled),
-mxfp4_moe_2026-11-30-s3.md (bits), -s4.md (BK_DOT steps; Nsight Compute stall reasons) and -s4b.md (prepared
-layout).
+mxfp4_moe_2026-11-30-s3.md (bits), -s4.md (BK_DOT steps; Nsight Compute stall reasons), -s4b.md (prepared
+layout) and -s5.md (one-row pair blocks, the fold, 8-row sorted blocks; kernel profile of T = 1).
 """
 
 from __future__ import annotations
@@ -694,7 +697,7 @@ DOWN_SIGNATURE = {"h_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "
 TILE_CONFIGS = [
     dict(BN=BN, BK=BK, num_warps=w, num_stages=st)
     for BN, BK, w, st in [(16, 256, 1, 4), (32, 256, 2, 3), (32, 128, 2, 4), (64, 256, 2, 3), (64, 128, 4, 3),
-                          (128, 128, 4, 3), (64, 128, 2, 3), (64, 128, 2, 4), (128, 128, 2, 3), (128, 256, 4, 3)]
+                          (128, 128, 4, 3), (64, 128, 2, 3), (64, 128, 2, 4), (128, 128, 2, 3)]
 ] + [dict(BN=64, BK=256, BK_DOT=128, num_warps=2, num_stages=3)]
 # rows per block: the pair paths hold one pair per program (row 0; BM 1 keeps the activation tile and the epilogue
 # to that row, tl.dot pads it to the mma shape), the sorted path up to BM pairs of one expert
@@ -731,16 +734,19 @@ DEFAULT_CONFIGS = [
 ]
 
 
-# Default plan for weights in the prepared layout (weight_layout="sm90_bits"), from the H200 runs of
-# benchmarks/results/mxfp4_moe_2026-11-30-s4b.md and -s5.md (each the same run as the committed kernel): the
-# prepared K loop needs 72-161 registers where the SGLang layout's took 128-247, so for T >= 16 gate/up does BK 256
-# in one step; s5: 128 columns with 4 warps (wgmma, the converted weights as its register A operand; 161 registers)
-# over s4b's 64 columns with 2 warps, 1.05-1.07x at T = 16 / 64 / 128 (370.2 / 932.4 / 1156.6 us vs 387.3 / 992.0 /
-# 1223.8; 4 stages no faster). T = 1 keeps gate/up BK 256 in two steps (49.6 us vs 50.2 for the SGLang plan's
-# BK 128). Only plans whose results were checked on the device are here.
+# Default plan for weights in the prepared layout (weight_layout="sm90_bits"), from the H200 run of
+# benchmarks/results/mxfp4_moe_2026-11-30-s5.md (same run as the committed kernel and as this layout's s4b plans;
+# medians of 3 interleaved rounds). T <= 8: one-row blocks (BM 1: the activation tile and the epilogue shrink to
+# the pair's row; BM 16 kept 16 KiB of shared memory for 15 masked rows, which limited gate/up to 6 blocks of 2
+# warps per SM, latency bound at 32% of HBM bandwidth per Nsight Compute), the SwiGLU and the k-sum folded into the
+# last program of each group (2 launches instead of 4) and 2 x 2 K splits: T = 1 39.7 us (47.0% of the floor) vs
+# 52.6, T = 4 122.2 vs 144.5, T = 8 227.7 vs 271.7. T = 16..170: sorted blocks of 8 rows (1.2-3.1 rows per routed
+# expert at T = 16..128) with gate/up BK 256 in one step: 355.9 / 913.5 / 1114.9 us at T = 16 / 64 / 128 (69.5 /
+# 68.7 / 68.2%) vs 403.5 / 1030.6 / 1265.4. Every plan here was checked on the device in that run.
 DEFAULT_CONFIGS_SM90_BITS = [
-    (48, dict(DEFAULT_CONFIGS[0][1], gate_up=dict(BN=64, BK=256, BK_DOT=128, num_warps=2, num_stages=3))),
-    (1024, dict(DEFAULT_CONFIGS[1][1], gate_up=dict(BN=128, BK=256, num_warps=4, num_stages=3))),
+    (48, dict(DEFAULT_CONFIGS[0][1], BM=1, fold=True, split_gate_up=2,
+              gate_up=dict(BN=64, BK=256, BK_DOT=128, num_warps=2, num_stages=3))),
+    (1024, dict(DEFAULT_CONFIGS[1][1], BM=8, gate_up=dict(BN=64, BK=256, num_warps=2, num_stages=3))),
     DEFAULT_CONFIGS[2],
 ]
 

@@ -144,7 +144,9 @@ def test_default_configs_are_valid_and_cover_all_sizes():
     for p in (1, 6, 96, 768, 10 ** 6):
         assert default_config(p)["path"] in ("pair_token", "pair", "sorted")
         assert default_config(p, "sm90_bits")["path"] == default_config(p)["path"]
-    assert default_config(96, "sm90_bits")["gate_up"] == dict(BN=128, BK=256, num_warps=4, num_stages=3)
+    assert default_config(96, "sm90_bits")["gate_up"] == dict(BN=64, BK=256, num_warps=2, num_stages=3)
+    assert default_config(96, "sm90_bits")["BM"] == 8
+    assert default_config(6, "sm90_bits")["BM"] == 1 and default_config(6, "sm90_bits")["fold"]
 
 
 # ---------------------------------------------------------------------------------------------------- validation
@@ -222,20 +224,21 @@ def _aligned(sig, stride):  # what the launcher specializes for 16-byte-aligned 
     return tuple(n for n, ty in sig.items() if ty.startswith("*")) + (stride,)
 
 
-def _gate_up(cfg, cc, bm=16, sorted_=True, split=1, halves=False, deq=0, wl=0):
+def _gate_up(cfg, cc, bm=16, sorted_=True, split=1, halves=False, deq=0, wl=0, fold=False):
     from pd.kernels.mxfp4_moe import GATE_UP_SIGNATURE, _gate_up_kernel
 
     const = dict(DIMS, SORTED=sorted_, HAS_LIMIT=True, UP_FIRST=False, SPLIT=split, HALVES=halves, BM=bm,
-                 BN=cfg["BN"], BK=cfg["BK"], BKD=cfg.get("BK_DOT", cfg["BK"]), DEQ=deq, WL=wl, **NO_FOLD)
+                 BN=cfg["BN"], BK=cfg["BK"], BKD=cfg.get("BK_DOT", cfg["BK"]), DEQ=deq, WL=wl,
+                 **dict(NO_FOLD, FOLD=fold))
     return compile_for(_gate_up_kernel, GATE_UP_SIGNATURE, const, cc, cfg["num_warps"], cfg["num_stages"],
                        aligned=_aligned(GATE_UP_SIGNATURE, "stride_xt"))
 
 
-def _down(cfg, cc, bm=16, mode=0, split=1, deq=0, wl=0):
+def _down(cfg, cc, bm=16, mode=0, split=1, deq=0, wl=0, fold=False):
     from pd.kernels.mxfp4_moe import DOWN_SIGNATURE, _down_kernel
 
     const = dict(DIMS, MODE=mode, SPLIT=split, BM=bm, BN=cfg["BN"], BK=cfg["BK"], BKD=cfg.get("BK_DOT", cfg["BK"]),
-                 DEQ=deq, WL=wl, **NO_FOLD)
+                 DEQ=deq, WL=wl, **dict(NO_FOLD, FOLD=fold))
     return compile_for(_down_kernel, DOWN_SIGNATURE, const, cc, cfg["num_warps"], cfg["num_stages"],
                        aligned=_aligned(DOWN_SIGNATURE, "stride_ot"))
 
@@ -585,14 +588,14 @@ def test_aot_sm90a_prepared_layout_default_configs_cut_the_loop():
         bm = c.get("BM", 16)
         halves, split_gu = c.get("gate_up_halves", False), c.get("split_gate_up", 1)
         mode = {"sorted": 0, "pair": 1, "pair_token": 2}[c["path"]]
-        for k in (_gate_up(c["gate_up"], 90, bm=bm, sorted_=mode == 0, halves=halves, split=split_gu, deq=1, wl=1),
-                  _down(c["down"], 90, bm=bm, mode=mode, split=c.get("split_down", 1), deq=1, wl=1)):
+        fold = c.get("fold", False)
+        for k in (_gate_up(c["gate_up"], 90, bm=bm, sorted_=mode == 0, halves=halves, split=split_gu, deq=1, wl=1,
+                           fold=fold),
+                  _down(c["down"], 90, bm=bm, mode=mode, split=c.get("split_down", 1), deq=1, wl=1, fold=fold)):
             ptx = k.asm["ptx"]
             assert "mma" in ptx and "mad.lo.u32" in ptx and "mul.rn.bf16x2" in ptx
-            # 64-row blocks and the 4-warp 128-column gate/up tile may take wgmma (the converted weights as its
-            # register A operand); the 2-warp tiles stay on mma.sync
-            n_w = (c["gate_up"] if k.name == "_gate_up_kernel" else c["down"])["num_warps"]
-            assert bm > 16 or n_w == 4 or ("mma.sync" in ptx and "wgmma" not in ptx)
+            assert k.metadata.shared <= 232448 and ("atom." in ptx) == fold  # sm_90's 227 KiB; the fold's tickets
+            assert bm > 16 or ("mma.sync" in ptx and "wgmma" not in ptx)  # 64-row blocks may take wgmma
     c = DEFAULT_CONFIGS[1][1]
     gu, dn = c["gate_up"], c["down"]
     assert_sm120_ok(_gate_up(gu, 120, halves=True, deq=1, wl=1))
