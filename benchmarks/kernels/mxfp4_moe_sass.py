@@ -3,7 +3,8 @@ dequantization, from an sm_90a ahead-of-time build with whatever Triton is insta
 
   python benchmarks/kernels/mxfp4_moe_sass.py [--json FILE]
 
-For each default tile config (DeepSeek-V4 shapes: H = 4096, I = 2048, top-6; 16-row blocks): compiles
+For each default tile config (DeepSeek-V4 shapes: H = 4096, I = 2048, top-6; the plan's rows per block, <= 16):
+compiles
 ``_gate_up_kernel`` and ``_down_kernel`` with DEQ = 0 (dot_scaled), 1 (bits) and 1 on the prepared layout
 (WL = 1, "bits_prepared"; also for the tiles of DEFAULT_CONFIGS_SM90_BITS), disassembles the cubin with the
 cuobjdump that ships with Triton, takes the longest loop (the K loop, ``pd.kernels.sass_stats``) and divides its instruction count by the
@@ -46,30 +47,32 @@ def measure():
     plans = [(cfg, kinds) for _, cfg in mx.DEFAULT_CONFIGS] + [(cfg, kinds[2:]) for _, cfg in
                                                                mx.DEFAULT_CONFIGS_SM90_BITS]
     for cfg, deqs in plans:
-        if cfg.get("BM", 16) != 16:
+        bm = cfg.get("BM", 16)
+        if bm > 16:
             continue
         halves = cfg.get("gate_up_halves", False)
         for kind, tile in (("gate_up", cfg["gate_up"]), ("down", cfg["down"])):
             for deq, wl, name in deqs:
-                key = (kind, halves if kind == "gate_up" else None, tuple(sorted(tile.items())), name)
+                key = (kind, halves if kind == "gate_up" else None, tuple(sorted(tile.items())), name, bm)
                 if key in seen:
                     continue
                 seen.add(key)
                 if kind == "gate_up":
-                    const = dict(DIMS, SORTED=True, HAS_LIMIT=True, UP_FIRST=False, SPLIT=1, HALVES=halves, BM=16,
+                    const = dict(DIMS, SORTED=True, HAS_LIMIT=True, UP_FIRST=False, SPLIT=1, HALVES=halves, BM=bm,
                                  BN=tile["BN"], BK=tile["BK"], BKD=tile.get("BK_DOT", tile["BK"]), DEQ=deq, WL=wl,
                                  PF=0, FOLD=False, PDL=False)
                     k = compile_sm90a(mx._gate_up_kernel, mx.GATE_UP_SIGNATURE, const, tile, "stride_xt")
                     weights = (1 if halves else 2) * tile["BN"] * tile["BK"]
                 else:
-                    const = dict(DIMS, MODE=0, SPLIT=1, BM=16, BN=tile["BN"], BK=tile["BK"],
+                    const = dict(DIMS, MODE=0, SPLIT=1, BM=bm, BN=tile["BN"], BK=tile["BK"],
                                  BKD=tile.get("BK_DOT", tile["BK"]), DEQ=deq, WL=wl, PF=0, FOLD=False, PDL=False)
                     k = compile_sm90a(mx._down_kernel, mx.DOWN_SIGNATURE, const, tile, "stride_ot")
                     weights = tile["BN"] * tile["BK"]
                 n, ops = sass.longest_loop(k.asm["cubin"])
                 regs = sass.registers(k.asm["cubin"])
                 per_thread = weights / (32 * tile["num_warps"])
-                rows.append(dict(kernel=kind, halves=halves if kind == "gate_up" else None, tile=tile, dequant=name,
+                rows.append(dict(kernel=kind, halves=halves if kind == "gate_up" else None, tile=tile, BM=bm,
+                                 dequant=name,
                                  loop_sass=n, weights_per_thread=per_thread, sass_per_weight=n / per_thread,
                                  regs=regs, ptx_mul_bf16x2=k.asm["ptx"].count("mul.rn.bf16x2"),
                                  loop_ops=dict(ops.most_common(12))))
