@@ -22,6 +22,7 @@ import os
 from typing import Optional
 
 import uvicorn
+from pydantic import ValidationError
 
 from pd.router.app import create_app
 from pd.router.config import (ADMIN_KEY_ENV, API_KEY_ENV, DEFAULT_BOOTSTRAP_PORT, POLICY_NAMES, CacheAwareConfig,
@@ -30,6 +31,41 @@ from pd.router.config import (ADMIN_KEY_ENV, API_KEY_ENV, DEFAULT_BOOTSTRAP_PORT
 
 log = logging.getLogger("pd.router")
 
+# (config model, field) -> the flag that sets it, so a bad value is reported under the flag the user typed.
+_FLAG_OF_FIELD: dict[tuple[str, str], str] = {
+    **{("RouterConfig", f): "--" + f.replace("_", "-") for f in (
+        "host", "port", "prefill", "decode", "policy", "prefill_policy", "decode_policy", "max_payload_size",
+        "max_connections", "api_key", "admin_api_key", "request_id_headers", "log_level")},
+    ("PrefillWorkerConfig", "url"): "--prefill",
+    ("PrefillWorkerConfig", "bootstrap_port"): "--prefill URL BOOTSTRAP_PORT",
+    **{("CacheAwareConfig", f): "--" + f.replace("_", "-") for f in (
+        "cache_threshold", "balance_abs_threshold", "balance_rel_threshold", "eviction_interval_secs",
+        "max_tree_size")},
+    **{("RetryConfig", f): "--retry-" + f.replace("_", "-") for f in (
+        "max_retries", "initial_backoff_ms", "max_backoff_ms", "backoff_multiplier", "jitter_factor")},
+    **{("CircuitBreakerConfig", f): "--cb-" + f.replace("_", "-") for f in (
+        "failure_threshold", "success_threshold", "timeout_duration_secs", "window_duration_secs")},
+    ("HealthCheckConfig", "interval_secs"): "--health-check-interval-secs",
+    ("HealthCheckConfig", "timeout_secs"): "--health-check-timeout-secs",
+    ("HealthCheckConfig", "failure_threshold"): "--health-failure-threshold",
+    ("HealthCheckConfig", "success_threshold"): "--health-success-threshold",
+    ("HealthCheckConfig", "endpoint"): "--health-check-endpoint",
+    **{("TimeoutConfig", f): f"--{f.replace('_', '-')}-timeout-secs" for f in (
+        "connect", "prefill", "first_token", "stream_idle", "request")},
+}
+
+
+def flag_errors(e: ValidationError) -> str:
+    """A router config validation error as one line per problem, each naming the ``pdserve router``
+    flag that set the bad value (``--port: Input should be less than or equal to 65535, got 99999``)."""
+    lines = []
+    for err in e.errors():
+        field = str(err["loc"][0]) if err["loc"] else ""
+        flag = _FLAG_OF_FIELD.get((e.title, field), ".".join(str(x) for x in err["loc"]))
+        msg = err["msg"].removeprefix("Value error, ")
+        got = f", got {err['input']!r}" if err["type"] != "value_error" and not isinstance(err["input"], dict) else ""
+        lines.append(f"{flag}: {msg}{got}" if flag else msg)
+    return "; ".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,7 +214,9 @@ def config_from_args(argv: Optional[list[str]] = None) -> RouterConfig:
             api_key=a.api_key, admin_api_key=a.admin_api_key, request_id_headers=tuple(a.request_id_headers),
             log_level=a.log_level,
         )
-    except ValueError as e:  # pydantic's ValidationError is a ValueError
+    except ValidationError as e:
+        parser.error(flag_errors(e))
+    except ValueError as e:
         parser.error(str(e))
 
 

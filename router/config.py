@@ -30,7 +30,7 @@ def normalize_url(url: str) -> str:
     """``http://host:port`` without a trailing slash.
 
     Raises:
-        ValueError: not an http(s) URL with a host.
+        ValueError: not an http(s) URL with a host, or a port that is not a number in 1-65535.
     """
     url = url.strip().rstrip("/")
     if "://" not in url:
@@ -38,6 +38,12 @@ def normalize_url(url: str) -> str:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"worker URL {url!r} is not an http(s) URL with a host")
+    try:
+        port = parts.port  # urlsplit checks the port only when asked
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"worker URL {url!r} has no valid port (1-65535)")
     return url
 
 

@@ -315,6 +315,30 @@ def test_cli_parsing_and_flags_round_trip():
         config_from_args(["--prefill", "http://a:1", "--decode", "http://a:1"])  # one worker twice
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--port", "99999"], "--port: Input should be less than or equal to 65535, got 99999"),
+    (["--retry-max-retries", "0"], "--retry-max-retries: Input should be greater than or equal to 1, got 0"),
+    (["--cache-threshold", "2"], "--cache-threshold: "),
+    (["--cb-window-duration-secs", "0"], "--cb-window-duration-secs: "),
+    (["--health-check-timeout-secs", "0"], "--health-check-timeout-secs: "),
+    (["--health-check-endpoint", "health"], "--health-check-endpoint: must be a path starting with '/', got 'health'"),
+    (["--first-token-timeout-secs", "-1"], "--first-token-timeout-secs: "),
+    (["--max-connections", "0"], "--max-connections: "),
+    (["--decode", "http://h:0"], "--decode: worker URL 'http://h:0' has no valid port"),
+    (["--decode", "nohost::"], "--decode: worker URL 'http://nohost::' has no valid port"),
+    (["--prefill", "http://p:2", "70000"], "--prefill URL BOOTSTRAP_PORT: "),
+])
+def test_cli_errors_name_the_flag(capsys, args, says):
+    """A bad value is reported under the flag that set it, on one line, without pydantic's
+    model names or links."""
+    with pytest.raises(SystemExit) as exit_info:
+        config_from_args(["--prefill", "http://a:1", "--decode", "http://d:1", *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("pdserve router: error: " + says), err
+    assert "validation error" not in err and "errors.pydantic.dev" not in err
+
+
 def test_config_rejects_unknown_keys_and_bad_values():
     with pytest.raises(ValueError, match="retyr"):
         RouterConfig.from_urls(["http://a:1"], ["http://d:1"], retyr={})
