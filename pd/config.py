@@ -315,6 +315,22 @@ def parse_config(data: dict, source: str = "<config>") -> PDConfig:
         raise ConfigError(_format(e, source)) from None
 
 
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error on one line with its position (PyYAML's own text spans several lines and quotes
+    the source as "<unicode string>")."""
+    def at(mark) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+
+    problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
+    if not problem:
+        return " ".join(str(e).split())
+    text = f"{at(mark)}: {problem}" if mark else problem
+    context, context_mark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if context:
+        text += f" ({context}" + (f" at {at(context_mark)}" if context_mark else "") + ")"
+    return text
+
+
 def load_config(path: Optional[str | Path] = None) -> PDConfig:
     """Load a YAML config (``None`` = the embedded default, deploy/local.yaml).
 
@@ -329,5 +345,5 @@ def load_config(path: Optional[str | Path] = None) -> PDConfig:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        raise ConfigError(f"{path}: invalid YAML: {_yaml_problem(e)}") from None
     return parse_config(data, str(path))

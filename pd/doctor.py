@@ -83,6 +83,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from pd.config import ConfigError, PDConfig, load_config
+from pd.engines.builtin_model import BUILTIN_MODELS, BUILTIN_PREFIX
 
 LEVELS = ("error", "warning", "ok")
 
@@ -532,7 +533,7 @@ def check_gpu_arch(ctx: Context) -> list[Finding]:
 def check_model_config(ctx: Context) -> list[Finding]:
     """Read the target's (and a separate draft's) config.json; a missing one is a warning."""
     if not ctx.sglang:
-        return []
+        return _reference_model(ctx.cfg.model_path)
     out = []
     if ctx.model is None:
         if ctx.cfg.model_path.startswith("builtin:"):
@@ -555,6 +556,26 @@ def check_model_config(ctx: Context) -> list[Finding]:
             out.append(Finding("ok", "model-config", f"draft {ctx.draft.path}/config.json: {ctx.draft.architecture or '?'}, "
                                f"quantization {ctx.draft.quant_method or 'none'}, experts {ctx.draft.experts_quant or 'unquantized'}"))
     return out
+
+
+def _reference_model(path: str) -> list[Finding]:
+    """The reference engine's model_path: a known built-in, or a Hugging Face checkpoint directory
+    (config.json inside; nothing is downloaded). Not a directory here is a warning: on a multi-node
+    cluster only the engine nodes may hold it."""
+    if path.startswith(BUILTIN_PREFIX):
+        if path in BUILTIN_MODELS:
+            return [Finding("ok", "model-config", f"model_path {path} is built in")]
+        return [Finding("error", "model-config", f"model_path: unknown built-in model {path!r}",
+                        f"use one of {', '.join(BUILTIN_MODELS)} or a local checkpoint directory")]
+    if not os.path.isdir(path):
+        return [Finding("warning", "model-config", f"model_path {path} is not a directory on this machine; every "
+                        "node that runs an engine needs the checkpoint directory there (nothing is downloaded)",
+                        "point model_path at a local Hugging Face checkpoint directory, or builtin:tiny")]
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return [Finding("error", "model-config", f"model_path {path} has no config.json: not a Hugging Face "
+                        "checkpoint directory", "point model_path at the directory that holds config.json, "
+                        "the tokenizer and the weights")]
+    return [Finding("ok", "model-config", f"model_path {path}: a checkpoint directory")]
 
 
 def _target_experts(ctx: Context) -> tuple[Optional[str], str, bool]:
@@ -1085,7 +1106,14 @@ def exit_code(findings: list[Finding]) -> int:
 
 def config_findings(e: ConfigError) -> list[Finding]:
     """An invalid config as findings (one per problem line), check id ``config``."""
-    return [Finding("error", "config", line, "fix the named field") for line in str(e).splitlines() if line.strip()]
+    def fix(line: str) -> str:
+        if "invalid YAML" in line:
+            return "fix the YAML at that line"
+        if "cannot read config" in line:
+            return "check the config path"
+        return "fix the named field"
+
+    return [Finding("error", "config", line, fix(line)) for line in str(e).splitlines() if line.strip()]
 
 
 def doctor(path: Optional[str], assume_gpu: Optional[str] = None) -> tuple[list[Finding], int, GpuInfo]:

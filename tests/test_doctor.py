@@ -126,6 +126,33 @@ def test_local_yaml_reference_engine_passes(tmp_path, capsys):
     assert "0 error(s), 0 warning(s)" in out and "reference engine needs no GPU" in out
 
 
+def test_reference_engine_model_path(tmp_path):
+    """The reference engine's model_path: a known built-in, or a checkpoint directory with config.json."""
+    def model_findings(path):
+        return of(run({"model_path": path, "engine": "reference"}, gpu=NOGPU), "model-config")
+
+    assert [f.level for f in model_findings("builtin:tiny")] == ["ok"]
+    (bad_builtin,) = model_findings("builtin:huge")
+    assert bad_builtin.level == "error" and "builtin:huge" in bad_builtin.message and "builtin:tiny" in bad_builtin.fix
+    (missing,) = model_findings(str(tmp_path / "nowhere"))  # may exist on the engine nodes only
+    assert missing.level == "warning" and "not a directory" in missing.message
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (no_config,) = model_findings(str(empty))
+    assert no_config.level == "error" and "no config.json" in no_config.message
+    assert [f.level for f in model_findings(ckpt(tmp_path, architectures=["LlamaForCausalLM"]))] == ["ok"]
+
+
+def test_bad_yaml_is_one_finding_with_its_line(tmp_path, capsys):
+    p = tmp_path / "bad.yaml"
+    p.write_text("model_path: builtin:tiny\nrouter: {port: 8000\n")
+    assert D.main([str(p)]) == 2
+    out = capsys.readouterr().out
+    assert out.count("ERROR") == 1 and "<unicode string>" not in out, out
+    assert f"{p}: invalid YAML: line 3, column 1: " in out and "at line 2, column 9" in out, out
+    assert "fix: fix the YAML at that line" in out
+
+
 def test_json_output(tmp_path, capsys):
     d = profile(tmp_path, DSV4_CONFIG, quantization=None)
     assert D.main([write_yaml(tmp_path, d), "--assume-gpu", "12.0", "--json"]) == 1

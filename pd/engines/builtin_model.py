@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 BUILTIN_PREFIX = "builtin:"
+BUILTIN_MODELS = (BUILTIN_PREFIX + "tiny",)  # the --model-path values written here on first use
 SEED = 0
 # A chat template in the ChatML style; the tokenizer has no BOS, so none is added.
 CHAT_TEMPLATE = (
@@ -49,9 +50,8 @@ def resolve_model_path(model_path: str) -> str:
     """
     if not model_path.startswith(BUILTIN_PREFIX):
         return model_path
-    name = model_path[len(BUILTIN_PREFIX):]
-    if name != "tiny":
-        raise ValueError(f"--model-path: unknown built-in model {model_path!r}; known: builtin:tiny")
+    if model_path not in BUILTIN_MODELS:
+        raise ValueError(f"--model-path: unknown built-in model {model_path!r}; known: {', '.join(BUILTIN_MODELS)}")
     target = cache_dir() / f"tiny-seed{SEED}"
     if not (target / "model.safetensors").exists():
         write_tiny(target)
