@@ -544,13 +544,19 @@ _FIX_OOM = {
         "check with nvidia-smi that no other process shares the GPU."
     ),
 }
+# Backends by expert format follow pd.doctor (FP4_EXPERT_METHODS, FP4_TO_TRITON_BACKENDS) and SGLang's own
+# sm_120 pick for modelopt_fp4 (sglang/srt/arg_groups/overrides.py).
 _FIX_ARCH = (
     "The backend picked a kernel compiled for another GPU (sm_100 = B200/GB200 kernels such as "
-    "trtllm-gen / flashinfer_trtllm do not run on sm_120 RTX PRO 6000 Blackwell). Pick a backend with "
-    "sm_120 kernels: --moe-runner-backend triton, and for the EAGLE/MTP draft also "
-    "--speculative-moe-runner-backend triton; set --quantization explicitly (the checkpoint's scheme, "
-    "e.g. modelopt_fp4 or mxfp4) so auto-detection cannot skip the backend guard. "
-    "`pdserve doctor CONFIG --assume-gpu sm_120` checks a config for this before launch."
+    "trtllm-gen / flashinfer_trtllm do not run on sm_120 RTX PRO 6000 Blackwell). Pick a MoE backend with "
+    "sm_120 kernels for the experts' format, for the target (--moe-runner-backend) and the EAGLE/MTP draft "
+    "(--speculative-moe-runner-backend): MXFP4 experts (DeepSeek-V4, its MTP layer included) flashinfer_mxfp4 "
+    "(triton reads them as FP8 and fails with \"Hidden size mismatch\"), NVFP4 (modelopt_fp4) "
+    "flashinfer_cutlass, FP8/BF16 experts triton. Set --quantization explicitly (the checkpoint's "
+    "config.json quantization_config.quant_method, fp8 for DeepSeek-V4-Flash) so auto-detection cannot "
+    "skip the backend guard; pdserve's SGLang plugin (config sglang.pdserve_kernels) runs the draft's MXFP4 "
+    "MoE on its own kernel on sm_120. `pdserve doctor CONFIG --assume-gpu sm_120` names the backend for a "
+    "config before launch."
 )
 _FIX_KV_MEM = (
     "The weights and the activation reserve left no room for the KV cache: raise --mem-fraction-static "
@@ -1111,7 +1117,7 @@ USAGE = """usage: pdserve diagnose [--json] LOG [LOG...]
 Finds the root cause of a failed engine start or crash in SGLang (or reference engine) logs: one
 combined server log, per-rank logs, or the logs of several engines. A directory means its *.log files.
 Exit status: 0 a known cause was found, 1 nothing known (the last error lines are shown), 2 a file
-cannot be read.
+cannot be read (or a directory holds no *.log file, or an unknown option).
 """
 
 
@@ -1121,7 +1127,7 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv or any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0 if argv else 2
     as_json = "--json" in argv
@@ -1129,8 +1135,15 @@ def main(argv: list[str] | None = None) -> int:
     for a in argv:
         if a == "--json":
             continue
+        if a.startswith("-") and not os.path.exists(a):
+            print(f"pdserve diagnose: unknown option {a} (options: --json, --help)", file=sys.stderr)
+            return 2
         if os.path.isdir(a):
-            paths.extend(sorted(os.path.join(a, f) for f in os.listdir(a) if f.endswith(".log")))
+            logs = sorted(os.path.join(a, f) for f in os.listdir(a) if f.endswith(".log"))
+            if not logs:
+                print(f"pdserve diagnose: {a} has no *.log files", file=sys.stderr)
+                return 2
+            paths.extend(logs)
         else:
             paths.append(a)
     if not paths:

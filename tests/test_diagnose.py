@@ -55,8 +55,13 @@ def test_sm100_kernel_on_four_ranks_is_one_cause_with_the_ranks_listed():
     assert d.ranks == [0, 1, 2, 3] and d.occurrences == 4
     assert "no kernel image" in d.cause and "sm_100 kernel" in d.cause and "sm100f" in d.cause
     assert "EAGLE/MTP draft" in d.cause and "sm_120" in d.cause
-    assert "--speculative-moe-runner-backend triton" in d.fix and "--moe-runner-backend triton" in d.fix
-    assert "--quantization" in d.fix
+    # the backend by expert format, as pdserve doctor says: this draft's experts are MXFP4, which triton
+    # cannot read (doctor refuses "moe_runner_backend: triton" for them)
+    assert "--speculative-moe-runner-backend" in d.fix and "MXFP4 experts (DeepSeek-V4, its MTP layer included) " \
+        "flashinfer_mxfp4" in d.fix
+    assert "NVFP4 (modelopt_fp4) flashinfer_cutlass" in d.fix and "FP8/BF16 experts triton" in d.fix
+    assert "--moe-runner-backend triton" not in d.fix
+    assert "--quantization" in d.fix and "fp8 for DeepSeek-V4-Flash" in d.fix
     got = lines_of(d, path)
     # each rank's exception line, the first rank's header, the sm_100 kernel line, the parent's SIGQUIT
     for k in range(4):
@@ -444,6 +449,17 @@ def test_100k_line_log_is_fast():
 def test_bad_model_path_is_named(line, path):
     d = only(diagnose_text(SCHED_TB.format(rank=0, exc=line)))
     assert d.category == "model_path" and path in d.cause and d.recognised and "--model-path" in d.fix
+
+
+def test_cli_directory_without_logs_and_unknown_option(tmp_path, capsys):
+    from pd.diagnose import main
+
+    assert main([str(tmp_path)]) == 2
+    assert f"{tmp_path} has no *.log files" in capsys.readouterr().err
+    assert main(["--verbose", fx("port_in_use.log")]) == 2
+    assert "unknown option --verbose" in capsys.readouterr().err
+    assert main([fx("port_in_use.log"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["category"] == "port_in_use"
 
 
 def test_reference_engine_model_path_exit_is_named():
