@@ -95,6 +95,11 @@ COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e3
           "#17becf", "#000000", "#b8860b"]
 
 
+def _utc(ts: float) -> dt.datetime:
+    """Unix time -> aware UTC datetime: the time axis is in UTC, as the title says, whatever the local zone."""
+    return dt.datetime.fromtimestamp(ts, dt.timezone.utc)
+
+
 def render(prom: Prometheus, out: Path, range_s: float, end: float, step: float, scrape_interval: float) -> dict[str, int]:
     """Draw the main panels into ``out`` (PNG). Returns panel title -> series drawn.
 
@@ -144,7 +149,7 @@ def render(prom: Prometheus, out: Path, range_s: float, end: float, step: float,
                 expr = g.expand(t["expr"], values, rate_interval=ri, interval=_prom_duration(step),
                                 range_=_prom_duration(range_s))
                 for s in prom.query_range(expr, start, end, step):
-                    pts = [(dt.datetime.fromtimestamp(float(ts)), float(v)) for ts, v in s["values"]]
+                    pts = [(_utc(float(ts)), float(v)) for ts, v in s["values"]]
                     pts = [(x, y) for x, y in pts if math.isfinite(y) and (y > 0 or not log)]
                     if not pts:
                         continue
@@ -157,9 +162,10 @@ def render(prom: Prometheus, out: Path, range_s: float, end: float, step: float,
                 ax.yaxis.set_major_formatter(FuncFormatter(_fmt_seconds))
             elif unit == "reqps":
                 ax.set_ylabel("requests / s")
-            locator = mdates.AutoDateLocator()  # seconds on a 5-minute range, hours on a day
+            ax.set_xlim(_utc(start), _utc(end))  # the whole requested range, as Grafana shows it
+            locator = mdates.AutoDateLocator(tz=dt.timezone.utc)  # seconds on a 5-minute range, hours on a day
             ax.xaxis.set_major_locator(locator)
-            ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
+            ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator, tz=dt.timezone.utc))
             ax.grid(True, which="major", alpha=0.3)
             if n:
                 ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)

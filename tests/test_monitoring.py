@@ -540,6 +540,48 @@ def test_render_argument_parsing():
     assert rate_interval(15, 10) == 40 and rate_interval(60, 10) == 70  # Grafana's $__rate_interval
 
 
+def test_render_time_axis_is_the_requested_range_in_utc(tmp_path, monkeypatch):
+    """The time panels span --range ending at --end (as Grafana does, not just the span that has data),
+    in UTC as the title says, whatever the local time zone."""
+    import datetime as dt
+
+    import matplotlib.dates as mdates
+    import matplotlib.pyplot as plt
+
+    from pd.monitoring import render as R
+
+    end, range_s = 1796001180.0, 900.0  # 2026-11-30 01:13:00 UTC, 15 minutes
+
+    class DataForTheLastMinute:
+        url = "http://stub:9090"
+
+        def label_values(self, selector, label, start, stop):
+            return ["x"]
+
+        def query_range(self, expr, start, stop, step):
+            return [{"metric": {"endpoint": "/generate", "status": "200", "stage": "s", "le": "1"},
+                     "values": [[end - 60 + 10 * i, "0.01"] for i in range(7)]}]
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        drawn = R.render(DataForTheLastMinute(), tmp_path / "o.png", range_s, end, 10, 10)
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
+    assert (tmp_path / "o.png").stat().st_size > 10_000 and all(drawn.values())
+    (fig,) = figures
+    time_axes = [ax for ax in fig.axes if isinstance(ax.xaxis.get_major_formatter(), mdates.ConciseDateFormatter)]
+    assert len(time_axes) == 3
+    for ax in time_axes:
+        lo, hi = (mdates.num2date(x, tz=dt.timezone.utc) for x in ax.get_xlim())
+        assert (lo.isoformat(), hi.isoformat()) == ("2026-11-30T00:58:00+00:00", "2026-11-30T01:13:00+00:00")
+        last_x = mdates.num2date(ax.lines[0].get_xdata(orig=False)[-1], tz=dt.timezone.utc)
+        assert last_x.isoformat() == "2026-11-30T01:13:00+00:00"  # data plotted at its UTC time
+
+
 def test_metric_names_tokenizer():
     assert metric_names('histogram_quantile(0.99, sum by (le, endpoint) (rate(a_bucket{x=~"$v", s="5.."}[5m]))) * 0.001') \
         == {"a_bucket"}
