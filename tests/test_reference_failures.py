@@ -67,6 +67,9 @@ async def test_bad_inputs_get_4xx_and_hold_nothing(engines, side):
         r = await c.post("/generate", json={"text": ["a", "b"], "sampling_params": [{}, {"tempreature": 0}],
                                             **pd_fields, "bootstrap_room": [5, 6]})
         assert_error(r, 400, "unknown field `tempreature`")
+        for n in ("x", 2.5, [2]):
+            r = await c.post("/generate", json={"text": "hi", "sampling_params": {"n": n}, **pd_fields, "bootstrap_room": 7})
+            assert assert_error(r, 400, "n must be an integer")["param"] == "n"
         r = await c.post("/v1/completions", json={"prompt": "hi", "n": "three"})
         assert_error(r, 400, "n")
         r = await c.post("/nope", json={})

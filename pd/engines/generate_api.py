@@ -51,10 +51,13 @@ def specs_from_generate(req: GenerateRequest, runner: ModelRunner) -> tuple[list
         if unknown:
             raise bad_request(f"sampling_params: unknown field `{unknown[0]}`, expected one of "
                               f"{', '.join(sorted(SGLANG_SAMPLING_KEYS))}", "sampling_params")
-    ns = {int(sp.get("n", 1)) for sp in raw_list}
-    if len(ns) != 1:
+    ns = [sp.get("n", 1) for sp in raw_list]
+    bad_n = [n for n in ns if not isinstance(n, int) or isinstance(n, bool)]
+    if bad_n:
+        raise bad_request(f"sampling_params: n must be an integer, got {bad_n[0]!r}", "n")
+    if len(set(ns)) != 1:
         raise bad_request("sampling_params: n must be the same for every prompt of a batch", "sampling_params")
-    n = ns.pop()
+    n = ns[0]
     try:
         params = [SamplingParams(**sp) for sp in raw_list]
     except (TypeError, ValueError) as e:
