@@ -70,6 +70,10 @@ async def test_bad_inputs_get_4xx_and_hold_nothing(engines, side):
         for n in ("x", 2.5, [2]):
             r = await c.post("/generate", json={"text": "hi", "sampling_params": {"n": n}, **pd_fields, "bootstrap_room": 7})
             assert assert_error(r, 400, "n must be an integer")["param"] == "n"
+        r = await c.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "hi"}], **pd_fields,
+                                                        "bootstrap_room": 8})
+        err = assert_error(r, 400, "role must be one of user, system, assistant", "got 'wizard'")
+        assert err["param"] == "messages.0.role" and "Value error" not in err["message"]
         r = await c.post("/v1/completions", json={"prompt": "hi", "n": "three"})
         assert_error(r, 400, "n")
         r = await c.post("/nope", json={})

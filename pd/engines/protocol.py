@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from pd.engines.errors import bad_request
 from pd.engines.sampling import SamplingParams
@@ -102,11 +102,23 @@ class CompletionRequest(_OpenAIBase):
     echo: bool = False
 
 
+# SGLang 0.5.23's chat message roles (sglang/srt/entrypoints/openai/protocol.py: "user" and the generic
+# message roles), matched case-insensitively as SGLang does.
+CHAT_ROLES = ("user", "system", "assistant", "tool", "function", "developer", "latest_reminder", "root")
+
+
 class ChatMessage(BaseModel):
     """One chat message: role and content (text, or a list of content parts); other fields are kept."""
     model_config = ConfigDict(extra="allow")
     role: str
     content: Optional[Union[str, list[dict]]] = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, v: str) -> str:
+        if v.lower() not in CHAT_ROLES:
+            raise ValueError(f"role must be one of {', '.join(CHAT_ROLES)} (case-insensitive), got {v!r}")
+        return v.lower()
 
 
 class ChatCompletionRequest(_OpenAIBase):

@@ -79,7 +79,8 @@ def parse(model: type[pydantic.BaseModel], body) -> pydantic.BaseModel:
     except pydantic.ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(x) for x in err["loc"]) or None
-        raise bad_request(f"{field}: {err['msg']}" if field else err["msg"], field) from None
+        msg = err["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's own message
+        raise bad_request(f"{field}: {msg}" if field else msg, field) from None
 
 
 class EngineServer:
