@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 
-USAGE = """usage: pdserve COMMAND [ARGS]
+USAGE = """usage: pdserve COMMAND [ARGS]   (pdserve --version: the installed version)
 
 commands:
   up         run the whole PD cluster here (Ray job + router); Ctrl-C stops it (`pdserve up [CONFIG]`)
@@ -21,11 +22,25 @@ commands:
 
 def main(argv: list[str] | None = None) -> None:
     """Dispatch ``pdserve SUBCOMMAND ...`` to its module's ``main``; exits with that status
-    (2 for an unknown subcommand)."""
-    argv = sys.argv[1:] if argv is None else argv
+    (2 for an unknown subcommand). A reader that goes away (``pdserve plan --json | head``) ends the
+    command quietly with status 1 instead of a BrokenPipeError traceback."""
+    try:
+        _dispatch(sys.argv[1:] if argv is None else argv)
+    except BrokenPipeError:
+        # Python's recipe: point stdout at devnull so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(1) from None
+
+
+def _dispatch(argv: list[str]) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         raise SystemExit(0 if argv else 2)
+    if argv[0] in ("-V", "--version"):
+        from importlib.metadata import version
+
+        print(f"pdserve {version('pdserve')}")
+        raise SystemExit(0)
     cmd, rest = argv[0], argv[1:]
     if cmd == "up":
         from pd.up import main as up_main

@@ -168,6 +168,23 @@ def test_cli_usage_lists_doctor():
     assert "doctor" in USAGE and "--assume-gpu" in USAGE
 
 
+def test_cli_version_and_a_closed_pipe():
+    """``pdserve --version``; a reader that closes early (``pdserve plan --json | head``) is a quiet
+    exit 1, not a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    from importlib.metadata import version
+
+    r = subprocess.run([sys.executable, "-m", "pd.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == f"pdserve {version('pdserve')}"
+    p = subprocess.Popen([sys.executable, "-m", "pd.cli", "plan", "--json", PROFILE], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    p.stdout.close()  # before the plan is printed
+    err = p.stderr.read()
+    assert p.wait(timeout=60) == 1 and "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
 # ---- 1. GPU architecture -----------------------------------------------------------------------
 def test_parse_arch():
     for text in ("sm_120", "sm120", "SM_120a", "12.0", "120"):
