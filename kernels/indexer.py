@@ -120,22 +120,35 @@ def _load_k_fp8(k8_ptr, bt_row, t, l_max, PAGE: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _pages_of_tile(pv, jv, pb, t, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Physical page (int64 [BLOCK_N]) of each position of tile t, picked from the page ids pv [NPV] of logical pages
-    pb + jv held in registers (a tile spans at most two pages: PAGE >= BLOCK_N / 2). No load on the way, so the
-    software pipeliner can issue the tile's key gather stages ahead."""
+def _page_pick(pv, pv2, jv, j, NPV: tl.constexpr, PAIR: tl.constexpr):
+    """Page id number j (scalar) of the register page ids: pv [NPV] holds entries 0 .. NPV - 1, and with PAIR pv2
+    holds NPV .. 2 * NPV - 1. Two warp-wide vectors instead of one of 2 * NPV: a vector of more than 32 ids spans
+    warps, and its reductions then go through shared memory and barriers."""
+    p = tl.sum(tl.where(jv == j, pv, 0), 0)
+    if PAIR:
+        p += tl.sum(tl.where(jv + NPV == j, pv2, 0), 0)
+    return p
+
+
+@triton.jit
+def _pages_of_tile(pv, pv2, jv, pb, t, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NPV: tl.constexpr,
+                   PAIR: tl.constexpr):
+    """Physical page (int64 [BLOCK_N]) of each position of tile t, picked from the page ids (pv, pv2: see
+    _page_pick) of logical pages pb + j held in registers (a tile spans at most two pages: PAGE >= BLOCK_N / 2). No
+    load on the way, so the software pipeliner can issue the tile's key gather stages ahead."""
     pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
     first = (t * BLOCK_N) // PAGE - pb
-    p0 = tl.sum(tl.where(jv == first, pv, 0), 0)
-    p1 = tl.sum(tl.where(jv == first + 1, pv, 0), 0)
+    p0 = _page_pick(pv, pv2, jv, first, NPV, PAIR)
+    p1 = _page_pick(pv, pv2, jv, first + 1, NPV, PAIR)
     return tl.where(pos // PAGE - pb == first, p0, p1).to(tl.int64)
 
 
 @triton.jit
-def _scales_pv(ks_ptr, pv, jv, pb, t, t_end, l_max, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _scales_pv(ks_ptr, pv, pv2, jv, pb, t, t_end, l_max, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+               NPV: tl.constexpr, PAIR: tl.constexpr):
     """fp32 key scales [BLOCK_N] of tile t through the register page ids (zeros past l_max or when t >= t_end)."""
     pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
-    page = _pages_of_tile(pv, jv, pb, t, PAGE, BLOCK_N)
+    page = _pages_of_tile(pv, pv2, jv, pb, t, PAGE, BLOCK_N, NPV, PAIR)
     return tl.load(ks_ptr + page * (PAGE * 33) + PAGE * 32 + pos % PAGE, mask=pos < tl.where(t < t_end, l_max, 0),
                    other=0.0)
 
@@ -244,7 +257,7 @@ def _index_scores_kernel(
     DOT_F32: tl.constexpr, TOKENS_M: tl.constexpr = True, PREFETCH: tl.constexpr = True,
     DOT_PREC: tl.constexpr = "tf32", KEYS: tl.constexpr = "fp8", NB: tl.constexpr = 4096,
     SHIFT: tl.constexpr = 20, PROBE: tl.constexpr = 0, PDL: tl.constexpr = False, CH: tl.constexpr = 8,
-    NPV: tl.constexpr = 32,
+    NPV: tl.constexpr = 32, PAIR: tl.constexpr = False,
 ):
     # this launch scores query tokens s0 .. s0 + S - 1 (S <= 4) of the S_ALL per request
     if PDL:  # the select kernel may be scheduled once every score program has started (it waits for the results)
@@ -285,12 +298,16 @@ def _index_scores_kernel(
                 tce = tl.minimum(tc + CH, t_end)
                 pb = (tc * BLOCK_N) // PAGE
                 pv = tl.load(bt_row + pb + jv, mask=(pb + jv) * PAGE < l_max, other=0)
-                ksc_next = _scales_pv(ks_ptr, pv, jv, pb, tc, tce, l_max, PAGE, BLOCK_N)
+                if PAIR:
+                    pv2 = tl.load(bt_row + pb + NPV + jv, mask=(pb + NPV + jv) * PAGE < l_max, other=0)
+                else:
+                    pv2 = pv
+                ksc_next = _scales_pv(ks_ptr, pv, pv2, jv, pb, tc, tce, l_max, PAGE, BLOCK_N, NPV, PAIR)
                 for t in range(tc, tce):
                     ksc = ksc_next
-                    ksc_next = _scales_pv(ks_ptr, pv, jv, pb, t + 1, tce, l_max, PAGE, BLOCK_N)
+                    ksc_next = _scales_pv(ks_ptr, pv, pv2, jv, pb, t + 1, tce, l_max, PAGE, BLOCK_N, NPV, PAIR)
                     pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
-                    page = _pages_of_tile(pv, jv, pb, t, PAGE, BLOCK_N)
+                    page = _pages_of_tile(pv, pv2, jv, pb, t, PAGE, BLOCK_N, NPV, PAIR)
                     d = tl.arange(0, 128)
                     kf = tl.load(k8_ptr + (page * (PAGE * 132) + (pos % PAGE) * 128)[:, None] + d[None, :],
                                  mask=(pos < l_max)[:, None], other=0.0)
@@ -472,10 +489,12 @@ def _select_topk_kernel(
     CAP: tl.constexpr, CAP_P: tl.constexpr, TGS: tl.constexpr, TILE: tl.constexpr, RADIX: tl.constexpr,
     CLEAR_HIST: tl.constexpr, PROBE: tl.constexpr = 0, SEARCH: tl.constexpr = "fine",
     NBF: tl.constexpr = 4096, FSHIFT: tl.constexpr = 11, DROP_MAX: tl.constexpr = 8, PDL: tl.constexpr = False,
+    GROWS: tl.constexpr = 0, FAST_EXACT: tl.constexpr = False, CAND_PREFETCH: tl.constexpr = False,
 ):
     # program (r, j): slice j of query row r's group maxima (whole tiles of TGS groups, spread over the grid's
     # nsel <= NSEL programs per row); the last active program of the row to finish does the row's final selection.
-    # PROBE (benchmark only, wrong output): 1 stops after the bound t0, 2 before the final threshold search.
+    # PROBE (benchmark only, wrong output): 1 stops after the bound t0, 2 after the ticket and the counts, 3 with the
+    # candidates and the fine histogram loaded, before the final threshold search.
     r = tl.program_id(0)
     j = tl.program_id(1)
     nsel = tl.num_programs(1)
@@ -522,13 +541,31 @@ def _select_topk_kernel(
         #    position order into the slice's candidate list with their keys
         gg = tl.arange(0, G)
         n = tl.zeros([], tl.int32)
-        for g0 in range(g_begin, g_end, TGS):
+        if CAND_PREFETCH:  # the first tile's score gather, so each iteration can request the next tile's
             f = (go < g_end) & (gk >= t0)
+            cp_n = tl.reshape(go[:, None] * G + gg[None, :], [TGS * G])
+            cv_n = tl.reshape(f[:, None] & (gg < G)[None, :], [TGS * G]) & (cp_n < ln)
+            ck_n = _order_key(tl.load(srow + cp_n, mask=cv_n, other=0.0))
             go = go + TGS
-            gk = _order_key(tl.load(grow + go, mask=go < g_end, other=0.0))  # the next tile, in flight meanwhile
-            cp = tl.reshape((g0 + tl.arange(0, TGS))[:, None] * G + gg[None, :], [TGS * G])
-            cv = tl.reshape(f[:, None] & (gg < G)[None, :], [TGS * G]) & (cp < ln)
-            ck = _order_key(tl.load(srow + cp, mask=cv, other=0.0))
+            gk = _order_key(tl.load(grow + go, mask=go < g_end, other=0.0))
+        for g0 in range(g_begin, g_end, TGS):
+            if CAND_PREFETCH:  # this tile's scores were requested one iteration ago; request the next tile's now
+                cp = cp_n
+                cv = cv_n
+                ck = ck_n
+                f = (go < g_end) & (gk >= t0)
+                cp_n = tl.reshape(go[:, None] * G + gg[None, :], [TGS * G])
+                cv_n = tl.reshape(f[:, None] & (gg < G)[None, :], [TGS * G]) & (cp_n < ln)
+                ck_n = _order_key(tl.load(srow + cp_n, mask=cv_n, other=0.0))
+                go = go + TGS
+                gk = _order_key(tl.load(grow + go, mask=go < g_end, other=0.0))
+            else:
+                f = (go < g_end) & (gk >= t0)
+                go = go + TGS
+                gk = _order_key(tl.load(grow + go, mask=go < g_end, other=0.0))  # the next tile, in flight meanwhile
+                cp = tl.reshape((g0 + tl.arange(0, TGS))[:, None] * G + gg[None, :], [TGS * G])
+                cv = tl.reshape(f[:, None] & (gg < G)[None, :], [TGS * G]) & (cp < ln)
+                ck = _order_key(tl.load(srow + cp, mask=cv, other=0.0))
             cf = cv & (ck >= t0)
             slot = n + tl.cumsum(cf.to(tl.int32), 0) - 1
             keep = cf & (slot < CAP)
@@ -547,16 +584,28 @@ def _select_topk_kernel(
             tl.store(tick, 0)  # for the next call
             if CLEAR_HIST:
                 tl.store(hrow + bins, tl.zeros([NB], tl.int32))
-            # candidate i of the row is entry i - excl[q] of slice q (slices hold ascending position ranges)
             i = tl.arange(0, CAP_P)
-            src = tl.zeros([CAP_P], tl.int32)
-            total = tl.zeros([], tl.int32)
-            over = tl.zeros([], tl.int32)
-            for q in tl.static_range(NSEL):
-                c = tl.load(cnt_ptr + q, mask=q < n_act, other=0, cache_modifier=".cg")
-                src = tl.where((i >= total) & (i < total + c), q * CAP + i - total, src)
-                over = tl.maximum(over, c - CAP)
-                total += c
+            qv = tl.arange(0, NSEL)
+            cnt_v = tl.load(cnt_ptr + qv, mask=qv < n_act, other=0, cache_modifier=".cg")
+            total = tl.sum(cnt_v, 0)
+            over = tl.max(cnt_v, 0) - CAP
+            if GROWS > 0:
+                # the first CAP_P / GROWS entries of the lists of slices 0 .. GROWS - 1 (GROWS >= nsel), requested
+                # together with the counts (no load waits on another); used when no slice has more (the usual case:
+                # ~topk candidates spread over the nsel slices)
+                SL: tl.constexpr = CAP_P // GROWS
+                qg = tl.arange(0, GROWS)
+                cg = tl.load(cnt_ptr + qg, mask=qg < n_act, other=0, cache_modifier=".cg")
+                off2 = (qg * CAP)[:, None] + tl.arange(0, SL)[None, :]
+                rp2 = tl.reshape(tl.load(pos_blk + off2, cache_modifier=".cg"), [CAP_P])
+                k2 = tl.reshape(tl.load(key_blk + off2, cache_modifier=".cg"), [CAP_P])
+                m2 = tl.reshape(tl.arange(0, SL)[None, :] < cg[:, None], [CAP_P])
+                fits = tl.max(cg, 0) <= SL
+            else:  # (never read: fits is false)
+                rp2 = tl.zeros([CAP_P], tl.int32)
+                k2 = tl.zeros([CAP_P], tl.int32)
+                m2 = tl.zeros([CAP_P], tl.int1)
+                fits = tl.zeros([], tl.int1)
             if SEARCH == "fine":  # read and clear the fine histogram on every path
                 fbins = tl.arange(0, NBF)
                 hf = tl.load(fine_ptr + r64 * NBF + fbins, cache_modifier=".cg")
@@ -571,9 +620,25 @@ def _select_topk_kernel(
             else:
                 # 4) exact threshold T among the candidates (in registers; SELECT_SEARCH); 5) keys > T, then == T
                 #    in position order
-                m = i < total
-                rp = tl.load(pos_blk + src, mask=m, other=0, cache_modifier=".cg")
-                keys = tl.load(key_blk + src, mask=m, other=0, cache_modifier=".cg")
+                if fits:  # the slices' lists side by side, gaps masked (position order among the valid entries)
+                    m = m2
+                    rp = rp2
+                    keys = k2
+                else:  # candidate i of the row is entry i - excl[q] of slice q (slices hold ascending position ranges)
+                    src = tl.zeros([CAP_P], tl.int32)
+                    excl = tl.zeros([], tl.int32)
+                    for q in tl.static_range(NSEL):
+                        c = tl.sum(tl.where(qv == q, cnt_v, 0), 0)
+                        src = tl.where((i >= excl) & (i < excl + c), q * CAP + i - excl, src)
+                        excl += c
+                    m = i < total
+                    rp = tl.load(pos_blk + src, mask=m, other=0, cache_modifier=".cg")
+                    keys = tl.load(key_blk + src, mask=m, other=0, cache_modifier=".cg")
+                if PROBE == 3:  # the candidates (and the fine histogram) are in registers
+                    if SEARCH == "fine":
+                        tl.store(out_row + 1, tl.sum(hf, 0))
+                    tl.store(out_row, tl.sum(tl.where(m, keys, 0), 0))
+                    return
                 if SEARCH == "fine":
                     # the fine bin b holding the topk-th candidate (from the slices' atomics); the candidates'
                     # own counts above and in b decide (a stale histogram can only fall back, never mislead)
@@ -583,39 +648,48 @@ def _select_topk_kernel(
                     above, inb = tl.reduce(((m & (fk > bsel)).to(tl.int32), (m & (fk == bsel)).to(tl.int32)), 0,
                                            _add2)
                     ok = (bsel < NBF - 1) & (above < topk) & (above + inb >= topk)
-                    base = (m & (fk > bsel)) & (tl.zeros_like(m) | ok)  # (a scalar & a vector is not boolean
-                    cand = m & ((fk == bsel) | (tl.zeros_like(m) | ~ok))  # in the interpreter)
-                    kk = tl.where(ok, topk - above, topk)
-                    c = tl.where(ok, inb, total)
-                    if c - kk <= DROP_MAX:
-                        # a few too many in the bin: drop its smallest values while >= kk remain
-                        cur = cand
-                        mn = tl.min(tl.where(cur, keys, 2147483647), 0)
-                        nm = tl.sum((cur & (keys == mn)).to(tl.int32), 0)
-                        while c - nm >= kk:
-                            cur = cur & (keys != mn)
-                            c -= nm
+                    if FAST_EXACT & ok & (above + inb == topk):
+                        # the usual case: bin b holds exactly the missing ones, so the answer is every candidate in
+                        # b or above (no threshold search, no tie handling)
+                        take = m & (fk >= bsel)
+                    else:
+                        base = (m & (fk > bsel)) & (tl.zeros_like(m) | ok)  # (a scalar & a vector is not boolean
+                        cand = m & ((fk == bsel) | (tl.zeros_like(m) | ~ok))  # in the interpreter)
+                        kk = tl.where(ok, topk - above, topk)
+                        c = tl.where(ok, inb, total)
+                        if c - kk <= DROP_MAX:
+                            # a few too many in the bin: drop its smallest values while >= kk remain
+                            cur = cand
                             mn = tl.min(tl.where(cur, keys, 2147483647), 0)
                             nm = tl.sum((cur & (keys == mn)).to(tl.int32), 0)
-                        thr = mn
-                    else:
-                        thr = _kth_largest_radix(keys, cand, kk, RADIX)
-                    gt = base | (cand & (keys > thr))
-                    eq = cand & (keys == thr)
+                            while c - nm >= kk:
+                                cur = cur & (keys != mn)
+                                c -= nm
+                                mn = tl.min(tl.where(cur, keys, 2147483647), 0)
+                                nm = tl.sum((cur & (keys == mn)).to(tl.int32), 0)
+                            thr = mn
+                        else:
+                            thr = _kth_largest_radix(keys, cand, kk, RADIX)
+                        gt = base | (cand & (keys > thr))
+                        eq = cand & (keys == thr)
+                        need_eq = topk - tl.sum(gt.to(tl.int32), 0)
+                        take = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need_eq))
                 else:
                     thr = _kth_largest_radix(keys, m, topk, RADIX)
                     gt = m & (keys > thr)
                     eq = m & (keys == thr)
-                need_eq = topk - tl.sum(gt.to(tl.int32), 0)
-                take = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need_eq))
+                    need_eq = topk - tl.sum(gt.to(tl.int32), 0)
+                    take = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need_eq))
                 tl.store(out_row + tl.cumsum(take.to(tl.int32), 0) - 1, rp, mask=take)
 
 # ------------------------------------------------------------------------------------------------ host side
 
-def _cfg(bn, w, tm, keys, stages, pf=False, wave=0, maxnreg=0):
+def _cfg(bn, w, tm, keys, stages, pf=False, wave=0, maxnreg=0, pv=0):
     c = {"BLOCK_N": bn, "num_warps": w, "num_stages": stages, "TOKENS_M": tm, "PREFETCH": pf, "KEYS": keys}
-    # optional: one-wave score split (WAVE programs per SM, see score_split), register cap per thread (ptxas .maxnreg)
-    return dict(c, **({"WAVE": wave} if wave else {}), **({"MAXNREG": maxnreg} if maxnreg else {}))
+    # optional: one-wave score split (WAVE programs per SM, see score_split), register cap per thread (ptxas .maxnreg),
+    # tiles per page-id chunk of the fp8pv path (PV, default PV_TILES; see page_vector_consts)
+    return dict(c, **({"WAVE": wave} if wave else {}), **({"MAXNREG": maxnreg} if maxnreg else {}),
+                **({"PV": pv} if pv else {}))
 
 
 # Score-kernel configs (fixed, not autotuned, so a launch is capturable). TOKENS_M puts the key tile on the
@@ -640,6 +714,7 @@ SCORE_CONFIGS = [
     _cfg(64, 4, False, "fp8", 3),
     _cfg(128, 4, True, "fp8pv", 3),
     _cfg(128, 4, True, "fp8pv", 3, wave=3, maxnreg=128),
+    _cfg(128, 4, True, "fp8pv", 3, wave=3, maxnreg=128, pv=24),
 ]
 # (sm_90?, stacked query tokens) -> config for a bf16 query. sm_90: the fastest configs of the H200 sweeps at 32K live
 # / 128K max (S = 1: benchmarks/results/indexer_2026-11-30.md, keys on M 64/4 packed, 94.6 us vs 113.5 for heads on
@@ -670,8 +745,15 @@ DEFAULT_SCORE_CONFIGS = {
 # slots: a second wave) / 48: 41.4 / 47.2 / 42.0. 2 stages in one wave of 4 per SM (41 KB, 128 registers) tied at
 # B = 16 (40.3) and lost at B = 64 (114.7 with 8 per request); not kept. maxnreg 128 as measured (4 programs'
 # registers; shared memory holds it to 3).
+# -s5 (benchmarks/results/indexer_2026-11-30-s5.md): the same tiles with the page ids of 24 tiles per chunk ("_pv24",
+# two warp-wide register vectors): a program's share of a 32K row (11 tiles at B = 16, 16 at B = 64) is one chunk, so
+# its key pipeline fills and drains once instead of at every 8 tiles; exploration run: full step B = 16 / 64 39.3 /
+# 111.7 us vs 40.6 / 114.1, the scores alone at B = 16 25.4 vs 27.2. Measured there and not kept: 4 stages (74 KB,
+# still 3 programs per SM) 42.5 / 117.9 (41.3 / 114.3 with pv24), 8 warps with 80 registers (6 warps per scheduler)
+# 42.0 / 118.1 in 3 stages and 43.5 / 121.6 in 4 (Nsight Compute on 4 stages: 56% of DRAM peak, 3 warps per scheduler
+# issuing every 6 cycles, as with 3 stages: not short of copies in flight).
 DEFAULT_FP8Q_SCORE_CONFIGS = {
-    (True, 1): _cfg(128, 4, True, "fp8pv", 3, wave=3, maxnreg=128),
+    (True, 1): _cfg(128, 4, True, "fp8pv", 3, wave=3, maxnreg=128, pv=24),
 }
 S_CHUNK = 4  # query tokens stacked per score launch (S > 4: several launches)
 SELECT_WARPS = (4, 8, 16)
@@ -700,6 +782,16 @@ SELECT_SEARCH = "fine"
 # the SMs while the scores kernel's last programs run, and wait there (griddepcontrol.wait) for its results. -s4 at
 # 32K: B = 16 43.6 us vs 45.1 without, B = 64 110.8 vs 113.4
 SELECT_PDL = True
+# the final select program reads the slices' candidate lists as one [n, cap / n] tile (n = nsel rounded up to a power of
+# two) together with their counts, one round trip, when no slice has more than cap / n candidates; else (and with
+# False) it loads the counts first and then gathers the lists back to back
+SELECT_GATHER2D = False
+# the final select program takes every candidate in the fine bin of the topk-th one or above when that bin holds
+# exactly the missing ones (the usual case), without the threshold search over the bin
+SELECT_FAST_EXACT = False
+# select slices of several group-max tiles (B = 64 at 32K: 4 per slice) request the next tile's candidate scores
+# before compacting the current one, so the dependent gathers overlap
+SELECT_CAND_PREFETCH = False
 FINE_BINS = 4096  # fine histogram of the candidates (SELECT_SEARCH "fine"): bins of 2**FINE_SHIFT order keys above t0
 FINE_SHIFT = 11  # 4096 x 2**11 = one binade above t0 (the topk-th score lies within it unless scores are extreme)
 PV_TILES = 8  # "fp8pv" score path: key tiles per chunk of page ids loaded into registers at once
@@ -722,12 +814,20 @@ def score_split(batch: int, cfg: dict, sms: int) -> int:
     return max(1, min(64, triton.cdiv(PROGRAMS_PER_SM * sms, batch)))
 
 
-def page_vector_consts(block_n: int, page_size: int):
-    """(tiles per page-id chunk, page ids per chunk as a power of two) of the "fp8pv" score path, or (PV_TILES, 0)
-    when a tile can span more than two pages (page_size < block_n / 2; that path then does not apply)."""
+def page_vector_consts(block_n: int, page_size: int, tiles: int = 0):
+    """(tiles per page-id chunk, page ids per register vector as a power of two, two vectors?) of the "fp8pv" score
+    path for chunks of ``tiles`` tiles (0: PV_TILES), or (tiles, 0, False) when a tile can span more than two pages
+    (page_size < block_n / 2; that path then does not apply). A chunk needs tiles * block_n / page_size + 1 page ids;
+    more than 32 go into two vectors (PAIR), each within one warp. Raises ValueError for a chunk of more than 64."""
+    tiles = tiles or PV_TILES
     if 2 * page_size < block_n:
-        return PV_TILES, 0
-    return PV_TILES, triton.next_power_of_2(PV_TILES * block_n // page_size + 1)
+        return tiles, 0, False
+    need = tiles * block_n // page_size + 1
+    if need > 64:
+        _fail("config", f"PV = {tiles} tiles of {block_n} need {need} page ids of {page_size} tokens, at most 64")
+    if need <= 32:
+        return tiles, triton.next_power_of_2(need), False
+    return tiles, triton.next_power_of_2(triton.cdiv(need, 2)), True
 
 
 def candidate_capacity(topk: int) -> int:
@@ -855,13 +955,15 @@ def _select_split(rows, select_split):
 
 def _select_launch(scores, gmax, hist, tick, fine, scr, lens, out, rows, s, max_len, stride_row, ng, cap, topk,
                    len_2d, warps, nsel, clear_hist=True, pdl=False):
+    cap_p = cap if not _INTERPRET else min(cap, _interp("PD_INDEXER_INTERP_TILE_P", cap))
     _select_topk_kernel[(rows, nsel)](
         scores, gmax, hist, tick, fine, scr, lens, out, s, max_len, stride_row, ng, topk,
-        LEN_2D=len_2d, G=GROUP, NB=HIST_BINS, SHIFT=HIST_SHIFT, NSEL=SELECT_SPLIT, CAP=cap,
-        CAP_P=cap if not _INTERPRET else min(cap, _interp("PD_INDEXER_INTERP_TILE_P", cap)),
+        LEN_2D=len_2d, G=GROUP, NB=HIST_BINS, SHIFT=HIST_SHIFT, NSEL=SELECT_SPLIT, CAP=cap, CAP_P=cap_p,
         TGS=SELECT_TGS if not _INTERPRET else _interp("PD_INDEXER_INTERP_TGS", 8),
         TILE=1024 if not _INTERPRET else 16, RADIX=RADIX_BITS, CLEAR_HIST=clear_hist, PROBE=_SELECT_PROBE,
         SEARCH=SELECT_SEARCH, NBF=FINE_BINS, FSHIFT=FINE_SHIFT, PDL=pdl,
+        GROWS=min(triton.next_power_of_2(nsel), cap_p) if SELECT_GATHER2D else 0, FAST_EXACT=SELECT_FAST_EXACT,
+        CAND_PREFETCH=SELECT_CAND_PREFETCH,
         num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )
 
@@ -968,7 +1070,7 @@ def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512,
                    or DEFAULT_SCORE_CONFIGS[(sm90, sp2)])
         if _INTERPRET:
             cfg["BLOCK_N"] = 32  # small tiles keep interpreted runs short
-        ch, npv = page_vector_consts(cfg["BLOCK_N"], page_size)
+        ch, npv, pair = page_vector_consts(cfg["BLOCK_N"], page_size, cfg.get("PV", 0))
         if cfg["KEYS"] == "fp8pv" and not npv:
             cfg["KEYS"] = "fp8"  # pages smaller than half a tile: page ids per position (the fp8 path)
         ns = n_split or score_split(b, cfg, num_sms(dev))
@@ -980,6 +1082,7 @@ def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512,
             HAS_QS=q_scale is not None, Q_FP8=q_fp8, MIN_TILES=MIN_TILES, DOT_F32=_INTERPRET,
             TOKENS_M=cfg["TOKENS_M"], PREFETCH=cfg["PREFETCH"], DOT_PREC="ieee" if _INTERPRET else "tf32",
             KEYS=cfg["KEYS"], NB=HIST_BINS, SHIFT=HIST_SHIFT, PROBE=_SCORES_PROBE, PDL=pdl, CH=ch, NPV=max(npv, 2),
+            PAIR=pair,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": cfg["MAXNREG"]} if cfg.get("MAXNREG") else {}),
         )

@@ -171,6 +171,48 @@ def run_sglang_writer_layout(seed=0):
     return dict(name="sglang_writer_layout", bytes_equal=bool(torch.equal(theirs, ours)), same_selection=same_sel)
 
 
+def run_select_switches(seed=0):
+    """Each select switch of pd.kernels.indexer (SELECT_GATHER2D, SELECT_FAST_EXACT, SELECT_CAND_PREFETCH) flipped,
+    and all flipped, gives the same output as the defaults, bit for bit (same candidates, same order), on the scores
+    kernel's output with several group-max tiles per select slice and on precomputed scores with ties."""
+    import pd.kernels.indexer as K
+
+    knobs = ("SELECT_GATHER2D", "SELECT_FAST_EXACT", "SELECT_CAND_PREFETCH")
+    g = torch.Generator().manual_seed(seed)
+    b, s, h, ps, topk, max_pages = 2, 1, 16, 64, 24, 14
+    q, w, kc, bt = _inputs(b, s, h, ps, max_pages * b, max_pages, g)
+    seq = torch.tensor([890, 400], dtype=torch.int32)
+    sc = torch.round(torch.randn(3, 600, generator=g) * 8) / 8  # ties on a 1/8 grid
+    lens = torch.tensor([600, 300, 100], dtype=torch.int32)
+
+    def run():
+        return (dsa_indexer_topk(q, w, kc, bt, seq, topk=topk, page_size=ps, select_split=2),
+                topk_from_scores(sc, lens, 32))
+
+    default = {k: getattr(K, k) for k in knobs}
+    streamed = []  # the streamed fallback would hide a broken path: on these scores it must never run
+    real = K._select_streamed
+    K._select_topk_kernel.fn.__globals__["_select_streamed"] = Counting(real, streamed)
+    want = run()
+    ref = index_scores_ref(q, w, kc, bt, seq, ps)
+    bound = score_error_bound(q, w, kc, bt, ps)
+    bad = check_rows(want[0], ref, live_lengths(seq, s, max_pages * ps), topk, bound)["bad"]
+    bad.update({f"scores_{k}": v for k, v in check_rows(want[1], sc.double(), lens, 32)["bad"].items()})
+    equal = {}
+    try:
+        for name, flip in [(k, (k,)) for k in knobs] + [("all", knobs)]:
+            for k in knobs:
+                setattr(K, k, default[k] != (k in flip))
+            got = run()
+            equal[name] = all(torch.equal(x, y) for x, y in zip(got, want))
+    finally:
+        for k, v in default.items():
+            setattr(K, k, v)
+        K._select_topk_kernel.fn.__globals__["_select_streamed"] = real
+    return dict(name="select_switches", bad=bad, defaults=default, equal_when_flipped=equal,
+                streamed_calls=len(streamed))
+
+
 def run_workspace_state(seed=0):
     """The workspace's group-max histograms: a stale (poisoned) histogram still gives the exact answer (through the
     fallback) and is left zeroed; a scores-only then select-only pair (the benchmark's stage timing) equals a full
@@ -215,6 +257,18 @@ def run_workspace_state(seed=0):
                 streamed_equal=torch.equal(out_streamed, out_clean))
 
 
+class Counting:
+    """Wraps a jit helper the select kernel calls and logs each call (the interpreter resolves the helper from the
+    module's globals at call time)."""
+
+    def __init__(self, fn, log):
+        self.fn, self.log = fn, log
+
+    def __call__(self, *args, **kw):
+        self.log.append(1)
+        return self.fn(*args, **kw)
+
+
 def run_select_paths(seed=0):
     """Which select path runs: the streamed fallbacks are counted by wrapping the jit helper the select kernel calls
     (the interpreter resolves it from the module's globals at call time)."""
@@ -222,15 +276,6 @@ def run_select_paths(seed=0):
 
     calls, radix_calls = [], []
     real, real_radix = K._select_streamed, K._kth_largest_radix
-
-    class Counting:
-        def __init__(self, fn, log):
-            self.fn, self.log = fn, log
-
-        def __call__(self, *args, **kw):
-            self.log.append(1)
-            return self.fn(*args, **kw)
-
     g = torch.Generator().manual_seed(seed)
     K._select_topk_kernel.fn.__globals__["_select_streamed"] = Counting(real, calls)
     K._select_topk_kernel.fn.__globals__["_kth_largest_radix"] = Counting(real_radix, radix_calls)
@@ -298,6 +343,12 @@ INDEXER_CASES = [
     ("fp8_page_vector_p8_falls_back", dict(b=1, s=1, h=16, ps=8, topk=24, lens=[300], max_pages=40,
                                            config=dict(BLOCK_N=128, num_warps=4, num_stages=3, TOKENS_M=True,
                                                         PREFETCH=False, KEYS="fp8pv"))),
+    # chunks of 24 tiles (PV): 49 page ids at page 16, in two register vectors (PAIR); tiles whose pages straddle
+    # the two vectors, three chunks for one program
+    ("fp8_page_vector_pair_p16", dict(b=2, s=1, h=16, ps=16, topk=24, lens=[1700, 800], max_pages=110, n_split=1,
+                                      q_fp8=True, config=dict(BLOCK_N=128, num_warps=4, num_stages=3, TOKENS_M=True,
+                                                              PREFETCH=False, KEYS="fp8pv", WAVE=3, MAXNREG=128,
+                                                              PV=24))),
     ("packed_no_prefetch", dict(b=1, s=2, h=16, ps=64, topk=20, lens=[333], max_pages=6,
                                 config=dict(BLOCK_N=64, num_warps=4, num_stages=1, TOKENS_M=True, PREFETCH=False,
                                             KEYS="packed"))),
@@ -330,6 +381,8 @@ if __name__ == "__main__":
             print(json.dumps(run_select(name, seed=100 + i, **kw)), flush=True)
     if not names or "select_paths" in names:
         print(json.dumps(run_select_paths()), flush=True)
+    if not names or "select_switches" in names:
+        print(json.dumps(run_select_switches()), flush=True)
     if not names or "workspace_state" in names:
         print(json.dumps(run_workspace_state()), flush=True)
     if not names or "sglang_writer_layout" in names:

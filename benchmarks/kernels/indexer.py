@@ -1,7 +1,8 @@
 """Device benchmark for pd.kernels.indexer (DSA lightning-indexer decode step: scores + top-512).
 
-  python benchmarks/kernels/indexer.py [--out DIR] [--quick] [--skip-correctness] [--skip-sweep] [--query fp8|bf16]
-      [--baseline PATH] [--full-sweep] [--sweep-first] [--deadline S] [--pick-fp8q-config NAME,NAME,...]
+  python benchmarks/kernels/indexer.py [--out DIR] [--quick] [--skip-correctness] [--skip-sweep] [--skip-grid]
+      [--query fp8|bf16] [--baseline PATH] [--full-sweep] [--sweep-first] [--deadline S]
+      [--pick-fp8q-config NAME,NAME,...] [--pick-select]
   TRITON_INTERPRET=1 python benchmarks/kernels/indexer.py --smoke   # CPU: tiny shapes, checks the script only
 
 1. correctness at real shapes against the fp64 torch reference (pd.kernels.indexer_reference): bf16 and fp8
@@ -21,7 +22,8 @@
 3. a sweep at 32K (max 128K): score configs, splits, select warps / programs per row / threshold search, the two
    kernels timed apart and phase probes of each, the other query dtype, MTP verify (S = 2, 4); with --baseline,
    the same main rows for another version of the kernel module (e.g. the committed one) in the same run; with
-   --pick-fp8q-config, the named score configs are timed first and the fastest is the fp8-query default of the run;
+   --pick-fp8q-config, the named score configs are timed first and the fastest is the fp8-query default of the run,
+   and with --pick-select the select switches likewise (SELECT_KNOBS);
 4. writes indexer_<date>.json (device, date, command, all numbers) and indexer_<date>.md to --out.
 """
 
@@ -372,8 +374,71 @@ def pick_fp8q_config(dev, pool, smoke, names):
     return dict(picked=best, times=times)
 
 
-def timing(dev, pool, smoke, quick, deadline, fp8):
-    """The headline grid (query dtype `fp8`: SGLang's DSv4 decode path) for ours and the naive torch indexer."""
+# select-kernel switches of kernels/indexer.py that --pick-select times against each other (all on first; each one off;
+# all off = the s4 select)
+SELECT_KNOBS = ("SELECT_GATHER2D", "SELECT_FAST_EXACT", "SELECT_CAND_PREFETCH")
+
+
+def pick_select(dev, pool, smoke):
+    """Time the full step (fp8 query, S = 1, 32K live / 128K max, B = 16 and 64; the run's score default) with every
+    select switch on, with each one off, and with all off, and keep the best as the module's setting for the rest of
+    the run: the least t16 + t64 / 4 among the variants whose B=64 time is within 1% of all-off (so B=64 does not
+    regress)."""
+    variants = {"all_on": {k: True for k in SELECT_KNOBS}}
+    for k in SELECT_KNOBS:
+        variants[k.lower() + "_off"] = dict(variants["all_on"], **{k: False})
+    variants["all_off"] = {k: False for k in SELECT_KNOBS}
+    g = torch.Generator(device=dev).manual_seed(17)
+    live, max_ctx = (32768, 131072) if not smoke else (300, 512)
+    times = {n: {} for n in variants}
+
+    def with_knobs(knobs, calls):
+        def wrap(f):
+            def call():
+                old = {k: getattr(K, k) for k in knobs}
+                for k, v in knobs.items():
+                    setattr(K, k, v)
+                try:
+                    f()
+                finally:
+                    for k, v in old.items():
+                        setattr(K, k, v)
+            return call
+        return [wrap(f) for f in calls]
+
+    for b in ((16, 64) if not smoke else (2,)):
+        st = Setup(b, 1, live, max_ctx, dev, pool, g, fp8=True)
+        for _ in range(2):  # two interleaved rounds, the smaller time of each
+            for n, knobs in variants.items():
+                t = time_graph(with_knobs(knobs, st.ours()), 50, smoke)
+                times[n][str(b)] = min(times[n].get(str(b), t), t)
+        del st
+    if smoke:
+        for n in variants:
+            times[n]["16"] = times[n]["64"] = times[n]["2"]
+    ok = [n for n in variants if times[n]["64"] <= 1.01 * times["all_off"]["64"]]
+    best = min(ok, key=lambda n: times[n]["16"] + times[n]["64"] / 4)
+    for k, v in variants[best].items():
+        setattr(K, k, v)
+    print("pick select", best, times, flush=True)
+    return dict(picked=best, knobs=variants[best], times=times)
+
+
+def apply_picks(path):
+    """Set the score config and select switches an earlier run picked (its indexer_<date>.json) as this process's
+    defaults, so a second script (indexer_max_context.py) times what the first one's grid timed."""
+    res = json.load(open(path))
+    if res.get("pick"):
+        by_name = {cfg_name(c): c for c in K.SCORE_CONFIGS}
+        K.DEFAULT_FP8Q_SCORE_CONFIGS[(True, 1)] = by_name[res["pick"]["picked"]]
+    for k, v in (res.get("pick_select") or {}).get("knobs", {}).items():
+        setattr(K, k, v)
+    return {"score_config": (res.get("pick") or {}).get("picked"), **(res.get("pick_select") or {}).get("knobs", {})}
+
+
+def timing(dev, pool, smoke, quick, deadline, fp8, base=None):
+    """The headline grid (query dtype `fp8`: SGLang's DSv4 decode path) for ours, the `base` module (e.g. the committed
+    kernel) when given, and the naive torch indexer."""
     g = torch.Generator(device=dev).manual_seed(7)
     rows = []
     grid = [(512, 8192), (512, 131072), (512, 1 << 20), (4096, 8192), (4096, 131072), (4096, 1 << 20),
@@ -388,6 +453,8 @@ def timing(dev, pool, smoke, quick, deadline, fp8):
             st = Setup(b, 1, live, max_ctx, dev, pool, g, fp8=fp8)
             row = dict(B=b, live=live, max_ctx=max_ctx, floor_us=floor_us(b, live), query="fp8" if fp8 else "bf16")
             row["ours_us"] = time_graph(st.ours(), 30 if quick else 100, smoke)
+            if base is not None:
+                row["base_us"] = time_graph(st.ours(base), 30 if quick else 100, smoke)
             if not smoke:
                 row["naive_us"] = time_graph(st.naive(), 10, smoke)
             row["ours_over_floor"] = row["ours_us"] / row["floor_us"]
@@ -399,7 +466,8 @@ def timing(dev, pool, smoke, quick, deadline, fp8):
 
 def cfg_name(c):
     return f"{c['KEYS']}_{'tokM' if c['TOKENS_M'] else 'headM'}_n{c['BLOCK_N']}_w{c['num_warps']}_s{c['num_stages']}" \
-        + ("_pf" if c["PREFETCH"] else "") + (f"_wave{c['WAVE']}" if c.get("WAVE") else "")
+        + ("_pf" if c["PREFETCH"] else "") + (f"_wave{c['WAVE']}" if c.get("WAVE") else "") \
+        + (f"_pv{c['PV']}" if c.get("PV") else "")
 
 
 def sweep(dev, pool, smoke, deadline, fp8, base=None, full=False, base_label="base"):
@@ -458,6 +526,25 @@ def sweep(dev, pool, smoke, deadline, fp8, base=None, full=False, base_label="ba
         for pre, mod in mods:
             timed(st, pre + "default", st.ours(mod))
             stages(st, pre, mod)
+        # the final select step reading the slices' candidate lists as one tile with their counts
+        timed(st, f"select_gather2d_{'off' if K.SELECT_GATHER2D else 'on'}",
+              patched("", st.ours(), SELECT_GATHER2D=not K.SELECT_GATHER2D))
+        # the select alone, stopped after a phase (wrong output, timing only): 1 = after the histogram bound t0,
+        # 2 = after the candidate lists, the ticket and the counts (total candidates of row 0 kept for the record),
+        # 3 = with the candidates and the fine histogram loaded in the final program; the
+        # scores-only probes below reuse this workspace (its histograms are then stale: timing only)
+        ws_p = K.indexer_workspace(b, 1, max_ctx, TOPK, device=dev)
+        st.ours(stages=("scores",), workspace=ws_p)[0]()
+        for probe in (1, 2, 3):
+            timed(st, f"select_only_probe{probe}", patched("", st.ours(stages=("select",), workspace=ws_p),
+                                                             _SELECT_PROBE=probe))
+            if probe == 2 and not smoke and res and res[-1]["variant"] == "select_only_probe2":
+                res[-1]["candidates_row0"] = int(st.out[0, 0, 0])
+        # the scores kernel alone without its histogram atomics (1), and also without its stores (2)
+        for probe in (1, 2):
+            timed(st, f"scores_only_probe{probe}", patched("", st.ours(stages=("scores",), workspace=ws_p),
+                                                             _SCORES_PROBE=probe))
+        del ws_p
         cfg = (K.DEFAULT_FP8Q_SCORE_CONFIGS if fp8 else {}).get((True, 1)) or K.DEFAULT_SCORE_CONFIGS[(True, 1)]
         base_split = K.score_split(b, cfg, K.num_sms(dev))
         # the config's one-wave split also where the default does not use it (B=64)
@@ -475,24 +562,9 @@ def sweep(dev, pool, smoke, deadline, fp8, base=None, full=False, base_label="ba
             timed(st, f"select_warps_{w}", st.ours(select_warps=w))
         for ns in range(0, 5):
             timed(st, f"select_split_{1 << ns}", st.ours(select_split=1 << ns))
-        # the select alone, stopped after a phase (wrong output, timing only): 1 = after the histogram bound t0,
-        # 2 = after the candidate lists and the ticket (total candidates of row 0 kept for the record); the
-        # scores-only probes below reuse this workspace (its histograms are then stale: timing only)
-        ws_p = K.indexer_workspace(b, 1, max_ctx, TOPK, device=dev)
-        st.ours(stages=("scores",), workspace=ws_p)[0]()
-        for probe in (1, 2):
-            timed(st, f"select_only_probe{probe}", patched("", st.ours(stages=("select",), workspace=ws_p),
-                                                             _SELECT_PROBE=probe))
-            if probe == 2 and not smoke and res and res[-1]["variant"] == "select_only_probe2":
-                res[-1]["candidates_row0"] = int(st.out[0, 0, 0])
         # the select's alternatives to the default (fine-histogram search, programmatic dependent launch)
         timed(st, "select_search_radix", patched("", st.ours(), SELECT_SEARCH="radix"))
         timed(st, "select_pdl_off", patched("", st.ours(), SELECT_PDL=False))
-        # the scores kernel alone without its histogram atomics (1), and also without its stores (2)
-        for probe in (1, 2):
-            timed(st, f"scores_only_probe{probe}", patched("", st.ours(stages=("scores",), workspace=ws_p),
-                                                             _SCORES_PROBE=probe))
-        del st, ws_p
         st = Setup(b, 1, live, max_ctx, dev, pool, g, fp8=not fp8)
         for pre, mod in mods:
             timed(st, f"{pre}{other}_query", st.ours(mod))
@@ -514,12 +586,15 @@ def to_markdown(res):
              f"byte floor = keys read (132 B/position) + logits written and read (8 B/position) at "
              f"{HBM_BPS / 1e12:.1f} TB/s. H = 64, S = 1, topk 512, page 64, {res.get('query', 'bf16')} query; each "
              "time is the median of CUDA-graph replays (4 input sets per graph for ours).", "",
-             SGLANG_QUERY_NOTE, "",
-             "| B | actual length | max context | ours us | naive torch us | naive / ours | floor us | ours / floor |",
-             "|---|---|---|---|---|---|---|---|"]
+             SGLANG_QUERY_NOTE, ""]
+    has_base = any("base_us" in r for r in res.get("timing", []))
+    base_col = f" {res.get('baseline_label', 'base')} (same run) us |" if has_base else ""
+    lines += ["| B | actual length | max context | ours us |" + base_col + " naive torch us | naive / ours | floor us | "
+              "ours / floor |", "|---|---|---|---|" + ("---|" if has_base else "") + "---|---|---|---|"]
     for r in res.get("timing", []):
         n = r.get("naive_us", float("nan"))
-        lines.append(f"| {r['B']} | {r['live']} | {r['max_ctx']} | {r['ours_us']:.1f} | {n:.1f} | "
+        bc = f" {r.get('base_us', float('nan')):.1f} |" if has_base else ""
+        lines.append(f"| {r['B']} | {r['live']} | {r['max_ctx']} | {r['ours_us']:.1f} |{bc} {n:.1f} | "
                      f"{n / r['ours_us']:.1f}x | {r['floor_us']:.1f} | {r['ours_over_floor']:.2f} |")
     naive = [r for r in res.get("timing", []) if "naive_us" in r and (r["B"], r["max_ctx"]) in NAIVE_ANCHOR_US
              and r["live"] == 512]
@@ -565,6 +640,13 @@ def to_markdown(res):
                       f"**{p['picked']}**", "", "| config | B=16 us | B=64 us |", "|---|---|---|"]
         for name, t in p["times"].items():
             lines.append(f"| {name} | {t['16']:.1f} | {t['64']:.1f} |")
+    if res.get("pick_select"):
+        p = res["pick_select"]
+        lines += ["", f"Select switches ({', '.join(SELECT_KNOBS)}) picked in this run before the grid (same rule, "
+                      f"against all off = the s4 select): **{p['picked']}**", "", "| variant | B=16 us | B=64 us |",
+                  "|---|---|---|"]
+        for name, t in p["times"].items():
+            lines.append(f"| {name} | {t['16']:.1f} | {t['64']:.1f} |")
     if res.get("correctness"):
         ok = sum(c["ok"] for c in res["correctness"])
         lines += ["", f"Correctness: {ok}/{len(res['correctness'])} cases exact up to ties (fp64 reference)."]
@@ -590,6 +672,9 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--skip-sweep", action="store_true")
+    ap.add_argument("--skip-grid", action="store_true", help="no headline grid (exploration runs)")
+    ap.add_argument("--pick-select", action="store_true",
+                    help="after any score-config pick, time the select switches (SELECT_KNOBS) and keep the best")
     ap.add_argument("--sweep-first", action="store_true", help="run the config sweep before the timing grid")
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds of wall time for optional work")
     ap.add_argument("--query", choices=("fp8", "bf16"), default="fp8",
@@ -627,12 +712,6 @@ def main():
         with open(stem + ".md", "w") as f:
             f.write(to_markdown(res))
 
-    if not args.skip_correctness:
-        res["correctness"] = correctness(dev, smoke, "core", deadline)
-        res["naive_check"] = naive_check(dev, smoke)
-        save()
-    if not smoke:
-        torch.cuda.empty_cache()
     # one pool for all timings: 4 sets x B=64 x 32K live tokens of distinct pages (1.1 GB); the naive baseline reads
     # its first max-context tokens as its key buffer
     pool = make_pool(ROT * 64 * 32768 // PS if not smoke else 64, dev, seed=99)
@@ -643,14 +722,24 @@ def main():
         res["baseline"] = args.baseline
         base_label = os.path.basename(args.baseline).replace("_indexer_", "").replace(".py", "").strip("_") or "base"
         res["baseline_label"] = base_label
-    if args.pick_fp8q_config:
+    if args.pick_fp8q_config:  # first, so the correctness cases below check the picked default
         res["pick"] = pick_fp8q_config(dev, pool, smoke, args.pick_fp8q_config.split(","))
         save()
+    if args.pick_select:
+        res["pick_select"] = pick_select(dev, pool, smoke)
+        save()
+    if not args.skip_correctness:
+        res["correctness"] = correctness(dev, smoke, "core", deadline)
+        res["naive_check"] = naive_check(dev, smoke)
+        save()
+    if not smoke:
+        torch.cuda.empty_cache()
     if args.sweep_first and not args.skip_sweep:
         res["sweep"] = sweep(dev, pool, smoke, deadline, fp8, base, args.full_sweep, base_label)
         save()
-    res["timing"] = timing(dev, pool, smoke, args.quick, deadline, fp8)
-    save()
+    if not args.skip_grid:
+        res["timing"] = timing(dev, pool, smoke, args.quick, deadline, fp8, base)
+        save()
     if not args.skip_sweep and not args.sweep_first:
         res["sweep"] = sweep(dev, pool, smoke, deadline, fp8, base, args.full_sweep, base_label)
         save()

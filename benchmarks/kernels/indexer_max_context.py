@@ -7,7 +7,7 @@ interleaved rounds (every max context once per round, ours and optionally a base
 kernels/indexer.py), and reports per-round and median ratios. fp8 query (SGLang's DSv4 decode path).
 
 Run on the device from the repository root:
-    python3 benchmarks/kernels/indexer_max_context.py [--baseline OLD_indexer.py] [--out DIR]
+    python3 benchmarks/kernels/indexer_max_context.py [--baseline OLD_indexer.py] [--out DIR] [--picks-from JSON]
 """
 from __future__ import annotations
 
@@ -38,7 +38,10 @@ def main() -> None:
     ap.add_argument("--live", type=int, default=512, help="actual length of every request (tokens)")
     ap.add_argument("--baseline", default=None, help="another kernels/indexer.py to time side by side")
     ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument("--picks-from", default=None,
+                    help="indexer_<date>.json of an indexer.py run: use the score config and select switches it picked")
     args = ap.parse_args()
+    picks = BI.apply_picks(args.picks_from) if args.picks_from else None
     dev = torch.device("cuda")
     mods = {"ours": None}
     if args.baseline:
@@ -63,7 +66,8 @@ def main() -> None:
                   + str([round(r, 3) for r in per_round]), flush=True)
     if args.out:
         Path(args.out, "indexer_max_context.json").write_text(json.dumps(
-            dict(device=torch.cuda.get_device_name(), rounds=args.rounds, calls_per_graph=args.calls, rows=rows), indent=1))
+            dict(device=torch.cuda.get_device_name(), rounds=args.rounds, calls_per_graph=args.calls, picks=picks,
+                 rows=rows), indent=1))
 
 
 if __name__ == "__main__":
