@@ -137,6 +137,57 @@ def test_engine_refuses_a_model_path_that_is_not_a_checkpoint_directory(tmp_path
     (tmp_path / "config.json").write_text("{}")
     assert check(str(tmp_path)).model_path == str(tmp_path)
     assert check("builtin:tiny").model_path == "builtin:tiny"
+    with pytest.raises(SystemExit, match=r"^--model-path builtin:huge: unknown built-in model \(known: builtin:tiny\)"):
+        check("builtin:huge")
+
+
+@pytest.mark.parametrize("argv, says", [(["--port", "99999"], "--port must be in 1..65535, got 99999"),
+                                        (["--port", "0"], "--port must be in 1..65535, got 0"),
+                                        (["--disaggregation-bootstrap-port", "70000"],
+                                         "--disaggregation-bootstrap-port must be in 1..65535, got 70000")])
+def test_engine_refuses_ports_outside_the_tcp_range(argv, says):
+    from pd.engines.args import finalize
+    from pd.engines.server import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        finalize(build_parser().parse_args(argv))
+    assert str(e.value) == says
+
+
+def test_engine_ready_line_only_once_listening(model_cache):
+    """SGLang's "fired up and ready to roll" line is what operators grep for: an engine whose port is
+    taken must exit without it."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "pd.cli", "engine", "--port", str(port)], capture_output=True,
+                           text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "address already in use" in out, out
+    assert "fired up and ready to roll" not in out, out
+    # on a free port the line follows the listening socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    p = subprocess.Popen([sys.executable, "-m", "pd.cli", "engine", "--port", str(port)], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = []
+        for line in p.stdout:
+            seen.append(line)
+            if "fired up and ready to roll" in line:
+                break
+        assert any(f"running on http://127.0.0.1:{port}" in x for x in seen[:-1]), seen
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 16, 37])

@@ -14,6 +14,8 @@ import argparse
 import os
 import socket
 
+from pd.engines.builtin_model import BUILTIN_MODELS, BUILTIN_PREFIX
+
 
 def _env_float(name: str, default: float) -> float:
     try:
@@ -76,6 +78,11 @@ def finalize(args: argparse.Namespace) -> argparse.Namespace:
         args.disaggregation_transfer_protocol = "rdma" if args.disaggregation_ib_device and not force_tcp else "tcp"
     if args.disaggregation_transfer_protocol == "rdma" and not args.disaggregation_ib_device:
         raise SystemExit("--disaggregation-transfer-protocol rdma needs --disaggregation-ib-device")
+    for flag in ("port", "disaggregation_bootstrap_port"):
+        if not 1 <= getattr(args, flag) <= 65535:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be in 1..65535, got {getattr(args, flag)}")
+    if args.model_path.startswith(BUILTIN_PREFIX) and args.model_path not in BUILTIN_MODELS:
+        raise SystemExit(f"--model-path {args.model_path}: unknown built-in model (known: {', '.join(BUILTIN_MODELS)})")
     if not args.model_path.startswith("builtin:"):  # nothing is downloaded: a hub id would fail deep in transformers
         if not os.path.isdir(args.model_path):
             raise SystemExit(f"--model-path {args.model_path}: no such directory (give a local Hugging Face "

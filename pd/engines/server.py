@@ -103,8 +103,6 @@ class EngineServer:
         self.runner = await loop.run_in_executor(None, ModelRunner, self.args.model_path, self.args.dtype)
         self.scheduler = Scheduler(self.runner, self.args, self.metrics)
         await self.scheduler.start()
-        log.info("The server is fired up and ready to roll! (%s mode, model %s, port %d)",
-                 self.args.disaggregation_mode, self.served_name, self.args.port)
         try:
             yield
         finally:
@@ -328,5 +326,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = finalize(build_parser().parse_args(argv))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = EngineServer(args)
-    uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                timeout_graceful_shutdown=5, access_log=False)
+
+    class _Server(uvicorn.Server):
+        # SGLang's ready line, logged once the socket listens (a port in use must not look ready in the log)
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                log.info("The server is fired up and ready to roll! (%s mode, model %s, port %d)",
+                         args.disaggregation_mode, server.served_name, args.port)
+
+    _Server(uvicorn.Config(server.app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                           timeout_graceful_shutdown=5, access_log=False)).run()
