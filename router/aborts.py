@@ -79,18 +79,27 @@ class Aborter:
                 on_done(request)
 
     async def send(self, worker, rids: list[str]) -> None:
-        """POST /abort_request for each of ``rids`` concurrently; failures are logged, not raised."""
-        if rids:
-            await asyncio.gather(*(self._post(worker, rid) for rid in rids))
+        """POST /abort_request for each of ``rids`` concurrently; failures are not raised but logged as
+        one line per call (how many failed, the first error): a request of many sequences (``n`` in
+        the thousands) on a busy engine must not write a warning per sequence and resend."""
+        if not rids:
+            return
+        errors = await asyncio.gather(*(self._post(worker, rid) for rid in rids))
+        failed = [(rid, e) for rid, e in zip(rids, errors) if e is not None]
+        if failed:
+            log.warning("abort of %d of %d rid(s) on %s %s failed (first: %s: %r)", len(failed), len(rids),
+                        worker.role, worker.url, failed[0][0], failed[0][1])
 
-    async def _post(self, worker, rid: str) -> None:
+    async def _post(self, worker, rid: str) -> Optional[BaseException]:
+        """One /abort_request; returns the error instead of raising it."""
         try:
             async with self.session.post(worker.url + "/abort_request", json={"rid": rid}, headers=self.headers,
                                          timeout=_ABORT_CLIENT_TIMEOUT,
                                          allow_redirects=False) as r:
                 await r.read()
         except UPSTREAM_ERRORS as e:
-            log.warning("abort of rid %s on %s %s failed: %r", rid, worker.role, worker.url, e)
+            return e
+        return None
 
 
 def _generate_aborted(obj) -> bool:

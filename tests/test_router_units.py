@@ -287,6 +287,29 @@ def test_token_counts_and_usage_tap():
     assert not wants_usage_injected({"stream_options": {"include_usage": True}})
 
 
+async def test_failed_aborts_are_one_warning_per_round_not_one_per_sequence(caplog):
+    """A request of many sequences aborted on an unreachable worker: one log line saying how many
+    aborts failed, not a line per sequence (n=100000 wrote 500,000 lines in two minutes)."""
+    import logging
+    import socket
+
+    import aiohttp
+
+    from pd.router.aborts import Aborter
+    from pd.router.background import TaskSet
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    aborter = Aborter(TaskSet(), {})
+    async with aiohttp.ClientSession() as aborter.session:
+        worker = SimpleNamespace(url=f"http://127.0.0.1:{port}", role="decode")
+        with caplog.at_level(logging.WARNING, logger="pd.router"):
+            await aborter.send(worker, [f"pdr-x_{i}" for i in range(300)])
+    (record,) = [r for r in caplog.records if r.name == "pd.router"]
+    assert f"abort of 300 of 300 rid(s) on decode http://127.0.0.1:{port} failed (first: pdr-x_0: " in record.getMessage()
+
+
 # ---- config, CLI, keys ------------------------------------------------------------------------
 def test_cli_parsing_and_flags_round_trip():
     cfg = config_from_args(["--prefill", "http://a:1", "9000", "--prefill", "b:2", "--prefill", "http://c:3", "none",
