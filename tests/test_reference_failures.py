@@ -67,6 +67,13 @@ async def test_bad_inputs_get_4xx_and_hold_nothing(engines, side):
         r = await c.post("/generate", json={"text": ["a", "b"], "sampling_params": [{}, {"tempreature": 0}],
                                             **pd_fields, "bootstrap_room": [5, 6]})
         assert_error(r, 400, "unknown field `tempreature`")
+        # JSON types as SGLang's /generate contract checks them
+        r = await c.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": "5"}, **pd_fields,
+                                            "bootstrap_room": 9})
+        err = assert_error(r, 400, "sampling_params.max_new_tokens: Input should be a valid integer, got '5'")
+        assert err["param"] == "sampling_params.max_new_tokens"
+        r = await c.post("/generate", json={"text": "hi", "stream": "yes", **pd_fields, "bootstrap_room": 10})
+        assert assert_error(r, 400, "valid boolean")["param"] == "stream"
         for n in ("x", 2.5, [2]):
             r = await c.post("/generate", json={"text": "hi", "sampling_params": {"n": n}, **pd_fields, "bootstrap_room": 7})
             assert assert_error(r, 400, "n must be an integer")["param"] == "n"

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from pydantic import ValidationError
+
 from pd.engines.errors import bad_request
 from pd.engines.model_runner import ModelRunner
 from pd.engines.protocol import GenerateRequest, SeqSpec, expand, per_item
@@ -60,8 +62,10 @@ def specs_from_generate(req: GenerateRequest, runner: ModelRunner) -> tuple[list
     n = ns[0]
     try:
         params = [SamplingParams(**sp) for sp in raw_list]
-    except (TypeError, ValueError) as e:
-        raise bad_request(f"sampling_params: {e}", "sampling_params") from None
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(["sampling_params", *(str(x) for x in err["loc"])])
+        raise bad_request(f"{field}: {err['msg']}, got {err['input']!r}", field) from None
     specs = expand(
         prompts, n, params, req, req.rid,
         return_logprob=[bool(x) for x in per_item(req.return_logprob or False, count, "return_logprob")],

@@ -28,7 +28,8 @@ ScalarOrList = Union[Any, list]
 class GenerateRequest(BaseModel):
     """SGLang's native /generate body (the fields the reference engine honours)."""
 
-    model_config = ConfigDict(extra="ignore")
+    # strict: JSON types as SGLang's /generate contract checks them ("stream": "yes" is not a boolean)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     text: Optional[Union[str, list[str]]] = None
     input_ids: Optional[Union[list[int], list[list[int]]]] = None

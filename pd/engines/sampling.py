@@ -36,7 +36,8 @@ class SamplingParams(BaseModel):
     ``top_p = 1`` disable those filters; ``temperature = 0`` is greedy.
     """
 
-    model_config = ConfigDict(extra="ignore")
+    # strict: JSON types as SGLang's /generate contract checks them ("5" is not an int, 1 not a bool)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     max_new_tokens: Optional[int] = DEFAULT_MAX_NEW_TOKENS
     min_new_tokens: int = 0
