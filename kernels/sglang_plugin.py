@@ -213,5 +213,11 @@ def register() -> None:
         logger.info("pdserve kernels on (%s%s): hooks on %s", ", ".join(sorted({h.kernel for h in hooks})),
                     "; forced on every GPU" if _force else "; sm_120 family only",
                     ", ".join(h.target for h in hooks))
-    else:
+    elif not parse_flag(os.environ, MASTER_FLAG, False):
         logger.info("pdserve plugin loaded, no kernel switched on (%s=1 switches them on)", MASTER_FLAG)
+    else:  # on, but every kernel is switched off or failed to import (logged above)
+        off = [flag for k, flag in sorted(KERNEL_FLAGS.items()) if not parse_flag(os.environ, flag, True)]
+        why = "every kernel is switched off" if len(off) == len(KERNEL_FLAGS) else \
+            "the kernels not switched off failed to import (see above)"
+        logger.info("pdserve plugin loaded with %s=1 but no kernel is on: %s (%s); SGLang's own paths stay in place",
+                    MASTER_FLAG, why, ", ".join(f"{f}=0" for f in off) or "none switched off")

@@ -334,6 +334,24 @@ def test_a_kernel_whose_module_does_not_import_keeps_sglangs_path(registry, monk
     assert "cannot import pd.kernels.no_such_module" in caplog.text
 
 
+@pytest.mark.parametrize("env,says", [
+    ({}, "no kernel switched on (PDSERVE_KERNELS=1 switches them on)"),
+    ({"PDSERVE_KERNELS": "1", "PDSERVE_SPARSE_MLA": "0", "PDSERVE_INDEXER": "0", "PDSERVE_MXFP4_MOE": "0"},
+     "every kernel is switched off (PDSERVE_INDEXER=0, PDSERVE_MXFP4_MOE=0, PDSERVE_SPARSE_MLA=0)"),
+])
+def test_the_log_says_why_no_kernel_is_on(registry, monkeypatch, caplog, env, says):
+    import logging
+
+    for flag in [P.MASTER_FLAG, P.FORCE_FLAG, *P.KERNEL_FLAGS.values()]:
+        monkeypatch.delenv(flag, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with caplog.at_level(logging.INFO, logger=P.logger.name):
+        P.register()
+    assert not registry._hooks
+    assert says in caplog.text
+
+
 def test_bad_switch_values_name_the_variable():
     with pytest.raises(ValueError, match="PDSERVE_INDEXER='maybe'"):
         P.enabled_kernels({"PDSERVE_KERNELS": "1", "PDSERVE_INDEXER": "maybe"})
