@@ -37,3 +37,18 @@ def is_sm90(device: torch.device) -> bool:
     if device.type != "cuda" or _INTERPRET:
         return False
     return _props(_index(device)).major == 9
+
+
+def check_runnable(name: str, t: torch.Tensor, reference: str) -> None:
+    """Refuse, before any launch, a tensor the Triton kernels cannot run on: a CPU tensor outside the
+    interpreter (Triton would fail with "0 active drivers").
+
+    Args:
+        name: the argument's name, for the message. t: the tensor whose device decides. reference: the module
+            whose torch reference computes the same on any device, named in the message.
+    Raises:
+        ValueError: ``t`` is not on a CUDA device and TRITON_INTERPRET=1 is not set.
+    """
+    if t.device.type != "cuda" and not _INTERPRET:
+        raise ValueError(f"{name} is on {t.device}: the Triton kernel needs a CUDA device (or TRITON_INTERPRET=1 "
+                         f"for tiny CPU runs); {reference} computes the same in plain torch")

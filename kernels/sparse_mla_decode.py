@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .device_info import is_sm90, num_sms
+from .device_info import check_runnable, is_sm90, num_sms
 from .sparse_mla_reference import BYTES_PER_TOKEN, D_QK, page_stride_bytes
 
 LOG2E = 1.4426950408889634
@@ -805,6 +805,7 @@ def sparse_mla_decode(
         ns_total += ens
     direct = ns_total == 1
 
+    check_runnable("q", q, "pd.kernels.sparse_mla_reference")  # after every argument check: they name bad input
     out = torch.empty(b, s, h, D_QK, dtype=torch.bfloat16, device=dev)
     lse = torch.empty(b, h, s, dtype=torch.float32, device=dev)
     if direct:

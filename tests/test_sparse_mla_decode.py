@@ -107,6 +107,14 @@ def test_validation_errors_name_the_argument(mutate, arg):
         sparse_mla_decode(**a)
 
 
+def test_valid_cpu_tensors_outside_the_interpreter_are_refused_before_launch():
+    from pd.kernels.sparse_mla_decode import sparse_mla_decode
+
+    q, kc, idx = _inputs()
+    with pytest.raises(ValueError, match="q is on cpu: the Triton kernel needs a CUDA device .*sparse_mla_reference"):
+        sparse_mla_decode(q, kc, idx)
+
+
 # ---------------------------------------------------------------- AOT compile (no GPU needed)
 
 SIG = {"q_ptr": "*bf16", "kc8_ptr": "*u8", "kc16_ptr": "*i16", "idx_ptr": "*i32", "len_ptr": "*i32",
