@@ -20,7 +20,8 @@ nothing past a request's length is read, scored or sorted.
    sm_120, wgmma on sm_90), then ``sum_h relu(.) * w_h * scale_k`` per token. Key tiles are either loaded as fp8
    and software-pipelined by Triton (asynchronous copies, ``num_stages``) or loaded packed as int32 with a hand
    prefetch of the next tile (``SCORE_CONFIGS``; sm_90 fp8 x fp8 is wgmma e4m3, sm_120 mma.sync e4m3). The "fp8pv"
-   tiles take their page ids from a register vector loaded once per ``PV_TILES`` tiles: with the page lookup of
+   tiles take their page ids from a register vector loaded once per ``PV_TILES`` tiles (config ``PV``; more than 32
+   ids go into two vectors, each within one warp, so picking an id stays a warp reduction): with the page lookup of
    each position done by a load inside the loop ("fp8"), the pipeliner turns that lookup into an asynchronous copy
    of its own and, copies completing in order, waits for every copy in flight before each tile (cp.async.wait_group
    0), so a program has one tile in flight and not while it computes; without it the keys of the next
@@ -43,10 +44,13 @@ nothing past a request's length is read, scored or sorted.
    ``FINE_BINS`` bins of 2**``FINE_SHIFT`` order keys above t0 (relaxed atomics), so the final program reads the
    bin b holding the topk-th candidate, checks it against its own candidates (their counts above and in b must
    bracket topk, else it searches all of them) and resolves only bin b: usually it holds exactly the missing
-   ones, or a few more whose smallest values it drops; else radix select on the bin ("radix": radix select over
-   all candidates, ``tl.histogram`` passes). The select kernel is launched with programmatic dependent launch
-   (``SELECT_PDL``, compute capability >= 9) and waits for the scores with griddepcontrol.wait. Set-equal to
-   ``torch.topk`` up to ties. Fallbacks keep it exact on any input, streamed from memory over the whole live row:
+   ones (``SELECT_FAST_EXACT``: then every candidate in b or above is the answer, no search), or a few more whose
+   smallest values it drops; else radix select on the bin ("radix": radix select over all candidates,
+   ``tl.histogram`` passes). With ``SELECT_GATHER2D`` the final program requests the slices' lists as one tile
+   together with their counts (one round trip instead of two) when every list fits its share of the tile. The
+   select kernel is launched with programmatic dependent launch (``SELECT_PDL``, compute capability >= 9) and waits
+   for the scores with griddepcontrol.wait. Set-equal to ``torch.topk`` up to ties. Fallbacks keep it exact on
+   any input, streamed from memory over the whole live row:
    more candidates than the register tile (``candidate_capacity``; mass ties) or fewer than topk (only a stale
    histogram, e.g. a workspace that skipped a select). At 32K a query token's select is three dependent memory
    round trips in parallel programs (histogram with the first group-max tile, the score gather, the candidate
@@ -489,7 +493,7 @@ def _select_topk_kernel(
     CAP: tl.constexpr, CAP_P: tl.constexpr, TGS: tl.constexpr, TILE: tl.constexpr, RADIX: tl.constexpr,
     CLEAR_HIST: tl.constexpr, PROBE: tl.constexpr = 0, SEARCH: tl.constexpr = "fine",
     NBF: tl.constexpr = 4096, FSHIFT: tl.constexpr = 11, DROP_MAX: tl.constexpr = 8, PDL: tl.constexpr = False,
-    GROWS: tl.constexpr = 0, FAST_EXACT: tl.constexpr = False, CAND_PREFETCH: tl.constexpr = False,
+    GROWS: tl.constexpr = 0, FAST_EXACT: tl.constexpr = False,
 ):
     # program (r, j): slice j of query row r's group maxima (whole tiles of TGS groups, spread over the grid's
     # nsel <= NSEL programs per row); the last active program of the row to finish does the row's final selection.
@@ -541,31 +545,13 @@ def _select_topk_kernel(
         #    position order into the slice's candidate list with their keys
         gg = tl.arange(0, G)
         n = tl.zeros([], tl.int32)
-        if CAND_PREFETCH:  # the first tile's score gather, so each iteration can request the next tile's
-            f = (go < g_end) & (gk >= t0)
-            cp_n = tl.reshape(go[:, None] * G + gg[None, :], [TGS * G])
-            cv_n = tl.reshape(f[:, None] & (gg < G)[None, :], [TGS * G]) & (cp_n < ln)
-            ck_n = _order_key(tl.load(srow + cp_n, mask=cv_n, other=0.0))
-            go = go + TGS
-            gk = _order_key(tl.load(grow + go, mask=go < g_end, other=0.0))
         for g0 in range(g_begin, g_end, TGS):
-            if CAND_PREFETCH:  # this tile's scores were requested one iteration ago; request the next tile's now
-                cp = cp_n
-                cv = cv_n
-                ck = ck_n
-                f = (go < g_end) & (gk >= t0)
-                cp_n = tl.reshape(go[:, None] * G + gg[None, :], [TGS * G])
-                cv_n = tl.reshape(f[:, None] & (gg < G)[None, :], [TGS * G]) & (cp_n < ln)
-                ck_n = _order_key(tl.load(srow + cp_n, mask=cv_n, other=0.0))
-                go = go + TGS
-                gk = _order_key(tl.load(grow + go, mask=go < g_end, other=0.0))
-            else:
-                f = (go < g_end) & (gk >= t0)
-                go = go + TGS
-                gk = _order_key(tl.load(grow + go, mask=go < g_end, other=0.0))  # the next tile, in flight meanwhile
-                cp = tl.reshape((g0 + tl.arange(0, TGS))[:, None] * G + gg[None, :], [TGS * G])
-                cv = tl.reshape(f[:, None] & (gg < G)[None, :], [TGS * G]) & (cp < ln)
-                ck = _order_key(tl.load(srow + cp, mask=cv, other=0.0))
+            f = (go < g_end) & (gk >= t0)
+            go = go + TGS
+            gk = _order_key(tl.load(grow + go, mask=go < g_end, other=0.0))  # the next tile, in flight meanwhile
+            cp = tl.reshape((g0 + tl.arange(0, TGS))[:, None] * G + gg[None, :], [TGS * G])
+            cv = tl.reshape(f[:, None] & (gg < G)[None, :], [TGS * G]) & (cp < ln)
+            ck = _order_key(tl.load(srow + cp, mask=cv, other=0.0))
             cf = cv & (ck >= t0)
             slot = n + tl.cumsum(cf.to(tl.int32), 0) - 1
             keep = cf & (slot < CAP)
@@ -747,11 +733,12 @@ DEFAULT_SCORE_CONFIGS = {
 # registers; shared memory holds it to 3).
 # -s5 (benchmarks/results/indexer_2026-11-30-s5.md): the same tiles with the page ids of 24 tiles per chunk ("_pv24",
 # two warp-wide register vectors): a program's share of a 32K row (11 tiles at B = 16, 16 at B = 64) is one chunk, so
-# its key pipeline fills and drains once instead of at every 8 tiles; exploration run: full step B = 16 / 64 39.3 /
-# 111.7 us vs 40.6 / 114.1, the scores alone at B = 16 25.4 vs 27.2. Measured there and not kept: 4 stages (74 KB,
-# still 3 programs per SM) 42.5 / 117.9 (41.3 / 114.3 with pv24), 8 warps with 80 registers (6 warps per scheduler)
-# 42.0 / 118.1 in 3 stages and 43.5 / 121.6 in 4 (Nsight Compute on 4 stages: 56% of DRAM peak, 3 warps per scheduler
-# issuing every 6 cycles, as with 3 stages: not short of copies in flight).
+# its key pipeline fills and drains once instead of at every 8 tiles; pick, full step B = 16 / 64: 40.5 / 109.6 us vs
+# 41.1 / 112.3 (exploration run 39.3 / 111.7 vs 40.6 / 114.1; the scores alone at B = 16 25.4 vs 27.2).
+# Measured in the exploration run and not kept: 4 stages (74 KB, still 3 programs per SM) 42.5 / 117.9 (41.3 / 114.3
+# with pv24), 8 warps with 80 registers (6 warps per scheduler) 42.0 / 118.1 in 3 stages and 43.5 / 121.6 in 4
+# (Nsight Compute on 4 stages: 56% of DRAM peak, 3 warps per scheduler issuing every 6 cycles, as with 3 stages: not
+# short of copies in flight).
 DEFAULT_FP8Q_SCORE_CONFIGS = {
     (True, 1): _cfg(128, 4, True, "fp8pv", 3, wave=3, maxnreg=128, pv=24),
 }
@@ -785,13 +772,15 @@ SELECT_PDL = True
 # the final select program reads the slices' candidate lists as one [n, cap / n] tile (n = nsel rounded up to a power of
 # two) together with their counts, one round trip, when no slice has more than cap / n candidates; else (and with
 # False) it loads the counts first and then gathers the lists back to back
-SELECT_GATHER2D = False
+SELECT_GATHER2D = True
 # the final select program takes every candidate in the fine bin of the topk-th one or above when that bin holds
 # exactly the missing ones (the usual case), without the threshold search over the bin
-SELECT_FAST_EXACT = False
-# select slices of several group-max tiles (B = 64 at 32K: 4 per slice) request the next tile's candidate scores
-# before compacting the current one, so the dependent gathers overlap
-SELECT_CAND_PREFETCH = False
+SELECT_FAST_EXACT = True
+# -s5 (benchmarks/results/indexer_2026-11-30-s5.md, --pick-select, full step at 32K, B = 16 / 64, fp8pv _pv24 scores):
+# both on 40.1 / 111.2 us, both off (the s4 select) 40.6 / 111.3, one-tile read off 40.0 / 112.6, fast path off 40.5 /
+# 111.0: within the run's spread in the full step; the select alone at B = 16 13.1 vs 14.4 us (phase probes: the
+# final program's loads 0.9 us, its threshold and output 2.8 us). Dropped there: slices requesting the next group-max
+# tile's candidate scores ahead (B = 64 at 32K has 4 tiles per slice): 110.9 at B = 64, 40.7 at B = 16.
 FINE_BINS = 4096  # fine histogram of the candidates (SELECT_SEARCH "fine"): bins of 2**FINE_SHIFT order keys above t0
 FINE_SHIFT = 11  # 4096 x 2**11 = one binade above t0 (the topk-th score lies within it unless scores are extreme)
 PV_TILES = 8  # "fp8pv" score path: key tiles per chunk of page ids loaded into registers at once
@@ -963,7 +952,6 @@ def _select_launch(scores, gmax, hist, tick, fine, scr, lens, out, rows, s, max_
         TILE=1024 if not _INTERPRET else 16, RADIX=RADIX_BITS, CLEAR_HIST=clear_hist, PROBE=_SELECT_PROBE,
         SEARCH=SELECT_SEARCH, NBF=FINE_BINS, FSHIFT=FINE_SHIFT, PDL=pdl,
         GROWS=min(triton.next_power_of_2(nsel), cap_p) if SELECT_GATHER2D else 0, FAST_EXACT=SELECT_FAST_EXACT,
-        CAND_PREFETCH=SELECT_CAND_PREFETCH,
         num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )
 

@@ -65,8 +65,8 @@ def test_select_takes_the_bounded_path_on_distinct_scores(interp_results):
 
 
 def test_select_switches_give_the_same_answer(interp_results):
-    """The select's one-tile candidate read, exact-bin fast path and candidate prefetch change nothing but speed:
-    flipping each (or all) from its default gives the same output bit for bit, and the streamed fallback (which would
+    """The select's one-tile candidate read and exact-bin fast path change nothing but speed: flipping each (or
+    both) from its default gives the same output bit for bit, and the streamed fallback (which would
     hide a broken path behind an exact answer) never runs on these scores."""
     r = interp_results["select_switches"]
     assert all(v == 0 for v in r["bad"].values()), r
@@ -305,9 +305,9 @@ def test_aot_select_and_group_max(topk):
     """The select kernel has no dot (compares, reductions, scans: no tensor-core work to do), so sm_120a only
     needs no wgmma and <= 99 KiB of shared memory; every select warp count compiles for both targets."""
     from pd.kernels.indexer import (DEFAULT_SELECT_WARPS, FINE_BINS, FINE_SHIFT, GROUP, HIST_BINS, HIST_SHIFT,
-                                    MIN_TILES, RADIX_BITS, SELECT_CAND_PREFETCH, SELECT_FAST_EXACT, SELECT_GATHER2D,
-                                    SELECT_PDL, SELECT_SPLIT, SELECT_TGS, SELECT_WARPS, _group_max_kernel,
-                                    _select_topk_kernel, candidate_capacity)
+                                    MIN_TILES, RADIX_BITS, SELECT_FAST_EXACT, SELECT_GATHER2D, SELECT_PDL,
+                                    SELECT_SPLIT, SELECT_TGS, SELECT_WARPS, _group_max_kernel, _select_topk_kernel,
+                                    candidate_capacity)
 
     sig = {"score_ptr": "*fp32", "gmax_ptr": "*fp32", "hist_ptr": "*i32", "tick_ptr": "*i32", "fine_ptr": "*i32",
            "scr_ptr": "*i32",
@@ -316,8 +316,7 @@ def test_aot_select_and_group_max(topk):
     cap = candidate_capacity(topk)
     const = dict(LEN_2D=False, G=GROUP, NB=HIST_BINS, SHIFT=HIST_SHIFT, NSEL=SELECT_SPLIT, CAP=cap, CAP_P=cap,
                  TGS=SELECT_TGS, TILE=1024, RADIX=RADIX_BITS, CLEAR_HIST=True, PROBE=0, NBF=FINE_BINS,
-                 FSHIFT=FINE_SHIFT, DROP_MAX=8, PDL=SELECT_PDL, FAST_EXACT=SELECT_FAST_EXACT,
-                 CAND_PREFETCH=SELECT_CAND_PREFETCH)  # as launched on cc >= 9
+                 FSHIFT=FINE_SHIFT, DROP_MAX=8, PDL=SELECT_PDL, FAST_EXACT=SELECT_FAST_EXACT)  # as launched on cc >= 9
     # the one-tile candidate read as launched for 16 select programs per row (B = 16), and for 4 (B = 64) with the
     # default warps
     g16 = 16 if SELECT_GATHER2D else 0
