@@ -106,8 +106,9 @@ async def follow(client, job_id: str, router_seen: list, model: str) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """``pdserve up [CONFIG]``: start (or reuse) a Ray head, submit the cluster job and follow its log; Ctrl-C
-    or SIGTERM stops the job and the head it started. Returns 0 when the job succeeded or was stopped, 1 when it
-    failed, 2 for an invalid config."""
+    or SIGTERM stops the job and the head it started. When it starts the head, it first runs the job's preflight
+    checks here (pd.doctor.preflight) and starts nothing if they fail. Returns 0 when the job succeeded or was
+    stopped (the head's log is then removed), 1 when it failed, 2 for an invalid config or a failed preflight."""
     p = argparse.ArgumentParser(prog="pdserve up", description=__doc__.split("\n\n")[0])
     p.add_argument("config", nargs="?", help=f"cluster config YAML (default: {DEFAULT_CONFIG.relative_to(REPO)})")
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "http://127.0.0.1:8265"),
@@ -124,6 +125,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     head = None
     address = args.address if "://" in args.address else f"http://{args.address}"
     if not dashboard_up(address):
+        # The job would run the same checks on this machine after the head started and the job was submitted.
+        from pd.doctor import preflight
+
+        if not preflight(cfg):
+            say("the preflight checks failed (see above; `pdserve doctor CONFIG` runs them alone); nothing started")
+            return 2
         port = int(address.rsplit(":", 1)[1]) if re.search(r":\d+$", address) else 8265
         log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-ray-head-{os.getpid()}.log"
         say(f"no Ray cluster at {address}; starting a local head with {cfg.cluster.num_gpus} logical GPUs (log: {log_path})")
@@ -172,6 +179,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         if head is not None:
             say("stopping the local Ray head")
             stop_group(head.pid, grace=5)  # the job is already stopped; Ray would drain for 30 s
+            if code == 0:
+                log_path.unlink(missing_ok=True)
+            else:
+                say(f"the local Ray head's log stays at {log_path}")
     return code
 
 

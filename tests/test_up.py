@@ -61,6 +61,8 @@ def test_pdserve_up_serves_and_ctrl_c_stops_everything(model_cache, tmp_path):
             raise
     out = "".join(lines)
     assert "pdserve up: stopping the local Ray head" in out
+    head_log = re.search(r"logical GPUs \(log: (\S+)\)", out).group(1)
+    assert not os.path.exists(head_log), "the head's log outlived a clean stop"
     deadline = time.time() + 30
     while any(pid_alive(p) for p in pids) and time.time() < deadline:
         time.sleep(0.5)
@@ -71,3 +73,25 @@ def test_pdserve_up_serves_and_ctrl_c_stops_everything(model_cache, tmp_path):
             raise AssertionError(f"port {port} still answers after Ctrl-C")
         except httpx.HTTPError:
             pass
+
+
+def test_pdserve_up_runs_the_preflight_before_starting_a_head(tmp_path):
+    """A config the job's preflight would refuse (its router port is taken) fails at once, with nothing started."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    cfg = yaml.safe_load(open(os.path.join(ROOT, "deploy", "local.yaml")))
+    cfg["router"].update(host="127.0.0.1", port=taken.getsockname()[1])
+    config = tmp_path / "taken.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    try:
+        r = subprocess.run([sys.executable, "-m", "pd.cli", "up", str(config), "--address",
+                            f"http://127.0.0.1:{free_port()}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    finally:
+        taken.close()
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out
+    assert str(cfg["router"]["port"]) in out and "nothing started" in out, out
+    assert "starting a local head" not in out
