@@ -708,6 +708,7 @@ PATHS = ("pair_token", "pair", "sorted")
 # on sm_90 when max_scale_byte allows it, else dot_scaled (sm_120 converts e2m1 with an instruction).
 DEQUANT_CHOICES = ("auto", "bits", "dot_scaled")
 BITS_MAX_SCALE_BYTE = 128  # 2 ** (s - 1) must be a normal bf16
+MAXNREG_MIN = 32  # a tile's optional register cap per thread (the launch option ``maxnreg``; ptxas spills past it)
 
 # Default plan per number of (token, slot) pairs P = T * k: the first entry with P <= bound.
 #   path: pair_token (gate/up per pair; down per token, k-sum fused: 2 launches), pair (+ sum kernel), sorted
@@ -818,8 +819,12 @@ def _check_config(cfg: dict, h: int, inter: int) -> None:
     for part, n_dim in (("gate_up", inter), ("down", h)):
         c = cfg.get(part)
         if not isinstance(c, dict) or not {"BN", "BK", "num_warps", "num_stages"} <= set(c) \
-                or not set(c) <= {"BN", "BK", "BK_DOT", "num_warps", "num_stages"}:
-            raise ValueError(f"config: {part} must be a dict with BN, BK, num_warps, num_stages (and optional BK_DOT)")
+                or not set(c) <= {"BN", "BK", "BK_DOT", "num_warps", "num_stages", "maxnreg"}:
+            raise ValueError(f"config: {part} must be a dict with BN, BK, num_warps, num_stages (and optional BK_DOT, "
+                             f"maxnreg)")
+        if "maxnreg" in c and (isinstance(c["maxnreg"], bool) or not isinstance(c["maxnreg"], int)
+                               or not MAXNREG_MIN <= c["maxnreg"] <= 255):
+            raise ValueError(f"config: {part} maxnreg must be an int in [{MAXNREG_MIN}, 255], got {c['maxnreg']!r}")
         if c["BN"] not in (16, 32, 64, 128) or n_dim % c["BN"]:
             raise ValueError(f"config: {part} BN must be 16/32/64/128 and divide {n_dim}, got {c['BN']}")
         if c["BK"] not in (128, 256, 512):  # halved where it does not divide K / split (_fit_bk)
@@ -1034,10 +1039,11 @@ def fused_moe_mxfp4(
             refused.
         config: launch plan override (benchmarks): {"path": "pair_token"|"pair"|"sorted", "BM": 16|32|64,
             "split_gate_up": 1|2|4|8, "split_down": ..., "gate_up_halves": bool, "dequant": "auto"|"bits"|
-            "dot_scaled", "gate_up": {BN, BK, num_warps, num_stages[, BK_DOT]}, "down": {...}, "fold": bool,
+            "dot_scaled", "gate_up": {BN, BK, num_warps, num_stages[, BK_DOT, maxnreg]}, "down": {...}, "fold": bool,
             "pdl": bool, "prefetch_gate_up": 0|1|2, "prefetch_down": 0|1}; default
             ``default_config(T * k, weight_layout)``. BK: K per loop iteration (pipeline stage), 128/256/512;
-            BK_DOT: K per dequantize + dot step inside it (64/128/256, default BK). fold (path "pair"): the SwiGLU
+            BK_DOT: K per dequantize + dot step inside it (64/128/256, default BK); maxnreg: registers per thread
+            cap (32..255, the Triton launch option; more programs per SM). fold (path "pair"): the SwiGLU
             and the sum over k are done by the last program of each group (atomic tickets in ``workspace``), so
             a call is 2 launches instead of 4; pdl (with fold; compute capability >= 9, else ignored): the down
             launch is a programmatic dependent of gate/up (its programs start during gate/up's last wave and wait
@@ -1145,9 +1151,14 @@ def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
     if path == "sorted" and cfg.get("BM", 16) > 16:  # the activation tile grows with BM: keep 99 KiB on sm_120
         gu["BK"] = dn["BK"] = 128
         gu["BK_DOT"], dn["BK_DOT"] = min(gu["BK_DOT"], 128), min(dn["BK_DOT"], 128)
-    if _INTERPRET:  # the interpreter's cost is per program step, not per byte
+    if _INTERPRET:  # the interpreter's cost is per program step, not per byte (and it has no registers)
         gu = dict(gu, num_warps=4, num_stages=1)
         dn = dict(dn, num_warps=4, num_stages=1)
+        gu.pop("maxnreg", None)
+        dn.pop("maxnreg", None)
+    # the optional register cap: more resident programs per SM when a grid would otherwise spill into a second wave
+    gu_reg = {"maxnreg": gu["maxnreg"]} if "maxnreg" in gu else {}
+    dn_reg = {"maxnreg": dn["maxnreg"]} if "maxnreg" in dn else {}
     ids = topk_ids
     limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
     has_limit = swiglu_limit is not None
@@ -1189,7 +1200,7 @@ def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
         x, w13u, s13u, ids, sorted_ids, blk_exp, nblk, hbuf, part, gu_ticks, w2u, s2u, x.stride(0), limit, p, n_exp,
         SORTED=sorted_mode, HAS_LIMIT=has_limit, UP_FIRST=bool(up_first), SPLIT=sp_gu, HALVES=halves, BM=bm,
         BN=gu["BN"], BK=gu["BK"], BKD=gu["BK_DOT"], num_warps=gu["num_warps"], num_stages=gu["num_stages"],
-        PF=pf_gu, FOLD=fold and two_pass, PDL=pdl, **common)))
+        PF=pf_gu, FOLD=fold and two_pass, PDL=pdl, **common, **gu_reg)))
     if two_pass and not fold:
         blk = math.gcd(inter, 256)  # small blocks: enough programs at T = 1
         stages.append(("swiglu", lambda: _swiglu_kernel[(p, inter // blk)](
@@ -1199,14 +1210,14 @@ def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
         stages.append(("down", lambda: _down_kernel[(t, h // dn["BN"], 1)](
             hbuf, w2u, s2u, ids, topk_weights, ids, ids, ids, out, out, ids, out.stride(0), float(scaling), p,
             n_exp, MODE=2, SPLIT=1, BM=bm, BN=dn["BN"], BK=dn["BK"], BKD=dn["BK_DOT"], num_warps=dn["num_warps"],
-            num_stages=dn["num_stages"], **common)))
+            num_stages=dn["num_stages"], **common, **dn_reg)))
         return out, stages
     y = torch.empty(sp_dn, p, h, dtype=torch.float32, device=dev)
     stages.append(("down", lambda: _down_kernel[(grid_m, h // dn["BN"], sp_dn)](
         hbuf, w2u, s2u, ids, topk_weights, sorted_ids, blk_exp, nblk, y, out, dn_ticks, out.stride(0),
         float(scaling), p, n_exp, MODE=0 if sorted_mode else 1, SPLIT=sp_dn, BM=bm, BN=dn["BN"], BK=dn["BK"],
         BKD=dn["BK_DOT"], num_warps=dn["num_warps"], num_stages=dn["num_stages"], PF=pf_dn, FOLD=fold, PDL=pdl,
-        **common, **({"launch_pdl": True} if pdl else {}))))
+        **common, **dn_reg, **({"launch_pdl": True} if pdl else {}))))
     if fold:
         return out, stages
     block = 256  # enough programs at T = 1 (the row is read k * split times)

@@ -139,6 +139,13 @@ CASES = [
     ("bits_pair_token_bm1", dict(t=3, h=128, inter=128, e=5, k=2, path="pair_token", bm=1, skip=1, dequant="bits")),
     ("prep_sorted_bm8_multiblock", dict(t=12, h=256, inter=128, e=3, k=2, path="sorted", bm=8, shared=True, skip=2,
                                         halves=True, dequant="bits", layout="sm90_bits")),
+    # 16 weight rows per warp (gate/up BN 16, down BN 32) with BK_DOT 64 substeps, 4 x 2 K splits, a register cap
+    # (a launch option the interpreter drops: the plan must still be accepted and run), int64 ids, a skipped slot
+    ("prep_fold_bm1_narrow_tiles_split4x2_capped", dict(
+        t=2, h=512, inter=256, e=4, k=2, path="pair", bm=1, splits=(4, 2), halves=True, skip=1, ids64=True,
+        dequant="bits", layout="sm90_bits", calls=2, extra=dict(fold=True),
+        tiles=(dict(BN=16, BK=256, BK_DOT=64, num_warps=1, num_stages=3, maxnreg=40),
+               dict(BN=32, BK=128, BK_DOT=64, num_warps=2, num_stages=3, maxnreg=40)))),
     ("fold_pair_one_pass_down_split2", dict(t=2, h=128, inter=256, e=4, k=3, path="pair", bm=8, splits=(1, 2), skip=1,
                                             scaling=1.5, calls=2, workspace=True, extra=dict(fold=True))),
 ]

@@ -231,7 +231,7 @@ def _gate_up(cfg, cc, bm=16, sorted_=True, split=1, halves=False, deq=0, wl=0, f
                  BN=cfg["BN"], BK=cfg["BK"], BKD=cfg.get("BK_DOT", cfg["BK"]), DEQ=deq, WL=wl,
                  **dict(NO_FOLD, FOLD=fold))
     return compile_for(_gate_up_kernel, GATE_UP_SIGNATURE, const, cc, cfg["num_warps"], cfg["num_stages"],
-                       aligned=_aligned(GATE_UP_SIGNATURE, "stride_xt"))
+                       aligned=_aligned(GATE_UP_SIGNATURE, "stride_xt"), maxnreg=cfg.get("maxnreg"))
 
 
 def _down(cfg, cc, bm=16, mode=0, split=1, deq=0, wl=0, fold=False):
@@ -240,7 +240,7 @@ def _down(cfg, cc, bm=16, mode=0, split=1, deq=0, wl=0, fold=False):
     const = dict(DIMS, MODE=mode, SPLIT=split, BM=bm, BN=cfg["BN"], BK=cfg["BK"], BKD=cfg.get("BK_DOT", cfg["BK"]),
                  DEQ=deq, WL=wl, **dict(NO_FOLD, FOLD=fold))
     return compile_for(_down_kernel, DOWN_SIGNATURE, const, cc, cfg["num_warps"], cfg["num_stages"],
-                       aligned=_aligned(DOWN_SIGNATURE, "stride_ot"))
+                       aligned=_aligned(DOWN_SIGNATURE, "stride_ot"), maxnreg=cfg.get("maxnreg"))
 
 
 def _tile_configs():
@@ -677,3 +677,39 @@ def test_aot_fold_pdl_prefetch_variants(cc, wl):
     for ptx in (gu, dn):
         atoms = [ln for ln in ptx.splitlines() if "atom." in ln]
         assert atoms and all("acq_rel" in ln and ".gpu" in ln and ".add" in ln for ln in atoms), atoms
+
+
+# ------------------------------------------------------------------ register cap (maxnreg) for one-wave grids (s5b)
+
+@pytest.mark.parametrize("tile_kw", [dict(maxnreg=31), dict(maxnreg=256), dict(maxnreg=True), dict(maxnreg=40.0),
+                                     dict(maxnreg=None)])
+def test_maxnreg_is_validated(tile_kw):
+    from pd.kernels.mxfp4_moe import fused_moe_mxfp4
+
+    cfg = dict(_PAIR, gate_up=dict(_PAIR["gate_up"], **tile_kw))
+    with pytest.raises(ValueError, match="maxnreg"):
+        fused_moe_mxfp4(**_inputs(), config=cfg)
+
+
+@aot
+def test_aot_register_cap_is_honoured_on_both_targets():
+    """A tile's maxnreg reaches ptxas: the T = 1 candidates with 4 K splits (gate/up 64 columns x 4 warps, down 32 x
+    2, BK_DOT 64) use more than 40 registers uncapped on sm_90a (gate/up 44; triton 3.9), at most 40 with
+    maxnreg=40, so 12 / 25 blocks fit an SM and their 1536 / 3072 programs one wave. The capped tiles also build for
+    sm_120a (mma.sync, no wgmma, <= 99 KiB) with the SGLang layout's dot_scaled."""
+    from pd.kernels.sass_stats import registers
+
+    gu = dict(BN=64, BK=256, BK_DOT=64, num_warps=4, num_stages=3)
+    dn = dict(BN=32, BK=128, BK_DOT=64, num_warps=2, num_stages=3)
+    kw = dict(bm=1, deq=1, wl=1, fold=True)
+    free = (registers(_gate_up(gu, 90, sorted_=False, halves=True, split=4, **kw).asm["cubin"]),
+            registers(_down(dn, 90, mode=1, split=4, **kw).asm["cubin"]))
+    capped = (_gate_up(dict(gu, maxnreg=40), 90, sorted_=False, halves=True, split=4, **kw),
+              _down(dict(dn, maxnreg=40), 90, mode=1, split=4, **kw))
+    regs = tuple(registers(k.asm["cubin"]) for k in capped)
+    assert min(free) > 40 and max(regs) <= 40, (free, regs)
+    for k in capped:
+        ptx = k.asm["ptx"]
+        assert ".maxnreg 40" in ptx and "mma.sync" in ptx and "wgmma" not in ptx and "atom." in ptx
+    assert_sm120_ok(_gate_up(dict(gu, maxnreg=40), 120, sorted_=False, halves=True, split=4, bm=1, fold=True))
+    assert_sm120_ok(_down(dict(dn, maxnreg=40), 120, mode=1, split=4, bm=1, fold=True))
