@@ -229,3 +229,40 @@ def test_completion_text_offsets_skip_special_tokens_like_the_text(model_cache):
     assert lp["tokens"][2] == "<extra_id_118>"
     assert lp["text_offset"] == [0, 1, 2, 2, 3]  # the special token adds nothing to the text
     assert completion_logprobs(seq, runner, 3)["text_offset"] == [2, 3]  # a stream chunk's tokens, absolute offsets
+
+
+def test_run_blocking_drops_queued_work_of_a_cancelled_caller_and_waits_for_running_work():
+    """An aborted request's model steps still queued behind others never run; one already running is
+    waited for (its KV pages stay valid until it returns)."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pd.engines.scheduler import run_blocking
+
+    ran = []
+    release = threading.Event()
+
+    def step(name):
+        if name == "running":
+            release.wait(5)
+            time.sleep(0.05)
+        ran.append(name)
+
+    async def main():
+        with ThreadPoolExecutor(max_workers=1) as ex:
+            running = asyncio.ensure_future(run_blocking(ex, step, "running"))
+            queued = asyncio.ensure_future(run_blocking(ex, step, "queued"))
+            await asyncio.sleep(0.05)
+            running.cancel()
+            queued.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await queued
+            assert ran == []
+            release.set()
+            with pytest.raises(asyncio.CancelledError):
+                await running
+            assert ran == ["running"]  # awaited to the end before the cancellation surfaced
+        assert ran == ["running"]  # the queued step never ran
+
+    asyncio.run(main())

@@ -51,12 +51,17 @@ USER_ABORT = "Aborted"
 
 
 async def run_blocking(executor: ThreadPoolExecutor, fn: Callable, *args):
-    """Run ``fn`` on ``executor``; if the caller is cancelled, wait for ``fn`` to finish before
-    re-raising, so memory it touches (KV pages) is not released under it."""
-    fut = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+    """Run ``fn`` on ``executor``. If the caller is cancelled while ``fn`` still waits in the executor's
+    queue, ``fn`` never runs (an aborted request with many samples must not keep the model thread busy);
+    if ``fn`` is already running, wait for it to finish before re-raising, so memory it touches (KV
+    pages) is not released under it."""
+    job = executor.submit(fn, *args)
+    fut = asyncio.wrap_future(job)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
+        if job.cancel():  # not started: it never will
+            raise
         while not fut.done():
             with contextlib.suppress(BaseException):
                 await asyncio.shield(fut)
