@@ -12,6 +12,7 @@ Run on the device from the repository root:
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -19,6 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import indexer as BI  # noqa: E402  (the main indexer benchmark: inputs, graph timing, baseline loader)
@@ -66,8 +68,11 @@ def main() -> None:
                   + str([round(r, 3) for r in per_round]), flush=True)
     if args.out:
         Path(args.out, "indexer_max_context.json").write_text(json.dumps(
-            dict(device=torch.cuda.get_device_name(), rounds=args.rounds, calls_per_graph=args.calls, picks=picks,
-                 rows=rows), indent=1))
+            dict(device=torch.cuda.get_device_name(),
+                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                 torch=torch.__version__, triton=triton.__version__,
+                 command="python3 benchmarks/kernels/indexer_max_context.py " + " ".join(sys.argv[1:]),
+                 rounds=args.rounds, calls_per_graph=args.calls, picks=picks, rows=rows), indent=1))
 
 
 if __name__ == "__main__":
