@@ -379,6 +379,25 @@ def pick_fp8q_config(dev, pool, smoke, names):
 SELECT_KNOBS = ("SELECT_GATHER2D", "SELECT_FAST_EXACT")
 
 
+def with_knobs(calls: list, knobs: dict | None = None, **kw) -> list:
+    """``calls`` with kernels/indexer.py's module-level select knobs set to ``knobs`` (and keyword ones) around
+    each call and restored after; the kernels read them at launch, so at graph capture."""
+    knobs = {**(knobs or {}), **kw}
+
+    def wrap(f):
+        def call():
+            old = {k: getattr(K, k) for k in knobs}
+            for k, v in knobs.items():
+                setattr(K, k, v)
+            try:
+                f()
+            finally:
+                for k, v in old.items():
+                    setattr(K, k, v)
+        return call
+    return [wrap(f) for f in calls]
+
+
 def pick_select(dev, pool, smoke):
     """Time the full step (fp8 query, S = 1, 32K live / 128K max, B = 16 and 64; the run's score default) with every
     select switch on, with each one off, and with all off, and keep the best as the module's setting for the rest of
@@ -392,26 +411,12 @@ def pick_select(dev, pool, smoke):
     live, max_ctx = (32768, 131072) if not smoke else (300, 512)
     times = {n: {} for n in variants}
 
-    def with_knobs(knobs, calls):
-        def wrap(f):
-            def call():
-                old = {k: getattr(K, k) for k in knobs}
-                for k, v in knobs.items():
-                    setattr(K, k, v)
-                try:
-                    f()
-                finally:
-                    for k, v in old.items():
-                        setattr(K, k, v)
-            return call
-        return [wrap(f) for f in calls]
-
     for b in ((16, 64) if not smoke else (2,)):
         st = Setup(b, 1, live, max_ctx, dev, pool, g, fp8=True)
         for _ in range(2):  # two interleaved rounds, the smaller time of each
             for n, knobs in variants.items():
                 try:
-                    t = time_graph(with_knobs(knobs, st.ours()), 50, smoke)
+                    t = time_graph(with_knobs(st.ours(), knobs), 50, smoke)
                 except Exception as e:  # noqa: BLE001  (a variant that fails to build or run loses)
                     print("pick select: variant failed", n, repr(e)[:300], flush=True)
                     t = float("inf")
@@ -507,21 +512,6 @@ def sweep(dev, pool, smoke, deadline, fp8, base=None, full=False, base_label="ba
         st.ours(mod, stages=("scores",), workspace=ws_t)[0]()
         timed(st, prefix + "select_only", st.ours(mod, stages=("select",), workspace=ws_t))
 
-    def patched(name, calls, **knobs):
-        # module-level select knobs (read at launch, so at graph capture) set for one timing
-        def wrap(f):
-            def call():
-                old = {k: getattr(K, k) for k in knobs}
-                for k, v in knobs.items():
-                    setattr(K, k, v)
-                try:
-                    f()
-                finally:
-                    for k, v in old.items():
-                        setattr(K, k, v)
-            return call
-        return [wrap(f) for f in calls]
-
     mods = [("", K)] + ([(base_label + "_", base)] if base is not None else [])
     # first, at both batches, the rows that compare the default with the baseline and its closest alternatives (so a
     # deadline cuts only the exploratory rows after them)
@@ -532,7 +522,7 @@ def sweep(dev, pool, smoke, deadline, fp8, base=None, full=False, base_label="ba
             stages(st, pre, mod)
         # the final select step reading the slices' candidate lists as one tile with their counts
         timed(st, f"select_gather2d_{'off' if K.SELECT_GATHER2D else 'on'}",
-              patched("", st.ours(), SELECT_GATHER2D=not K.SELECT_GATHER2D))
+              with_knobs(st.ours(), SELECT_GATHER2D=not K.SELECT_GATHER2D))
         # the select alone, stopped after a phase (wrong output, timing only): 1 = after the histogram bound t0,
         # 2 = after the candidate lists, the ticket and the counts (total candidates of row 0 kept for the record),
         # 3 = with the candidates and the fine histogram loaded in the final program; the
@@ -540,14 +530,14 @@ def sweep(dev, pool, smoke, deadline, fp8, base=None, full=False, base_label="ba
         ws_p = K.indexer_workspace(b, 1, max_ctx, TOPK, device=dev)
         st.ours(stages=("scores",), workspace=ws_p)[0]()
         for probe in (1, 2, 3):
-            timed(st, f"select_only_probe{probe}", patched("", st.ours(stages=("select",), workspace=ws_p),
-                                                             _SELECT_PROBE=probe))
+            timed(st, f"select_only_probe{probe}",
+                  with_knobs(st.ours(stages=("select",), workspace=ws_p), _SELECT_PROBE=probe))
             if probe == 2 and not smoke and res and res[-1]["variant"] == "select_only_probe2":
                 res[-1]["candidates_row0"] = int(st.out[0, 0, 0])
         # the scores kernel alone without its histogram atomics (1), and also without its stores (2)
         for probe in (1, 2):
-            timed(st, f"scores_only_probe{probe}", patched("", st.ours(stages=("scores",), workspace=ws_p),
-                                                             _SCORES_PROBE=probe))
+            timed(st, f"scores_only_probe{probe}",
+                  with_knobs(st.ours(stages=("scores",), workspace=ws_p), _SCORES_PROBE=probe))
         del ws_p
         cfg = (K.DEFAULT_FP8Q_SCORE_CONFIGS if fp8 else {}).get((True, 1)) or K.DEFAULT_SCORE_CONFIGS[(True, 1)]
         base_split = K.score_split(b, cfg, K.num_sms(dev))
@@ -567,8 +557,8 @@ def sweep(dev, pool, smoke, deadline, fp8, base=None, full=False, base_label="ba
         for ns in range(0, 5):
             timed(st, f"select_split_{1 << ns}", st.ours(select_split=1 << ns))
         # the select's alternatives to the default (fine-histogram search, programmatic dependent launch)
-        timed(st, "select_search_radix", patched("", st.ours(), SELECT_SEARCH="radix"))
-        timed(st, "select_pdl_off", patched("", st.ours(), SELECT_PDL=False))
+        timed(st, "select_search_radix", with_knobs(st.ours(), SELECT_SEARCH="radix"))
+        timed(st, "select_pdl_off", with_knobs(st.ours(), SELECT_PDL=False))
         st = Setup(b, 1, live, max_ctx, dev, pool, g, fp8=not fp8)
         for pre, mod in mods:
             timed(st, f"{pre}{other}_query", st.ours(mod))
