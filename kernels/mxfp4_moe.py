@@ -35,7 +35,8 @@ weights) picks by the number of pairs; all paths
 launch fixed grids computed from shapes alone and read routing on the device, so a call is CUDA-graph
 capturable (no host sync). H200 numbers and profile: benchmarks/results/mxfp4_moe_2026-11-30.md (dot_scaled),
 mxfp4_moe_2026-11-30-s3.md (bits), -s4.md (BK_DOT steps; Nsight Compute stall reasons), -s4b.md (prepared
-layout) and -s5.md (one-row pair blocks, the fold, 8-row sorted blocks; kernel profile of T = 1).
+layout), -s5.md (one-row pair blocks, the fold, 8-row sorted blocks; kernel profile of T = 1) and -s5b.md
+(16 weight rows per warp at T <= 8; Nsight Compute of T = 1).
 """
 
 from __future__ import annotations
@@ -698,7 +699,9 @@ TILE_CONFIGS = [
     dict(BN=BN, BK=BK, num_warps=w, num_stages=st)
     for BN, BK, w, st in [(16, 256, 1, 4), (32, 256, 2, 3), (32, 128, 2, 4), (64, 256, 2, 3), (64, 128, 4, 3),
                           (128, 128, 4, 3), (64, 128, 2, 3), (64, 128, 2, 4), (128, 128, 2, 3)]
-] + [dict(BN=64, BK=256, BK_DOT=128, num_warps=2, num_stages=3)]
+] + [dict(BN=64, BK=256, BK_DOT=128, num_warps=2, num_stages=3),
+       dict(BN=32, BK=256, BK_DOT=128, num_warps=2, num_stages=3),  # 16 weight rows per warp (prepared T <= 8)
+       dict(BN=64, BK=256, BK_DOT=128, num_warps=4, num_stages=3)]
 # rows per block: the pair paths hold one pair per program (row 0; BM 1 keeps the activation tile and the epilogue
 # to that row, tl.dot pads it to the mma shape), the sorted path up to BM pairs of one expert
 BM_CHOICES = (1, 2, 4, 8, 16, 32, 64)
@@ -735,18 +738,22 @@ DEFAULT_CONFIGS = [
 ]
 
 
-# Default plan for weights in the prepared layout (weight_layout="sm90_bits"), from the H200 run of
-# benchmarks/results/mxfp4_moe_2026-11-30-s5.md (same run as the committed kernel and as this layout's s4b plans;
-# medians of 3 interleaved rounds). T <= 8: one-row blocks (BM 1: the activation tile and the epilogue shrink to
-# the pair's row; BM 16 kept 16 KiB of shared memory for 15 masked rows, which limited gate/up to 6 blocks of 2
-# warps per SM, latency bound at 32% of HBM bandwidth per Nsight Compute), the SwiGLU and the k-sum folded into the
-# last program of each group (2 launches instead of 4) and 2 x 2 K splits: T = 1 39.7 us (47.0% of the floor) vs
-# 52.6, T = 4 122.2 vs 144.5, T = 8 227.7 vs 271.7. T = 16..170: sorted blocks of 8 rows (1.2-3.1 rows per routed
-# expert at T = 16..128) with gate/up BK 256 in one step: 355.9 / 913.5 / 1114.9 us at T = 16 / 64 / 128 (69.5 /
-# 68.7 / 68.2%) vs 403.5 / 1030.6 / 1265.4. Every plan here was checked on the device in that run.
+# Default plan for weights in the prepared layout (weight_layout="sm90_bits"), from the H200 runs of
+# benchmarks/results/mxfp4_moe_2026-11-30-s5.md and -s5b.md (each the same run as the committed kernel; medians of 3
+# interleaved rounds). T <= 8: one-row blocks (BM 1: the activation tile and the epilogue shrink to the pair's row;
+# BM 16 kept 16 KiB of shared memory for 15 masked rows, which limited gate/up to 6 blocks of 2 warps per SM,
+# latency bound at 32% of HBM bandwidth per Nsight Compute), the SwiGLU and the k-sum folded into the last program
+# of each group (2 launches instead of 4), 2 x 2 K splits (s5: T = 1 39.7 us vs 52.6), and since s5b 16 weight rows
+# per warp (gate/up 32 columns x 2 warps, down 64 x 4 with BK 256 in two steps: the same 768 / 1536 programs hold
+# twice the warps, and each warp's K loop is half as long) with the down launch a programmatic dependent of gate/up
+# (released after gate/up's K loop): T = 1 36.9 us (50.5% of the floor) vs 39.5, T = 4 118.5 vs 122.6, T = 8 228.1
+# vs 229.4 (equal within the rounds' spread). T = 16..170: sorted blocks of 8 rows (1.2-3.1 rows per routed expert
+# at T = 16..128) with gate/up BK 256 in one step: 355.9 / 913.5 / 1114.9 us at T = 16 / 64 / 128 (69.5 / 68.7 /
+# 68.2%) vs 403.5 / 1030.6 / 1265.4. Every plan here was checked on the device in the run that chose it.
 DEFAULT_CONFIGS_SM90_BITS = [
-    (48, dict(DEFAULT_CONFIGS[0][1], BM=1, fold=True, split_gate_up=2,
-              gate_up=dict(BN=64, BK=256, BK_DOT=128, num_warps=2, num_stages=3))),
+    (48, dict(DEFAULT_CONFIGS[0][1], BM=1, fold=True, pdl=True, split_gate_up=2,
+              gate_up=dict(BN=32, BK=256, BK_DOT=128, num_warps=2, num_stages=3),
+              down=dict(BN=64, BK=256, BK_DOT=128, num_warps=4, num_stages=3))),
     (1024, dict(DEFAULT_CONFIGS[1][1], BM=8, gate_up=dict(BN=64, BK=256, num_warps=2, num_stages=3))),
     DEFAULT_CONFIGS[2],
 ]

@@ -147,6 +147,9 @@ def test_default_configs_are_valid_and_cover_all_sizes():
     assert default_config(96, "sm90_bits")["gate_up"] == dict(BN=64, BK=256, num_warps=2, num_stages=3)
     assert default_config(96, "sm90_bits")["BM"] == 8
     assert default_config(6, "sm90_bits")["BM"] == 1 and default_config(6, "sm90_bits")["fold"]
+    t1 = default_config(6, "sm90_bits")  # s5b: 16 weight rows per warp, the down launch a PDL dependent
+    assert t1["pdl"] and all(t1[p]["BN"] == 16 * t1[p]["num_warps"] for p in ("gate_up", "down"))
+    assert default_config(48, "sm90_bits") == t1 and default_config(49, "sm90_bits")["path"] == "sorted"
 
 
 # ---------------------------------------------------------------------------------------------------- validation
@@ -224,21 +227,21 @@ def _aligned(sig, stride):  # what the launcher specializes for 16-byte-aligned 
     return tuple(n for n, ty in sig.items() if ty.startswith("*")) + (stride,)
 
 
-def _gate_up(cfg, cc, bm=16, sorted_=True, split=1, halves=False, deq=0, wl=0, fold=False):
+def _gate_up(cfg, cc, bm=16, sorted_=True, split=1, halves=False, deq=0, wl=0, fold=False, pdl=False):
     from pd.kernels.mxfp4_moe import GATE_UP_SIGNATURE, _gate_up_kernel
 
     const = dict(DIMS, SORTED=sorted_, HAS_LIMIT=True, UP_FIRST=False, SPLIT=split, HALVES=halves, BM=bm,
                  BN=cfg["BN"], BK=cfg["BK"], BKD=cfg.get("BK_DOT", cfg["BK"]), DEQ=deq, WL=wl,
-                 **dict(NO_FOLD, FOLD=fold))
+                 **dict(NO_FOLD, FOLD=fold, PDL=pdl))
     return compile_for(_gate_up_kernel, GATE_UP_SIGNATURE, const, cc, cfg["num_warps"], cfg["num_stages"],
                        aligned=_aligned(GATE_UP_SIGNATURE, "stride_xt"), maxnreg=cfg.get("maxnreg"))
 
 
-def _down(cfg, cc, bm=16, mode=0, split=1, deq=0, wl=0, fold=False):
+def _down(cfg, cc, bm=16, mode=0, split=1, deq=0, wl=0, fold=False, pdl=False):
     from pd.kernels.mxfp4_moe import DOWN_SIGNATURE, _down_kernel
 
     const = dict(DIMS, MODE=mode, SPLIT=split, BM=bm, BN=cfg["BN"], BK=cfg["BK"], BKD=cfg.get("BK_DOT", cfg["BK"]),
-                 DEQ=deq, WL=wl, **dict(NO_FOLD, FOLD=fold))
+                 DEQ=deq, WL=wl, **dict(NO_FOLD, FOLD=fold, PDL=pdl))
     return compile_for(_down_kernel, DOWN_SIGNATURE, const, cc, cfg["num_warps"], cfg["num_stages"],
                        aligned=_aligned(DOWN_SIGNATURE, "stride_ot"), maxnreg=cfg.get("maxnreg"))
 
@@ -588,14 +591,21 @@ def test_aot_sm90a_prepared_layout_default_configs_cut_the_loop():
         bm = c.get("BM", 16)
         halves, split_gu = c.get("gate_up_halves", False), c.get("split_gate_up", 1)
         mode = {"sorted": 0, "pair": 1, "pair_token": 2}[c["path"]]
-        fold = c.get("fold", False)
+        fold, pdl = c.get("fold", False), c.get("pdl", False)
         for k in (_gate_up(c["gate_up"], 90, bm=bm, sorted_=mode == 0, halves=halves, split=split_gu, deq=1, wl=1,
-                           fold=fold),
-                  _down(c["down"], 90, bm=bm, mode=mode, split=c.get("split_down", 1), deq=1, wl=1, fold=fold)):
+                           fold=fold, pdl=pdl),
+                  _down(c["down"], 90, bm=bm, mode=mode, split=c.get("split_down", 1), deq=1, wl=1, fold=fold,
+                        pdl=pdl)):
             ptx = k.asm["ptx"]
             assert "mma" in ptx and "mad.lo.u32" in ptx and "mul.rn.bf16x2" in ptx
             assert k.metadata.shared <= 232448 and ("atom." in ptx) == fold  # sm_90's 227 KiB; the fold's tickets
+            assert ("griddepcontrol" in ptx) == pdl  # the T <= 8 plan's release (gate/up) and wait (down)
             assert bm > 16 or ("mma.sync" in ptx and "wgmma" not in ptx)  # 64-row blocks may take wgmma
+    t1 = DEFAULT_CONFIGS_SM90_BITS[0][1]  # the prepared T <= 8 plan builds for sm_120a too (mma.sync, <= 99 KiB)
+    assert_sm120_ok(_gate_up(t1["gate_up"], 120, bm=1, sorted_=False, halves=True, split=t1["split_gate_up"], deq=1,
+                             wl=1, fold=True, pdl=t1["pdl"]))
+    assert_sm120_ok(_down(t1["down"], 120, bm=1, mode=1, split=t1["split_down"], deq=1, wl=1, fold=True,
+                          pdl=t1["pdl"]))
     c = DEFAULT_CONFIGS[1][1]
     gu, dn = c["gate_up"], c["down"]
     assert_sm120_ok(_gate_up(gu, 120, halves=True, deq=1, wl=1))
