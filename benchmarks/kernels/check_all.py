@@ -1,0 +1,119 @@
+"""Device correctness of every kernel's shipped default path at real shapes, in one run (tier 5 of DESIGN.md's
+testing tiers; run on the GPU machine, not in CI). It times nothing: the per-kernel benchmarks do that.
+
+  python3 benchmarks/kernels/check_all.py --out DIR [--only mxfp4_moe,indexer,sparse_mla] [--deadline SECONDS]
+
+- MXFP4 MoE: the prepared sm_90 layout's default plans (the SGLang adapter's choice on sm_90) at T = 1, 4, 8, 16,
+  64, 128, 256 against the torch reference, int32 and int64 ids, a -1 slot, NaN-poisoned output, each called twice
+  (fold tickets reset), and captured in a CUDA graph replayed on fresh inputs, bitwise equal to eager calls
+  (``mxfp4_moe_s5b.full_check``); the SGLang layout's default plan (sm_120's path) at the same T.
+- DSA indexer: ``indexer.correctness`` "core" (decode, MTP, fp8 query, ties, graph replay, select alone) and
+  "more" (every score config, MTP S=6, per-token lengths, page 128, topk 2048).
+- Sparse-MLA decode: ``sparse_mla_decode.correctness`` (every case: topk 512 / 2048, H 16 / 64 / 128, S 1 / 2 / 4,
+  page 64 / 256, -1 indices, topk_length, attn sink, extra cache) and its CUDA-graph replay check.
+
+Writes check_all_<date>.json (device, date, versions, command, every case, ok per kernel) and exits 1 when a case
+of a shipped path fails (forced non-default candidates of the sparse-MLA benchmark are reported, not counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+KERNELS = ("mxfp4_moe", "indexer", "sparse_mla")
+MOE_TS = (1, 4, 8, 16, 64, 128, 256)
+
+
+def check_mxfp4_moe(dev: torch.device) -> list[dict]:
+    """Prepared-layout default plans (full checks) and the SGLang-layout default plan, per T of MOE_TS."""
+    import mxfp4_moe as bm
+    import mxfp4_moe_s5b as s5b
+
+    mx = bm.mx
+    w13, s13, w2, s2 = bm.make_weights(dev)
+    msb = mx.mxfp4_max_scale_byte(s13, s2)
+    p13, p2 = mx.prepare_mxfp4_weights_sm90(w13, w2)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cases = []
+    for t in MOE_TS:
+        cfg = mx.default_config(t * bm.K, "sm90_bits")
+        cases += s5b.full_check(f"sm90_bits_default_T{t}", cfg, p13, s13, p2, s2, w13, w2, msb, ts=(t,))
+        x, ids, wts = bm.make_routing(t, dev, seed=3000 + t)
+        ids[0, -1] = -1
+        ref = bm.fused_moe_mxfp4_reference(x, w13, s13, w2, s2, wts, ids, swiglu_limit=bm.LIMIT, dtype=torch.float32)
+        out = torch.full((t, bm.H), float("nan"), dtype=torch.bfloat16, device=dev)
+        mx.fused_moe_mxfp4(x, w13, s13, w2, s2, wts, ids, swiglu_limit=bm.LIMIT, out=out, max_scale_byte=msb)
+        torch.cuda.synchronize()
+        c = dict(T=t, plan="sglang_layout_default", rel_err=bm.rel(out, ref), nan=bool(torch.isnan(out).any()))
+        c["ok"] = c["rel_err"] <= 4e-3 and not c["nan"]
+        cases.append(c)
+    for c in cases:
+        print("mxfp4_moe", c, flush=True)
+    return cases
+
+
+def check_indexer(dev: torch.device, deadline: float) -> list[dict]:
+    """The indexer benchmark's "core" and "more" correctness parts (cases past the deadline are skipped)."""
+    import indexer as bi
+
+    dl = bi.Deadline(max(1.0, deadline - time.time()))
+    return bi.correctness(dev, False, "core", dl) + bi.correctness(dev, False, "more", dl)
+
+
+def check_sparse_mla(dev: torch.device) -> list[dict]:
+    """Every sparse-MLA correctness case and the graph-replay check (FlashMLA not compared here)."""
+    import sparse_mla_decode as bs
+
+    return bs.correctness(dev) + [dict(c, name="graph_replay") for c in bs.graph_replay_check(dev)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--only", default=",".join(KERNELS), help="comma-separated subset of " + ", ".join(KERNELS))
+    ap.add_argument("--deadline", type=float, default=1e9,
+                    help="seconds of wall time; the indexer skips its remaining cases past it")
+    args = ap.parse_args()
+    only = [k.strip() for k in args.only.split(",") if k.strip()]
+    unknown = set(only) - set(KERNELS)
+    if unknown:
+        ap.error(f"--only: unknown kernel(s) {sorted(unknown)}; known: {', '.join(KERNELS)}")
+    t0 = time.time()
+    dev = torch.device("cuda")
+    res = dict(device=torch.cuda.get_device_name(),
+               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+               torch=torch.__version__, triton=triton.__version__,
+               command="python3 benchmarks/kernels/check_all.py " + " ".join(sys.argv[1:]), cases={}, ok={})
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"check_all_{res['date'][:10]}.json")
+    for k in only:
+        t = time.time()
+        if k == "mxfp4_moe":
+            cases = check_mxfp4_moe(dev)
+        elif k == "indexer":
+            cases = check_indexer(dev, t0 + args.deadline)
+        else:
+            cases = check_sparse_mla(dev)
+        res["cases"][k] = cases
+        res["ok"][k] = bool(cases) and all(c["ok"] for c in cases if not c.get("candidate"))
+        res[f"{k}_s"] = round(time.time() - t, 1)
+        res["wall_s"] = round(time.time() - t0, 1)
+        with open(path, "w") as f:  # after each kernel, so a run stopped at its limit keeps what it checked
+            json.dump(res, f, indent=1)
+        print(f"{k}: {len(cases)} cases, ok={res['ok'][k]}, {res[f'{k}_s']} s", flush=True)
+    print("all ok:", all(res["ok"].values()), "wrote", path)
+    return 0 if all(res["ok"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
