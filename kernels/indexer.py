@@ -66,7 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .device_info import is_sm90, num_sms
+from .device_info import check_runnable, is_sm90, num_sms
 from .indexer_reference import BYTES_PER_TOKEN, INDEX_DIM
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -1046,6 +1046,7 @@ def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512,
 
     rows = b * s
     scores, gmax, hist, tick, fine, scr, ng, cap = _workspace_views(workspace, rows, max_len, topk, dev)
+    check_runnable("q", q, "pd.kernels.indexer_reference")  # after every argument check: they name bad input
     q_fp8 = q.dtype == torch.float8_e4m3fn
     pdl = SELECT_PDL and not _INTERPRET and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
     qs = q_scale if q_scale is not None else weights
@@ -1100,6 +1101,7 @@ def topk_from_scores(scores, lengths, topk=512, out=None, *, select_warps=None):
         _fail("lengths", f"must be a contiguous int32/int64 tensor [{r}] on {dev}")
     out = _check_out(out, (r, topk), dev)
     warps = _check_warps(select_warps, topk)
+    check_runnable("scores", scores, "pd.kernels.indexer_reference")
     ng = triton.cdiv(w, GROUP)
     cap = candidate_capacity(topk)
     gmax = torch.empty(r, ng, dtype=torch.float32, device=dev)

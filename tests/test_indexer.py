@@ -185,6 +185,15 @@ def test_topk_from_scores_validation(mutate, arg):
         topk_from_scores(**a)
 
 
+def test_valid_cpu_tensors_outside_the_interpreter_are_refused_before_launch():
+    from pd.kernels.indexer import dsa_indexer_topk, topk_from_scores
+
+    with pytest.raises(ValueError, match="q is on cpu: the Triton kernel needs a CUDA device .*indexer_reference"):
+        dsa_indexer_topk(**_args())
+    with pytest.raises(ValueError, match="scores is on cpu: the Triton kernel needs a CUDA device"):
+        topk_from_scores(torch.zeros(2, 100), torch.tensor([100, 5]), topk=16)
+
+
 def test_workspace_size_and_capacity():
     from pd.kernels.indexer import FINE_BINS, HIST_BINS, candidate_capacity, indexer_workspace
 
