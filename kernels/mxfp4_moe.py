@@ -243,10 +243,11 @@ def _acc_out(acc, WL: tl.constexpr):
 
 
 @triton.jit
-def _x_cols(BKD: tl.constexpr, WL: tl.constexpr):
-    """Activation column offsets of one dequantize + dot step: [BKD] (WL 0), or the [BKD/4] columns of the
-    prepared layout's value 0, 32 g + 0..7 per group g (WL 1; value c's columns are these + 8 c)."""
-    if WL == 1:
+def _x_cols(BKD: tl.constexpr, WL: tl.constexpr, XS: tl.constexpr = 0):
+    """Activation column offsets of one load: [BKD] (WL 0, or XS >= 1: a contiguous K range, the caller passing
+    BK_DOT or BK as BKD), or the [BKD/4] columns of the prepared layout's value 0, 32 g + 0..7 per group g (WL 1,
+    XS 0; value c's columns are these + 8 c)."""
+    if WL == 1 and XS == 0:
         j = tl.arange(0, BKD // 4)
         return (j // 8) * 32 + j % 8
     else:
@@ -267,6 +268,48 @@ def _load_x(ptrs, mask, WL: tl.constexpr):
         x2 = x0
         x3 = x0
     return x0, x1, x2, x3
+
+
+@triton.jit
+def _load_x_row(ptrs, mask, BK: tl.constexpr, BKD: tl.constexpr):
+    """XS >= 1 (WL 1, one-row blocks): BK contiguous activation values of the row as one [1, BK] load (``ptrs``
+    from ``_x_cols(BK, 1, XS)``; XS 1 passes BK = BKD, one dequantize + dot step, XS 2 / 3 a pipeline stage),
+    returned as its two BK_DOT halves [BKD] (BK = 2 BKD; the second is the first again when BK = BKD). Why: the
+    value-column loads of ``_load_x`` hold BKD / 4 < threads elements, which Triton rematerializes in the dot layout
+    (64-bit loads its cp.async pipeliner does not stage, so every K step waits on them); a contiguous row of
+    >= 4 bytes per thread is staged ahead with the weights."""
+    v = tl.reshape(tl.load(ptrs, mask=mask, other=0.0), [BK])
+    if BK == BKD:
+        xa = v
+        xb = v
+    else:
+        xa, xb = tl.split(tl.permute(tl.reshape(v, [2, BKD]), (1, 0)))
+    return xa, xb
+
+
+@triton.jit
+def _load_s_stage(ptrs, BN: tl.constexpr, BK: tl.constexpr, BKD: tl.constexpr):
+    """XS 3: a stage's scale bytes [BN, BK / 32] in one load (>= 4 bytes per thread, so staged by cp.async like
+    the weights; per BK_DOT step the [BN, BKD / 32] loads are 2-byte loads in the K loop), as its two BK_DOT
+    halves (the second the first again when BK = BKD)."""
+    v = tl.load(ptrs)
+    if BK == BKD:
+        sa = v
+        sb = v
+    else:
+        sa, sb = tl.split(tl.permute(tl.reshape(v, [BN, 2, BKD // 32]), (0, 2, 1)))
+    return sa, sb
+
+
+@triton.jit
+def _x_values(v, BKD: tl.constexpr):
+    """The value-0..3 columns [1, BKD / 4] of the prepared layout (see ``_x_cols``) of one contiguous [BKD] K range
+    (K = 32 g + 8 c + i), split in registers."""
+    v = tl.reshape(tl.permute(tl.reshape(v, [BKD // 32, 4, 8]), (0, 2, 1)), [BKD // 4, 2, 2])  # (8 g + i, c)
+    a, b = tl.split(v)  # c = 0, 2 / c = 1, 3
+    x0, x2 = tl.split(a)
+    x1, x3 = tl.split(b)
+    return x0[None, :], x1[None, :], x2[None, :], x3[None, :]
 
 
 @triton.jit
@@ -399,7 +442,7 @@ def _gate_up_kernel(
     H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, SORTED: tl.constexpr, HAS_LIMIT: tl.constexpr,
     UP_FIRST: tl.constexpr, SPLIT: tl.constexpr, HALVES: tl.constexpr, ROUND: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BKD: tl.constexpr, DEQ: tl.constexpr, WL: tl.constexpr = 0,
-    PF: tl.constexpr = 0, FOLD: tl.constexpr = False, PDL: tl.constexpr = False,
+    PF: tl.constexpr = 0, FOLD: tl.constexpr = False, PDL: tl.constexpr = False, XS: tl.constexpr = 0,
 ):
     """Program (row block, BN columns, K split). Fused (HALVES False): BN intermediate columns, gate and up rows
     both; with SPLIT == 1 it writes h[pair] = SwiGLU (bf16). Otherwise it writes fp32 partial sums of its K
@@ -448,8 +491,8 @@ def _gate_up_kernel(
         SK: tl.constexpr = 32  # K per scale byte
         s_base = s_ptr + e64 * (2 * I * (H // SK)) + k0 // SK
         kb = tl.arange(0, BKD // WV)
-        ks = tl.arange(0, BKD // SK)
-        x_ptrs = x_ptr + tok[:, None] * stride_xt + k0 + _x_cols(BKD, WL)[None, :]
+        ks = tl.arange(0, (BK if XS == 3 else BKD) // SK)  # XS 3: a stage's scales in one load
+        x_ptrs = x_ptr + tok[:, None] * stride_xt + k0 + _x_cols(BK if XS >= 2 else BKD, WL, XS)[None, :]
         r64 = rows.to(tl.int64)[:, None]
         if HALVES:
             w_row = pid_n * BN + tl.arange(0, BN)
@@ -457,10 +500,22 @@ def _gate_up_kernel(
             sc_ptrs = s_base + w_row[:, None] * (H // SK) + ks[None, :]
             acc = _acc_init(BM, BN, WL)
             for _ in range(0, H // SPLIT // BK):
+                if XS >= 2:
+                    xa, xb = _load_x_row(x_ptrs, rmask[:, None], BK, BKD)
+                if XS == 3:
+                    sca, scb = _load_s_stage(sc_ptrs, BN, BK, BKD)
                 for j in tl.static_range(BK // BKD):
-                    x0, x1, x2, x3 = _load_x(x_ptrs + j * BKD, rmask[:, None], WL)
-                    acc = _mx_step(acc, x0, x1, x2, x3, tl.load(w_ptrs + j * (BKD // WV)),
-                                   tl.load(sc_ptrs + j * (BKD // SK)), DEQ, WL, BM, BN, BKD)
+                    if XS >= 2:
+                        x0, x1, x2, x3 = _x_values(xa if j == 0 else xb, BKD)
+                    elif XS == 1:
+                        x0, x1, x2, x3 = _x_values(_load_x_row(x_ptrs + j * BKD, rmask[:, None], BKD, BKD)[0], BKD)
+                    else:
+                        x0, x1, x2, x3 = _load_x(x_ptrs + j * BKD, rmask[:, None], WL)
+                    if XS == 3:
+                        sc = sca if j == 0 else scb
+                    else:
+                        sc = tl.load(sc_ptrs + j * (BKD // SK))
+                    acc = _mx_step(acc, x0, x1, x2, x3, tl.load(w_ptrs + j * (BKD // WV)), sc, DEQ, WL, BM, BN, BKD)
                 x_ptrs += BK
                 w_ptrs += BK // WV
                 sc_ptrs += BK // SK
@@ -490,12 +545,26 @@ def _gate_up_kernel(
             acc_g = _acc_init(BM, BN, WL)
             acc_u = _acc_init(BM, BN, WL)
             for _ in range(0, H // SPLIT // BK):
+                if XS >= 2:
+                    xa, xb = _load_x_row(x_ptrs, rmask[:, None], BK, BKD)
+                if XS == 3:
+                    sga, sgb = _load_s_stage(sg_ptrs, BN, BK, BKD)
+                    sua, sub = _load_s_stage(su_ptrs, BN, BK, BKD)
                 for j in tl.static_range(BK // BKD):
-                    x0, x1, x2, x3 = _load_x(x_ptrs + j * BKD, rmask[:, None], WL)
+                    if XS >= 2:
+                        x0, x1, x2, x3 = _x_values(xa if j == 0 else xb, BKD)
+                    elif XS == 1:
+                        x0, x1, x2, x3 = _x_values(_load_x_row(x_ptrs + j * BKD, rmask[:, None], BKD, BKD)[0], BKD)
+                    else:
+                        x0, x1, x2, x3 = _load_x(x_ptrs + j * BKD, rmask[:, None], WL)
                     wg = tl.load(wg_ptrs + j * (BKD // WV))
                     wu = tl.load(wu_ptrs + j * (BKD // WV))
-                    sg = tl.load(sg_ptrs + j * (BKD // SK))
-                    su = tl.load(su_ptrs + j * (BKD // SK))
+                    if XS == 3:
+                        sg = sga if j == 0 else sgb
+                        su = sua if j == 0 else sub
+                    else:
+                        sg = tl.load(sg_ptrs + j * (BKD // SK))
+                        su = tl.load(su_ptrs + j * (BKD // SK))
                     acc_g = _mx_step(acc_g, x0, x1, x2, x3, wg, sg, DEQ, WL, BM, BN, BKD)
                     acc_u = _mx_step(acc_u, x0, x1, x2, x3, wu, su, DEQ, WL, BM, BN, BKD)
                 x_ptrs += BK
@@ -561,22 +630,34 @@ def _swiglu_kernel(part_ptr, ids_ptr, h_ptr, limit, P, E, I: tl.constexpr, SPLIT
 @triton.jit
 def _down_tile(h_ptr, w_base, s_base, rows, rmask, offs_n, k0, KLEN: tl.constexpr, I: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKD: tl.constexpr, DEQ: tl.constexpr,
-               WL: tl.constexpr):
+               WL: tl.constexpr, XS: tl.constexpr = 0):
     """[BM, BN] fp32 = h[rows, k0:k0+KLEN] @ W_down[expert][offs_n, k0:k0+KLEN]^T (BK of K per loop iteration,
     in BK / BKD dequantize + dot steps, as in _gate_up_kernel)."""
     WV: tl.constexpr = 2 + 2 * WL  # values per weight element
     kb = tl.arange(0, BKD // WV)
     SK: tl.constexpr = 32  # K per scale byte
-    ks = tl.arange(0, BKD // SK)
+    ks = tl.arange(0, (BK if XS == 3 else BKD) // SK)  # XS 3: a stage's scales in one load
     w_ptrs = _w_elems(w_base, WL) + offs_n[:, None] * (I // WV) + k0 // WV + kb[None, :]
     s_ptrs = s_base + offs_n[:, None] * (I // SK) + k0 // SK + ks[None, :]
-    a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * I + k0 + _x_cols(BKD, WL)[None, :]
+    a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * I + k0 + _x_cols(BK if XS >= 2 else BKD, WL, XS)[None, :]
     acc = _acc_init(BM, BN, WL)
     for _ in range(0, KLEN // BK):
+        if XS >= 2:
+            xa, xb = _load_x_row(a_ptrs, rmask[:, None], BK, BKD)
+        if XS == 3:
+            sa, sb = _load_s_stage(s_ptrs, BN, BK, BKD)
         for j in tl.static_range(BK // BKD):
-            a0, a1, a2, a3 = _load_x(a_ptrs + j * BKD, rmask[:, None], WL)
+            if XS >= 2:
+                a0, a1, a2, a3 = _x_values(xa if j == 0 else xb, BKD)
+            elif XS == 1:
+                a0, a1, a2, a3 = _x_values(_load_x_row(a_ptrs + j * BKD, rmask[:, None], BKD, BKD)[0], BKD)
+            else:
+                a0, a1, a2, a3 = _load_x(a_ptrs + j * BKD, rmask[:, None], WL)
             w = tl.load(w_ptrs + j * (BKD // WV))
-            s = tl.load(s_ptrs + j * (BKD // SK))
+            if XS == 3:
+                s = sa if j == 0 else sb
+            else:
+                s = tl.load(s_ptrs + j * (BKD // SK))
             acc = _mx_step(acc, a0, a1, a2, a3, w, s, DEQ, WL, BM, BN, BKD)
         a_ptrs += BK
         w_ptrs += BK // WV
@@ -591,7 +672,7 @@ def _down_kernel(
     H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr,
     ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKD: tl.constexpr,
     DEQ: tl.constexpr, WL: tl.constexpr = 0, PF: tl.constexpr = 0, FOLD: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, XS: tl.constexpr = 0,
 ):
     """MODE 0: sorted row blocks, 1: one pair per program (both write the routing-weighted rows of K split
     ``pid_k`` to y[pid_k, pair] fp32 for _topk_sum_kernel); MODE 2 (SPLIT 1): one token per program, its k
@@ -636,7 +717,8 @@ def _down_kernel(
             tl.extra.cuda.gdc_wait()
         if active:
             acc = _down_tile(h_ptr, w_ptr + e.to(tl.int64) * w_stride_e, s_ptr + e.to(tl.int64) * s_stride_e,
-                             rows, rmask, offs_n, pid_k * (I // SPLIT), I // SPLIT, I, BM, BN, BK, BKD, DEQ, WL)
+                             rows, rmask, offs_n, pid_k * (I // SPLIT), I // SPLIT, I, BM, BN, BK, BKD, DEQ, WL,
+                             XS)
             wt = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32) * scaling
             y_ptrs = y_ptr + (pid_k * P + rows.to(tl.int64))[:, None] * H + offs_n[None, :]
             tl.store(y_ptrs, acc * wt[:, None], mask=rmask[:, None])
@@ -712,6 +794,14 @@ PATHS = ("pair_token", "pair", "sorted")
 DEQUANT_CHOICES = ("auto", "bits", "dot_scaled")
 BITS_MAX_SCALE_BYTE = 128  # 2 ** (s - 1) must be a normal bf16
 MAXNREG_MIN = 32  # a tile's optional register cap per thread (the launch option ``maxnreg``; ptxas spills past it)
+# ``stage_loads`` (prepared layout, BM 1): how the K loop reads the activation row (x in gate/up, h in down) and the
+# scales. 0: four [1, BK_DOT / 4] value-column loads per dequantize + dot step, which Triton issues as plain loads in
+# the dot layout in the step that uses them (not staged by its cp.async pipeliner); 1: one contiguous [1, BK_DOT] row
+# per step, split into the value columns in registers (staged when it is >= 4 bytes per thread: BK_DOT >= 2 x
+# threads); 2: one [1, BK] row per pipeline stage (BK <= 2 BK_DOT); 3: as 2, and the stage's scales [BN, BK / 32] in
+# one load too (staged like the weights instead of 2-byte loads per step). The K loop's math is the same. The
+# pair_token path's down kernel (one token per program, k experts) keeps 0.
+STAGE_LOADS_CHOICES = (0, 1, 2, 3)
 
 # Default plan per number of (token, slot) pairs P = T * k: the first entry with P <= bound.
 #   path: pair_token (gate/up per pair; down per token, k-sum fused: 2 launches), pair (+ sum kernel), sorted
@@ -747,11 +837,14 @@ DEFAULT_CONFIGS = [
 # per warp (gate/up 32 columns x 2 warps, down 64 x 4 with BK 256 in two steps: the same 768 / 1536 programs hold
 # twice the warps, and each warp's K loop is half as long) with the down launch a programmatic dependent of gate/up
 # (released after gate/up's K loop): T = 1 36.9 us (50.5% of the floor) vs 39.5, T = 4 118.5 vs 122.6, T = 8 228.1
-# vs 229.4 (equal within the rounds' spread). T = 16..170: sorted blocks of 8 rows (1.2-3.1 rows per routed expert
+# vs 229.4 (equal within the rounds' spread); since s5c (mxfp4_moe_2026-11-30-s5c.md) with ``stage_loads=3``: the
+# activation row and the scales go through the cp.async pipeline with the weights (no plain global load left in
+# either K loop; gate/up 56 instead of 64 registers): T = 1 32.8 us (56.8% of the floor) vs 37.0, T = 4 109.4 vs
+# 119.1, T = 8 218.6 vs 228.5. T = 16..170: sorted blocks of 8 rows (1.2-3.1 rows per routed expert
 # at T = 16..128) with gate/up BK 256 in one step: 355.9 / 913.5 / 1114.9 us at T = 16 / 64 / 128 (69.5 / 68.7 /
 # 68.2%) vs 403.5 / 1030.6 / 1265.4. Every plan here was checked on the device in the run that chose it.
 DEFAULT_CONFIGS_SM90_BITS = [
-    (48, dict(DEFAULT_CONFIGS[0][1], BM=1, fold=True, pdl=True, split_gate_up=2,
+    (48, dict(DEFAULT_CONFIGS[0][1], BM=1, fold=True, pdl=True, split_gate_up=2, stage_loads=3,
               gate_up=dict(BN=32, BK=256, BK_DOT=128, num_warps=2, num_stages=3),
               down=dict(BN=64, BK=256, BK_DOT=128, num_warps=4, num_stages=3))),
     (1024, dict(DEFAULT_CONFIGS[1][1], BM=8, gate_up=dict(BN=64, BK=256, num_warps=2, num_stages=3))),
@@ -859,6 +952,17 @@ def _check_config(cfg: dict, h: int, inter: int) -> None:
         raise ValueError("config: prefetch_gate_up=2 (down weights fetched by gate/up) needs a pair path")
     if cfg.get("prefetch_down", 0) not in (0, 1):
         raise ValueError(f"config: prefetch_down must be 0 or 1, got {cfg.get('prefetch_down')!r}")
+    xs = cfg.get("stage_loads", 0)
+    if isinstance(xs, bool) or xs not in STAGE_LOADS_CHOICES:
+        raise ValueError(f"config: stage_loads must be one of {STAGE_LOADS_CHOICES}, got {xs!r}")
+    if xs and cfg.get("BM", 16) != 1:
+        raise ValueError("config: stage_loads (one contiguous activation row per load) needs BM=1")
+    if xs >= 2:
+        for part in ("gate_up", "down"):
+            c = cfg[part]
+            if c["BK"] > 2 * c.get("BK_DOT", c["BK"]):
+                raise ValueError(f"config: stage_loads={xs} needs {part} BK <= 2 * BK_DOT, got BK {c['BK']}, "
+                                 f"BK_DOT {c.get('BK_DOT')}")
 
 
 def mxfp4_max_scale_byte(*scales: torch.Tensor) -> int:
@@ -1137,6 +1241,9 @@ def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
     if weight_layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"weight_layout must be one of {tuple(WEIGHT_LAYOUTS)}, got {weight_layout!r}")
     wl = WEIGHT_LAYOUTS[weight_layout]
+    xs = cfg.get("stage_loads", 0)
+    if xs and wl != WL_SM90_BITS:
+        raise ValueError("config: stage_loads needs weight_layout='sm90_bits'")
     if wl == WL_SM90_BITS:
         if cfg.get("dequant", "auto") == "dot_scaled":
             raise ValueError("config: dequant='dot_scaled' cannot read weight_layout='sm90_bits' weights")
@@ -1207,7 +1314,7 @@ def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
         x, w13u, s13u, ids, sorted_ids, blk_exp, nblk, hbuf, part, gu_ticks, w2u, s2u, x.stride(0), limit, p, n_exp,
         SORTED=sorted_mode, HAS_LIMIT=has_limit, UP_FIRST=bool(up_first), SPLIT=sp_gu, HALVES=halves, BM=bm,
         BN=gu["BN"], BK=gu["BK"], BKD=gu["BK_DOT"], num_warps=gu["num_warps"], num_stages=gu["num_stages"],
-        PF=pf_gu, FOLD=fold and two_pass, PDL=pdl, **common, **gu_reg)))
+        PF=pf_gu, FOLD=fold and two_pass, PDL=pdl, XS=xs, **common, **gu_reg)))
     if two_pass and not fold:
         blk = math.gcd(inter, 256)  # small blocks: enough programs at T = 1
         stages.append(("swiglu", lambda: _swiglu_kernel[(p, inter // blk)](
@@ -1224,7 +1331,7 @@ def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
         hbuf, w2u, s2u, ids, topk_weights, sorted_ids, blk_exp, nblk, y, out, dn_ticks, out.stride(0),
         float(scaling), p, n_exp, MODE=0 if sorted_mode else 1, SPLIT=sp_dn, BM=bm, BN=dn["BN"], BK=dn["BK"],
         BKD=dn["BK_DOT"], num_warps=dn["num_warps"], num_stages=dn["num_stages"], PF=pf_dn, FOLD=fold, PDL=pdl,
-        **common, **dn_reg, **({"launch_pdl": True} if pdl else {}))))
+        XS=xs, **common, **dn_reg, **({"launch_pdl": True} if pdl else {}))))
     if fold:
         return out, stages
     block = 256  # enough programs at T = 1 (the row is read k * split times)

@@ -131,11 +131,11 @@ CASES = [
     ("prep_fold_pair_fused_split2x2_skipped_token", dict(t=2, h=256, inter=128, e=4, k=2, path="pair", bm=1,
                                                          splits=(2, 2), skip_token0=True, dequant="bits",
                                                          layout="sm90_bits", calls=2, extra=dict(fold=True))),
-    # the sm90_bits T <= 8 default plan's options (one-row blocks, fold, 2 x 2 splits, halves, its tiles; pdl, which
-    # the interpreter does not launch, accepted) with int64 ids
+    # the sm90_bits T <= 8 default plan's options (one-row blocks, fold, 2 x 2 splits, halves, stage_loads 3, its
+    # tiles; pdl, which the interpreter does not launch, accepted) with int64 ids
     ("prep_fold_bm1_split2x2_halves_ids64", dict(t=3, h=256, inter=256, e=5, k=3, path="pair", bm=1, splits=(2, 2),
                                                  halves=True, skip=1, ids64=True, dequant="bits", layout="sm90_bits",
-                                                 calls=2, extra=dict(fold=True, pdl=True),
+                                                 calls=2, extra=dict(fold=True, pdl=True, stage_loads=3),
                                                  tiles=(dict(BN=32, BK=256, BK_DOT=128, num_warps=2, num_stages=3),
                                                         dict(BN=64, BK=256, BK_DOT=128, num_warps=4,
                                                              num_stages=3)))),
@@ -150,6 +150,29 @@ CASES = [
         dequant="bits", layout="sm90_bits", calls=2, extra=dict(fold=True),
         tiles=(dict(BN=16, BK=256, BK_DOT=64, num_warps=1, num_stages=3, maxnreg=40),
                dict(BN=32, BK=128, BK_DOT=64, num_warps=2, num_stages=3, maxnreg=40)))),
+    # stage_loads (s5c): the activation row (and with 3 the scales) read as one contiguous load per dequantize + dot
+    # step (1) or per pipeline stage (2, 3), split into the prepared layout's value columns in registers. 3 with the
+    # T <= 8 plan's halves and tiles (unsplit, so each program's K range is one BK 256 stage of two BK_DOT halves); 3
+    # on the fused gate/up path with BK = BK_DOT (one half); 1 with BK_DOT 64 substeps and 2 on the sorted path with
+    # one-row blocks
+    ("prep_fold_bm1_stage3_halves_ids64", dict(t=3, h=256, inter=256, e=5, k=3, path="pair", bm=1, splits=(1, 1),
+                                               halves=True, skip=1, ids64=True, dequant="bits", layout="sm90_bits",
+                                               calls=2, extra=dict(fold=True, pdl=True, stage_loads=3),
+                                               tiles=(dict(BN=32, BK=256, BK_DOT=128, num_warps=2, num_stages=3),
+                                                      dict(BN=64, BK=256, BK_DOT=128, num_warps=4, num_stages=3)))),
+    ("prep_fold_bm1_stage3_fused_bk128", dict(t=2, h=256, inter=256, e=4, k=2, path="pair", bm=1, splits=(2, 1),
+                                              up_first=True, skip=1, dequant="bits", layout="sm90_bits", calls=2,
+                                              extra=dict(fold=True, stage_loads=3),
+                                              tiles=(dict(BN=32, BK=128, num_warps=2, num_stages=3),
+                                                     dict(BN=32, BK=128, num_warps=2, num_stages=3)))),
+    ("prep_bm1_stage1_bk_dot64", dict(t=2, h=512, inter=256, e=4, k=2, path="pair", bm=1, splits=(2, 2), halves=True,
+                                      skip=1, dequant="bits", layout="sm90_bits", extra=dict(stage_loads=1),
+                                      tiles=(dict(BN=16, BK=256, BK_DOT=64, num_warps=1, num_stages=3),
+                                             dict(BN=32, BK=128, BK_DOT=64, num_warps=2, num_stages=3)))),
+    ("prep_sorted_bm1_stage2", dict(t=4, h=256, inter=256, e=3, k=2, path="sorted", bm=1, shared=True, skip=1,
+                                    halves=True, dequant="bits", layout="sm90_bits", extra=dict(stage_loads=2),
+                                    tiles=(dict(BN=32, BK=256, BK_DOT=128, num_warps=2, num_stages=3),
+                                           dict(BN=32, BK=256, BK_DOT=128, num_warps=2, num_stages=3)))),
     ("fold_pair_one_pass_down_split2", dict(t=2, h=128, inter=256, e=4, k=3, path="pair", bm=8, splits=(1, 2), skip=1,
                                             scaling=1.5, calls=2, workspace=True, extra=dict(fold=True))),
 ]

@@ -220,28 +220,28 @@ def test_empty_batch_returns_empty_output():
 # ---------------------------------------------------------------------------------------------------- AOT compile
 
 DIMS = dict(H=4096, I=2048, TOPK=6, ROUND=False)  # DeepSeek-V4-Flash
-NO_FOLD = dict(PF=0, FOLD=False, PDL=False)  # the options' defaults (an AOT build gets no launcher defaults)
+NO_FOLD = dict(PF=0, FOLD=False, PDL=False, XS=0)  # the options' defaults (an AOT build gets no launcher defaults)
 
 
 def _aligned(sig, stride):  # what the launcher specializes for 16-byte-aligned tensors and a 4096 stride
     return tuple(n for n, ty in sig.items() if ty.startswith("*")) + (stride,)
 
 
-def _gate_up(cfg, cc, bm=16, sorted_=True, split=1, halves=False, deq=0, wl=0, fold=False, pdl=False):
+def _gate_up(cfg, cc, bm=16, sorted_=True, split=1, halves=False, deq=0, wl=0, fold=False, pdl=False, xs=0):
     from pd.kernels.mxfp4_moe import GATE_UP_SIGNATURE, _gate_up_kernel
 
     const = dict(DIMS, SORTED=sorted_, HAS_LIMIT=True, UP_FIRST=False, SPLIT=split, HALVES=halves, BM=bm,
                  BN=cfg["BN"], BK=cfg["BK"], BKD=cfg.get("BK_DOT", cfg["BK"]), DEQ=deq, WL=wl,
-                 **dict(NO_FOLD, FOLD=fold, PDL=pdl))
+                 **dict(NO_FOLD, FOLD=fold, PDL=pdl, XS=xs))
     return compile_for(_gate_up_kernel, GATE_UP_SIGNATURE, const, cc, cfg["num_warps"], cfg["num_stages"],
                        aligned=_aligned(GATE_UP_SIGNATURE, "stride_xt"), maxnreg=cfg.get("maxnreg"))
 
 
-def _down(cfg, cc, bm=16, mode=0, split=1, deq=0, wl=0, fold=False, pdl=False):
+def _down(cfg, cc, bm=16, mode=0, split=1, deq=0, wl=0, fold=False, pdl=False, xs=0):
     from pd.kernels.mxfp4_moe import DOWN_SIGNATURE, _down_kernel
 
     const = dict(DIMS, MODE=mode, SPLIT=split, BM=bm, BN=cfg["BN"], BK=cfg["BK"], BKD=cfg.get("BK_DOT", cfg["BK"]),
-                 DEQ=deq, WL=wl, **dict(NO_FOLD, FOLD=fold, PDL=pdl))
+                 DEQ=deq, WL=wl, **dict(NO_FOLD, FOLD=fold, PDL=pdl, XS=xs))
     return compile_for(_down_kernel, DOWN_SIGNATURE, const, cc, cfg["num_warps"], cfg["num_stages"],
                        aligned=_aligned(DOWN_SIGNATURE, "stride_ot"), maxnreg=cfg.get("maxnreg"))
 
@@ -591,11 +591,11 @@ def test_aot_sm90a_prepared_layout_default_configs_cut_the_loop():
         bm = c.get("BM", 16)
         halves, split_gu = c.get("gate_up_halves", False), c.get("split_gate_up", 1)
         mode = {"sorted": 0, "pair": 1, "pair_token": 2}[c["path"]]
-        fold, pdl = c.get("fold", False), c.get("pdl", False)
+        fold, pdl, xs = c.get("fold", False), c.get("pdl", False), c.get("stage_loads", 0)
         for k in (_gate_up(c["gate_up"], 90, bm=bm, sorted_=mode == 0, halves=halves, split=split_gu, deq=1, wl=1,
-                           fold=fold, pdl=pdl),
+                           fold=fold, pdl=pdl, xs=xs),
                   _down(c["down"], 90, bm=bm, mode=mode, split=c.get("split_down", 1), deq=1, wl=1, fold=fold,
-                        pdl=pdl)):
+                        pdl=pdl, xs=xs)):
             ptx = k.asm["ptx"]
             assert "mma" in ptx and "mad.lo.u32" in ptx and "mul.rn.bf16x2" in ptx
             assert k.metadata.shared <= 232448 and ("atom." in ptx) == fold  # sm_90's 227 KiB; the fold's tickets
@@ -603,9 +603,9 @@ def test_aot_sm90a_prepared_layout_default_configs_cut_the_loop():
             assert bm > 16 or ("mma.sync" in ptx and "wgmma" not in ptx)  # 64-row blocks may take wgmma
     t1 = DEFAULT_CONFIGS_SM90_BITS[0][1]  # the prepared T <= 8 plan builds for sm_120a too (mma.sync, <= 99 KiB)
     assert_sm120_ok(_gate_up(t1["gate_up"], 120, bm=1, sorted_=False, halves=True, split=t1["split_gate_up"], deq=1,
-                             wl=1, fold=True, pdl=t1["pdl"]))
+                             wl=1, fold=True, pdl=t1["pdl"], xs=t1.get("stage_loads", 0)))
     assert_sm120_ok(_down(t1["down"], 120, bm=1, mode=1, split=t1["split_down"], deq=1, wl=1, fold=True,
-                          pdl=t1["pdl"]))
+                          pdl=t1["pdl"], xs=t1.get("stage_loads", 0)))
     c = DEFAULT_CONFIGS[1][1]
     gu, dn = c["gate_up"], c["down"]
     assert_sm120_ok(_gate_up(gu, 120, halves=True, deq=1, wl=1))
@@ -723,3 +723,48 @@ def test_aot_register_cap_is_honoured_on_both_targets():
         assert ".maxnreg 40" in ptx and "mma.sync" in ptx and "wgmma" not in ptx and "atom." in ptx
     assert_sm120_ok(_gate_up(dict(gu, maxnreg=40), 120, sorted_=False, halves=True, split=4, bm=1, fold=True))
     assert_sm120_ok(_down(dict(dn, maxnreg=40), 120, mode=1, split=4, bm=1, fold=True))
+
+
+# ------------------------------------------------------- stage_loads: activation rows and scales through cp.async (s5c)
+
+@pytest.mark.parametrize("kw, arg", [
+    (dict(config=dict(_PAIR, BM=1, stage_loads=4)), "stage_loads"),
+    (dict(config=dict(_PAIR, BM=1, stage_loads=True)), "stage_loads"),
+    (dict(config=dict(_PAIR, BM=1, stage_loads="3")), "stage_loads"),
+    (dict(config=dict(_PAIR, BM=2, stage_loads=1)), "stage_loads"),
+    (dict(config=dict(_PAIR, BM=1, stage_loads=2, gate_up=dict(BN=32, BK=512, BK_DOT=128, num_warps=2,
+                                                              num_stages=3))), "stage_loads"),
+    (dict(config=dict(_PAIR, BM=1, stage_loads=1)), "stage_loads"),  # the SGLang layout
+])
+def test_stage_loads_is_validated(kw, arg):
+    from pd.kernels.mxfp4_moe import fused_moe_mxfp4
+
+    with pytest.raises(ValueError, match=arg):
+        fused_moe_mxfp4(**_inputs(), max_scale_byte=127, **kw)
+
+
+@aot
+def test_aot_stage_loads_take_the_activation_and_scales_off_the_k_loop():
+    """With the T <= 8 plan's tiles (gate/up 32 x 2 warps, down 64 x 4, BK 256 in two BK_DOT 128 steps) the K loops
+    read x / h with plain 64-bit loads in the step that uses them (16 LDG.E.64 in gate/up) and the scales with 2-byte
+    loads; stage_loads=3 makes both part of the cp.async pipeline: no plain global load is left in either K loop
+    (sm_90a SASS, triton 3.9: gate/up 54 registers instead of 62). Both build for sm_120a (mma.sync, no wgmma,
+    <= 99 KiB)."""
+    from pd.kernels.mxfp4_moe import DEFAULT_CONFIGS_SM90_BITS
+    from pd.kernels.sass_stats import longest_loop
+
+    t1 = DEFAULT_CONFIGS_SM90_BITS[0][1]
+    gu_kw = dict(bm=1, sorted_=False, halves=True, split=t1["split_gate_up"], deq=1, wl=1, fold=True, pdl=True)
+    dn_kw = dict(bm=1, mode=1, split=t1["split_down"], deq=1, wl=1, fold=True, pdl=True)
+
+    def loop_loads(k):
+        _, ops = longest_loop(k.asm["cubin"])
+        return (sum(c for o, c in ops.items() if o.startswith("LDG.")),
+                sum(c for o, c in ops.items() if o.startswith("LDGSTS")))
+
+    base = (loop_loads(_gate_up(t1["gate_up"], 90, **gu_kw)), loop_loads(_down(t1["down"], 90, **dn_kw)))
+    staged = (_gate_up(t1["gate_up"], 90, xs=3, **gu_kw), _down(t1["down"], 90, xs=3, **dn_kw))
+    for (plain0, async0), (plain, asyncs) in zip(base, map(loop_loads, staged)):
+        assert plain0 >= 4 and plain == 0 and asyncs > async0, (base, plain, asyncs)
+    assert_sm120_ok(_gate_up(t1["gate_up"], 120, xs=3, **gu_kw))
+    assert_sm120_ok(_down(t1["down"], 120, xs=3, **dn_kw))

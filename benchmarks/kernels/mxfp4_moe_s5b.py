@@ -2,7 +2,10 @@
 for the one-row (BM 1) fold plan of the prepared sm_90 layout.
 
   python benchmarks/kernels/mxfp4_moe_s5b.py --out DIR [--head PATH] [--budget SECONDS] [--ts 1,4,8,16]
-      [--rounds 3] [--workers 14] [--baseline] [--ncu-after]
+      [--rounds 3] [--workers 14] [--baseline] [--ncu-after] [--set s5b|s5c] [--tag s5b]
+
+``--set s5c`` (session 5c) sweeps ``stage_loads`` instead (the activation row and the scales staged by the cp.async
+pipeline, see ``gate_up_variants_s5c``); ``--tag`` names the results file (mxfp4_moe_<tag>.json).
 
 Why these candidates (sm_90a AOT builds with triton 3.9 on a CPU, no GPU): the T = 1 default runs gate/up as 768
 programs of 2 warps (BN 64) and down as 768 programs of 2 warps, 0.53 / 0.42 of one wave, so every SM holds ~12
@@ -106,18 +109,54 @@ def down_variants():
     return out
 
 
+def gate_up_variants_s5c():
+    """--set s5c: ``stage_loads`` (the activation row, and with 3 the scales, read as contiguous loads that
+    Triton's cp.async pipeliner stages with the weights; sm_90a AOT, triton 3.9: the default tiles' K loops then
+    have no plain global load left, gate/up 54 and down 56 registers instead of 62 / 67), on the default tiles and
+    on gate/up tile variants (the sweep times each with the default down tile and stage_loads 3 in both)."""
+    v = [("xs3", {}), ("xs2", dict(stage_loads=2)), ("xs1", dict(stage_loads=1)),
+         ("xs3_gu64w4", dict(gate_up=tile(64, 256, 4, 3, 128))),
+         ("xs3_gu16w1", dict(gate_up=tile(16, 256, 1, 3, 128))),
+         ("xs3_gu32s4", dict(gate_up=tile(32, 256, 2, 4, 128))),
+         ("xs3_gu32s2", dict(gate_up=tile(32, 256, 2, 2, 128))),
+         ("xs3_gu_split4", dict(split_gate_up=4)),
+         ("xs3_nopdl", dict(pdl=False))]
+    return [(n, dict(dict(stage_loads=3), **f)) for n, f in v]
+
+
+def down_variants_s5c():
+    """--set s5c: down tile variants with stage_loads 3."""
+    v = [("xs3_dn32w2", dict(down=tile(32, 256, 2, 3, 128))),
+         ("xs3_dn64s4", dict(down=tile(64, 256, 4, 4, 128))),
+         ("xs3_dn64s2", dict(down=tile(64, 256, 4, 2, 128))),
+         ("xs3_dn_split4", dict(split_down=4)),
+         ("xs3_dn128w4", dict(down=tile(128, 256, 4, 3, 128)))]
+    return [(n, dict(dict(stage_loads=3), **f)) for n, f in v]
+
+
+VARIANT_SETS = {"s5b": (gate_up_variants, down_variants), "s5c": (gate_up_variants_s5c, down_variants_s5c)}
+VARIANT_SET = "s5b"  # --set
+
+
+def _variants():
+    gu_fn, dn_fn = VARIANT_SETS[VARIANT_SET]
+    return gu_fn(), dn_fn()
+
+
 def sweep_plans():
     """(name, config) of the one-factor sweep: each gate/up variant with the default down, each down variant with
     the default gate/up."""
     base = base_plan()
-    return [(n, dict(base, **f)) for n, f in gate_up_variants() + down_variants()]
+    gu, dn = _variants()
+    return [(n, dict(base, **f)) for n, f in gu + dn]
 
 
 def combo_plans(names):
     """The best gate/up variants x the best down variants (names from the sweep), as one plan each."""
-    gu, dn = dict(gate_up_variants()), dict(down_variants())
+    gu, dn = map(dict, _variants())
     base = base_plan()
-    return [(f"{g}+{d}", dict(base, **gu[g], **dn[d])) for g in names["gate_up"] for d in names["down"]]
+    return [(f"{g}+{d}", {**base, **dn[d], **gu[g]})  # the gate/up variant's stage_loads wins
+            for g in names["gate_up"] for d in names["down"]]
 
 
 # ------------------------------------------------------------------------------------------------ precompile
@@ -256,7 +295,12 @@ def main():
     ap.add_argument("--precompile-worker", type=int, default=None)
     ap.add_argument("--jobs-file", default="")
     ap.add_argument("--ncu-target", default="")
+    ap.add_argument("--set", default="s5b", choices=sorted(VARIANT_SETS),
+                    help="the sweep's variants: s5b (16 weight rows per warp), s5c (stage_loads)")
+    ap.add_argument("--tag", default="s5b", help="results file mxfp4_moe_<tag>.json")
     args = ap.parse_args()
+    global VARIANT_SET
+    VARIANT_SET = args.set
     if args.precompile_worker is not None:
         return precompile_worker(args.precompile_worker, args.workers, args.jobs_file)
     if args.ncu_target:
@@ -275,7 +319,7 @@ def main():
                torch=torch.__version__, triton=triton.__version__, command=" ".join(["python"] + sys.argv),
                expert_bytes=bm.EXPERT_BYTES, hbm_floor_bps=bm.HBM_BPS, rot_sets=bm.ROT, head=args.head,
                sweep_plans={n: c for n, c in sweep})
-    path = os.path.join(args.out, "mxfp4_moe_s5b.json")
+    path = os.path.join(args.out, f"mxfp4_moe_{args.tag}.json")
 
     def save():
         res["wall_s"] = time.time() - t0
@@ -329,8 +373,9 @@ def main():
             break
         sweep_one(name, cfg)
     good = {n: v["us"] for n, v in res["sweep"].items() if v["quick_ok"] and v["us"] == v["us"]}
-    best_gu = sorted((v, n) for n, v in good.items() if n in dict(gate_up_variants()))[:2]
-    best_dn = sorted((v, n) for n, v in good.items() if n in dict(down_variants()))[:2]
+    gu_v, dn_v = _variants()
+    best_gu = sorted((v, n) for n, v in good.items() if n in dict(gu_v))[:2]
+    best_dn = sorted((v, n) for n, v in good.items() if n in dict(dn_v))[:2]
     combos = combo_plans(dict(gate_up=[n for _, n in best_gu], down=[n for _, n in best_dn]))
     all_plans = dict(sweep)
     for name, cfg in combos:
