@@ -457,11 +457,15 @@ def _gate_up_kernel(
     FOLD (pair path, SPLIT > 1 or HALVES): the last of the 2 SPLIT (HALVES) or SPLIT programs of a (pair, BN
     columns) group to finish (acq_rel ticket in tick_ptr[pair * I / BN + column block], reset by that program)
     sums the group's partials in split order and writes h = SwiGLU itself, as ``_swiglu_kernel`` would (same
-    arithmetic, same order: identical bits). PDL: releases the programmatic dependent launch of the next kernel at
-    the end of its K loop (the down programs may take free SM slots once every program here has got there)."""
+    arithmetic, same order: identical bits). PDL 1: releases the programmatic dependent launch of the next kernel
+    at the end of its K loop (the down programs may take free SM slots once every program here has got there);
+    PDL 2: at the start of the program, so when this grid fits one wave the down programs fill the SM slots it
+    leaves free from the start (there they wait, or prefetch their weights into L2 with ``prefetch_down``)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
     e, rows, rmask, active = _rows_of(pid_m, ids_ptr, sorted_ptr, blk_exp_ptr, nblk_ptr, P, E, SORTED, BM)
     if active:
         tok = (rows // TOPK).to(tl.int64)
@@ -519,8 +523,8 @@ def _gate_up_kernel(
                 x_ptrs += BK
                 w_ptrs += BK // WV
                 sc_ptrs += BK // SK
-            if PDL:  # released after the K loop: released at the start, the down programs crowded onto the SMs
-                tl.extra.cuda.gdc_launch_dependents()  # freed first (H200: down 1.5x slower)
+            if PDL == 1:  # after the K loop: released at the start of a grid of several waves, the down programs
+                tl.extra.cuda.gdc_launch_dependents()  # crowded onto the SMs freed first (H200, s5: down 1.5x slower)
             acc = _acc_out(acc, WL)
             if UP_FIRST:  # part keeps [gate | up]
                 col = (w_row + I) % (2 * I)
@@ -572,7 +576,7 @@ def _gate_up_kernel(
                 wu_ptrs += BK // WV
                 sg_ptrs += BK // SK
                 su_ptrs += BK // SK
-            if PDL:
+            if PDL == 1:
                 tl.extra.cuda.gdc_launch_dependents()
             acc_g = _acc_out(acc_g, WL)
             acc_u = _acc_out(acc_u, WL)
@@ -677,7 +681,8 @@ def _down_kernel(
     """MODE 0: sorted row blocks, 1: one pair per program (both write the routing-weighted rows of K split
     ``pid_k`` to y[pid_k, pair] fp32 for _topk_sum_kernel); MODE 2 (SPLIT 1): one token per program, its k
     experts summed here, bf16 out[token] written.
-    PF 1 (MODE 0, 1): prefetch the program's weight rows and scales over its K range into L2 first. PDL: launched
+    PF 1 (MODE 0, 1): prefetch the program's weight rows and scales over its K range into L2 first; PF 2: the same
+    with evict_last (fetched while an early-released gate/up grid still streams its weights through L2). PDL: launched
     as a programmatic dependent of the gate/up kernel: the routing reads and the prefetch (inputs only) run before
     griddepcontrol.wait, everything that reads h after it. FOLD (MODE 1): the last of the TOPK * SPLIT programs
     of a (token, BN columns) group to finish (acq_rel ticket in tick_ptr[token * H / BN + pid_n], reset by it)
@@ -711,8 +716,8 @@ def _down_kernel(
             if active:
                 k0 = pid_k * (I // SPLIT)
                 pf_rows = e.to(tl.int64) * H + offs_n
-                _prefetch_rows(w_ptr + pf_rows * (I // 2) + k0 // 2, I // SPLIT // 2, False)
-                _prefetch_rows(s_ptr + pf_rows * (I // 32) + k0 // 32, I // SPLIT // 32, False)
+                _prefetch_rows(w_ptr + pf_rows * (I // 2) + k0 // 2, I // SPLIT // 2, PF == 2)
+                _prefetch_rows(s_ptr + pf_rows * (I // 32) + k0 // 32, I // SPLIT // 32, PF == 2)
         if PDL:
             tl.extra.cuda.gdc_wait()
         if active:
@@ -802,6 +807,10 @@ MAXNREG_MIN = 32  # a tile's optional register cap per thread (the launch option
 # one load too (staged like the weights instead of 2-byte loads per step). The K loop's math is the same. The
 # pair_token path's down kernel (one token per program, k experts) keeps 0.
 STAGE_LOADS_CHOICES = (0, 1, 2, 3)
+# ``pdl_release`` (with ``pdl``): where the gate/up programs release the dependent down launch. "k_loop" (default):
+# after their K loop; "start": at their start (when the gate/up grid fits one wave, the down programs then take the
+# SM slots it leaves free from the beginning, and with ``prefetch_down`` fetch their weights into L2 before they wait).
+PDL_RELEASE_CHOICES = ("k_loop", "start")
 
 # Default plan per number of (token, slot) pairs P = T * k: the first entry with P <= bound.
 #   path: pair_token (gate/up per pair; down per token, k-sum fused: 2 launches), pair (+ sum kernel), sorted
@@ -950,8 +959,12 @@ def _check_config(cfg: dict, h: int, inter: int) -> None:
         raise ValueError(f"config: prefetch_gate_up must be 0, 1 or 2, got {cfg.get('prefetch_gate_up')!r}")
     if cfg.get("prefetch_gate_up", 0) == 2 and cfg["path"] == "sorted":
         raise ValueError("config: prefetch_gate_up=2 (down weights fetched by gate/up) needs a pair path")
-    if cfg.get("prefetch_down", 0) not in (0, 1):
-        raise ValueError(f"config: prefetch_down must be 0 or 1, got {cfg.get('prefetch_down')!r}")
+    if cfg.get("prefetch_down", 0) not in (0, 1, 2):
+        raise ValueError(f"config: prefetch_down must be 0, 1 or 2, got {cfg.get('prefetch_down')!r}")
+    if cfg.get("pdl_release", "k_loop") not in PDL_RELEASE_CHOICES:
+        raise ValueError(f"config: pdl_release must be one of {PDL_RELEASE_CHOICES}, got {cfg.get('pdl_release')!r}")
+    if "pdl_release" in cfg and not cfg.get("pdl", False):
+        raise ValueError("config: pdl_release (where gate/up releases the down launch) needs pdl")
     xs = cfg.get("stage_loads", 0)
     if isinstance(xs, bool) or xs not in STAGE_LOADS_CHOICES:
         raise ValueError(f"config: stage_loads must be one of {STAGE_LOADS_CHOICES}, got {xs!r}")
@@ -1151,15 +1164,18 @@ def fused_moe_mxfp4(
         config: launch plan override (benchmarks): {"path": "pair_token"|"pair"|"sorted", "BM": 16|32|64,
             "split_gate_up": 1|2|4|8, "split_down": ..., "gate_up_halves": bool, "dequant": "auto"|"bits"|
             "dot_scaled", "gate_up": {BN, BK, num_warps, num_stages[, BK_DOT, maxnreg]}, "down": {...}, "fold": bool,
-            "pdl": bool, "prefetch_gate_up": 0|1|2, "prefetch_down": 0|1}; default
+            "pdl": bool, "pdl_release": "k_loop"|"start", "prefetch_gate_up": 0|1|2, "prefetch_down": 0|1|2,
+            "stage_loads": 0..3}; default
             ``default_config(T * k, weight_layout)``. BK: K per loop iteration (pipeline stage), 128/256/512;
             BK_DOT: K per dequantize + dot step inside it (64/128/256, default BK); maxnreg: registers per thread
             cap (32..255, the Triton launch option; more programs per SM). fold (path "pair"): the SwiGLU
             and the sum over k are done by the last program of each group (atomic tickets in ``workspace``), so
             a call is 2 launches instead of 4; pdl (with fold; compute capability >= 9, else ignored): the down
             launch is a programmatic dependent of gate/up (its programs start during gate/up's last wave and wait
-            with griddepcontrol.wait); prefetch_*: 1 = each program first prefetches its weight rows into L2, 2
-            (gate/up, pair paths) = also a slice of its expert's down weights (evict_last) for the down launch.
+            with griddepcontrol.wait), released after gate/up's K loop or (pdl_release="start") at its start;
+            prefetch_*: 1 = each program first prefetches its weight rows into L2, 2 (gate/up, pair paths) = also
+            a slice of its expert's down weights (evict_last) for the down launch, 2 (down) = its own rows with
+            evict_last; stage_loads: see ``STAGE_LOADS_CHOICES``.
         workspace: int32 ticket counters for fold plans, from ``mxfp4_moe_workspace`` (zeroed once; every call
             leaves it zeroed). None: one buffer per device kept by this module, so two fold calls must not run
             at the same time on different streams without their own workspaces.
@@ -1301,6 +1317,7 @@ def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
     fold = cfg.get("fold", False)
     on_gpu = dev.type == "cuda" and not _INTERPRET
     pdl = cfg.get("pdl", False) and on_gpu and torch.cuda.get_device_capability(dev)[0] >= 9
+    pdl = (2 if cfg.get("pdl_release", "k_loop") == "start" else 1) if pdl else 0  # the kernels' PDL constexpr
     pf_gu = cfg.get("prefetch_gate_up", 0) if on_gpu else 0  # inline PTX: not in the interpreter
     pf_dn = cfg.get("prefetch_down", 0) if on_gpu else 0
     n_gu_tick = p * (inter // gu["BN"])

@@ -127,7 +127,8 @@ CASES = [
     # tickets must have been reset by the first call
     ("fold_pair_halves_split2x2_skip", dict(t=3, h=256, inter=256, e=5, k=3, path="pair", splits=(2, 2),
                                             halves=True, skip=2, up_first=True, calls=2,
-                                            extra=dict(fold=True, pdl=True, prefetch_gate_up=2, prefetch_down=1))),
+                                            extra=dict(fold=True, pdl=True, pdl_release="start",
+                                                       prefetch_gate_up=2, prefetch_down=2))),
     ("prep_fold_pair_fused_split2x2_skipped_token", dict(t=2, h=256, inter=128, e=4, k=2, path="pair", bm=1,
                                                          splits=(2, 2), skip_token0=True, dequant="bits",
                                                          layout="sm90_bits", calls=2, extra=dict(fold=True))),

@@ -632,7 +632,9 @@ _PAIR = dict(path="pair", split_gate_up=2, split_down=2, gate_up_halves=True,
     (dict(config=dict(_PAIR, pdl=True)), "pdl"),
     (dict(config=dict(_PAIR, prefetch_gate_up=3)), "prefetch_gate_up"),
     (dict(config=dict(_PAIR, path="sorted", prefetch_gate_up=2)), "prefetch_gate_up"),
-    (dict(config=dict(_PAIR, prefetch_down=2)), "prefetch_down"),
+    (dict(config=dict(_PAIR, prefetch_down=3)), "prefetch_down"),
+    (dict(config=dict(_PAIR, fold=True, pdl=True, pdl_release="end")), "pdl_release"),
+    (dict(config=dict(_PAIR, fold=True, pdl_release="start")), "pdl_release"),  # without pdl
     (dict(config=dict(_PAIR, fold=True), workspace=torch.zeros(4096, dtype=torch.int64)), "workspace"),
     (dict(config=dict(_PAIR, fold=True), workspace=torch.zeros(8, dtype=torch.int32)), "workspace"),
 ])
@@ -658,8 +660,9 @@ def test_mxfp4_moe_workspace_size_and_errors():
 @pytest.mark.parametrize("cc, wl", [(90, 1), (120, 0)])
 def test_aot_fold_pdl_prefetch_variants(cc, wl):
     """The T = 1 options compile on both targets (sm_120a: mma.sync, no wgmma, <= 99 KiB) and are really in the
-    code only when asked for: L2 prefetches (evict_last for the down slice), the gate/up release and the down
-    wait of programmatic dependent launch, the acq_rel tickets of the fold."""
+    code only when asked for: L2 prefetches (evict_last for the down slice, and for down's own rows with
+    prefetch_down 2), the gate/up release of programmatic dependent launch (after the K loop's loads, or with
+    pdl_release "start" before them) and the down wait, the acq_rel tickets of the fold."""
     deq = 1 if cc == 90 else 0
     tile = dict(BN=64, BK=256, BK_DOT=128, num_warps=2, num_stages=3)
     const = dict(DIMS, SORTED=False, HAS_LIMIT=True, UP_FIRST=False, SPLIT=4, HALVES=True, BM=16, BN=64, BK=256,
@@ -679,11 +682,19 @@ def test_aot_fold_pdl_prefetch_variants(cc, wl):
     dconst = dict(DIMS, MODE=1, SPLIT=2, BM=16, BN=64, BK=128, BKD=128, DEQ=deq, WL=wl, **NO_FOLD)
     dplain = build(_down_kernel, DOWN_SIGNATURE, dconst, "stride_ot")
     dn = build(_down_kernel, DOWN_SIGNATURE, dict(dconst, PF=1, FOLD=True, PDL=True), "stride_ot")
+    gu_start = build(_gate_up_kernel, GATE_UP_SIGNATURE, dict(const, FOLD=True, PDL=2), "stride_xt")
+    dn_last = build(_down_kernel, DOWN_SIGNATURE, dict(dconst, PF=2, FOLD=True, PDL=2), "stride_ot")
     for ptx in (plain, dplain):
         assert "prefetch.global" not in ptx and "griddepcontrol" not in ptx and "atom." not in ptx
     assert "prefetch.global.L2::evict_last" in gu and "prefetch.global.L2 " in gu
     assert "griddepcontrol.launch_dependents" in gu and "griddepcontrol.wait" not in gu
-    assert "prefetch.global.L2 " in dn and "griddepcontrol.wait" in dn
+    assert "prefetch.global.L2 " in dn and "griddepcontrol.wait" in dn and "evict_last" not in dn
+    assert "prefetch.global.L2::evict_last" in dn_last and "prefetch.global.L2 " not in dn_last
+    assert dn_last.index("prefetch.global") < dn_last.index("griddepcontrol.wait") < dn_last.index("cp.async")
+    # the release: after every weight load of the K loop (1), or before the first one (2: "start")
+    rel = {k: ptx.index("griddepcontrol.launch_dependents") for k, ptx in (("loop", gu), ("start", gu_start))}
+    assert gu.count("griddepcontrol.launch_dependents") == gu_start.count("griddepcontrol.launch_dependents") == 1
+    assert rel["loop"] > gu.rindex("cp.async.") and rel["start"] < gu_start.index("cp.async.")
     for ptx in (gu, dn):
         atoms = [ln for ln in ptx.splitlines() if "atom." in ln]
         assert atoms and all("acq_rel" in ln and ".gpu" in ln and ".add" in ln for ln in atoms), atoms

@@ -2,10 +2,15 @@
 for the one-row (BM 1) fold plan of the prepared sm_90 layout.
 
   python benchmarks/kernels/mxfp4_moe_s5b.py --out DIR [--head PATH] [--budget SECONDS] [--ts 1,4,8,16]
-      [--rounds 3] [--workers 14] [--baseline] [--ncu-after] [--set s5b|s5c] [--tag s5b]
+      [--rounds 3] [--workers 14] [--baseline] [--ncu-after] [--set s5b|s5c|s5d] [--tag s5b]
+      [--profile-plans NAME,...]
 
 ``--set s5c`` (session 5c) sweeps ``stage_loads`` instead (the activation row and the scales staged by the cp.async
-pipeline, see ``gate_up_variants_s5c``); ``--tag`` names the results file (mxfp4_moe_<tag>.json).
+pipeline, see ``gate_up_variants_s5c``); ``--set s5d`` (session 5d) the down launch's overlap with gate/up (PDL
+release at gate/up's start, down's weights prefetched into L2 before its wait) and one-wave K splits (see
+``gate_up_variants_s5d`` and ``down_variants_s5d``); ``--tag`` names the results file (mxfp4_moe_<tag>.json);
+``--profile-plans`` adds sweep plans to the kernel profile of step 4 (e.g. one without the fold, to see the down
+kernel without its epilogue).
 
 Why these candidates (sm_90a AOT builds with triton 3.9 on a CPU, no GPU): the T = 1 default runs gate/up as 768
 programs of 2 warps (BN 64) and down as 768 programs of 2 warps, 0.53 / 0.42 of one wave, so every SM holds ~12
@@ -134,8 +139,48 @@ def down_variants_s5c():
     return [(n, dict(dict(stage_loads=3), **f)) for n, f in v]
 
 
-VARIANT_SETS = {"s5b": (gate_up_variants, down_variants), "s5c": (gate_up_variants_s5c, down_variants_s5c)}
+def gate_up_variants_s5d():
+    """--set s5d: gate/up variants of the default (stage_loads 3) plan. sm_90a AOT (triton 3.9): the T = 1 gate/up grid
+    (1536 programs of 2 warps, 54 registers, 9.5 KiB of shared memory) is 0.65 of a wave of ~23 warps per SM. Split
+    4 with 2 stages and a 40-register cap: 3072 programs, 25 per SM, one wave of ~46 warps per SM (4 spill stores
+    outside the K loop); uncapped (48 registers) it is 1.1 waves. ``gu_pf1``: each program first prefetches its own
+    rows into L2. ``nofold`` (4 launches, no PDL) is there for the profile (``--profile-plans``): the down kernel
+    without its fold epilogue, to tell its load waits from the fold's partial-sum reads."""
+    v = [("gu_s4_s2_r40", dict(split_gate_up=4, gate_up=capped(tile(32, 256, 2, 2, 128), 40))),
+         ("gu_s4_s2", dict(split_gate_up=4, gate_up=tile(32, 256, 2, 2, 128))),
+         ("gu_pf1", dict(prefetch_gate_up=1)),
+         ("nofold", dict(fold=False, pdl=False))]
+    return [(n, dict(dict(stage_loads=3), **f)) for n, f in v]
+
+
+def down_variants_s5d():
+    """--set s5d: the down launch's overlap with gate/up, and down tiles. Every gate/up program is resident from the
+    start (0.65 of a wave), and each SM keeps room for ~3 down programs (56 registers x 128 threads, 18 KiB). Released
+    at gate/up's start (``pdl_release="start"``), down programs take that room at once and, with ``prefetch_down``,
+    fetch their weights into L2 (DRAM is 56% busy in gate/up) before griddepcontrol.wait; 2 = evict_last, since
+    gate/up streams 53 MB, more than L2, after them. Tiles (sm_90a AOT): split 1 (8 K steps per program instead of
+    4: a pipeline that is not refilled every 4 steps) with 32 x 2 warps (768 programs, 56 registers) or 64 x 4 (384,
+    48); split 4 with 64 x 4, 2 stages and a 40-register cap (1536 programs, one wave of ~46 warps per SM; 3 spill
+    stores outside the loop); 2 stages (s5c's close alternative)."""
+    start = dict(pdl_release="start")
+    dn64s2 = dict(down=tile(64, 256, 4, 2, 128))
+    v = [("rel_start", start),
+         ("rel_start_pfd1", dict(start, prefetch_down=1)),
+         ("rel_start_pfd2", dict(start, prefetch_down=2)),
+         ("rel_start_pfd2_dn64s2", dict(start, prefetch_down=2, **dn64s2)),
+         ("pfd1", dict(prefetch_down=1)),
+         ("pfd2", dict(prefetch_down=2)),
+         ("dn64s2", dn64s2),
+         ("dn_split1_32w2", dict(split_down=1, down=tile(32, 256, 2, 3, 128))),
+         ("dn_split1_64w4", dict(split_down=1)),
+         ("dn_s4_s2_r40", dict(split_down=4, down=capped(tile(64, 256, 4, 2, 128), 40)))]
+    return [(n, dict(dict(stage_loads=3), **f)) for n, f in v]
+
+
+VARIANT_SETS = {"s5b": (gate_up_variants, down_variants), "s5c": (gate_up_variants_s5c, down_variants_s5c),
+                "s5d": (gate_up_variants_s5d, down_variants_s5d)}
 VARIANT_SET = "s5b"  # --set
+NO_COMBO = {"nofold"}  # diagnostic variants: not combined with the other list's best
 
 
 def _variants():
@@ -296,7 +341,9 @@ def main():
     ap.add_argument("--jobs-file", default="")
     ap.add_argument("--ncu-target", default="")
     ap.add_argument("--set", default="s5b", choices=sorted(VARIANT_SETS),
-                    help="the sweep's variants: s5b (16 weight rows per warp), s5c (stage_loads)")
+                    help="the sweep's variants: s5b (16 weight rows per warp), s5c (stage_loads), s5d (PDL overlap, "
+                         "one-wave splits)")
+    ap.add_argument("--profile-plans", default="", help="comma-separated sweep plans also profiled in step 4")
     ap.add_argument("--tag", default="s5b", help="results file mxfp4_moe_<tag>.json")
     args = ap.parse_args()
     global VARIANT_SET
@@ -374,7 +421,7 @@ def main():
         sweep_one(name, cfg)
     good = {n: v["us"] for n, v in res["sweep"].items() if v["quick_ok"] and v["us"] == v["us"]}
     gu_v, dn_v = _variants()
-    best_gu = sorted((v, n) for n, v in good.items() if n in dict(gu_v))[:2]
+    best_gu = sorted((v, n) for n, v in good.items() if n in dict(gu_v) and n not in NO_COMBO)[:2]
     best_dn = sorted((v, n) for n, v in good.items() if n in dict(dn_v))[:2]
     combos = combo_plans(dict(gate_up=[n for _, n in best_gu], down=[n for _, n in best_dn]))
     all_plans = dict(sweep)
@@ -385,8 +432,9 @@ def main():
         all_plans[name] = cfg
         sweep_one(name, cfg)
     good = {n: v["us"] for n, v in res["sweep"].items() if v["quick_ok"] and v["us"] == v["us"] and n != "default"}
-    if good and left() > 62:  # the fastest plan with the down launch as a programmatic dependent of gate/up
-        best = min(good, key=good.get)
+    best = min(good, key=good.get) if good else None
+    # the fastest plan as a PDL dependent of gate/up (where it is not one already)
+    if best and all_plans[best].get("fold") and not all_plans[best].get("pdl") and left() > 62:
         all_plans[best + "+pdl"] = dict(all_plans[best], pdl=True)
         sweep_one(best + "+pdl", all_plans[best + "+pdl"])
         good = {n: v["us"] for n, v in res["sweep"].items()
@@ -455,7 +503,8 @@ def main():
     # 4. T = 1 kernel profile
     res["profile_t1"] = {}
     if 1 in ts:
-        for name in ["head", "default"] + top:
+        extra = [n for n in args.profile_plans.split(",") if n and n in all_plans and n not in top]
+        for name in ["head", "default"] + top + extra:
             if left() < 4:
                 break
             fns = calls(head, p13, p2, sets1, outs1) if name == "head" else \
