@@ -35,8 +35,9 @@ weights) picks by the number of pairs; all paths
 launch fixed grids computed from shapes alone and read routing on the device, so a call is CUDA-graph
 capturable (no host sync). H200 numbers and profile: benchmarks/results/mxfp4_moe_2026-11-30.md (dot_scaled),
 mxfp4_moe_2026-11-30-s3.md (bits), -s4.md (BK_DOT steps; Nsight Compute stall reasons), -s4b.md (prepared
-layout), -s5.md (one-row pair blocks, the fold, 8-row sorted blocks; kernel profile of T = 1) and -s5b.md
-(16 weight rows per warp at T <= 8; Nsight Compute of T = 1).
+layout), -s5.md (one-row pair blocks, the fold, 8-row sorted blocks; kernel profile of T = 1), -s5b.md
+(16 weight rows per warp at T <= 8; Nsight Compute of T = 1), -s5c.md (stage_loads) and -s5d.md (split-1 down at
+T <= 8; PDL release / L2 prefetch variants measured and rejected).
 """
 
 from __future__ import annotations
@@ -849,13 +850,16 @@ DEFAULT_CONFIGS = [
 # vs 229.4 (equal within the rounds' spread); since s5c (mxfp4_moe_2026-11-30-s5c.md) with ``stage_loads=3``: the
 # activation row and the scales go through the cp.async pipeline with the weights (no plain global load left in
 # either K loop; gate/up 56 instead of 64 registers): T = 1 32.8 us (56.8% of the floor) vs 37.0, T = 4 109.4 vs
-# 119.1, T = 8 218.6 vs 228.5. T = 16..170: sorted blocks of 8 rows (1.2-3.1 rows per routed expert
+# 119.1, T = 8 218.6 vs 228.5; since s5d (mxfp4_moe_2026-11-30-s5d.md) down reads the whole K = I per program
+# (split 1, 32 columns x 2 warps: 768 programs of 8 K steps instead of 4, 6 fold arrivals per group instead of 12):
+# T = 1 32.3 vs 32.7 us (57.8% of the floor), T = 4 106.7 vs 108.7, T = 8 211.2 vs 215.7 (the rounds' spreads
+# overlap). T = 16..170: sorted blocks of 8 rows (1.2-3.1 rows per routed expert
 # at T = 16..128) with gate/up BK 256 in one step: 355.9 / 913.5 / 1114.9 us at T = 16 / 64 / 128 (69.5 / 68.7 /
 # 68.2%) vs 403.5 / 1030.6 / 1265.4. Every plan here was checked on the device in the run that chose it.
 DEFAULT_CONFIGS_SM90_BITS = [
-    (48, dict(DEFAULT_CONFIGS[0][1], BM=1, fold=True, pdl=True, split_gate_up=2, stage_loads=3,
+    (48, dict(DEFAULT_CONFIGS[0][1], BM=1, fold=True, pdl=True, split_gate_up=2, split_down=1, stage_loads=3,
               gate_up=dict(BN=32, BK=256, BK_DOT=128, num_warps=2, num_stages=3),
-              down=dict(BN=64, BK=256, BK_DOT=128, num_warps=4, num_stages=3))),
+              down=dict(BN=32, BK=256, BK_DOT=128, num_warps=2, num_stages=3))),
     (1024, dict(DEFAULT_CONFIGS[1][1], BM=8, gate_up=dict(BN=64, BK=256, num_warps=2, num_stages=3))),
     DEFAULT_CONFIGS[2],
 ]

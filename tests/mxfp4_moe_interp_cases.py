@@ -132,13 +132,13 @@ CASES = [
     ("prep_fold_pair_fused_split2x2_skipped_token", dict(t=2, h=256, inter=128, e=4, k=2, path="pair", bm=1,
                                                          splits=(2, 2), skip_token0=True, dequant="bits",
                                                          layout="sm90_bits", calls=2, extra=dict(fold=True))),
-    # the sm90_bits T <= 8 default plan's options (one-row blocks, fold, 2 x 2 splits, halves, stage_loads 3, its
+    # the sm90_bits T <= 8 default plan's options (one-row blocks, fold, 2 x 1 splits, halves, stage_loads 3, its
     # tiles; pdl, which the interpreter does not launch, accepted) with int64 ids
-    ("prep_fold_bm1_split2x2_halves_ids64", dict(t=3, h=256, inter=256, e=5, k=3, path="pair", bm=1, splits=(2, 2),
+    ("prep_fold_bm1_split2x1_halves_ids64", dict(t=3, h=256, inter=256, e=5, k=3, path="pair", bm=1, splits=(2, 1),
                                                  halves=True, skip=1, ids64=True, dequant="bits", layout="sm90_bits",
                                                  calls=2, extra=dict(fold=True, pdl=True, stage_loads=3),
                                                  tiles=(dict(BN=32, BK=256, BK_DOT=128, num_warps=2, num_stages=3),
-                                                        dict(BN=64, BK=256, BK_DOT=128, num_warps=4,
+                                                        dict(BN=32, BK=256, BK_DOT=128, num_warps=2,
                                                              num_stages=3)))),
     # fewer rows per block: BM 1 / 8 (tl.dot pads them to the mma shape)
     ("bits_pair_token_bm1", dict(t=3, h=128, inter=128, e=5, k=2, path="pair_token", bm=1, skip=1, dequant="bits")),
