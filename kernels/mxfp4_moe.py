@@ -49,6 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .device_info import check_runnable
+
 GROUP = 32  # values per UE8M0 scale
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -1276,6 +1278,7 @@ def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
         out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
     if t == 0:
         return out, []
+    check_runnable("hidden_states", x, "pd.kernels.mxfp4_moe_reference")  # after every argument check
 
     p = t * k
     path = cfg["path"]

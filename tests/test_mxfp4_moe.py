@@ -209,6 +209,13 @@ def test_validation_errors_name_the_argument(mutate, arg):
         fused_moe_mxfp4(**a)
 
 
+def test_valid_cpu_tensors_outside_the_interpreter_are_refused_before_launch():
+    from pd.kernels.mxfp4_moe import fused_moe_mxfp4
+
+    with pytest.raises(ValueError, match="hidden_states is on cpu: the Triton kernel needs a CUDA device .*reference"):
+        fused_moe_mxfp4(**_inputs())
+
+
 def test_empty_batch_returns_empty_output():
     from pd.kernels.mxfp4_moe import fused_moe_mxfp4
 
