@@ -56,8 +56,43 @@ def test_sampling_greedy_topk_topp_and_seeded():
     assert len(set(draws)) > 1
 
 
+def test_sampling_penalties_logit_bias_and_min_p():
+    """SGLang's order and formulas (sglang/srt/sampling/penaltylib, sampling_batch_info, sampler): penalties
+    on the output tokens' logits, then logit_bias, then greedy or the filtered draw."""
+    logits = torch.tensor([2.0, 1.9, -1.0, 0.0])
+    greedy = dict(temperature=0)
+    # frequency: per occurrence (2 - 2 x 0.04 = 1.92 still wins, 2 - 3 x 0.04 = 1.88 does not)
+    assert sample(logits, SamplingParams(**greedy, frequency_penalty=0.04), 0, 2, [], [0, 0]) == 0
+    assert sample(logits, SamplingParams(**greedy, frequency_penalty=0.04), 0, 3, [], [0, 0, 0]) == 1
+    # presence: once, however often (2 - 0.05 = 1.95 wins after 3 occurrences; 2 - 0.2 = 1.8 loses)
+    assert sample(logits, SamplingParams(**greedy, presence_penalty=0.05), 0, 3, [], [0, 0, 0]) == 0
+    assert sample(logits, SamplingParams(**greedy, presence_penalty=0.2), 0, 1, [], [0]) == 1
+    assert sample(logits, SamplingParams(**greedy, presence_penalty=-0.5), 0, 2, [], [1]) == 1  # negative: favour
+    assert sample(logits, SamplingParams(**greedy, repetition_penalty=1.5), 0, 1, [], [0]) == 1  # 2 / 1.5 < 1.9
+    # repetition penalty multiplies negative logits: -1 x 2 = -2 loses to -1.5
+    assert sample(torch.tensor([-1.0, -1.5, -10, -10]), SamplingParams(**greedy, repetition_penalty=2), 0, 1, [],
+                  [0]) == 1
+    assert sample(logits, SamplingParams(**greedy), 0, 2, [], [0, 0, 0]) == 0  # no penalty: output ids unused
+    assert sample(logits, SamplingParams(**greedy, logit_bias={"3": 2.5}), 0, 0, []) == 3
+    assert sample(logits, SamplingParams(**greedy, logit_bias={"3": 2.5}), 0, 0, [3]) == 0  # banned wins
+    # min_p: probabilities below min_p x the largest are dropped (e^-1 / e^0 = 0.37 < 0.5: only token 0 left)
+    flat = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    assert {sample(flat, SamplingParams(temperature=1.0, min_p=0.5), s, 0, []) for s in range(40)} == {0}
+    assert len({sample(flat, SamplingParams(temperature=1.0, min_p=0.3), s, 0, []) for s in range(40)}) > 1
+
+
+def test_openai_penalty_fields_reach_the_sampler():
+    sp = CompletionRequest(prompt="x", frequency_penalty=0.5, presence_penalty=-0.5, logit_bias={"3": 2.0},
+                           min_p=0.1, repetition_penalty=1.2).sampling(16)
+    assert (sp.frequency_penalty, sp.presence_penalty, sp.logit_bias, sp.min_p, sp.repetition_penalty) == \
+        (0.5, -0.5, {"3": 2.0}, 0.1, 1.2)
+
+
 @pytest.mark.parametrize("bad", [{"max_new_tokens": 0}, {"temperature": -0.1}, {"top_p": 0}, {"top_k": 0},
-                                 {"min_new_tokens": 5, "max_new_tokens": 2}, {"stop_token_ids": [999]}])
+                                 {"min_new_tokens": 5, "max_new_tokens": 2}, {"stop_token_ids": [999]},
+                                 {"min_p": 1.5}, {"frequency_penalty": 2.5}, {"presence_penalty": -3},
+                                 {"repetition_penalty": 0}, {"repetition_penalty": 2.5},
+                                 {"logit_bias": {"384": 1.0}}, {"logit_bias": {"x": 1.0}}])
 def test_sampling_params_validation_names_the_field(bad):
     with pytest.raises(EngineError) as e:
         SamplingParams(**bad).validate_for(384)

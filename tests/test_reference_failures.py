@@ -67,6 +67,13 @@ async def test_bad_inputs_get_4xx_and_hold_nothing(engines, side):
         r = await c.post("/generate", json={"text": ["a", "b"], "sampling_params": [{}, {"tempreature": 0}],
                                             **pd_fields, "bootstrap_room": [5, 6]})
         assert_error(r, 400, "unknown field `tempreature`")
+        # SGLang's constrained decoding is refused, not silently ignored; a null value is no request for it
+        r = await c.post("/generate", json={"text": "hi", "sampling_params": {"json_schema": "{}"}, **pd_fields,
+                                            "bootstrap_room": 11})
+        assert assert_error(r, 400, "`json_schema` is not supported")["param"] == "sampling_params.json_schema"
+        if side == "null":  # (a PD side would wait for its peer)
+            r = await c.post("/generate", json={"text": "hi", "sampling_params": {"regex": None, "max_new_tokens": 1}})
+            assert r.status_code == 200, r.text
         # JSON types as SGLang's /generate contract checks them
         r = await c.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": "5"}, **pd_fields,
                                             "bootstrap_room": 9})

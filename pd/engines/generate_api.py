@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from pd.engines.errors import bad_request
 from pd.engines.model_runner import ModelRunner
 from pd.engines.protocol import GenerateRequest, SeqSpec, expand, per_item
-from pd.engines.sampling import SGLANG_SAMPLING_KEYS, SamplingParams
+from pd.engines.sampling import SGLANG_SAMPLING_KEYS, UNSUPPORTED_SAMPLING_KEYS, SamplingParams
 from pd.engines.sequence import Sequence
 
 
@@ -53,6 +53,10 @@ def specs_from_generate(req: GenerateRequest, runner: ModelRunner) -> tuple[list
         if unknown:
             raise bad_request(f"sampling_params: unknown field `{unknown[0]}`, expected one of "
                               f"{', '.join(sorted(SGLANG_SAMPLING_KEYS))}", "sampling_params")
+        unsupported = sorted(k for k in set(sp) & UNSUPPORTED_SAMPLING_KEYS if sp[k] is not None)
+        if unsupported:
+            raise bad_request(f"sampling_params: `{unsupported[0]}` is not supported by the pdserve reference engine "
+                              "(SGLang serves it)", f"sampling_params.{unsupported[0]}")
     ns = [sp.get("n", 1) for sp in raw_list]
     bad_n = [n for n in ns if not isinstance(n, int) or isinstance(n, bool)]
     if bad_n:

@@ -67,8 +67,13 @@ class _OpenAIBase(BaseModel):
     stop: Optional[Union[str, list[str]]] = None
     seed: Optional[int] = None
     user: Optional[str] = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: Optional[dict[str, float]] = None
     # SGLang extensions
     top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: Optional[list[int]] = None
@@ -86,6 +91,11 @@ class _OpenAIBase(BaseModel):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,

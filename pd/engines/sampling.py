@@ -8,7 +8,7 @@ single (``null`` mode) engine samples with the same seed.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -17,9 +17,9 @@ DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
 
 # Every key SGLang 0.5.23's /generate accepts in ``sampling_params`` (the API fields of
 # sglang/srt/sampling/sampling_params.py; its JSON contract, sglang/api/v1, rejects any other key with a
-# 400). The reference engine honours the fields of SamplingParams below and ignores the rest of these,
-# but an unknown key is refused as SGLang refuses it, so a misspelt ``max_new_token`` is not silently
-# replaced by the default.
+# 400). The reference engine honours the fields of SamplingParams below (see UNSUPPORTED_SAMPLING_KEYS for
+# the rest), and an unknown key is refused as SGLang refuses it, so a misspelt ``max_new_token`` is not
+# silently replaced by the default.
 SGLANG_SAMPLING_KEYS = frozenset({
     "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
     "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
@@ -29,11 +29,23 @@ SGLANG_SAMPLING_KEYS = frozenset({
 })
 
 
+# SGLang keys whose meaning the reference engine does not implement (constrained decoding, beam search,
+# custom logit processors, watermarking): a request that sets one gets a 400 naming it rather than output
+# that silently ignores it. The remaining keys it does not model (stream_interval,
+# spaces_between_special_tokens) only shape how text is streamed or joined and are ignored.
+UNSUPPORTED_SAMPLING_KEYS = frozenset({
+    "json_schema", "regex", "ebnf", "structural_tag", "stop_regex", "choice", "beam_width", "custom_params",
+    "watermark",
+})
+
+
 class SamplingParams(BaseModel):
     """The subset of SGLang's ``sampling_params`` the reference engine honours.
 
-    Field names and defaults follow sglang/srt/sampling/sampling_params.py. ``top_k = -1`` and
-    ``top_p = 1`` disable those filters; ``temperature = 0`` is greedy.
+    Field names, defaults and ranges follow sglang/srt/sampling/sampling_params.py. ``top_k = -1``,
+    ``top_p = 1`` and ``min_p = 0`` disable those filters; ``temperature = 0`` is greedy. The penalties
+    count the request's output tokens only, as SGLang's penalizers (sglang/srt/sampling/penaltylib) do;
+    ``logit_bias`` maps token ids (JSON object keys) to values added to their logits.
     """
 
     # strict: JSON types as SGLang's /generate contract checks them ("5" is not an int, 1 not a bool)
@@ -44,6 +56,11 @@ class SamplingParams(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[dict[str, float]] = None
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
@@ -78,12 +95,23 @@ class SamplingParams(BaseModel):
             raise bad_request("top_p must be in (0, 1]", "top_p")
         if self.top_k < -1 or self.top_k == 0:
             raise bad_request("top_k must be -1 (disabled) or >= 1", "top_k")
+        if not 0 <= self.min_p <= 1:
+            raise bad_request("min_p must be in [0, 1]", "min_p")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise bad_request(f"{name} must be in [-2, 2]", name)
+        if not 0 < self.repetition_penalty <= 2:
+            raise bad_request("repetition_penalty must be in (0, 2] (1 = no penalty)", "repetition_penalty")
+        for key in self.logit_bias or {}:
+            if not key.strip().lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+                raise bad_request(f"logit_bias: key {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
         for t in self.stop_token_ids or []:
             if not 0 <= t < vocab_size:
                 raise bad_request(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})", "stop_token_ids")
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int, banned: list[int]) -> int:
+def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int, banned: list[int],
+           output_ids: Sequence[int] = ()) -> int:
     """Pick the next token.
 
     Args:
@@ -92,12 +120,25 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int, b
         seed: the request's sampling seed (any int).
         step: index of the output token being sampled (0 = first token).
         banned: token ids that must not be produced now (EOS and stop ids before min_new_tokens).
+        output_ids: the tokens this request has generated so far (the penalties count them).
 
     Returns:
-        The token id. Greedy (``temperature == 0`` or ``top_k == 1``) is argmax; ties break to the
-        lowest id, as ``torch.argmax`` does.
+        The token id. Order, as SGLang applies them: penalties on the logits (frequency: minus
+        penalty x count; presence: minus penalty if present; repetition: logit / penalty if positive,
+        x penalty if negative), then ``logit_bias``, then greedy argmax (``temperature == 0`` or
+        ``top_k == 1``; ties break to the lowest id, as ``torch.argmax`` does) or temperature, top-k,
+        top-p and min-p (probabilities below min_p x the largest dropped) and a seeded draw.
     """
     logits = logits.float().clone()
+    if output_ids and (params.frequency_penalty or params.presence_penalty or params.repetition_penalty != 1):
+        counts = torch.bincount(torch.tensor(list(output_ids), dtype=torch.long), minlength=logits.numel())
+        seen = counts > 0
+        logits -= params.frequency_penalty * counts.float() + params.presence_penalty * seen.float()
+        if params.repetition_penalty != 1:
+            rp = params.repetition_penalty
+            logits = torch.where(seen, torch.where(logits < 0, logits * rp, logits / rp), logits)
+    for key, bias in (params.logit_bias or {}).items():
+        logits[int(key)] += bias
     if banned:
         logits[banned] = float("-inf")
     if params.temperature == 0 or params.top_k == 1:
@@ -113,5 +154,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int, b
         cutoff = torch.cumsum(sorted_probs, 0) - sorted_probs >= params.top_p
         sorted_probs[cutoff] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if params.min_p > 0:
+        probs[probs < probs.max() * params.min_p] = 0.0
     generator = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63))
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -444,7 +444,7 @@ class Scheduler:
     # ---- model-thread work ---------------------------------------------------------------
     def _select(self, seq: Sequence, logits: torch.Tensor, step: int) -> tuple[int, float, list]:
         spec = seq.spec
-        token = sample(logits, spec.params, spec.seed, step, seq.banned_tokens(step))
+        token = sample(logits, spec.params, spec.seed, step, seq.banned_tokens(step), seq.output_ids)
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         top = []
         if spec.top_logprobs_num > 0:
