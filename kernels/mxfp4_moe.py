@@ -316,6 +316,31 @@ def _x_values(v, BKD: tl.constexpr):
 
 
 @triton.jit
+def _x_stage(ptrs, mask, BK: tl.constexpr, BKD: tl.constexpr, XS: tl.constexpr):
+    """XS >= 2: a pipeline stage's activation row as its two BK_DOT halves (``_load_x_row``); else nothing is
+    loaded here (``_x_step`` loads per step) and the two placeholders are never read."""
+    if XS >= 2:
+        xa, xb = _load_x_row(ptrs, mask, BK, BKD)
+    else:
+        xa = 0
+        xb = 0
+    return xa, xb
+
+
+@triton.jit
+def _x_step(xa, xb, ptrs, mask, j: tl.constexpr, XS: tl.constexpr, BKD: tl.constexpr, WL: tl.constexpr):
+    """The activation operands x0..x3 of dequantize + dot step ``j`` of a stage: from the stage's halves xa / xb
+    (XS >= 2, ``_x_stage``), one contiguous row load of the step (XS 1) or the value-column loads (XS 0)."""
+    if XS >= 2:
+        x0, x1, x2, x3 = _x_values(xa if j == 0 else xb, BKD)
+    elif XS == 1:
+        x0, x1, x2, x3 = _x_values(_load_x_row(ptrs + j * BKD, mask, BKD, BKD)[0], BKD)
+    else:
+        x0, x1, x2, x3 = _load_x(ptrs + j * BKD, mask, WL)
+    return x0, x1, x2, x3
+
+
+@triton.jit
 def _mx_step(acc, x0, x1, x2, x3, w, s, DEQ: tl.constexpr, WL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
              BK: tl.constexpr):
     """``_mx_dot`` for WL 0 (x0 = the [BM, BK] tile), ``_mx_dot_prep`` for WL 1."""
@@ -507,17 +532,11 @@ def _gate_up_kernel(
             sc_ptrs = s_base + w_row[:, None] * (H // SK) + ks[None, :]
             acc = _acc_init(BM, BN, WL)
             for _ in range(0, H // SPLIT // BK):
-                if XS >= 2:
-                    xa, xb = _load_x_row(x_ptrs, rmask[:, None], BK, BKD)
+                xa, xb = _x_stage(x_ptrs, rmask[:, None], BK, BKD, XS)
                 if XS == 3:
                     sca, scb = _load_s_stage(sc_ptrs, BN, BK, BKD)
                 for j in tl.static_range(BK // BKD):
-                    if XS >= 2:
-                        x0, x1, x2, x3 = _x_values(xa if j == 0 else xb, BKD)
-                    elif XS == 1:
-                        x0, x1, x2, x3 = _x_values(_load_x_row(x_ptrs + j * BKD, rmask[:, None], BKD, BKD)[0], BKD)
-                    else:
-                        x0, x1, x2, x3 = _load_x(x_ptrs + j * BKD, rmask[:, None], WL)
+                    x0, x1, x2, x3 = _x_step(xa, xb, x_ptrs, rmask[:, None], j, XS, BKD, WL)
                     if XS == 3:
                         sc = sca if j == 0 else scb
                     else:
@@ -552,18 +571,12 @@ def _gate_up_kernel(
             acc_g = _acc_init(BM, BN, WL)
             acc_u = _acc_init(BM, BN, WL)
             for _ in range(0, H // SPLIT // BK):
-                if XS >= 2:
-                    xa, xb = _load_x_row(x_ptrs, rmask[:, None], BK, BKD)
+                xa, xb = _x_stage(x_ptrs, rmask[:, None], BK, BKD, XS)
                 if XS == 3:
                     sga, sgb = _load_s_stage(sg_ptrs, BN, BK, BKD)
                     sua, sub = _load_s_stage(su_ptrs, BN, BK, BKD)
                 for j in tl.static_range(BK // BKD):
-                    if XS >= 2:
-                        x0, x1, x2, x3 = _x_values(xa if j == 0 else xb, BKD)
-                    elif XS == 1:
-                        x0, x1, x2, x3 = _x_values(_load_x_row(x_ptrs + j * BKD, rmask[:, None], BKD, BKD)[0], BKD)
-                    else:
-                        x0, x1, x2, x3 = _load_x(x_ptrs + j * BKD, rmask[:, None], WL)
+                    x0, x1, x2, x3 = _x_step(xa, xb, x_ptrs, rmask[:, None], j, XS, BKD, WL)
                     wg = tl.load(wg_ptrs + j * (BKD // WV))
                     wu = tl.load(wu_ptrs + j * (BKD // WV))
                     if XS == 3:
@@ -649,17 +662,11 @@ def _down_tile(h_ptr, w_base, s_base, rows, rmask, offs_n, k0, KLEN: tl.constexp
     a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * I + k0 + _x_cols(BK if XS >= 2 else BKD, WL, XS)[None, :]
     acc = _acc_init(BM, BN, WL)
     for _ in range(0, KLEN // BK):
-        if XS >= 2:
-            xa, xb = _load_x_row(a_ptrs, rmask[:, None], BK, BKD)
+        xa, xb = _x_stage(a_ptrs, rmask[:, None], BK, BKD, XS)
         if XS == 3:
             sa, sb = _load_s_stage(s_ptrs, BN, BK, BKD)
         for j in tl.static_range(BK // BKD):
-            if XS >= 2:
-                a0, a1, a2, a3 = _x_values(xa if j == 0 else xb, BKD)
-            elif XS == 1:
-                a0, a1, a2, a3 = _x_values(_load_x_row(a_ptrs + j * BKD, rmask[:, None], BKD, BKD)[0], BKD)
-            else:
-                a0, a1, a2, a3 = _load_x(a_ptrs + j * BKD, rmask[:, None], WL)
+            a0, a1, a2, a3 = _x_step(xa, xb, a_ptrs, rmask[:, None], j, XS, BKD, WL)
             w = tl.load(w_ptrs + j * (BKD // WV))
             if XS == 3:
                 s = sa if j == 0 else sb
