@@ -185,6 +185,23 @@ def ncu_run(args):
         torch.cuda.synchronize()
 
 
+def print_summary(res, name_width=28):
+    """Print the T = 1 kernel profile of each plan (span, time between calls when recorded, per-kernel durations,
+    gaps) and each T's round medians with their spread and % of the floor."""
+    for name, p in res["profile_t1"].items():
+        if "kernels" in p:
+            between = f"between {p['between_calls_us']:5.1f} " if "between_calls_us" in p else ""
+            print(f"profile T=1 {name:{name_width}s} span {p['span_us']:6.1f} {between}"
+                  + " ".join(f"{k[:14]}={d:.1f}" for k, d in zip(p["kernels"], p["dur_us"]))
+                  + " gaps " + " ".join(f"{g:.1f}" for g in p["gap_us"]))
+    for r in res["timing"]:
+        spread = {n: f"{min(v):.1f}-{max(v):.1f}" for n, v in r["rounds_us"].items() if v}
+        print(f"T={r['T']:>3} floor {r['floor_us_4p3']:6.1f} "
+              + " ".join(f"{n}={r['median_us'][n]:.1f}[{spread[n]}]({r['pct_floor'][n]:.1f}%)"
+                         for n in r["median_us"])
+              + (f" baseline={r['baseline_us']:.0f}" if "baseline_us" in r else ""))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -377,17 +394,7 @@ def main():
 
     save()
     print(f"\n{res['device']} correctness ok: {res['correct_all_ok']}  wall {time.time() - t0:.0f} s")
-    for name, p in res["profile_t1"].items():
-        if "kernels" in p:
-            print(f"profile T=1 {name:28s} span {p['span_us']:6.1f} between {p['between_calls_us']:5.1f} "
-                  + " ".join(f"{k[:14]}={d:.1f}" for k, d in zip(p["kernels"], p["dur_us"]))
-                  + " gaps " + " ".join(f"{g:.1f}" for g in p["gap_us"]))
-    for r in res["timing"]:
-        spread = {n: f"{min(v):.1f}-{max(v):.1f}" for n, v in r["rounds_us"].items() if v}
-        print(f"T={r['T']:>3} floor {r['floor_us_4p3']:6.1f} "
-              + " ".join(f"{n}={r['median_us'][n]:.1f}[{spread[n]}]({r['pct_floor'][n]:.1f}%)"
-                         for n in r["median_us"])
-              + (f" baseline={r['baseline_us']:.0f}" if "baseline_us" in r else ""))
+    print_summary(res)
     print("wrote", path)
 
 

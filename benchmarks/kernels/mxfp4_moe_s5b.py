@@ -531,17 +531,7 @@ def main():
     print(f"\n{res['device']} correctness ok: {res['correct_all_ok']}  wall {time.time() - t0:.0f} s  top {top}")
     for ln in res.get("ncu_lines", [])[:40]:
         print("ncu", ln.strip())
-    for name, p in res["profile_t1"].items():
-        if "kernels" in p:
-            print(f"profile T=1 {name:34s} span {p['span_us']:6.1f} "
-                  + " ".join(f"{k[:14]}={d:.1f}" for k, d in zip(p["kernels"], p["dur_us"]))
-                  + " gaps " + " ".join(f"{g:.1f}" for g in p["gap_us"]))
-    for r in res["timing"]:
-        spread = {n: f"{min(v):.1f}-{max(v):.1f}" for n, v in r["rounds_us"].items() if v}
-        print(f"T={r['T']:>3} floor {r['floor_us_4p3']:6.1f} "
-              + " ".join(f"{n}={r['median_us'][n]:.1f}[{spread[n]}]({r['pct_floor'][n]:.1f}%)"
-                         for n in r["median_us"])
-              + (f" baseline={r['baseline_us']:.0f}" if "baseline_us" in r else ""))
+    s5.print_summary(res, name_width=34)
     print("wrote", path)
 
 
