@@ -185,6 +185,27 @@ def ncu_run(args):
         torch.cuda.synchronize()
 
 
+def interleaved_rounds(row, timed, n_rounds, t_deadline, floor):
+    """Time every plan of ``timed`` ({name: CUDA-graph call list}) once per round, ``n_rounds`` interleaved rounds
+    (at least 2; later ones only before ``t_deadline``), into ``row``: rounds_us, median_us, pct_floor (of
+    ``floor`` us) and vs_head (the "head" plan's median over each); a plan that fails gets NaN and its error."""
+    rounds = {n: [] for n in timed}
+    for r in range(n_rounds):
+        if r >= 2 and time.time() > t_deadline:
+            row["rounds_truncated"] = r
+            break
+        for n, fns in timed.items():
+            try:
+                rounds[n].append(bm.bench_graph(fns, 40))
+            except Exception as e:  # noqa: BLE001
+                rounds[n].append(float("nan"))
+                row.setdefault("errors", {})[n] = repr(e)[:200]
+    row["rounds_us"] = rounds
+    row["median_us"] = {n: statistics.median(v) for n, v in rounds.items() if v}
+    row["pct_floor"] = {n: 100 * floor / v for n, v in row["median_us"].items()}
+    row["vs_head"] = {n: row["median_us"]["head"] / v for n, v in row["median_us"].items()}
+
+
 def print_summary(res, name_width=28):
     """Print the T = 1 kernel profile of each plan (span, time between calls when recorded, per-kernel durations,
     gaps) and each T's round medians with their spread and % of the floor."""
@@ -341,21 +362,7 @@ def main():
         timed.update({n: call(mx, p13, p2, c) for n, c in cand.items()})
         if t == 1:  # the one-row fold plan on the SGLang layout (for DEFAULT_CONFIGS; not a default here)
             timed["sglang_bm1_fold"] = call(mx, w13, w2, SGLANG_T1, layout="sglang")
-        rounds = {n: [] for n in timed}
-        for r in range(args.rounds):
-            if r >= 2 and time.time() > t_deadline:
-                row["rounds_truncated"] = r
-                break
-            for n, fns in timed.items():
-                try:
-                    rounds[n].append(bm.bench_graph(fns, 40))
-                except Exception as e:  # noqa: BLE001
-                    rounds[n].append(float("nan"))
-                    row.setdefault("errors", {})[n] = repr(e)[:200]
-        row["rounds_us"] = rounds
-        row["median_us"] = {n: statistics.median(v) for n, v in rounds.items() if v}
-        row["pct_floor"] = {n: 100 * floor / v for n, v in row["median_us"].items()}
-        row["vs_head"] = {n: row["median_us"]["head"] / v for n, v in row["median_us"].items()}
+        interleaved_rounds(row, timed, args.rounds, t_deadline, floor)
         row["configs"] = {n: (cand[n] if n in cand else SGLANG_T1 if n == "sglang_bm1_fold" else
                               head.default_config(t * K, LAYOUT if n == "head" else "sglang")) for n in timed}
         if args.baseline:

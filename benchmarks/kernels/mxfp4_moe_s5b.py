@@ -47,7 +47,6 @@ import glob
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -474,21 +473,7 @@ def main():
         timed = {"head": calls(head, p13, p2, sets, outs), "default": calls(mx, p13, p2, sets, outs)}
         if t * K <= 48:
             timed.update({n: calls(mx, p13, p2, sets, outs, all_plans[n]) for n in top})
-        rounds = {n: [] for n in timed}
-        for r in range(args.rounds):
-            if r >= 2 and time.time() > t_deadline:
-                row["rounds_truncated"] = r
-                break
-            for n, fns in timed.items():
-                try:
-                    rounds[n].append(bm.bench_graph(fns, 40))
-                except Exception as e:  # noqa: BLE001
-                    rounds[n].append(float("nan"))
-                    row.setdefault("errors", {})[n] = repr(e)[:200]
-        row["rounds_us"] = rounds
-        row["median_us"] = {n: statistics.median(v) for n, v in rounds.items() if v}
-        row["pct_floor"] = {n: 100 * floor / v for n, v in row["median_us"].items()}
-        row["vs_head"] = {n: row["median_us"]["head"] / v for n, v in row["median_us"].items()}
+        s5.interleaved_rounds(row, timed, args.rounds, t_deadline, floor)
         row["configs"] = {n: (head.default_config(t * K, LAYOUT) if n == "head" else
                               mx.default_config(t * K, LAYOUT) if n == "default" else all_plans[n]) for n in timed}
         if args.baseline and left() > 15:
