@@ -89,6 +89,27 @@ def start_local_head(cfg: PDConfig, dashboard_port: int, log_path: Path) -> subp
     return head
 
 
+def submit_when_agent_ready(client, timeout_s: float = 180, **job) -> str:
+    """``client.submit_job(**job)``, retried while the head answers "No available agent to submit job".
+
+    A freshly started head serves its dashboard before its job agent has registered; on a busy machine that
+    takes longer than the 10 s the head waits per submission (ray/dashboard/consts.py
+    WAIT_AVAILABLE_AGENT_TIMEOUT), and the head then refuses the job with that 500.
+
+    Raises:
+        RuntimeError: any other submission error, or no agent within ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return client.submit_job(**job)
+        except RuntimeError as e:
+            if "No available agent" not in str(e) or time.monotonic() > deadline:
+                raise
+            say("the Ray head's job agent is not up yet; retrying the submission")
+            time.sleep(1)
+
+
 async def follow(client, job_id: str, router_seen: list, model: str) -> None:
     """Print the job's log as it arrives; on the router's ready line, print its URL and a curl example once."""
     async for chunk in client.tail_job_logs(job_id):
@@ -153,8 +174,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     code = 0
     try:
         client = JobSubmissionClient(address)
-        job_id = client.submit_job(
-            entrypoint=f"{sys.executable} -m pd.launch",
+        job_id = submit_when_agent_ready(
+            client, entrypoint=f"{sys.executable} -m pd.launch",
             runtime_env={"working_dir": str(REPO), "env_vars": {CONFIG_ENV: config_text}},
         )
         say(f"submitted Ray job {job_id} to {address}")

@@ -56,7 +56,16 @@ class RayHead:
         return out.stdout + out.stderr
 
     def submit(self, *entrypoint: str) -> str:
-        out = self.ray("job", "submit", "--address", self.address, "--working-dir", ".", "--no-wait", "--", *entrypoint)
+        deadline = time.time() + 180
+        while True:  # a new head serves its dashboard before its job agent registers (busy CI: > 10 s)
+            try:
+                out = self.ray("job", "submit", "--address", self.address, "--working-dir", ".", "--no-wait", "--",
+                               *entrypoint)
+                break
+            except RuntimeError as e:
+                if "No available agent" not in str(e) or time.time() > deadline:
+                    raise
+                time.sleep(1)
         return re.search(r"raysubmit_\w+", out).group(0)
 
     def logs(self, job: str) -> str:

@@ -1,5 +1,6 @@
 """`pdserve up`: one command brings the cluster up on this machine; Ctrl-C takes all of it down."""
 
+import contextlib
 import os
 import re
 import signal
@@ -9,6 +10,7 @@ import threading
 import time
 
 import httpx
+import pytest
 import yaml
 
 from engines import ROOT, free_port
@@ -53,7 +55,8 @@ def test_pdserve_up_serves_and_ctrl_c_stops_everything(model_cache, tmp_path):
                              timeout=120)
         assert job.returncode == 0 and "submitted-from-another-shell" in job.stdout, job.stdout + job.stderr
     finally:
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
+        with contextlib.suppress(ProcessLookupError):  # already exited: keep the assertion that said why
+            os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
         try:
             proc.wait(120)
         except subprocess.TimeoutExpired:
@@ -95,3 +98,32 @@ def test_pdserve_up_runs_the_preflight_before_starting_a_head(tmp_path):
     assert r.returncode == 2, out
     assert str(cfg["router"]["port"]) in out and "nothing started" in out, out
     assert "starting a local head" not in out
+
+
+def test_submission_waits_for_the_heads_job_agent(monkeypatch):
+    """A new head refuses jobs with "No available agent" until its agent registers: `up` retries only that."""
+    from pd import up
+
+    monkeypatch.setattr(up.time, "sleep", lambda s: None)
+
+    class Client:
+        def __init__(self, errors):
+            self.errors, self.calls = list(errors), 0
+
+        def submit_job(self, **job):
+            self.calls += 1
+            if self.errors:
+                raise RuntimeError(self.errors.pop(0))
+            return f"raysubmit_{job['entrypoint']}"
+
+    busy = "Request failed with status code 500: No available agent to submit job, please try again later.."
+    client = Client([busy, busy])
+    assert up.submit_when_agent_ready(client, entrypoint="x") == "raysubmit_x" and client.calls == 3
+    client = Client(["Request failed with status code 400: bad runtime_env"])
+    with pytest.raises(RuntimeError, match="bad runtime_env"):
+        up.submit_when_agent_ready(client, entrypoint="x")
+    assert client.calls == 1
+    client = Client([busy] * 3)
+    with pytest.raises(RuntimeError, match="No available agent"):
+        up.submit_when_agent_ready(client, timeout_s=-1, entrypoint="x")
+    assert client.calls == 1
