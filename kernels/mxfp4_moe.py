@@ -19,6 +19,9 @@ Kernels (weights are never dequantized in memory):
     <= 2, which the caller states with ``max_scale_byte``). With ``weight_layout="sm90_bits"`` the weights were
     reordered once at load time (``prepare_mxfp4_weights_sm90``, ``_E2M1_PREP_ASM``): about half the integer
     work and ~2.7-3.1 SASS per weight, the product computed transposed (converted weights as the mma A operand).
+    ``"sm90_tiled"`` / ``"sm90_tiled_scales"`` are the same elements stored as 32-row x 256-value tiles (and the
+    scales as 32-row x 8-byte tiles), so a pipeline stage reads one contiguous 4 KiB run instead of 128 bytes from
+    each of 32 rows (s6, not yet measured on a GPU; the defaults keep "sm90_bits").
     The epilogue rounds gate/up to bf16, clamps, applies SiLU(gate) * up and stores h (bf16).
   * ``_down_kernel``: the same over K = I for the down projection; multiplies by the routing weight and either
     stores the per-pair rows (fp32) for ``_topk_sum_kernel``, or (``pair_token`` path) loops over a token's k
@@ -162,7 +165,101 @@ mul.rn.bf16x2 $3, v, $5;
 """)
 WL_SGLANG = 0  # SGLang's checkpoint layout (any dequantization)
 WL_SM90_BITS = 1  # the prepared layout above (bits dequantization only)
-WEIGHT_LAYOUTS = {"sglang": WL_SGLANG, "sm90_bits": WL_SM90_BITS}
+# WL 2 ("sm90_tiled", ``prepare_mxfp4_weights_sm90(..., tiled=True)``): the elements of WL 1, each band of 32 rows
+# stored as K / 256 consecutive tiles of [32 rows x 64 elements] (4 KiB; a row's 256 values of one tile are 128
+# contiguous bytes). Why: in WL 1 a program's pipeline stage reads one 128-byte piece from each of its 32 rows, the
+# rows 1-2 KiB apart, so the whole grid streams its experts in 128-byte pieces (H200, s5d: gate/up at 55% of DRAM
+# peak with 23 or 46 warps per SM); here a 32-row, BK-256 stage is one contiguous 4 KiB run and a program's K range
+# one contiguous run of those.
+WL_SM90_TILED = 2
+# WL 3 ("sm90_tiled_scales"): WL 2, and the scale bytes in the same bands of [32 rows x 8 bytes] tiles
+# (``tile_mxfp4_scales``), so a stage's scales are one 256-byte run instead of 8 bytes from each of 32 rows.
+WL_SM90_TILED_SCALES = 3
+WEIGHT_LAYOUTS = {"sglang": WL_SGLANG, "sm90_bits": WL_SM90_BITS, "sm90_tiled": WL_SM90_TILED,
+                  "sm90_tiled_scales": WL_SM90_TILED_SCALES}
+PREPARED_LAYOUTS = ("sm90_bits", "sm90_tiled", "sm90_tiled_scales")  # read with the sm90_bits element encoding
+TILE_ROWS = tl.constexpr(32)  # rows per band of the tiled layout
+TILE_ELEMS = tl.constexpr(64)  # 16-bit elements (256 values) per row of one tile
+TILE_SCALES = tl.constexpr(8)  # WL 3: scale bytes (256 values) per row of one scale tile
+
+
+@triton.jit
+def _tiled_rows(rows, KE: tl.constexpr, TE: tl.constexpr):
+    """WL >= 2: the element offset of each row's first tile (rows: int tensor of row indices, KE: elements per row,
+    TE: elements per row of a tile)."""
+    return (rows // TILE_ROWS) * (TILE_ROWS * KE) + (rows % TILE_ROWS) * TE
+
+
+@triton.jit
+def _w_ptrs(base, rows, KE: tl.constexpr, kb, WL: tl.constexpr):
+    """[len(rows), len(kb)] weight element pointers: rows ``rows``, elements ``kb`` of the row (WL 0 / 1: from
+    ``base``, which holds the program's K start; WL >= 2: of the row's first tile, ``_w_step`` adds the K offset)."""
+    if WL >= 2:
+        return base + _tiled_rows(rows, KE, TILE_ELEMS)[:, None] + kb[None, :]
+    else:
+        return base + rows[:, None] * KE + kb[None, :]
+
+
+@triton.jit
+def _w_step(ptrs, m, j_off: tl.constexpr, WL: tl.constexpr, STEP: tl.constexpr, ALIGNED: tl.constexpr):
+    """The weight pointers of a dequantize + dot step ``j_off`` elements into the stage that starts at row element
+    ``m``: WL 0 / 1 ``ptrs + j_off`` (the K loop advances ``ptrs``, ``_w_next``); WL >= 2 the tile offset of element
+    m + j_off (a multiple of STEP <= 64: the step stays inside one tile) added to the row offsets. ALIGNED: every
+    stage starts a tile (m % 64 == 0), so the offset is m * 32 plus a constant (no division in the K loop)."""
+    if WL >= 2:
+        if ALIGNED:
+            jo = tl.constexpr(j_off)  # the interpreter passes a plain int
+            return ptrs + m * TILE_ROWS + ((jo // TILE_ELEMS) * (TILE_ROWS * TILE_ELEMS) + jo % TILE_ELEMS)
+        else:
+            mm = m + j_off
+            off = (mm // TILE_ELEMS) * (TILE_ROWS * TILE_ELEMS) + mm % TILE_ELEMS
+            return ptrs + tl.multiple_of(off, STEP)
+    else:
+        return ptrs + j_off
+
+
+@triton.jit
+def _w_next(ptrs, n: tl.constexpr, WL: tl.constexpr):
+    """The weight pointers of the next stage (``n`` elements on; WL >= 2 keeps the row offsets, see ``_w_step``)."""
+    if WL >= 2:
+        return ptrs
+    else:
+        return ptrs + n
+
+
+@triton.jit
+def _s_ptrs(base, rows, KS: tl.constexpr, ks, WL: tl.constexpr):
+    """Scale byte pointers: [len(rows), len(ks)] (``base`` holds the program's K start), or WL 3 (scales tiled like
+    the weights: [32 rows x 8 bytes] tiles) the rows' first-tile pointers [len(rows), 1] (``_s_step`` adds the
+    columns)."""
+    if WL == 3:
+        return base + _tiled_rows(rows, KS, TILE_SCALES)[:, None]
+    else:
+        return base + rows[:, None] * KS + ks[None, :]
+
+
+@triton.jit
+def _s_step(ptrs, g, j_off: tl.constexpr, ks, WL: tl.constexpr, ALIGNED: tl.constexpr):
+    """The scale pointers of a load ``j_off`` bytes into the stage that starts at scale column ``g`` of a row: WL < 3
+    ``ptrs + j_off``; WL 3 the tiled offsets of columns g + j_off + ks (ALIGNED: g % 8 == 0)."""
+    if WL == 3:
+        if ALIGNED:
+            c = (ks + j_off) // TILE_SCALES * (TILE_ROWS * TILE_SCALES) + (ks + j_off) % TILE_SCALES
+            return ptrs + g * TILE_ROWS + c[None, :]
+        else:
+            gg = g + j_off + ks
+            return ptrs + (gg // TILE_SCALES * (TILE_ROWS * TILE_SCALES) + gg % TILE_SCALES)[None, :]
+    else:
+        return ptrs + j_off
+
+
+@triton.jit
+def _s_next(ptrs, n: tl.constexpr, WL: tl.constexpr):
+    """The scale pointers of the next stage (WL 3 keeps the row pointers, see ``_s_step``)."""
+    if WL == 3:
+        return ptrs
+    else:
+        return ptrs + n
 
 
 @triton.jit
@@ -230,7 +327,7 @@ def _mx_dot_prep(acc_t, x0, x1, x2, x3, w, s, DEQ: tl.constexpr, BN: tl.constexp
 @triton.jit
 def _acc_init(BM: tl.constexpr, BN: tl.constexpr, WL: tl.constexpr):
     """Zero accumulator: [BM, BN], or transposed [BN, BM] for WL 1 (see ``_mx_dot_prep``)."""
-    if WL == 1:
+    if WL >= 1:
         return tl.zeros([BN, BM], tl.float32)
     else:
         return tl.zeros([BM, BN], tl.float32)
@@ -239,7 +336,7 @@ def _acc_init(BM: tl.constexpr, BN: tl.constexpr, WL: tl.constexpr):
 @triton.jit
 def _acc_out(acc, WL: tl.constexpr):
     """The accumulator as [BM, BN]."""
-    if WL == 1:
+    if WL >= 1:
         return tl.trans(acc)
     else:
         return acc
@@ -250,7 +347,7 @@ def _x_cols(BKD: tl.constexpr, WL: tl.constexpr, XS: tl.constexpr = 0):
     """Activation column offsets of one load: [BKD] (WL 0, or XS >= 1: a contiguous K range, the caller passing
     BK_DOT or BK as BKD), or the [BKD/4] columns of the prepared layout's value 0, 32 g + 0..7 per group g (WL 1,
     XS 0; value c's columns are these + 8 c)."""
-    if WL == 1 and XS == 0:
+    if WL >= 1 and XS == 0:
         j = tl.arange(0, BKD // 4)
         return (j // 8) * 32 + j % 8
     else:
@@ -262,7 +359,7 @@ def _load_x(ptrs, mask, WL: tl.constexpr):
     """Activation operands at ``ptrs`` (from ``_x_cols``): WL 0 the [BM, BKD] tile (four times, unused but the
     first); WL 1 the value-0..3 columns."""
     x0 = tl.load(ptrs, mask=mask, other=0.0)
-    if WL == 1:
+    if WL >= 1:
         x1 = tl.load(ptrs + 8, mask=mask, other=0.0)
         x2 = tl.load(ptrs + 16, mask=mask, other=0.0)
         x3 = tl.load(ptrs + 24, mask=mask, other=0.0)
@@ -344,7 +441,7 @@ def _x_step(xa, xb, ptrs, mask, j: tl.constexpr, XS: tl.constexpr, BKD: tl.const
 def _mx_step(acc, x0, x1, x2, x3, w, s, DEQ: tl.constexpr, WL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
              BK: tl.constexpr):
     """``_mx_dot`` for WL 0 (x0 = the [BM, BK] tile), ``_mx_dot_prep`` for WL 1."""
-    if WL == 1:
+    if WL >= 1:
         acc = _mx_dot_prep(acc, x0, x1, x2, x3, w, s, DEQ, BN, BK)
     else:
         acc = _mx_dot(acc, x0, w, s, DEQ, BM, BN, BK)
@@ -354,7 +451,7 @@ def _mx_step(acc, x0, x1, x2, x3, w, s, DEQ: tl.constexpr, WL: tl.constexpr, BM:
 @triton.jit
 def _w_elems(w_ptr, WL: tl.constexpr):
     """Weight bytes as the elements the kernels load: uint8 (WL 0), or uint16 (WL 1: four e2m1 values each)."""
-    if WL == 1:
+    if WL >= 1:
         return w_ptr.to(tl.pointer_type(tl.uint16))
     else:
         return w_ptr
@@ -518,33 +615,41 @@ def _gate_up_kernel(
             s_lo = tl.minimum(q * per_s, S2B)
             _prefetch_span(w2_ptr + e64 * W2B + w_lo, tl.minimum(per_w, W2B - w_lo), True, 128)
             _prefetch_span(s2_ptr + e64 * S2B + s_lo, tl.minimum(per_s, S2B - s_lo), True, 128)
-        WV: tl.constexpr = 2 + 2 * WL  # values per weight element
-        w_base = _w_elems(w_ptr, WL) + e64 * (2 * I * (H // WV)) + k0 // WV
+        WV: tl.constexpr = 2 if WL == 0 else 4  # values per weight element
+        w_base = _w_elems(w_ptr, WL) + e64 * (2 * I * (H // WV))
+        if WL < 2:
+            w_base += k0 // WV
         SK: tl.constexpr = 32  # K per scale byte
-        s_base = s_ptr + e64 * (2 * I * (H // SK)) + k0 // SK
+        s_base = s_ptr + e64 * (2 * I * (H // SK))
+        if WL < 3:
+            s_base += k0 // SK
         kb = tl.arange(0, BKD // WV)
+        ALIGNED: tl.constexpr = BK % 256 == 0 and (H // SPLIT) % 256 == 0  # WL >= 2: stages start tiles
         ks = tl.arange(0, (BK if XS == 3 else BKD) // SK)  # XS 3: a stage's scales in one load
         x_ptrs = x_ptr + tok[:, None] * stride_xt + k0 + _x_cols(BK if XS >= 2 else BKD, WL, XS)[None, :]
         r64 = rows.to(tl.int64)[:, None]
         if HALVES:
             w_row = pid_n * BN + tl.arange(0, BN)
-            w_ptrs = w_base + w_row[:, None] * (H // WV) + kb[None, :]
-            sc_ptrs = s_base + w_row[:, None] * (H // SK) + ks[None, :]
+            w_ptrs = _w_ptrs(w_base, w_row, H // WV, kb, WL)
+            sc_ptrs = _s_ptrs(s_base, w_row, H // SK, ks, WL)
             acc = _acc_init(BM, BN, WL)
-            for _ in range(0, H // SPLIT // BK):
+            for it in range(0, H // SPLIT // BK):
+                m = k0 // WV + it * (BK // WV)  # the stage's first element of a row (WL >= 2)
+                g = k0 // SK + it * (BK // SK)  # and its first scale column (WL 3)
                 xa, xb = _x_stage(x_ptrs, rmask[:, None], BK, BKD, XS)
                 if XS == 3:
-                    sca, scb = _load_s_stage(sc_ptrs, BN, BK, BKD)
+                    sca, scb = _load_s_stage(_s_step(sc_ptrs, g, 0, ks, WL, ALIGNED), BN, BK, BKD)
                 for j in tl.static_range(BK // BKD):
                     x0, x1, x2, x3 = _x_step(xa, xb, x_ptrs, rmask[:, None], j, XS, BKD, WL)
                     if XS == 3:
                         sc = sca if j == 0 else scb
                     else:
-                        sc = tl.load(sc_ptrs + j * (BKD // SK))
-                    acc = _mx_step(acc, x0, x1, x2, x3, tl.load(w_ptrs + j * (BKD // WV)), sc, DEQ, WL, BM, BN, BKD)
+                        sc = tl.load(_s_step(sc_ptrs, g, j * (BKD // SK), ks, WL, ALIGNED))
+                    w = tl.load(_w_step(w_ptrs, m, j * (BKD // WV), WL, BKD // WV, ALIGNED))
+                    acc = _mx_step(acc, x0, x1, x2, x3, w, sc, DEQ, WL, BM, BN, BKD)
                 x_ptrs += BK
-                w_ptrs += BK // WV
-                sc_ptrs += BK // SK
+                w_ptrs = _w_next(w_ptrs, BK // WV, WL)
+                sc_ptrs = _s_next(sc_ptrs, BK // SK, WL)
             if PDL == 1:  # after the K loop: released at the start of a grid of several waves, the down programs
                 tl.extra.cuda.gdc_launch_dependents()  # crowded onto the SMs freed first (H200, s5: down 1.5x slower)
             acc = _acc_out(acc, WL)
@@ -564,34 +669,36 @@ def _gate_up_kernel(
             else:
                 g_row = offs_n
                 u_row = offs_n + I
-            wg_ptrs = w_base + g_row[:, None] * (H // WV) + kb[None, :]
-            wu_ptrs = w_base + u_row[:, None] * (H // WV) + kb[None, :]
-            sg_ptrs = s_base + g_row[:, None] * (H // SK) + ks[None, :]
-            su_ptrs = s_base + u_row[:, None] * (H // SK) + ks[None, :]
+            wg_ptrs = _w_ptrs(w_base, g_row, H // WV, kb, WL)
+            wu_ptrs = _w_ptrs(w_base, u_row, H // WV, kb, WL)
+            sg_ptrs = _s_ptrs(s_base, g_row, H // SK, ks, WL)
+            su_ptrs = _s_ptrs(s_base, u_row, H // SK, ks, WL)
             acc_g = _acc_init(BM, BN, WL)
             acc_u = _acc_init(BM, BN, WL)
-            for _ in range(0, H // SPLIT // BK):
+            for it in range(0, H // SPLIT // BK):
+                m = k0 // WV + it * (BK // WV)
+                g = k0 // SK + it * (BK // SK)
                 xa, xb = _x_stage(x_ptrs, rmask[:, None], BK, BKD, XS)
                 if XS == 3:
-                    sga, sgb = _load_s_stage(sg_ptrs, BN, BK, BKD)
-                    sua, sub = _load_s_stage(su_ptrs, BN, BK, BKD)
+                    sga, sgb = _load_s_stage(_s_step(sg_ptrs, g, 0, ks, WL, ALIGNED), BN, BK, BKD)
+                    sua, sub = _load_s_stage(_s_step(su_ptrs, g, 0, ks, WL, ALIGNED), BN, BK, BKD)
                 for j in tl.static_range(BK // BKD):
                     x0, x1, x2, x3 = _x_step(xa, xb, x_ptrs, rmask[:, None], j, XS, BKD, WL)
-                    wg = tl.load(wg_ptrs + j * (BKD // WV))
-                    wu = tl.load(wu_ptrs + j * (BKD // WV))
+                    wg = tl.load(_w_step(wg_ptrs, m, j * (BKD // WV), WL, BKD // WV, ALIGNED))
+                    wu = tl.load(_w_step(wu_ptrs, m, j * (BKD // WV), WL, BKD // WV, ALIGNED))
                     if XS == 3:
                         sg = sga if j == 0 else sgb
                         su = sua if j == 0 else sub
                     else:
-                        sg = tl.load(sg_ptrs + j * (BKD // SK))
-                        su = tl.load(su_ptrs + j * (BKD // SK))
+                        sg = tl.load(_s_step(sg_ptrs, g, j * (BKD // SK), ks, WL, ALIGNED))
+                        su = tl.load(_s_step(su_ptrs, g, j * (BKD // SK), ks, WL, ALIGNED))
                     acc_g = _mx_step(acc_g, x0, x1, x2, x3, wg, sg, DEQ, WL, BM, BN, BKD)
                     acc_u = _mx_step(acc_u, x0, x1, x2, x3, wu, su, DEQ, WL, BM, BN, BKD)
                 x_ptrs += BK
-                wg_ptrs += BK // WV
-                wu_ptrs += BK // WV
-                sg_ptrs += BK // SK
-                su_ptrs += BK // SK
+                wg_ptrs = _w_next(wg_ptrs, BK // WV, WL)
+                wu_ptrs = _w_next(wu_ptrs, BK // WV, WL)
+                sg_ptrs = _s_next(sg_ptrs, BK // SK, WL)
+                su_ptrs = _s_next(su_ptrs, BK // SK, WL)
             if PDL == 1:
                 tl.extra.cuda.gdc_launch_dependents()
             acc_g = _acc_out(acc_g, WL)
@@ -653,29 +760,38 @@ def _down_tile(h_ptr, w_base, s_base, rows, rmask, offs_n, k0, KLEN: tl.constexp
                WL: tl.constexpr, XS: tl.constexpr = 0):
     """[BM, BN] fp32 = h[rows, k0:k0+KLEN] @ W_down[expert][offs_n, k0:k0+KLEN]^T (BK of K per loop iteration,
     in BK / BKD dequantize + dot steps, as in _gate_up_kernel)."""
-    WV: tl.constexpr = 2 + 2 * WL  # values per weight element
+    WV: tl.constexpr = 2 if WL == 0 else 4  # values per weight element
     kb = tl.arange(0, BKD // WV)
+    ALIGNED: tl.constexpr = BK % 256 == 0 and KLEN % 256 == 0  # WL >= 2: stages start tiles (k0 a multiple of KLEN)
     SK: tl.constexpr = 32  # K per scale byte
     ks = tl.arange(0, (BK if XS == 3 else BKD) // SK)  # XS 3: a stage's scales in one load
-    w_ptrs = _w_elems(w_base, WL) + offs_n[:, None] * (I // WV) + k0 // WV + kb[None, :]
-    s_ptrs = s_base + offs_n[:, None] * (I // SK) + k0 // SK + ks[None, :]
+    if WL >= 2:
+        w_ptrs = _w_ptrs(_w_elems(w_base, WL), offs_n, I // WV, kb, WL)
+    else:
+        w_ptrs = _w_elems(w_base, WL) + offs_n[:, None] * (I // WV) + k0 // WV + kb[None, :]
+    if WL == 3:
+        s_ptrs = _s_ptrs(s_base, offs_n, I // SK, ks, WL)
+    else:
+        s_ptrs = s_base + offs_n[:, None] * (I // SK) + k0 // SK + ks[None, :]
     a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * I + k0 + _x_cols(BK if XS >= 2 else BKD, WL, XS)[None, :]
     acc = _acc_init(BM, BN, WL)
-    for _ in range(0, KLEN // BK):
+    for it in range(0, KLEN // BK):
+        m = k0 // WV + it * (BK // WV)  # the stage's first element of a row (WL >= 2)
+        g = k0 // SK + it * (BK // SK)  # and its first scale column (WL 3)
         xa, xb = _x_stage(a_ptrs, rmask[:, None], BK, BKD, XS)
         if XS == 3:
-            sa, sb = _load_s_stage(s_ptrs, BN, BK, BKD)
+            sa, sb = _load_s_stage(_s_step(s_ptrs, g, 0, ks, WL, ALIGNED), BN, BK, BKD)
         for j in tl.static_range(BK // BKD):
             a0, a1, a2, a3 = _x_step(xa, xb, a_ptrs, rmask[:, None], j, XS, BKD, WL)
-            w = tl.load(w_ptrs + j * (BKD // WV))
+            w = tl.load(_w_step(w_ptrs, m, j * (BKD // WV), WL, BKD // WV, ALIGNED))
             if XS == 3:
                 s = sa if j == 0 else sb
             else:
-                s = tl.load(s_ptrs + j * (BKD // SK))
+                s = tl.load(_s_step(s_ptrs, g, j * (BKD // SK), ks, WL, ALIGNED))
             acc = _mx_step(acc, a0, a1, a2, a3, w, s, DEQ, WL, BM, BN, BKD)
         a_ptrs += BK
-        w_ptrs += BK // WV
-        s_ptrs += BK // SK
+        w_ptrs = _w_next(w_ptrs, BK // WV, WL)
+        s_ptrs = _s_next(s_ptrs, BK // SK, WL)
     return _acc_out(acc, WL)
 
 
@@ -876,8 +992,8 @@ DEFAULT_CONFIGS_SM90_BITS = [
 
 def default_config(num_pairs: int, weight_layout: str = "sglang") -> dict:
     """The launch plan ``fused_moe_mxfp4`` uses for ``num_pairs`` = T * k (see DEFAULT_CONFIGS, and
-    DEFAULT_CONFIGS_SM90_BITS for ``weight_layout="sm90_bits"``)."""
-    table = DEFAULT_CONFIGS_SM90_BITS if weight_layout == "sm90_bits" else DEFAULT_CONFIGS
+    DEFAULT_CONFIGS_SM90_BITS for the prepared layouts ``PREPARED_LAYOUTS``)."""
+    table = DEFAULT_CONFIGS_SM90_BITS if weight_layout in PREPARED_LAYOUTS else DEFAULT_CONFIGS
     for bound, cfg in table:
         if num_pairs <= bound:
             return cfg
@@ -1010,9 +1126,10 @@ def mxfp4_max_scale_byte(*scales: torch.Tensor) -> int:
 
 
 def prepare_mxfp4_weights_sm90(w13: torch.Tensor, w2: torch.Tensor, *, inplace: bool = False,
-                               chunk_bytes: int = 1 << 26) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reorder packed e2m1 weights once, at weight-load time, into ``weight_layout="sm90_bits"``, which the sm_90
-    bits dequantization reads with about half the integer instructions of SGLang's layout.
+                               chunk_bytes: int = 1 << 26, tiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reorder packed e2m1 weights once, at weight-load time, into ``weight_layout="sm90_bits"`` (or, ``tiled``,
+    ``"sm90_tiled"``), which the sm_90 bits dequantization reads with about half the integer instructions of SGLang's
+    layout.
 
     Layout (per row of K values v[0..K), K = H for w13 and I for w2, a multiple of 32): SGLang's byte j holds
     v[2 j] (low nibble) and v[2 j + 1]; the prepared row is K / 4 little-endian 16-bit elements (bytes 2 m, 2 m + 1
@@ -1021,22 +1138,27 @@ def prepare_mxfp4_weights_sm90(w13: torch.Tensor, w2: torch.Tensor, *, inplace: 
         value 0: m 6, e0 7, e1 8, s 15     value 1: m 3, e0 4, e1 5, s 12
         value 2: m 0, e0 1, e1 2, s 9      value 3: m 13, e0 14, e1 10, s 11.
     Every value stays in its scale group (the UE8M0 scale tensors are unchanged), and the layout is this project's
-    own (``pd.kernels.mxfp4_moe._E2M1_PREP_ASM`` says why these positions).
+    own (``pd.kernels.mxfp4_moe._E2M1_PREP_ASM`` says why these positions). ``tiled`` ("sm90_tiled"): the same
+    elements, each expert's rows in bands of 32, each band stored as K / 256 consecutive [32 rows x 64 elements]
+    tiles: element m of row r at ((r // 32) * K / 256 + m // 64) * 2048 + (r % 32) * 64 + m % 64 (in 16-bit
+    elements from the expert's start), so a 32-row x 256-value piece of the weights is 4 KiB of consecutive bytes.
 
     Args:
         w13: [E, 2 I, H / 2] uint8/int8 (SGLang's layout, see ``fused_moe_mxfp4``). w2: [E, H, I / 2] uint8/int8.
         inplace: write the result into w13 / w2 (no second copy of the weights; done ``chunk_bytes`` at a time).
         chunk_bytes: weight bytes converted per step (bounds the temporaries, ~10x this).
+        tiled: also store the rows as 32-row x 256-value tiles (``weight_layout="sm90_tiled"``).
     Returns:
         (w13, w2) in the prepared layout, same shapes and dtypes (the inputs themselves when ``inplace``).
     Raises:
         ValueError: a tensor that is not 3-D uint8/int8 and contiguous, or whose last dimension is not a multiple of
-        16 (K a multiple of 32).
+        16 (K a multiple of 32); with ``tiled``, a row count that is not a multiple of 32 or a last dimension that
+        is not a multiple of 128 (K a multiple of 256).
     """
-    return tuple(_prepare_sm90(name, w, inplace, chunk_bytes) for name, w in (("w13", w13), ("w2", w2)))
+    return tuple(_prepare_sm90(name, w, inplace, chunk_bytes, tiled) for name, w in (("w13", w13), ("w2", w2)))
 
 
-def _prepare_sm90(name: str, w: torch.Tensor, inplace: bool, chunk_bytes: int) -> torch.Tensor:
+def _prepare_sm90(name: str, w: torch.Tensor, inplace: bool, chunk_bytes: int, tiled: bool = False) -> torch.Tensor:
     if not isinstance(w, torch.Tensor) or w.dtype not in (torch.uint8, torch.int8) or w.dim() != 3 \
             or not w.is_contiguous():
         raise ValueError(f"{name} must be a contiguous 3-D uint8/int8 tensor of packed e2m1 pairs, got "
@@ -1044,6 +1166,9 @@ def _prepare_sm90(name: str, w: torch.Tensor, inplace: bool, chunk_bytes: int) -
     if w.shape[2] % 16:
         raise ValueError(f"{name}: the packed row length must be a multiple of 16 bytes (K % 32 == 0), got "
                          f"{w.shape[2]}")
+    if tiled and (w.shape[1] % 32 or w.shape[2] % 128):
+        raise ValueError(f"{name}: tiled needs rows a multiple of 32 and the packed row length a multiple of 128 "
+                         f"bytes (K % 256 == 0), got {tuple(w.shape[1:])}")
     out = w if inplace else torch.empty_like(w)
     src, dst = w.view(torch.uint8), out.view(torch.uint8)
     per_expert = max(1, w[0].numel())
@@ -1055,8 +1180,40 @@ def _prepare_sm90(name: str, w: torch.Tensor, inplace: bool, chunk_bytes: int) -
         c0, c1, c2, c3 = v.unbind(-2)
         el = (((c0 & 7) << 6) | ((c0 >> 3) << 15) | ((c1 & 7) << 3) | ((c1 >> 3) << 12) | (c2 & 7)
               | ((c2 >> 3) << 9) | ((c3 & 3) << 13) | ((c3 & 4) << 8) | ((c3 >> 3) << 11))
-        dst[e0:e0 + step] = torch.stack((el & 255, el >> 8), dim=-1).reshape(b.shape).to(torch.uint8)
+        el = torch.stack((el & 255, el >> 8), dim=-1)  # [n, rows, K / 4, 2]: little-endian bytes
+        if tiled:  # [n, band, row in band, tile, element in tile, byte] -> [n, band, tile, row in band, ...]
+            n, rows = el.shape[:2]
+            el = el.reshape(n, rows // 32, 32, -1, 64, 2).permute(0, 1, 3, 2, 4, 5)
+        dst[e0:e0 + step] = el.reshape(b.shape).to(torch.uint8)
     return out
+
+
+def tile_mxfp4_scales(w13_scale: torch.Tensor, w2_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The UE8M0 scales of ``weight_layout="sm90_tiled_scales"`` (weights from ``prepare_mxfp4_weights_sm90(...,
+    tiled=True)``): each expert's rows in bands of 32, each band stored as K / 256 consecutive [32 rows x 8 bytes]
+    tiles, byte g of row r at ((r // 32) * K / 256 + g // 8) * 256 + (r % 32) * 8 + g % 8 from the expert's start.
+
+    Args:
+        w13_scale: [E, 2 I, H / 32], w2_scale: [E, H, I / 32]; uint8 or float8_e8m0fnu, contiguous.
+    Returns:
+        New tensors of the same shapes and dtypes.
+    Raises:
+        ValueError: a tensor that is not 3-D UE8M0 bytes and contiguous, or whose rows are not a multiple of 32 or
+        whose row length is not a multiple of 8 (K % 256 == 0).
+    """
+    out = []
+    for name, sc in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+        if not isinstance(sc, torch.Tensor) or sc.dtype not in UE8M0_DTYPES or sc.dim() != 3 \
+                or not sc.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous 3-D uint8 / float8_e8m0fnu tensor, got "
+                             f"{getattr(sc, 'dtype', type(sc).__name__)} {tuple(getattr(sc, 'shape', ()))}")
+        n, rows, kg = sc.shape
+        if rows % 32 or kg % 8:
+            raise ValueError(f"{name}: tiles need rows a multiple of 32 and K / 32 a multiple of 8, got "
+                             f"{tuple(sc.shape[1:])}")
+        b = sc.view(torch.uint8).reshape(n, rows // 32, 32, kg // 8, 8).permute(0, 1, 3, 2, 4)
+        out.append(b.contiguous().view(sc.dtype).reshape(sc.shape))
+    return out[0], out[1]
 
 
 def _dequant_mode(choice: str, max_scale_byte: int | None, dev: torch.device) -> int:
@@ -1173,7 +1330,10 @@ def fused_moe_mxfp4(
             ``prepare_mxfp4_weights_sm90`` (same shapes and dtypes, bytes reordered once at weight-load time; the
             scales unchanged), read by the bits dequantization with about half its integer work. Needs a GPU of
             compute capability >= 9.0 (or the interpreter) and max_scale_byte <= 128; ``dequant="dot_scaled"`` is
-            refused.
+            refused. "sm90_tiled": w13 and w2 from ``prepare_mxfp4_weights_sm90(..., tiled=True)`` (rows in
+            32-row x 256-value tiles), the scales unchanged; "sm90_tiled_scales": those weights and the scales from
+            ``tile_mxfp4_scales``. Both need H and I multiples of 256, take the plans of "sm90_bits" and refuse
+            ``prefetch_*``.
         config: launch plan override (benchmarks): {"path": "pair_token"|"pair"|"sorted", "BM": 16|32|64,
             "split_gate_up": 1|2|4|8, "split_down": ..., "gate_up_halves": bool, "dequant": "auto"|"bits"|
             "dot_scaled", "gate_up": {BN, BK, num_warps, num_stages[, BK_DOT, maxnreg]}, "down": {...}, "fold": bool,
@@ -1197,7 +1357,8 @@ def fused_moe_mxfp4(
     Raises:
         ValueError: naming the argument, for a wrong dtype, shape, layout or device, H or I not a multiple of
         128, a bad swiglu_limit / routed_scaling_factor / max_scale_byte / config (``dequant="bits"`` without
-        max_scale_byte <= 128), an unknown weight_layout or "sm90_bits" where the bits path cannot run, a
+        max_scale_byte <= 128), an unknown weight_layout, a prepared layout where the bits path cannot run or (tiled)
+        H or I not a multiple of 256, a
         workspace of the wrong dtype, device or size; raised before any launch.
     Requires H % 128 == 0 and I % 128 == 0 (DeepSeek-V4: H = 4096, I = 2048 / TP). Capturable in a CUDA graph
     (fixed grids from shapes, routing read on the device, workspaces from the caching allocator).
@@ -1271,13 +1432,20 @@ def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
         raise ValueError(f"weight_layout must be one of {tuple(WEIGHT_LAYOUTS)}, got {weight_layout!r}")
     wl = WEIGHT_LAYOUTS[weight_layout]
     xs = cfg.get("stage_loads", 0)
-    if xs and wl != WL_SM90_BITS:
-        raise ValueError("config: stage_loads needs weight_layout='sm90_bits'")
-    if wl == WL_SM90_BITS:
+    if xs and wl == WL_SGLANG:
+        raise ValueError(f"config: stage_loads needs a prepared weight_layout {PREPARED_LAYOUTS}")
+    if wl >= WL_SM90_TILED:
+        if h % 256 or inter % 256:
+            raise ValueError(f"weight_layout={weight_layout!r} needs H and I multiples of 256 (whole tiles), got "
+                             f"H {h}, I {inter}")
+        if cfg.get("prefetch_gate_up", 0) or cfg.get("prefetch_down", 0):
+            raise ValueError(f"config: prefetch_gate_up / prefetch_down read rows of weight_layout='sm90_bits', not "
+                             f"{weight_layout!r}")
+    if wl != WL_SGLANG:
         if cfg.get("dequant", "auto") == "dot_scaled":
-            raise ValueError("config: dequant='dot_scaled' cannot read weight_layout='sm90_bits' weights")
+            raise ValueError(f"config: dequant='dot_scaled' cannot read weight_layout={weight_layout!r} weights")
         if dev.type == "cuda" and not _INTERPRET and torch.cuda.get_device_capability(dev)[0] < 9:
-            raise ValueError("weight_layout='sm90_bits' needs compute capability >= 9.0 (mul.rn.bf16x2)")
+            raise ValueError(f"weight_layout={weight_layout!r} needs compute capability >= 9.0 (mul.rn.bf16x2)")
         deq = _dequant_mode("bits", max_scale_byte, dev)
     else:
         deq = _dequant_mode(cfg.get("dequant", "auto"), max_scale_byte, dev)
