@@ -25,7 +25,9 @@ nothing past a request's length is read, scored or sorted.
    each position done by a load inside the loop ("fp8"), the pipeliner turns that lookup into an asynchronous copy
    of its own and, copies completing in order, waits for every copy in flight before each tile (cp.async.wait_group
    0), so a program has one tile in flight and not while it computes; without it the keys of the next
-   ``num_stages - 1`` tiles stay in flight (wait_group num_stages - 2). It stores
+   ``num_stages - 1`` tiles stay in flight (wait_group num_stages - 2). Config ``EPI`` 1 gives the fp8pv path a
+   one-query-token epilogue (``_score_tile_1q``: 1-D token sums in the dot's row layout, scalar row and histogram
+   switches). It stores
    the fp32 scores, per group of ``GROUP`` = 8 positions their max, and counts each group max into a per-row
    histogram of the top 12 bits of its order key (4096 1/8-binade bins; relaxed atomics). Requests whose longest
    query token sees <= topk positions are skipped.
@@ -35,8 +37,10 @@ nothing past a request's length is read, scored or sorted.
    (a) from the histogram, the low edge ``t0`` of the bin holding the topk-th largest group max. >= topk groups,
    hence >= topk distinct positions, reach t0, so t0 <= the topk-th largest score. Rows of <= topk groups
    (<= 8 * topk positions) count their scores instead, which bounds the topk-th score directly. (b) Its slice's
-   positions with score >= t0 (only groups whose max reaches t0 are read) and their keys, compacted in position
-   order into its own candidate list (fixed slots in the workspace; no atomics, so the order is deterministic).
+   positions with score >= t0 (only groups whose max reaches t0 are read; with ``SELECT_READS_SCORES`` the slice's
+   scores are read whole instead, requested with the histogram, so no gather waits on the group maxima) and their
+   keys, compacted in position order into its own candidate list (fixed slots in the workspace; no atomics, so the
+   order is deterministic).
    (c) A ticket (acq_rel atomic counter per query token, reset by its last user): the last slice to finish
    gathers all slices' lists (every position that can be selected, ~topk of them), zeroes the histogram for the
    next call, finds the exact threshold T among them in registers and takes keys > T, then keys == T in position
@@ -252,6 +256,41 @@ def _score_tile(kf, ksc, q, w, t, lens, l_max, rows, so, S, score_ptr, gmax_ptr,
 
 
 @triton.jit
+def _score_tile_1q(kf, ksc, q, w, t, ln, row, score_ptr, gmax_ptr, hist_ptr, max_len, ng_buf, topk,
+                   H: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, DOT_PREC: tl.constexpr, NB: tl.constexpr,
+                   SHIFT: tl.constexpr, DOT_F32: tl.constexpr, Q_FP8: tl.constexpr, PROBE: tl.constexpr = 0):
+    """_score_tile for one query token with the keys on M (config EPI 1): keys fp8 [BLOCK_N, 128], scales fp32
+    [BLOCK_N], q [H, 128], w fp32 [H], live length ln and output row (scalars). The token sums stay 1-D in the dot's
+    row layout (no [1, BLOCK_N] transpose), and the histogram's rows-vs-scores choice is a scalar branch, so the
+    untaken one issues nothing."""
+    if DOT_F32:
+        kf = kf.to(tl.float32)
+    elif not Q_FP8:
+        kf = kf.to(tl.bfloat16)
+    acc = tl.dot(kf, tl.trans(q), input_precision=DOT_PREC)  # [BLOCK_N, H]
+    pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    sc = tl.where(pos < ln, tl.sum(tl.maximum(acc, 0.0) * w[None, :], 1) * ksc, float("-inf"))
+    if PROBE >= 2:  # benchmark probe: no stores (a runtime-false mask keeps the math)
+        l_st = tl.where(ln < 0, ln, 0)
+    else:
+        l_st = ln
+    tl.store(score_ptr + row * max_len + pos, sc, mask=pos < l_st)
+    gm = tl.max(tl.reshape(sc, [BLOCK_N // G, G]), 1)
+    go = t * (BLOCK_N // G) + tl.arange(0, BLOCK_N // G)
+    tl.store(gmax_ptr + row * ng_buf + go, gm, mask=go * G < l_st)
+    if PROBE == 0:  # as _score_tile: rows of more than topk groups count their group maxima, shorter ones scores
+        if ln > topk:
+            if tl.cdiv(ln, G) > topk:
+                hb = _hist_bin(_order_key(gm), NB, SHIFT)
+                tl.atomic_add(hist_ptr + row * NB + hb, tl.full(hb.shape, 1, tl.int32), mask=go * G < ln,
+                              sem="relaxed")
+            else:
+                hs = _hist_bin(_order_key(sc), NB, SHIFT)
+                tl.atomic_add(hist_ptr + row * NB + hs, tl.full(hs.shape, 1, tl.int32), mask=pos < ln,
+                              sem="relaxed")
+
+
+@triton.jit
 def _index_scores_kernel(
     q_ptr, w_ptr, qs_ptr, kc32_ptr, k8_ptr, ks_ptr, bt_ptr, len_ptr, score_ptr, gmax_ptr, hist_ptr,
     stride_qb, stride_qs, stride_qh, stride_wb, stride_ws, stride_bt,
@@ -261,7 +300,7 @@ def _index_scores_kernel(
     DOT_F32: tl.constexpr, TOKENS_M: tl.constexpr = True, PREFETCH: tl.constexpr = True,
     DOT_PREC: tl.constexpr = "tf32", KEYS: tl.constexpr = "fp8", NB: tl.constexpr = 4096,
     SHIFT: tl.constexpr = 20, PROBE: tl.constexpr = 0, PDL: tl.constexpr = False, CH: tl.constexpr = 8,
-    NPV: tl.constexpr = 32, PAIR: tl.constexpr = False,
+    NPV: tl.constexpr = 32, PAIR: tl.constexpr = False, EPI: tl.constexpr = 0,
 ):
     # this launch scores query tokens s0 .. s0 + S - 1 (S <= 4) of the S_ALL per request
     if PDL:  # the select kernel may be scheduled once every score program has started (it waits for the results)
@@ -315,9 +354,14 @@ def _index_scores_kernel(
                     d = tl.arange(0, 128)
                     kf = tl.load(k8_ptr + (page * (PAGE * 132) + (pos % PAGE) * 128)[:, None] + d[None, :],
                                  mask=(pos < l_max)[:, None], other=0.0)
-                    _score_tile(kf, ksc, q, w, t, lens, l_max, rows, so, S, score_ptr, gmax_ptr, hist_ptr, max_len,
-                                ng_buf, hist_ok, topk, S_P2, H, BLOCK_N, G, Q_FP8, DOT_F32, TOKENS_M, DOT_PREC, NB,
-                                SHIFT, PROBE)
+                    if EPI == 1:  # one query token (S == 1: l_max is its live length)
+                        _score_tile_1q(kf, ksc, q, w, t, l_max, b.to(tl.int64) * S_ALL + s0, score_ptr, gmax_ptr,
+                                       hist_ptr, max_len, ng_buf, topk, H, BLOCK_N, G, DOT_PREC, NB, SHIFT, DOT_F32,
+                                       Q_FP8, PROBE)
+                    else:
+                        _score_tile(kf, ksc, q, w, t, lens, l_max, rows, so, S, score_ptr, gmax_ptr, hist_ptr,
+                                    max_len, ng_buf, hist_ok, topk, S_P2, H, BLOCK_N, G, Q_FP8, DOT_F32, TOKENS_M,
+                                    DOT_PREC, NB, SHIFT, PROBE)
         else:  # packed int32 tiles, hand-pipelined: the gather of tile t + 1 is in flight while t is scored
             if PREFETCH:
                 k, ksc = _load_k_packed(kc32_ptr, ks_ptr, bt_row, t_begin, t_end, l_max, PAGE, BLOCK_N)
@@ -493,7 +537,7 @@ def _select_topk_kernel(
     CAP: tl.constexpr, CAP_P: tl.constexpr, TGS: tl.constexpr, TILE: tl.constexpr, RADIX: tl.constexpr,
     CLEAR_HIST: tl.constexpr, PROBE: tl.constexpr = 0, SEARCH: tl.constexpr = "fine",
     NBF: tl.constexpr = 4096, FSHIFT: tl.constexpr = 11, DROP_MAX: tl.constexpr = 8, PDL: tl.constexpr = False,
-    GROWS: tl.constexpr = 0, FAST_EXACT: tl.constexpr = False,
+    GROWS: tl.constexpr = 0, FAST_EXACT: tl.constexpr = False, READ_SCORES: tl.constexpr = False,
 ):
     # program (r, j): slice j of query row r's group maxima (whole tiles of TGS groups, spread over the grid's
     # nsel <= NSEL programs per row); the last active program of the row to finish does the row's final selection.
@@ -528,9 +572,16 @@ def _select_topk_kernel(
         tick = tick_ptr + r64
         g_begin = j * per * TGS
         g_end = tl.minimum(g_begin + per * TGS, ng)
-        # this slice's first tile of group maxima is requested before the histogram, so the two loads overlap
+        # this slice's first tile of group maxima (READ_SCORES: of scores) is requested before the histogram, so the
+        # two loads overlap
         go = g_begin + tl.arange(0, TGS)
-        gk = _order_key(tl.load(grow + go, mask=go < g_end, other=0.0))
+        p_end = tl.minimum(g_end * G, ln)
+        if READ_SCORES:
+            cp = g_begin * G + tl.arange(0, TGS * G)
+            ck = _order_key(tl.load(srow + cp, mask=cp < p_end, other=0.0))
+            gk = go
+        else:
+            gk = _order_key(tl.load(grow + go, mask=go < g_end, other=0.0))
         # 1) t0 <= the topk-th largest score: the low edge of the histogram bin holding the topk-th largest count
         #    (group maxima: >= topk groups, hence distinct positions, reach it; short rows count the scores)
         bins = tl.arange(0, NB)
@@ -546,13 +597,19 @@ def _select_topk_kernel(
         gg = tl.arange(0, G)
         n = tl.zeros([], tl.int32)
         for g0 in range(g_begin, g_end, TGS):
-            f = (go < g_end) & (gk >= t0)
-            go = go + TGS
-            gk = _order_key(tl.load(grow + go, mask=go < g_end, other=0.0))  # the next tile, in flight meanwhile
-            cp = tl.reshape((g0 + tl.arange(0, TGS))[:, None] * G + gg[None, :], [TGS * G])
-            cv = tl.reshape(f[:, None] & (gg < G)[None, :], [TGS * G]) & (cp < ln)
-            ck = _order_key(tl.load(srow + cp, mask=cv, other=0.0))
-            cf = cv & (ck >= t0)
+            if READ_SCORES:  # the slice's scores themselves, a whole tile at a time (no dependent gather)
+                cv = cp < p_end
+                cf = cv & (ck >= t0)
+                cp_n = cp + TGS * G
+                ck_n = _order_key(tl.load(srow + cp_n, mask=cp_n < p_end, other=0.0))  # the next tile, in flight
+            else:
+                f = (go < g_end) & (gk >= t0)
+                go = go + TGS
+                gk = _order_key(tl.load(grow + go, mask=go < g_end, other=0.0))  # the next tile, in flight meanwhile
+                cp = tl.reshape((g0 + tl.arange(0, TGS))[:, None] * G + gg[None, :], [TGS * G])
+                cv = tl.reshape(f[:, None] & (gg < G)[None, :], [TGS * G]) & (cp < ln)
+                ck = _order_key(tl.load(srow + cp, mask=cv, other=0.0))
+                cf = cv & (ck >= t0)
             slot = n + tl.cumsum(cf.to(tl.int32), 0) - 1
             keep = cf & (slot < CAP)
             tl.store(pos_blk + j * CAP + slot, cp, mask=keep)
@@ -561,6 +618,9 @@ def _select_topk_kernel(
                 fb = tl.minimum(tl.maximum(ck.to(tl.int64) - t0, 0) >> FSHIFT, NBF - 1).to(tl.int32)
                 tl.atomic_add(fine_ptr + r64 * NBF + fb, tl.full(fb.shape, 1, tl.int32), mask=cf, sem="relaxed")
             n += tl.sum(cf.to(tl.int32), 0)
+            if READ_SCORES:
+                cp = cp_n
+                ck = ck_n
         tl.store(cnt_ptr + j, n)
         # 3) ticket: every thread's stores are issued (barrier) before the release; the last slice to arrive sees
         #    all slices' lists (acquire, loads through L2)
@@ -670,12 +730,13 @@ def _select_topk_kernel(
 
 # ------------------------------------------------------------------------------------------------ host side
 
-def _cfg(bn, w, tm, keys, stages, pf=False, wave=0, maxnreg=0, pv=0):
+def _cfg(bn, w, tm, keys, stages, pf=False, wave=0, maxnreg=0, pv=0, epi=0):
     c = {"BLOCK_N": bn, "num_warps": w, "num_stages": stages, "TOKENS_M": tm, "PREFETCH": pf, "KEYS": keys}
     # optional: one-wave score split (WAVE programs per SM, see score_split), register cap per thread (ptxas .maxnreg),
-    # tiles per page-id chunk of the fp8pv path (PV, default PV_TILES; see page_vector_consts)
+    # tiles per page-id chunk of the fp8pv path (PV, default PV_TILES; see page_vector_consts), and the fp8pv path's
+    # epilogue for one query token (EPI 1: _score_tile_1q; launches of several stacked tokens keep _score_tile)
     return dict(c, **({"WAVE": wave} if wave else {}), **({"MAXNREG": maxnreg} if maxnreg else {}),
-                **({"PV": pv} if pv else {}))
+                **({"PV": pv} if pv else {}), **({"EPI": epi} if epi else {}))
 
 
 # Score-kernel configs (fixed, not autotuned, so a launch is capturable). TOKENS_M puts the key tile on the
@@ -685,6 +746,12 @@ def _cfg(bn, w, tm, keys, stages, pf=False, wave=0, maxnreg=0, pv=0):
 # into registers at once (pages of >= BLOCK_N / 2 positions; smaller pages take the "fp8" path). Every config
 # compiles for sm_120a with mma.sync and <= 99 KiB of shared memory, and for sm_90a, for 1, 2 and 4 stacked query
 # tokens (tests/test_indexer.py; fp8pv 128/8 in 3 stages and 128/4 in 4 need > 99 KiB for 4 tokens).
+# The last three (-s6, not yet timed: no device time was left that session) are candidates for the sm_90 fp8-query
+# default. SASS of the Triton 3.9 sm_90a decode build per key tile (benchmarks/kernels/indexer_sass.py): the pv24
+# default 511 instructions / 6 barriers / 114 registers; with EPI 1 508; with EPI 1 and a 168-register cap 480 at 140
+# registers (shared memory still holds it to 3 programs per SM); 64-key tiles with EPI 1 at 80 registers 337
+# instructions / 4 barriers per 64 keys and 33 KB of shared memory, so 6 programs (24 warps) per SM instead of 3 (12
+# warps): -s5 found the per-tile path the limit at 3 programs, more warps in flight is what this one tries.
 SCORE_CONFIGS = [
     _cfg(64, 4, True, "packed", 1, pf=True),
     _cfg(64, 8, True, "packed", 1, pf=True),
@@ -701,6 +768,9 @@ SCORE_CONFIGS = [
     _cfg(128, 4, True, "fp8pv", 3),
     _cfg(128, 4, True, "fp8pv", 3, wave=3, maxnreg=128),
     _cfg(128, 4, True, "fp8pv", 3, wave=3, maxnreg=128, pv=24),
+    _cfg(128, 4, True, "fp8pv", 3, wave=3, maxnreg=128, pv=24, epi=1),
+    _cfg(128, 4, True, "fp8pv", 3, wave=3, maxnreg=168, pv=24, epi=1),
+    _cfg(64, 4, True, "fp8pv", 3, wave=6, maxnreg=80, pv=48, epi=1),
 ]
 # (sm_90?, stacked query tokens) -> config for a bf16 query. sm_90: the fastest configs of the H200 sweeps at 32K live
 # / 128K max (S = 1: benchmarks/results/indexer_2026-11-30.md, keys on M 64/4 packed, 94.6 us vs 113.5 for heads on
@@ -781,6 +851,11 @@ SELECT_FAST_EXACT = True
 # 111.0: within the run's spread in the full step; the select alone at B = 16 13.1 vs 14.4 us (phase probes: the
 # final program's loads 0.9 us, its threshold and output 2.8 us). Dropped there: slices requesting the next group-max
 # tile's candidate scores ahead (B = 64 at 32K has 4 tiles per slice): 110.9 at B = 64, 40.7 at B = 16.
+# the select slices read their scores whole (a tile of SELECT_TGS * GROUP positions requested with the histogram)
+# instead of the group maxima and then a gather of the groups reaching t0 (one dependent round trip less; same
+# candidates, same output). The scores kernel still stores the group maxima: without that store its histogram atomics need a layout
+# conversion of their own (-s6 SASS: 540 instead of 512 instructions per tile). Not yet timed (-s6 had no device time)
+SELECT_READS_SCORES = False
 FINE_BINS = 4096  # fine histogram of the candidates (SELECT_SEARCH "fine"): bins of 2**FINE_SHIFT order keys above t0
 FINE_SHIFT = 11  # 4096 x 2**11 = one binade above t0 (the topk-th score lies within it unless scores are extreme)
 PV_TILES = 8  # "fp8pv" score path: key tiles per chunk of page ids loaded into registers at once
@@ -952,6 +1027,7 @@ def _select_launch(scores, gmax, hist, tick, fine, scr, lens, out, rows, s, max_
         TILE=1024 if not _INTERPRET else 16, RADIX=RADIX_BITS, CLEAR_HIST=clear_hist, PROBE=_SELECT_PROBE,
         SEARCH=SELECT_SEARCH, NBF=FINE_BINS, FSHIFT=FINE_SHIFT, PDL=pdl,
         GROWS=min(triton.next_power_of_2(nsel), cap_p) if SELECT_GATHER2D else 0, FAST_EXACT=SELECT_FAST_EXACT,
+        READ_SCORES=SELECT_READS_SCORES,
         num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )
 
@@ -1071,7 +1147,7 @@ def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512,
             HAS_QS=q_scale is not None, Q_FP8=q_fp8, MIN_TILES=MIN_TILES, DOT_F32=_INTERPRET,
             TOKENS_M=cfg["TOKENS_M"], PREFETCH=cfg["PREFETCH"], DOT_PREC="ieee" if _INTERPRET else "tf32",
             KEYS=cfg["KEYS"], NB=HIST_BINS, SHIFT=HIST_SHIFT, PROBE=_SCORES_PROBE, PDL=pdl, CH=ch, NPV=max(npv, 2),
-            PAIR=pair,
+            PAIR=pair, EPI=cfg.get("EPI", 0) if sc == 1 else 0,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": cfg["MAXNREG"]} if cfg.get("MAXNREG") else {}),
         )

@@ -57,6 +57,28 @@ def longest_loop(cubin: bytes) -> tuple[int, collections.Counter]:
     return n, ops
 
 
+def innermost_loop_with(cubin: bytes, opcode_prefix: str) -> tuple[int, collections.Counter]:
+    """(instructions, opcode -> count) of the shortest loop (backward branch target .. branch) whose body holds an
+    instruction whose opcode starts with ``opcode_prefix`` (e.g. "QGMMA": the per-tile loop of a kernel whose
+    tile loop sits inside an outer one, which ``longest_loop`` would return). (0, empty) when there is none.
+
+    Raises: subprocess.CalledProcessError if cuobjdump rejects the cubin.
+    """
+    lines = [m for m in map(_SASS_LINE.match, _cuobjdump(cubin, "-sass").splitlines()) if m]
+    index = {int(m.group(1), 16): i for i, m in enumerate(lines)}
+    ops = [_PREDICATE.sub("", m.group(2)).split()[0].rstrip(";") for m in lines]
+    best = None
+    for i, m in enumerate(lines):
+        tgt = _BRANCH_TARGET.search(m.group(2))
+        j = index.get(int(tgt.group(1), 16), i + 1) if tgt else i + 1
+        shorter = best is None or i - j < best[1] - best[0]
+        if j <= i and shorter and any(o.startswith(opcode_prefix) for o in ops[j:i + 1]):
+            best = (j, i)
+    if best is None:
+        return 0, collections.Counter()
+    return best[1] - best[0] + 1, collections.Counter(ops[best[0]:best[1] + 1])
+
+
 def registers(cubin: bytes) -> int | None:
     """Registers per thread of the cubin's kernel (``cuobjdump -res-usage``), None if not reported."""
     m = re.search(r"REG:(\d+)", _cuobjdump(cubin, "-res-usage"))

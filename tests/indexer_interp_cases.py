@@ -172,12 +172,12 @@ def run_sglang_writer_layout(seed=0):
 
 
 def run_select_switches(seed=0):
-    """Each select switch of pd.kernels.indexer (SELECT_GATHER2D, SELECT_FAST_EXACT) flipped, and both flipped, gives
-    the same output as the defaults, bit for bit (same candidates, same order), on the scores kernel's output with
-    several group-max tiles per select slice and on precomputed scores with ties."""
+    """Each select switch of pd.kernels.indexer (SELECT_GATHER2D, SELECT_FAST_EXACT, SELECT_READS_SCORES) flipped, and
+    all flipped, gives the same output as the defaults, bit for bit (same candidates, same order), on the scores
+    kernel's output with several group-max (score) tiles per select slice and on precomputed scores with ties."""
     import pd.kernels.indexer as K
 
-    knobs = ("SELECT_GATHER2D", "SELECT_FAST_EXACT")
+    knobs = ("SELECT_GATHER2D", "SELECT_FAST_EXACT", "SELECT_READS_SCORES")
     g = torch.Generator().manual_seed(seed)
     b, s, h, ps, topk, max_pages = 2, 1, 16, 64, 24, 14
     q, w, kc, bt = _inputs(b, s, h, ps, max_pages * b, max_pages, g)
@@ -349,6 +349,17 @@ INDEXER_CASES = [
                                       q_fp8=True, config=dict(BLOCK_N=128, num_warps=4, num_stages=3, TOKENS_M=True,
                                                               PREFETCH=False, KEYS="fp8pv", WAVE=3, MAXNREG=128,
                                                               PV=24))),
+    # the one-query epilogue (EPI 1: token sums kept 1-D in the dot's row layout, scalar histogram switches) on the
+    # same pair-vector chunks, bf16 and fp8 query; a short row (<= topk groups: its scores go into the histogram)
+    ("fp8_page_vector_pair_p16_epi1", dict(b=2, s=1, h=16, ps=16, topk=24, lens=[1700, 150], max_pages=110, n_split=1,
+                                           config=dict(BLOCK_N=128, num_warps=4, num_stages=3, TOKENS_M=True,
+                                                       PREFETCH=False, KEYS="fp8pv", WAVE=3, MAXNREG=128, PV=24,
+                                                       EPI=1))),
+    ("fp8_page_vector_p64_epi1_fp8q", dict(b=3, s=1, h=64, ps=64, topk=32, lens=[900, 300, 20], max_pages=12,
+                                           q_fp8=True, qscale=True,
+                                           config=dict(BLOCK_N=128, num_warps=4, num_stages=3, TOKENS_M=True,
+                                                       PREFETCH=False, KEYS="fp8pv", WAVE=3, MAXNREG=128, PV=24,
+                                                       EPI=1))),
     ("packed_no_prefetch", dict(b=1, s=2, h=16, ps=64, topk=20, lens=[333], max_pages=6,
                                 config=dict(BLOCK_N=64, num_warps=4, num_stages=1, TOKENS_M=True, PREFETCH=False,
                                             KEYS="packed"))),

@@ -29,7 +29,8 @@ INDEXER_CASES = ["decode_h64_p64", "mtp3_h16_p16_view4_out", "len2d_h32_p32_ws",
                  "all_ties_fallback", "fp8_keys_tokens_m", "fp8_keys_heads_m_fp8q", "packed_no_prefetch",
                  "decode_select_split2_multi_tile", "mtp6_two_launches", "fp8_page_vector_p64_chunks",
                  "fp8_page_vector_p256_fp8q", "fp8_page_vector_p16_two_pages_a_tile",
-                 "fp8_page_vector_p8_falls_back", "fp8_page_vector_pair_p16"]
+                 "fp8_page_vector_p8_falls_back", "fp8_page_vector_pair_p16", "fp8_page_vector_pair_p16_epi1",
+                 "fp8_page_vector_p64_epi1_fp8q"]
 SELECT_CASES = ["select_randn", "select_few_values", "select_grid_ties", "select_constant", "select_wide_range",
                 "select_grid_ties_radix", "select_wide_range_radix"]
 DISTINCT_VALUES = {"select_randn", "select_wide_range", "select_wide_range_radix"}  # a unique answer: must equal torch.topk's set
@@ -65,9 +66,9 @@ def test_select_takes_the_bounded_path_on_distinct_scores(interp_results):
 
 
 def test_select_switches_give_the_same_answer(interp_results):
-    """The select's one-tile candidate read and exact-bin fast path change nothing but speed: flipping each (or
-    both) from its default gives the same output bit for bit, and the streamed fallback (which would
-    hide a broken path behind an exact answer) never runs on these scores."""
+    """The select's one-tile candidate read, exact-bin fast path and whole-slice score read change nothing but
+    speed: flipping each (or all) from its default gives the same output bit for bit, and the streamed fallback
+    (which would hide a broken path behind an exact answer) never runs on these scores."""
     r = interp_results["select_switches"]
     assert all(v == 0 for v in r["bad"].values()), r
     assert all(r["equal_when_flipped"].values()) and r["streamed_calls"] == 0, r
@@ -260,7 +261,7 @@ def _compile_scores(cfg, cc, s_p2=1, fp8=False):
     const = dict(S=s_p2, S_P2=s_p2, H=64, PAGE=64, BLOCK_N=cfg["BLOCK_N"], G=GROUP, LEN_2D=False, HAS_QS=fp8,
                  Q_FP8=fp8, MIN_TILES=MIN_TILES, DOT_F32=False, TOKENS_M=cfg["TOKENS_M"], PREFETCH=cfg["PREFETCH"],
                  DOT_PREC="tf32", KEYS=cfg["KEYS"], NB=HIST_BINS, SHIFT=HIST_SHIFT, PROBE=0, PDL=SELECT_PDL,
-                 CH=ch, NPV=max(npv, 2), PAIR=pair)
+                 CH=ch, NPV=max(npv, 2), PAIR=pair, EPI=cfg.get("EPI", 0) if s_p2 == 1 else 0)
     sig = dict(SCORE_SIG, q_ptr="*fp8e4nv" if fp8 else "*bf16")
     return compile_for(_index_scores_kernel, sig, const, cc, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                        aligned=SCORE_ALIGNED, maxnreg=cfg.get("MAXNREG"))
@@ -269,7 +270,9 @@ def _compile_scores(cfg, cc, s_p2=1, fp8=False):
 def _cfg_id(c):
     return (f"{c['KEYS']}_{'tokM' if c['TOKENS_M'] else 'headM'}_n{c['BLOCK_N']}_w{c['num_warps']}_s{c['num_stages']}"
             f"{'_pf' if c['PREFETCH'] else ''}{'_wave%d' % c['WAVE'] if c.get('WAVE') else ''}"
-            f"{'_pv%d' % c['PV'] if c.get('PV') else ''}")
+            f"{'_pv%d' % c['PV'] if c.get('PV') else ''}"
+            f"{'_r%d' % c['MAXNREG'] if c.get('MAXNREG') not in (None, 128) else ''}"
+            f"{'_epi%d' % c['EPI'] if c.get('EPI') else ''}")
 
 
 @aot
@@ -315,8 +318,8 @@ def test_aot_select_and_group_max(topk):
     needs no wgmma and <= 99 KiB of shared memory; every select warp count compiles for both targets."""
     from pd.kernels.indexer import (DEFAULT_SELECT_WARPS, FINE_BINS, FINE_SHIFT, GROUP, HIST_BINS, HIST_SHIFT,
                                     MIN_TILES, RADIX_BITS, SELECT_FAST_EXACT, SELECT_GATHER2D, SELECT_PDL,
-                                    SELECT_SPLIT, SELECT_TGS, SELECT_WARPS, _group_max_kernel, _select_topk_kernel,
-                                    candidate_capacity)
+                                    SELECT_READS_SCORES, SELECT_SPLIT, SELECT_TGS, SELECT_WARPS, _group_max_kernel,
+                                    _select_topk_kernel, candidate_capacity)
 
     sig = {"score_ptr": "*fp32", "gmax_ptr": "*fp32", "hist_ptr": "*i32", "tick_ptr": "*i32", "fine_ptr": "*i32",
            "scr_ptr": "*i32",
@@ -325,16 +328,20 @@ def test_aot_select_and_group_max(topk):
     cap = candidate_capacity(topk)
     const = dict(LEN_2D=False, G=GROUP, NB=HIST_BINS, SHIFT=HIST_SHIFT, NSEL=SELECT_SPLIT, CAP=cap, CAP_P=cap,
                  TGS=SELECT_TGS, TILE=1024, RADIX=RADIX_BITS, CLEAR_HIST=True, PROBE=0, NBF=FINE_BINS,
-                 FSHIFT=FINE_SHIFT, DROP_MAX=8, PDL=SELECT_PDL, FAST_EXACT=SELECT_FAST_EXACT)  # as launched on cc >= 9
+                 FSHIFT=FINE_SHIFT, DROP_MAX=8, PDL=SELECT_PDL, FAST_EXACT=SELECT_FAST_EXACT,
+                 READ_SCORES=SELECT_READS_SCORES)  # as launched on cc >= 9
     # the one-tile candidate read as launched for 16 select programs per row (B = 16), and for 4 (B = 64) with the
     # default warps
     g16 = 16 if SELECT_GATHER2D else 0
     for w in SELECT_WARPS:
         for cc in (120, 90):
-            builds = [("radix", g16), ("fine", g16)] + ([("fine", 4)] if g16 and w == DEFAULT_SELECT_WARPS else [])
-            for search, g in builds:
-                k = compile_for(_select_topk_kernel, sig, dict(const, SEARCH=search, GROWS=g), cc, num_warps=w,
-                                num_stages=1)
+            builds = [("radix", g16, SELECT_READS_SCORES), ("fine", g16, SELECT_READS_SCORES)]
+            if w == DEFAULT_SELECT_WARPS:  # B = 64's one-tile read; the other way of reading the slices
+                builds += [("fine", 4, SELECT_READS_SCORES)] if g16 else []
+                builds += [("fine", g16, not SELECT_READS_SCORES)]
+            for search, g, reads in builds:
+                k = compile_for(_select_topk_kernel, sig, dict(const, SEARCH=search, GROWS=g, READ_SCORES=reads), cc,
+                                num_warps=w, num_stages=1)
                 assert ("griddepcontrol.wait" in k.asm["ptx"]) == SELECT_PDL
                 if cc == 120:
                     assert_sm120_ok(k, needs_mma=False)

@@ -376,7 +376,7 @@ def pick_fp8q_config(dev, pool, smoke, names):
 
 # select-kernel switches of kernels/indexer.py that --pick-select times against each other (all on first; each one off;
 # all off = the s4 select)
-SELECT_KNOBS = ("SELECT_GATHER2D", "SELECT_FAST_EXACT")
+SELECT_KNOBS = ("SELECT_GATHER2D", "SELECT_FAST_EXACT", "SELECT_READS_SCORES")
 
 
 def with_knobs(calls: list, knobs: dict | None = None, **kw) -> list:
@@ -476,7 +476,9 @@ def timing(dev, pool, smoke, quick, deadline, fp8, base=None):
 def cfg_name(c):
     return f"{c['KEYS']}_{'tokM' if c['TOKENS_M'] else 'headM'}_n{c['BLOCK_N']}_w{c['num_warps']}_s{c['num_stages']}" \
         + ("_pf" if c["PREFETCH"] else "") + (f"_wave{c['WAVE']}" if c.get("WAVE") else "") \
-        + (f"_pv{c['PV']}" if c.get("PV") else "")
+        + (f"_pv{c['PV']}" if c.get("PV") else "") \
+        + (f"_r{c['MAXNREG']}" if c.get("MAXNREG") not in (None, 128) else "") \
+        + (f"_epi{c['EPI']}" if c.get("EPI") else "")
 
 
 def sweep(dev, pool, smoke, deadline, fp8, base=None, full=False, base_label="base"):
@@ -523,6 +525,9 @@ def sweep(dev, pool, smoke, deadline, fp8, base=None, full=False, base_label="ba
         # the final select step reading the slices' candidate lists as one tile with their counts
         timed(st, f"select_gather2d_{'off' if K.SELECT_GATHER2D else 'on'}",
               with_knobs(st.ours(), SELECT_GATHER2D=not K.SELECT_GATHER2D))
+        # the select slices reading their scores whole instead of gathering through the group maxima
+        timed(st, f"select_reads_scores_{'off' if K.SELECT_READS_SCORES else 'on'}",
+              with_knobs(st.ours(), SELECT_READS_SCORES=not K.SELECT_READS_SCORES))
         # the select alone, stopped after a phase (wrong output, timing only): 1 = after the histogram bound t0,
         # 2 = after the candidate lists, the ticket and the counts (total candidates of row 0 kept for the record),
         # 3 = with the candidates and the fine histogram loaded in the final program; the
