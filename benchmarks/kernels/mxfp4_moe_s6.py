@@ -133,6 +133,7 @@ class Weights:
     """The benchmark weights in the SGLang layout and the three prepared layouts."""
 
     def __init__(self, dev):
+        self.dev = dev
         self.w13, self.s13, self.w2, self.s2 = bm.make_weights(dev)
         self.msb = mx.mxfp4_max_scale_byte(self.s13, self.s2)
         p13, p2 = mx.prepare_mxfp4_weights_sm90(self.w13, self.w2)
@@ -150,7 +151,7 @@ class Weights:
 def graph_check(W, mod, lk, cfg, t, ids_dtype):
     """The plan captured in a CUDA graph, replayed on 3 fresh inputs copied into the captured buffers: bitwise
     equal to eager calls on those inputs."""
-    dev = torch.device("cuda")
+    dev = W.dev
     x, ids, wts = bm.make_routing(t, dev, seed=77 + t)
     xs, ws, is_ = x.clone(), wts.clone(), ids.to(ids_dtype)
     out = torch.empty(t, bm.H, dtype=torch.bfloat16, device=dev)
@@ -189,14 +190,24 @@ def check_one(W, mod, lk, cfg, x, ids, wts, ref, twice=True):
     return rec
 
 
-def full_check(W, name, mod, lk, cfg, ts=(1, 4, 8), graph=True):
-    recs = []
-    dev = torch.device("cuda")
-    for t in ts:
-        x, ids, wts = bm.make_routing(t, dev, seed=2000 + t)
+_CHECK_INPUTS = {}  # T -> (x, ids with a -1 slot, weights, reference output): shared by the plans checked
+
+
+def check_inputs(W, t):
+    if t not in _CHECK_INPUTS:
+        x, ids, wts = bm.make_routing(t, W.dev, seed=2000 + t)
         ids[0, -1] = -1
         ref = bm.fused_moe_mxfp4_reference(x, W.w13, W.s13, W.w2, W.s2, wts, ids, swiglu_limit=bm.LIMIT,
                                            dtype=torch.float32)
+        _CHECK_INPUTS[t] = (x, ids, wts, ref)
+    return _CHECK_INPUTS[t]
+
+
+def full_check(W, name, mod, lk, cfg, ts=(1, 4, 8), graph=True):
+    """Correctness records of one plan (see the module docstring, step 2)."""
+    recs = []
+    for t in ts:
+        x, ids, wts, ref = check_inputs(W, t)
         for n_ids, idv in (("int32", ids), ("int64", ids.long())):
             c = check_one(W, mod, lk, cfg, x, idv, wts, ref)
             c.update(T=t, plan=name, ids=n_ids)
