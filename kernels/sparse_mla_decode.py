@@ -123,6 +123,21 @@ def _finish(m_i, l_i, sink_ptr, offs_h, HAS_SINK: tl.constexpr, DIRECT: tl.const
 
 
 @triton.jit
+def _program_ids(S, PDL: tl.constexpr, BLOCK_H: tl.constexpr):
+    """A program's place in the grid (batch * query token, head block, topk split): returns (pid_bs, pid_sp, b, s,
+    offs_h [BLOCK_H] int32). With PDL it first lets the combine launch's programs be placed (they wait for this
+    grid's partials with gdc_wait)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    pid_bs = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_sp = tl.program_id(2)
+    b = pid_bs // S
+    s = pid_bs % S
+    return pid_bs, pid_sp, b, s, pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+
+
+@triton.jit
 def _sparse_mla_fwd_kernel(
     q_ptr, kc8_ptr, kc16_ptr, idx_ptr, len_ptr, sink_ptr,
     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
@@ -132,15 +147,7 @@ def _sparse_mla_fwd_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
     DOT_PREC: tl.constexpr = "tf32", PDL: tl.constexpr = False,
 ):
-    if PDL:  # let the combine launch's programs be placed now (they wait for this grid's partials: gdc_wait)
-        tl.extra.cuda.gdc_launch_dependents()
-    pid_bs = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    pid_sp = tl.program_id(2)
-    b = pid_bs // S
-    s = pid_bs % S
-
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    pid_bs, pid_sp, b, s, offs_h = _program_ids(S, PDL, BLOCK_H)
     cols = tl.arange(0, 512)
     rcols = tl.arange(0, 64)
     q_row = q_ptr + b.to(tl.int64) * stride_qb + s * stride_qs + offs_h[:, None] * stride_qh
@@ -272,14 +279,7 @@ def _program_start(q_ptr, len_ptr, idx_ptr, S, TOPK, chunk, stride_qb, stride_qs
     """What a chunked / pipelined program owns (grid: batch * query token, head block, topk split): returns
     (pid_bs, pid_sp, b, s, offs_h [BLOCK_H], its index row pointer, its topk range start, end, and its query rows
     as 8 x [BLOCK_H, 64] chunks). With PDL it first releases the combine launch (programmatic dependent launch)."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    pid_bs = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    pid_sp = tl.program_id(2)
-    b = pid_bs // S
-    s = pid_bs % S
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    pid_bs, pid_sp, b, s, offs_h = _program_ids(S, PDL, BLOCK_H)
     q_row = q_ptr + b.to(tl.int64) * stride_qb + s * stride_qs + offs_h[:, None] * stride_qh
     q0, q1, q2, q3, q4, q5, q6, q7 = _q_chunks(q_row, DOT_F32)
     start, end = _split_range(len_ptr, b, pid_sp, chunk, TOPK, HAS_LEN)
