@@ -146,33 +146,6 @@ def check_bits_dequant(dev):
     return int((got.view(torch.int16) != ref.view(torch.int16)).sum())
 
 
-def compiled_facts(extra=()):
-    """Registers, spills, shared memory and pipelining markers of every compiled sparse-MLA kernel."""
-    mod = sys.modules[sparse_mla_decode.__module__]
-    facts = []
-    names = ("_sparse_mla_fwd_pipelined_kernel", "_sparse_mla_fwd_chunked_kernel", "_sparse_mla_fwd_kernel")
-    fns = [(n, getattr(mod, n)) for n in names] + [(getattr(k, "__name__", "alt"), k) for k in extra]
-    for name, fn in fns:
-        for dc in getattr(fn, "device_caches", {}).values():
-            cache = dc[0] if isinstance(dc, tuple) else dc
-            for k in cache.values():
-                try:
-                    k._init_handles()
-                except Exception:  # noqa: BLE001
-                    pass
-                c = getattr(k, "constants", None) or {}
-                ttgir = k.asm.get("ttgir", "")
-                facts.append(dict(
-                    kernel=name, constants={str(a): v for a, v in dict(c).items() if not str(v).startswith("<")},
-                    num_warps=k.metadata.num_warps, n_regs=getattr(k, "n_regs", None),
-                    n_spills=getattr(k, "n_spills", None), shared=k.metadata.shared,
-                    cp_async=k.asm.get("ptx", "").count("cp.async.c"),
-                    wgmma=k.asm.get("ptx", "").count("wgmma.mma_async"),
-                    async_waits=[ln.split("num = ")[1].split(" ")[0] for ln in ttgir.splitlines()
-                                 if "async_wait" in ln and "num = " in ln]))
-    return facts
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -265,7 +238,7 @@ def main():
                 res["per_tile"].append(dict(H=h, B=b, config=kw.get("config", "default"), hot=hot, us=r))
                 print("per-tile", h, b, kw.get("config", "default"), "hot" if hot else "cold",
                       {n: round(v, 1) for n, v in r.items()}, flush=True)
-    res["compiled"] = compiled_facts([alt] if alt is not None else [])
+    res["compiled"] = bm.compiled_facts(extra=[alt] if alt is not None else [])
     for f in res["compiled"]:
         print("compiled", json.dumps(f), flush=True)
     res["wall_s"] = time.time() - t0

@@ -354,15 +354,18 @@ def precompile(dev, workers, quick, baseline, sweep_set, full_sweep, with_sglang
     return time.time() - t, errs
 
 
-def compiled_facts(mod=None):
-    """Registers, spills and shared memory of every sparse-MLA kernel compiled in this process (occupancy: two
-    programs per SM need <= 128 registers at 8 warps, <= 115712 bytes of shared memory on sm_90)."""
+def compiled_facts(mod=None, extra=()):
+    """Registers, spills, shared memory and pipelining markers (cp.async, wgmma, async_wait depths) of every
+    sparse-MLA kernel compiled in this process, and of the ``extra`` kernels (alternatives an A/B run timed).
+    Occupancy: two programs per SM need <= 128 registers at 8 warps, <= 115712 bytes of shared memory on sm_90."""
     mod = mod or _smd
     facts = []
-    for name in ("_sparse_mla_fwd_pipelined_kernel", "_sparse_mla_fwd_chunked_kernel", "_sparse_mla_fwd_kernel",
-                 "_combine_kernel"):
-        arg_names = getattr(getattr(mod, name), "arg_names", [])
-        for dc in getattr(getattr(mod, name), "device_caches", {}).values():
+    names = ("_sparse_mla_fwd_pipelined_kernel", "_sparse_mla_fwd_chunked_kernel", "_sparse_mla_fwd_kernel",
+             "_combine_kernel")
+    fns = [(n, getattr(mod, n)) for n in names] + [(getattr(k, "__name__", "alt"), k) for k in extra]
+    for name, fn in fns:
+        arg_names = getattr(fn, "arg_names", [])
+        for dc in getattr(fn, "device_caches", {}).values():
             cache = dc[0] if isinstance(dc, tuple) else dc
             for k in cache.values():
                 try:
@@ -373,11 +376,13 @@ def compiled_facts(mod=None):
                 # constants are keyed by argument index tuples, e.g. (22,): name them
                 named = {(arg_names[a[0]] if isinstance(a, tuple) and len(a) == 1 and a[0] < len(arg_names)
                           else str(a)): v for a, v in dict(c).items() if isinstance(v, (int, float, str, bool))}
+                ptx, ttgir = k.asm.get("ptx", ""), k.asm.get("ttgir", "")
                 facts.append(dict(kernel=name, constants=named,
                                   num_warps=k.metadata.num_warps, n_regs=getattr(k, "n_regs", None),
                                   n_spills=getattr(k, "n_spills", None), shared=k.metadata.shared,
-                                  wgmma=k.asm.get("ptx", "").count("wgmma.mma_async"),
-                                  cp_async=k.asm.get("ptx", "").count("cp.async.c")))
+                                  wgmma=ptx.count("wgmma.mma_async"), cp_async=ptx.count("cp.async.c"),
+                                  async_waits=[ln.split("num = ")[1].split(" ")[0] for ln in ttgir.splitlines()
+                                               if "async_wait" in ln and "num = " in ln]))
     return facts
 
 
