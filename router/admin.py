@@ -85,6 +85,14 @@ class AdminAPI:
             return None, error_response(400, "the request body must be a JSON object")
         return body, None
 
+    async def _body_and_worker(self, request: Request) -> tuple[Optional[dict], Optional[object], Optional[Response]]:
+        """The JSON body of a request about one worker, and that worker (by the body's ``url``); or the 4xx."""
+        body, err = await self._body(request)
+        if err:
+            return None, None, err
+        w, err = self._find(body.get("url"))
+        return body, w, err
+
     def _find(self, url) -> tuple[Optional[object], Optional[Response]]:
         if not isinstance(url, str) or not url:
             return None, error_response(400, "url is required", "url")
@@ -132,10 +140,7 @@ class AdminAPI:
 
     async def drain_worker(self, request: Request) -> Response:
         """POST /workers/drain {url, timeout_secs?}: stop new requests to a worker and wait for its in-flight ones."""
-        body, err = await self._body(request)
-        if err:
-            return err
-        w, err = self._find(body.get("url"))
+        body, w, err = await self._body_and_worker(request)
         if err:
             return err
         timeout = body.get("timeout_secs", DEFAULT_DRAIN_TIMEOUT)
@@ -152,10 +157,7 @@ class AdminAPI:
 
     async def activate_worker(self, request: Request) -> Response:
         """POST /workers/activate {url}: end a drain and reset the worker's circuit breaker."""
-        body, err = await self._body(request)
-        if err:
-            return err
-        w, err = self._find(body.get("url"))
+        body, w, err = await self._body_and_worker(request)
         if err:
             return err
         w.draining = False

@@ -537,6 +537,12 @@ async def test_admin_api_lists_adds_drains_and_removes_workers(si, routers):
         assert resp.status_code == 400
         resp = await c.post("/workers", json={"url": "http://127.0.0.1:1", "worker_type": "prefill"}, headers=ADMIN)
         assert resp.status_code == 400 and "bootstrap_port" in resp.json()["error"]["message"]
+        for route in ("/workers/drain", "/workers/activate"):  # a bad worker reference is a 4xx that changes nothing
+            resp = await c.post(route, json={"timeout_secs": 1}, headers=ADMIN)
+            assert resp.status_code == 400 and "url is required" in resp.json()["error"]["message"]
+            resp = await c.post(route, json=[d0], headers=ADMIN)
+            assert resp.status_code == 400 and "JSON object" in resp.json()["error"]["message"]
+            assert (await c.post(route, json={"url": "http://127.0.0.1:1"}, headers=ADMIN)).status_code == 404
         # drain d0 (idle: at once); every request then goes to d1
         resp = await c.post("/workers/drain", json={"url": d0, "timeout_secs": 1}, headers=ADMIN)
         assert resp.json()["drained"] is True and resp.json()["worker"]["state"] == "draining"
