@@ -147,6 +147,8 @@ def _pages_of_tile(pv, pv2, jv, pb, t, PAGE: tl.constexpr, BLOCK_N: tl.constexpr
     pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
     first = (t * BLOCK_N) // PAGE - pb
     p0 = _page_pick(pv, pv2, jv, first, NPV, PAIR)
+    if BLOCK_N <= PAGE:  # the tile lies in one page (both powers of two): one pick
+        return tl.zeros([BLOCK_N], tl.int64) + p0.to(tl.int64)
     p1 = _page_pick(pv, pv2, jv, first + 1, NPV, PAIR)
     return tl.where(pos // PAGE - pb == first, p0, p1).to(tl.int64)
 
@@ -746,12 +748,13 @@ def _cfg(bn, w, tm, keys, stages, pf=False, wave=0, maxnreg=0, pv=0, epi=0):
 # into registers at once (pages of >= BLOCK_N / 2 positions; smaller pages take the "fp8" path). Every config
 # compiles for sm_120a with mma.sync and <= 99 KiB of shared memory, and for sm_90a, for 1, 2 and 4 stacked query
 # tokens (tests/test_indexer.py; fp8pv 128/8 in 3 stages and 128/4 in 4 need > 99 KiB for 4 tokens).
-# The last three (-s6, not yet timed: no device time was left that session) are candidates for the sm_90 fp8-query
+# The last four (-s6, not yet timed: no device time was left that session) are candidates for the sm_90 fp8-query
 # default. SASS of the Triton 3.9 sm_90a decode build per key tile (benchmarks/kernels/indexer_sass.py): the pv24
 # default 511 instructions / 6 barriers / 114 registers; with EPI 1 508; with EPI 1 and a 168-register cap 480 at 140
 # registers (shared memory still holds it to 3 programs per SM); 64-key tiles with EPI 1 at 80 registers 337
 # instructions / 4 barriers per 64 keys and 33 KB of shared memory, so 6 programs (24 warps) per SM instead of 3 (12
-# warps): -s5 found the per-tile path the limit at 3 programs, more warps in flight is what this one tries.
+# warps): -s5 found the per-tile path the limit at 3 programs, more warps in flight is what this one tries; in 2 stages
+# at 72 registers 317 instructions and 25 KB, 7 programs (28 warps) per SM, one 64-key tile in flight per program.
 SCORE_CONFIGS = [
     _cfg(64, 4, True, "packed", 1, pf=True),
     _cfg(64, 8, True, "packed", 1, pf=True),
@@ -771,6 +774,7 @@ SCORE_CONFIGS = [
     _cfg(128, 4, True, "fp8pv", 3, wave=3, maxnreg=128, pv=24, epi=1),
     _cfg(128, 4, True, "fp8pv", 3, wave=3, maxnreg=168, pv=24, epi=1),
     _cfg(64, 4, True, "fp8pv", 3, wave=6, maxnreg=80, pv=48, epi=1),
+    _cfg(64, 4, True, "fp8pv", 2, wave=7, maxnreg=72, pv=48, epi=1),
 ]
 # (sm_90?, stacked query tokens) -> config for a bf16 query. sm_90: the fastest configs of the H200 sweeps at 32K live
 # / 128K max (S = 1: benchmarks/results/indexer_2026-11-30.md, keys on M 64/4 packed, 94.6 us vs 113.5 for heads on
