@@ -576,13 +576,12 @@ def _select_topk_kernel(
         g_end = tl.minimum(g_begin + per * TGS, ng)
         # this slice's first tile of group maxima (READ_SCORES: of scores) is requested before the histogram, so the
         # two loads overlap
-        go = g_begin + tl.arange(0, TGS)
-        p_end = tl.minimum(g_end * G, ln)
         if READ_SCORES:
+            p_end = tl.minimum(g_end * G, ln)
             cp = g_begin * G + tl.arange(0, TGS * G)
             ck = _order_key(tl.load(srow + cp, mask=cp < p_end, other=0.0))
-            gk = go
         else:
+            go = g_begin + tl.arange(0, TGS)
             gk = _order_key(tl.load(grow + go, mask=go < g_end, other=0.0))
         # 1) t0 <= the topk-th largest score: the low edge of the histogram bin holding the topk-th largest count
         #    (group maxima: >= topk groups, hence distinct positions, reach it; short rows count the scores)
