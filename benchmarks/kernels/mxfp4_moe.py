@@ -159,6 +159,25 @@ def _gmm(a, w, offs, bounds):
     return torch.cat([a[s:e] @ w[j].T for j, (s, e) in enumerate(bounds)]), "torch.mm per expert"
 
 
+def floor_row(t, sets):
+    """The timing row of T = ``t`` tokens, with its weight-bandwidth floor over the routing ``sets`` [(x, ids, wts)]:
+    distinct experts (mean over the sets), bytes (those experts' weights + scales, bf16 activations in and out, ids
+    and routing weights) and floor_us_4p3 = bytes / HBM_BPS in microseconds."""
+    distinct = sum(torch.unique(ids).numel() for _, ids, _ in sets) / len(sets)
+    nbytes = distinct * EXPERT_BYTES + 2 * t * H * 2 + t * K * 8
+    return dict(T=t, distinct_experts=distinct, floor_bytes=nbytes, floor_us_4p3=nbytes / HBM_BPS * 1e6)
+
+
+def time_baseline(row, sets, weights, lut, rep):
+    """Time the anchor (``baseline_moe``, dequantize + torch grouped matmuls) on ``sets[0]`` for ``rep`` ms: sets
+    row["baseline_impl"] and row["baseline_us"] (median, microseconds); returns its output [T, H] bf16."""
+    (x, ids, wts), (w13, s13, w2, s2) = sets[0], weights
+    out, row["baseline_impl"] = baseline_moe(x, w13, s13, w2, s2, wts, ids, lut)
+    row["baseline_us"] = triton.testing.do_bench(lambda: baseline_moe(x, w13, s13, w2, s2, wts, ids, lut), rep=rep,
+                                                 return_mode="median") * 1e3
+    return out
+
+
 def baseline_moe(x, w13, s13, w2, s2, wts, ids, lut, chunk=16):
     """Dequantize the distinct routed experts to bf16, then torch grouped matmuls (torch._grouped_mm when it is
     there, else one mm per expert); SwiGLU with the same clamp and rounding; weighted sum over k."""
@@ -227,9 +246,7 @@ def timing(dev, weights, deadline, sweep, ts, save):
     for n_t, t in enumerate(ts):
         t_deadline = time.time() + (deadline - time.time()) / (len(ts) - n_t)  # an equal share of what is left
         sets = [make_routing(t, dev, seed=7 * t + r) for r in range(ROT)]
-        distinct = sum(torch.unique(ids).numel() for _, ids, _ in sets) / ROT
-        nbytes = distinct * EXPERT_BYTES + 2 * t * H * 2 + t * K * 8
-        row = dict(T=t, distinct_experts=distinct, floor_bytes=nbytes, floor_us_4p3=nbytes / HBM_BPS * 1e6)
+        row = floor_row(t, sets)
         outs = [torch.empty(t, H, dtype=torch.bfloat16, device=dev) for _ in range(ROT)]
 
         def call(cfg):
@@ -268,13 +285,10 @@ def timing(dev, weights, deadline, sweep, ts, save):
         if best[0] != "default":  # the sweep's winner timed on its own, as the default was
             row["best_config"] = dict(variants(t))[best[0]]
             row["best_retimed_us"] = bench_graph(call(row["best_config"]), 60)
+        b = time_baseline(row, sets, weights, lut, rep=120 if t < 64 else 250)
         x, ids, wts = sets[0]
-        b, row["baseline_impl"] = baseline_moe(x, w13, s13, w2, s2, wts, ids, lut)
         o = mx.fused_moe_mxfp4(x, w13, s13, w2, s2, wts, ids, swiglu_limit=LIMIT, max_scale_byte=msb)
         row["baseline_vs_ours_rel"] = rel(o, b)
-        row["baseline_us"] = triton.testing.do_bench(
-            lambda: baseline_moe(x, w13, s13, w2, s2, wts, ids, lut), rep=120 if t < 64 else 250,
-            return_mode="median") * 1e3
         rows.append(row)
         save()
         print("time", {k: v for k, v in row.items() if k != "sweep_us"}, flush=True)

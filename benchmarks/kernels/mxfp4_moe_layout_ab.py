@@ -125,9 +125,7 @@ def main():
     for n_t, t in enumerate(ts):
         t_deadline = time.time() + (deadline - time.time()) / (len(ts) - n_t)
         sets = [bm.make_routing(t, dev, seed=7 * t + r) for r in range(bm.ROT)]
-        distinct = sum(torch.unique(ids).numel() for _, ids, _ in sets) / bm.ROT
-        nbytes = distinct * bm.EXPERT_BYTES + 2 * t * bm.H * 2 + t * K * 8
-        row = dict(T=t, distinct_experts=distinct, floor_bytes=nbytes, floor_us_4p3=nbytes / bm.HBM_BPS * 1e6)
+        row = bm.floor_row(t, sets)
         outs = [torch.empty(t, bm.H, dtype=torch.bfloat16, device=dev) for _ in range(bm.ROT)]
 
         def call(mod, a, b, cfg=None, **kw):
@@ -155,11 +153,7 @@ def main():
         row["prep_default_config"] = mx.default_config(t * K)
         row["head_us_again"] = bm.bench_graph(call(head, w13, w2), 60)
         row["prep_default_us_again"] = bm.bench_graph(call(mx, p13, p2, weight_layout="sm90_bits"), 60)
-        x, ids, wts = sets[0]
-        b, row["baseline_impl"] = bm.baseline_moe(x, w13, s13, w2, s2, wts, ids, lut)
-        row["baseline_us"] = triton.testing.do_bench(
-            lambda: bm.baseline_moe(x, w13, s13, w2, s2, wts, ids, lut), rep=100 if t < 64 else 200,
-            return_mode="median") * 1e3
+        bm.time_baseline(row, sets, (w13, s13, w2, s2), lut, rep=100 if t < 64 else 200)
         good = {k: v for k, v in sw.items() if isinstance(v, float)}
         best = min(good.items(), key=lambda kv: kv[1])
         row["prep_best_variant"], row["prep_best_us"] = best

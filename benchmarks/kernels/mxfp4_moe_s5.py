@@ -330,10 +330,8 @@ def main():
     for n_t, t in enumerate(ts):
         t_deadline = time.time() + (deadline - time.time()) * share[t] / sum(share[u] for u in ts[n_t:])
         sets = [bm.make_routing(t, dev, seed=7 * t + r) for r in range(bm.ROT)]
-        distinct = sum(torch.unique(ids).numel() for _, ids, _ in sets) / bm.ROT
-        nbytes = distinct * bm.EXPERT_BYTES + 2 * t * bm.H * 2 + t * K * 8
-        floor = nbytes / bm.HBM_BPS * 1e6
-        row = dict(T=t, distinct_experts=distinct, floor_bytes=nbytes, floor_us_4p3=floor)
+        row = bm.floor_row(t, sets)
+        floor = row["floor_us_4p3"]
         outs = [torch.empty(t, bm.H, dtype=torch.bfloat16, device=dev) for _ in range(bm.ROT)]
 
         def call(mod, a, b, cfg=None, layout=LAYOUT):
@@ -366,11 +364,7 @@ def main():
         row["configs"] = {n: (cand[n] if n in cand else SGLANG_T1 if n == "sglang_bm1_fold" else
                               head.default_config(t * K, LAYOUT if n == "head" else "sglang")) for n in timed}
         if args.baseline:
-            x, ids, wts = sets[0]
-            _, row["baseline_impl"] = bm.baseline_moe(x, w13, s13, w2, s2, wts, ids, lut)
-            row["baseline_us"] = triton.testing.do_bench(
-                lambda: bm.baseline_moe(x, w13, s13, w2, s2, wts, ids, lut), rep=100 if t < 64 else 200,
-                return_mode="median") * 1e3
+            bm.time_baseline(row, sets, (w13, s13, w2, s2), lut, rep=100 if t < 64 else 200)
         res["timing"].append(row)
         save()
         print("time", t, json.dumps({k: row[k] for k in ("median_us", "pct_floor")}), flush=True)

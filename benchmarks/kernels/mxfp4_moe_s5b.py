@@ -465,10 +465,8 @@ def main():
     for n_t, t in enumerate(ts):
         t_deadline = time.time() + max(0.0, left() - 22) / (len(ts) - n_t)
         sets = sets1 if t == 1 else [bm.make_routing(t, dev, seed=7 * t + r) for r in range(bm.ROT)]
-        distinct = sum(torch.unique(ids).numel() for _, ids, _ in sets) / bm.ROT
-        nbytes = distinct * bm.EXPERT_BYTES + 2 * t * bm.H * 2 + t * K * 8
-        floor = nbytes / bm.HBM_BPS * 1e6
-        row = dict(T=t, distinct_experts=distinct, floor_bytes=nbytes, floor_us_4p3=floor)
+        row = bm.floor_row(t, sets)
+        floor = row["floor_us_4p3"]
         outs = [torch.empty(t, bm.H, dtype=torch.bfloat16, device=dev) for _ in range(bm.ROT)]
         timed = {"head": calls(head, p13, p2, sets, outs), "default": calls(mx, p13, p2, sets, outs)}
         if t * K <= 48:
@@ -477,10 +475,7 @@ def main():
         row["configs"] = {n: (head.default_config(t * K, LAYOUT) if n == "head" else
                               mx.default_config(t * K, LAYOUT) if n == "default" else all_plans[n]) for n in timed}
         if args.baseline and left() > 15:
-            x, ids, wts = sets[0]
-            _, row["baseline_impl"] = bm.baseline_moe(x, w13, s13, w2, s2, wts, ids, lut)
-            row["baseline_us"] = triton.testing.do_bench(
-                lambda: bm.baseline_moe(x, w13, s13, w2, s2, wts, ids, lut), rep=60, return_mode="median") * 1e3
+            bm.time_baseline(row, sets, (w13, s13, w2, s2), lut, rep=60)
         res["timing"].append(row)
         save()
         print("time", t, json.dumps({k: row[k] for k in ("median_us", "pct_floor")}), flush=True)

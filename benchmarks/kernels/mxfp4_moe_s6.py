@@ -406,10 +406,8 @@ def main():
     for n_t, t in enumerate(ts):
         t_deadline = time.time() + max(0.0, left() - 25) / (len(ts) - n_t)
         sets = sets1 if t == 1 else [bm.make_routing(t, dev, seed=7 * t + r) for r in range(bm.ROT)]
-        distinct = sum(torch.unique(i).numel() for _, i, _ in sets) / bm.ROT
-        nbytes = distinct * bm.EXPERT_BYTES + 2 * t * bm.H * 2 + t * K * 8
-        floor = nbytes / bm.HBM_BPS * 1e6
-        row = dict(T=t, distinct_experts=distinct, floor_bytes=nbytes, floor_us_4p3=floor)
+        row = bm.floor_row(t, sets)
+        floor = row["floor_us_4p3"]
         outs = [torch.empty(t, bm.H, dtype=torch.bfloat16, device=dev) for _ in range(bm.ROT)]
         timed = {n: calls(n, sets, outs) for n in defaults + (chosen if t * K <= 48 else [])
                  if n not in bad}
@@ -417,11 +415,7 @@ def main():
         row["configs"] = {n: (mod_of(n).default_config(t * K, "sm90_bits") if plans[n][1] is None else plans[n][1])
                           for n in timed}
         if args.baseline and left() > 15:
-            x, ids, wts = sets[0]
-            _, row["baseline_impl"] = bm.baseline_moe(x, W.w13, W.s13, W.w2, W.s2, wts, ids, lut)
-            row["baseline_us"] = triton.testing.do_bench(
-                lambda: bm.baseline_moe(x, W.w13, W.s13, W.w2, W.s2, wts, ids, lut), rep=60,
-                return_mode="median") * 1e3
+            bm.time_baseline(row, sets, (W.w13, W.s13, W.w2, W.s2), lut, rep=60)
         res["timing"].append(row)
         save()
         print("time", t, json.dumps({k: row[k] for k in ("median_us", "pct_floor")}), flush=True)
