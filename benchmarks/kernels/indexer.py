@@ -345,30 +345,41 @@ class Setup:
         return [lambda: R.dsa_indexer_topk_naive(self.qw[0][0], self.qw[0][1], buf, self.seq, topk=TOPK)]
 
 
+def _pick_best(dev, pool, smoke, seed, variants, ref):
+    """Time the full step (fp8 query, S = 1, 32K live / 128K max, B = 16 and 64) of each variant, in two interleaved
+    rounds (the smaller time of each): ``variants`` maps a name to a function of a ``Setup`` giving its calls. A
+    variant that fails to build or run gets inf. Returns (best, times): the least t16 + t64 / 4 among the variants
+    whose B=64 time is within 1% of variant ``ref``'s (so B=64 does not regress), and times[name][str(B)] in us."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    live, max_ctx = (32768, 131072) if not smoke else (300, 512)
+    times = {n: {} for n in variants}
+    for b in ((16, 64) if not smoke else (2,)):
+        st = Setup(b, 1, live, max_ctx, dev, pool, g, fp8=True)
+        for _ in range(2):
+            for n, calls_of in variants.items():
+                try:
+                    t = time_graph(calls_of(st), 50, smoke)
+                except Exception as e:  # noqa: BLE001  (a variant that fails to build or run loses)
+                    print("pick: variant failed", n, repr(e)[:300], flush=True)
+                    t = float("inf")
+                times[n][str(b)] = min(times[n].get(str(b), t), t)
+        del st
+    if smoke:
+        for n in variants:
+            times[n]["16"] = times[n]["64"] = times[n]["2"]
+    ok = [n for n in variants if times[n]["64"] <= 1.01 * times[ref]["64"]]
+    return min(ok, key=lambda n: times[n]["16"] + times[n]["64"] / 4), times
+
+
 def pick_fp8q_config(dev, pool, smoke, names):
-    """Time the full step with each named score config (fp8 query, S = 1, 32K live / 128K max, B = 16 and 64) and
-    make the best the module's sm_90 fp8-query default for the rest of the run: the least t16 + t64 / 4 among the
-    configs whose B=64 time is within 1% of the first (the committed default), so B=64 does not regress."""
+    """Time the full step with each named score config (``_pick_best``; the first named is the committed default)
+    and make the best the module's sm_90 fp8-query default for the rest of the run."""
     by_name = {cfg_name(c): c for c in K.SCORE_CONFIGS}
     unknown = [n for n in names if n not in by_name]
     if unknown:
         raise SystemExit(f"--pick-fp8q-config: unknown config(s) {unknown}; known: {sorted(by_name)}")
-    g = torch.Generator(device=dev).manual_seed(13)
-    live, max_ctx = (32768, 131072) if not smoke else (300, 512)
-    times = {n: {} for n in names}
-    for b in ((16, 64) if not smoke else (2,)):
-        st = Setup(b, 1, live, max_ctx, dev, pool, g, fp8=True)
-        for _ in range(2):  # two interleaved rounds, the smaller time of each
-            for n in names:
-                t = time_graph(st.ours(config=by_name[n]), 50, smoke)
-                times[n][str(b)] = min(times[n].get(str(b), t), t)
-        del st
-    if smoke:
-        for n in names:
-            times[n]["16"] = times[n]["64"] = times[n]["2"]
-    ref64 = times[names[0]]["64"]
-    ok = [n for n in names if times[n]["64"] <= 1.01 * ref64]
-    best = min(ok, key=lambda n: times[n]["16"] + times[n]["64"] / 4)
+    best, times = _pick_best(dev, pool, smoke, 13, {n: (lambda st, c=by_name[n]: st.ours(config=c)) for n in names},
+                             names[0])
     K.DEFAULT_FP8Q_SCORE_CONFIGS[(True, 1)] = by_name[best]
     print("pick", best, times, flush=True)
     return dict(picked=best, times=times)
@@ -399,34 +410,14 @@ def with_knobs(calls: list, knobs: dict | None = None, **kw) -> list:
 
 
 def pick_select(dev, pool, smoke):
-    """Time the full step (fp8 query, S = 1, 32K live / 128K max, B = 16 and 64; the run's score default) with every
-    select switch on, with each one off, and with all off, and keep the best as the module's setting for the rest of
-    the run: the least t16 + t64 / 4 among the variants whose B=64 time is within 1% of all-off (so B=64 does not
-    regress)."""
+    """Time the full step (``_pick_best``; the run's score default) with every select switch on, with each one off,
+    and with all off (the reference), and keep the best as the module's setting for the rest of the run."""
     variants = {"all_on": {k: True for k in SELECT_KNOBS}}
     for k in SELECT_KNOBS:
         variants[k.lower() + "_off"] = dict(variants["all_on"], **{k: False})
     variants["all_off"] = {k: False for k in SELECT_KNOBS}
-    g = torch.Generator(device=dev).manual_seed(17)
-    live, max_ctx = (32768, 131072) if not smoke else (300, 512)
-    times = {n: {} for n in variants}
-
-    for b in ((16, 64) if not smoke else (2,)):
-        st = Setup(b, 1, live, max_ctx, dev, pool, g, fp8=True)
-        for _ in range(2):  # two interleaved rounds, the smaller time of each
-            for n, knobs in variants.items():
-                try:
-                    t = time_graph(with_knobs(st.ours(), knobs), 50, smoke)
-                except Exception as e:  # noqa: BLE001  (a variant that fails to build or run loses)
-                    print("pick select: variant failed", n, repr(e)[:300], flush=True)
-                    t = float("inf")
-                times[n][str(b)] = min(times[n].get(str(b), t), t)
-        del st
-    if smoke:
-        for n in variants:
-            times[n]["16"] = times[n]["64"] = times[n]["2"]
-    ok = [n for n in variants if times[n]["64"] <= 1.01 * times["all_off"]["64"]]
-    best = min(ok, key=lambda n: times[n]["16"] + times[n]["64"] / 4)
+    best, times = _pick_best(dev, pool, smoke, 17, {n: (lambda st, k=knobs: with_knobs(st.ours(), k))
+                                                    for n, knobs in variants.items()}, "all_off")
     for k, v in variants[best].items():
         setattr(K, k, v)
     print("pick select", best, times, flush=True)

@@ -185,6 +185,16 @@ def ncu_run(args):
         torch.cuda.synchronize()
 
 
+def end_workers(workers) -> int:
+    """Kill and reap the compile workers (subprocess.Popen handles) still running, so none runs kernels beside the
+    timed rounds; returns how many were."""
+    alive = [w for w in workers if w.poll() is None]
+    for w in alive:
+        w.kill()
+        w.wait()
+    return len(alive)
+
+
 def interleaved_rounds(row, timed, n_rounds, t_deadline, floor):
     """Time every plan of ``timed`` ({name: CUDA-graph call list}) once per round, ``n_rounds`` interleaved rounds
     (at least 2; later ones only before ``t_deadline``), into ``row``: rounds_us, median_us, pct_floor (of

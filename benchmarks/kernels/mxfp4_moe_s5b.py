@@ -455,11 +455,7 @@ def main():
     save()
 
     # 3. rounds (no compile worker may still run kernels beside them: the ones left are ended, by their handles)
-    res["workers_ended_before_rounds"] = sum(w.poll() is None for w in workers)
-    for w in workers:
-        if w.poll() is None:
-            w.kill()
-            w.wait()
+    res["workers_ended_before_rounds"] = s5.end_workers(workers)
     res["timing"] = []
     lut = bm._lut_pairs(dev)
     for n_t, t in enumerate(ts):

@@ -396,11 +396,7 @@ def main():
     save()
 
     # 3. rounds
-    res["workers_ended_before_rounds"] = sum(w.poll() is None for w in workers)
-    for w in workers:
-        if w.poll() is None:
-            w.kill()
-            w.wait()
+    res["workers_ended_before_rounds"] = s5.end_workers(workers)
     res["timing"] = []
     lut = bm._lut_pairs(dev)
     for n_t, t in enumerate(ts):
