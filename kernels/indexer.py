@@ -747,8 +747,7 @@ def _cfg(bn, w, tm, keys, stages, pf=False, wave=0, maxnreg=0, pv=0, epi=0):
 # into registers at once (pages of >= BLOCK_N / 2 positions; smaller pages take the "fp8" path). Every config
 # compiles for sm_120a with mma.sync and <= 99 KiB of shared memory, and for sm_90a, for 1, 2 and 4 stacked query
 # tokens (tests/test_indexer.py; fp8pv 128/8 in 3 stages and 128/4 in 4 need > 99 KiB for 4 tokens).
-# The last four (-s6, not yet timed: no device time was left that session) are candidates for the sm_90 fp8-query
-# default. SASS of the Triton 3.9 sm_90a decode build per key tile (benchmarks/kernels/indexer_sass.py): the pv24
+# The last four (-s6) were candidates for the sm_90 fp8-query default (timed in -s7, see DEFAULT_FP8Q_SCORE_CONFIGS). SASS of the Triton 3.9 sm_90a decode build per key tile (benchmarks/kernels/indexer_sass.py): the pv24
 # default 511 instructions / 6 barriers / 114 registers; with EPI 1 508; with EPI 1 and a 168-register cap 480 at 140
 # registers (shared memory still holds it to 3 programs per SM); 64-key tiles with EPI 1 at 80 registers 337
 # instructions / 4 barriers per 64 keys and 33 KB of shared memory, so 6 programs (24 warps) per SM instead of 3 (12
@@ -812,8 +811,12 @@ DEFAULT_SCORE_CONFIGS = {
 # with pv24), 8 warps with 80 registers (6 warps per scheduler) 42.0 / 118.1 in 3 stages and 43.5 / 121.6 in 4
 # (Nsight Compute on 4 stages: 56% of DRAM peak, 3 warps per scheduler issuing every 6 cycles, as with 3 stages: not
 # short of copies in flight).
+# -s7 (benchmarks/results/indexer_2026-11-30-s7-pick.md, the pick of the five, full step at 32K, B = 16 / 64): 64-key tiles,
+# EPI 1, 80 registers, 6 programs per SM in one wave, page ids of 48 tiles per chunk: 38.3 / 103.8 us vs the -s5
+# default 39.5 / 109.6; the same -s5 tiles with EPI 1 37.6 / 108.0 (168 registers: 37.6 / 108.4), 64-key tiles in 2
+# stages at 72 registers 38.1 / 106.0.
 DEFAULT_FP8Q_SCORE_CONFIGS = {
-    (True, 1): _cfg(128, 4, True, "fp8pv", 3, wave=3, maxnreg=128, pv=24),
+    (True, 1): _cfg(64, 4, True, "fp8pv", 3, wave=6, maxnreg=80, pv=48, epi=1),
 }
 S_CHUNK = 4  # query tokens stacked per score launch (S > 4: several launches)
 SELECT_WARPS = (4, 8, 16)
@@ -857,7 +860,8 @@ SELECT_FAST_EXACT = True
 # the select slices read their scores whole (a tile of SELECT_TGS * GROUP positions requested with the histogram)
 # instead of the group maxima and then a gather of the groups reaching t0 (one dependent round trip less; same
 # candidates, same output). The scores kernel still stores the group maxima: without that store its histogram atomics need a layout
-# conversion of their own (-s6 SASS: 540 instead of 512 instructions per tile). Not yet timed (-s6 had no device time)
+# conversion of their own (-s6 SASS: 540 instead of 512 instructions per tile). -s7 pick (B = 16 / 64 at 32K): on
+# 38.8 / 105.3 us, off 37.9 / 106.3; in the sweep on 38.3 / 102.4 vs 38.1 / 102.9: no gain outside the run's spread
 SELECT_READS_SCORES = False
 FINE_BINS = 4096  # fine histogram of the candidates (SELECT_SEARCH "fine"): bins of 2**FINE_SHIFT order keys above t0
 FINE_SHIFT = 11  # 4096 x 2**11 = one binade above t0 (the topk-th score lies within it unless scores are extreme)

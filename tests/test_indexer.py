@@ -216,15 +216,19 @@ def test_default_configs_are_score_configs():
 
 
 def test_score_split_one_wave_at_small_batch():
-    """A WAVE config launches at most WAVE programs per SM in all (B=16 on 132 SMs: 24 per request, 384 <= 396),
-    unless that leaves fewer than MIN_WAVE_SPLIT per request (B=64: 6), where the oversubscribed split applies, as
-    for configs without WAVE."""
-    from pd.kernels.indexer import DEFAULT_FP8Q_SCORE_CONFIGS, MIN_WAVE_SPLIT, PROGRAMS_PER_SM, score_split
+    """A WAVE config launches at most WAVE programs per SM in all (WAVE 3, B=16 on 132 SMs: 24 per request,
+    384 <= 396; WAVE 6, the sm_90 fp8-query default: 49, 784 <= 792), unless that leaves fewer than MIN_WAVE_SPLIT per
+    request (WAVE 3 at B=64: 6), where the oversubscribed split applies, as for configs without WAVE."""
+    from pd.kernels.indexer import (DEFAULT_FP8Q_SCORE_CONFIGS, MIN_WAVE_SPLIT, PROGRAMS_PER_SM, SCORE_CONFIGS,
+                                    score_split)
 
-    wave = DEFAULT_FP8Q_SCORE_CONFIGS[(True, 1)]
-    plain = {k: v for k, v in wave.items() if k != "WAVE"}
-    assert wave["WAVE"] == 3 and score_split(16, wave, 132) == 24 and score_split(1, wave, 132) == 64
-    assert 3 * 132 // 64 < MIN_WAVE_SPLIT and score_split(64, wave, 132) == score_split(64, plain, 132) == 17
+    wave6 = DEFAULT_FP8Q_SCORE_CONFIGS[(True, 1)]
+    wave3 = next(c for c in SCORE_CONFIGS if c.get("WAVE") == 3)
+    plain = {k: v for k, v in wave3.items() if k != "WAVE"}
+    assert wave6["WAVE"] == 6 and score_split(16, wave6, 132) == 49 and score_split(64, wave6, 132) == 12
+    assert score_split(128, wave6, 132) == 9 and score_split(1, wave6, 132) == 64
+    assert score_split(16, wave3, 132) == 24 and score_split(1, wave3, 132) == 64
+    assert 3 * 132 // 64 < MIN_WAVE_SPLIT and score_split(64, wave3, 132) == score_split(64, plain, 132) == 17
     assert score_split(16, plain, 132) == min(64, -(-PROGRAMS_PER_SM * 132 // 16)) == 64
     assert score_split(4096, plain, 132) == 1
 
