@@ -19,9 +19,10 @@ Kernels (weights are never dequantized in memory):
     <= 2, which the caller states with ``max_scale_byte``). With ``weight_layout="sm90_bits"`` the weights were
     reordered once at load time (``prepare_mxfp4_weights_sm90``, ``_E2M1_PREP_ASM``): about half the integer
     work and ~2.7-3.1 SASS per weight, the product computed transposed (converted weights as the mma A operand).
-    ``"sm90_tiled"`` / ``"sm90_tiled_scales"`` are the same elements stored as 32-row x 256-value tiles (and the
-    scales as 32-row x 8-byte tiles), so a pipeline stage reads one contiguous 4 KiB run instead of 128 bytes from
-    each of 32 rows (s6, not yet measured on a GPU; the defaults keep "sm90_bits").
+    ``"sm90_tiled"`` is the same elements stored as 32-row x 256-value tiles and the scales as 32-row x 8-byte
+    tiles, so a pipeline stage reads one contiguous 4 KiB run (and one 256-byte run of scales) instead of 128 bytes
+    (and 8 bytes) from each of 32 rows: 1.07x at T = 1 and 1.08-1.11x at T = 4..128 on the H200 (s7), what the SGLang
+    method prepares on sm_90 when H and I are multiples of 256.
     The epilogue rounds gate/up to bf16, clamps, applies SiLU(gate) * up and stores h (bf16).
   * ``_down_kernel``: the same over K = I for the down projection; multiplies by the routing weight and either
     stores the per-pair rows (fp32) for ``_topk_sum_kernel``, or (``pair_token`` path) loops over a token's k
@@ -165,22 +166,20 @@ mul.rn.bf16x2 $3, v, $5;
 """)
 WL_SGLANG = 0  # SGLang's checkpoint layout (any dequantization)
 WL_SM90_BITS = 1  # the prepared layout above (bits dequantization only)
-# WL 2 ("sm90_tiled", ``prepare_mxfp4_weights_sm90(..., tiled=True)``): the elements of WL 1, each band of 32 rows
+# WL 2 ("sm90_tiled"): the elements of WL 1 (``prepare_mxfp4_weights_sm90(..., tiled=True)``), each band of 32 rows
 # stored as K / 256 consecutive tiles of [32 rows x 64 elements] (4 KiB; a row's 256 values of one tile are 128
-# contiguous bytes). Why: in WL 1 a program's pipeline stage reads one 128-byte piece from each of its 32 rows, the
+# contiguous bytes), and the scale bytes in the same bands of [32 rows x 8 bytes] tiles (``tile_mxfp4_scales``).
+# Why: in WL 1 a program's pipeline stage reads one 128-byte piece (and 8 scale bytes) from each of its 32 rows, the
 # rows 1-2 KiB apart, so the whole grid streams its experts in 128-byte pieces (H200, s5d: gate/up at 55% of DRAM
-# peak with 23 or 46 warps per SM); here a 32-row, BK-256 stage is one contiguous 4 KiB run and a program's K range
-# one contiguous run of those.
+# peak with 23 or 46 warps per SM); here a 32-row, BK-256 stage is one contiguous 4 KiB run and 256 bytes of scales.
+# H200 s7 (benchmarks/results/mxfp4_moe_2026-11-30-s7-ab.json): the weight tiles alone gained nothing (T = 1 32.4 vs
+# 32.4 us, T = 64 869 vs 888), the scale tiles with them 1.03-1.11x (31.4 / 829.8 us), so only both together remain.
 WL_SM90_TILED = 2
-# WL 3 ("sm90_tiled_scales"): WL 2, and the scale bytes in the same bands of [32 rows x 8 bytes] tiles
-# (``tile_mxfp4_scales``), so a stage's scales are one 256-byte run instead of 8 bytes from each of 32 rows.
-WL_SM90_TILED_SCALES = 3
-WEIGHT_LAYOUTS = {"sglang": WL_SGLANG, "sm90_bits": WL_SM90_BITS, "sm90_tiled": WL_SM90_TILED,
-                  "sm90_tiled_scales": WL_SM90_TILED_SCALES}
-PREPARED_LAYOUTS = ("sm90_bits", "sm90_tiled", "sm90_tiled_scales")  # read with the sm90_bits element encoding
+WEIGHT_LAYOUTS = {"sglang": WL_SGLANG, "sm90_bits": WL_SM90_BITS, "sm90_tiled": WL_SM90_TILED}
+PREPARED_LAYOUTS = ("sm90_bits", "sm90_tiled")  # read with the sm90_bits element encoding
 TILE_ROWS = tl.constexpr(32)  # rows per band of the tiled layout
 TILE_ELEMS = tl.constexpr(64)  # 16-bit elements (256 values) per row of one tile
-TILE_SCALES = tl.constexpr(8)  # WL 3: scale bytes (256 values) per row of one scale tile
+TILE_SCALES = tl.constexpr(8)  # WL 2: scale bytes (256 values) per row of one scale tile
 
 
 @triton.jit
@@ -229,10 +228,10 @@ def _w_next(ptrs, n: tl.constexpr, WL: tl.constexpr):
 
 @triton.jit
 def _s_ptrs(base, rows, KS: tl.constexpr, ks, WL: tl.constexpr):
-    """Scale byte pointers: [len(rows), len(ks)] (``base`` holds the program's K start), or WL 3 (scales tiled like
+    """Scale byte pointers: [len(rows), len(ks)] (``base`` holds the program's K start), or WL 2 (scales tiled like
     the weights: [32 rows x 8 bytes] tiles) the rows' first-tile pointers [len(rows), 1] (``_s_step`` adds the
     columns)."""
-    if WL == 3:
+    if WL >= 2:
         return base + _tiled_rows(rows, KS, TILE_SCALES)[:, None]
     else:
         return base + rows[:, None] * KS + ks[None, :]
@@ -240,9 +239,9 @@ def _s_ptrs(base, rows, KS: tl.constexpr, ks, WL: tl.constexpr):
 
 @triton.jit
 def _s_step(ptrs, g, j_off: tl.constexpr, ks, WL: tl.constexpr, ALIGNED: tl.constexpr):
-    """The scale pointers of a load ``j_off`` bytes into the stage that starts at scale column ``g`` of a row: WL < 3
-    ``ptrs + j_off``; WL 3 the tiled offsets of columns g + j_off + ks (ALIGNED: g % 8 == 0)."""
-    if WL == 3:
+    """The scale pointers of a load ``j_off`` bytes into the stage that starts at scale column ``g`` of a row: WL < 2
+    ``ptrs + j_off``; WL 2 the tiled offsets of columns g + j_off + ks (ALIGNED: g % 8 == 0)."""
+    if WL >= 2:
         if ALIGNED:
             c = (ks + j_off) // TILE_SCALES * (TILE_ROWS * TILE_SCALES) + (ks + j_off) % TILE_SCALES
             return ptrs + g * TILE_ROWS + c[None, :]
@@ -255,8 +254,8 @@ def _s_step(ptrs, g, j_off: tl.constexpr, ks, WL: tl.constexpr, ALIGNED: tl.cons
 
 @triton.jit
 def _s_next(ptrs, n: tl.constexpr, WL: tl.constexpr):
-    """The scale pointers of the next stage (WL 3 keeps the row pointers, see ``_s_step``)."""
-    if WL == 3:
+    """The scale pointers of the next stage (WL 2 keeps the row pointers, see ``_s_step``)."""
+    if WL >= 2:
         return ptrs
     else:
         return ptrs + n
@@ -621,7 +620,7 @@ def _gate_up_kernel(
             w_base += k0 // WV
         SK: tl.constexpr = 32  # K per scale byte
         s_base = s_ptr + e64 * (2 * I * (H // SK))
-        if WL < 3:
+        if WL < 2:
             s_base += k0 // SK
         kb = tl.arange(0, BKD // WV)
         ALIGNED: tl.constexpr = BK % 256 == 0 and (H // SPLIT) % 256 == 0  # WL >= 2: stages start tiles
@@ -635,7 +634,7 @@ def _gate_up_kernel(
             acc = _acc_init(BM, BN, WL)
             for it in range(0, H // SPLIT // BK):
                 m = k0 // WV + it * (BK // WV)  # the stage's first element of a row (WL >= 2)
-                g = k0 // SK + it * (BK // SK)  # and its first scale column (WL 3)
+                g = k0 // SK + it * (BK // SK)  # and its first scale column (WL 2)
                 xa, xb = _x_stage(x_ptrs, rmask[:, None], BK, BKD, XS)
                 if XS == 3:
                     sca, scb = _load_s_stage(_s_step(sc_ptrs, g, 0, ks, WL, ALIGNED), BN, BK, BKD)
@@ -769,7 +768,7 @@ def _down_tile(h_ptr, w_base, s_base, rows, rmask, offs_n, k0, KLEN: tl.constexp
         w_ptrs = _w_ptrs(_w_elems(w_base, WL), offs_n, I // WV, kb, WL)
     else:
         w_ptrs = _w_elems(w_base, WL) + offs_n[:, None] * (I // WV) + k0 // WV + kb[None, :]
-    if WL == 3:
+    if WL >= 2:
         s_ptrs = _s_ptrs(s_base, offs_n, I // SK, ks, WL)
     else:
         s_ptrs = s_base + offs_n[:, None] * (I // SK) + k0 // SK + ks[None, :]
@@ -777,7 +776,7 @@ def _down_tile(h_ptr, w_base, s_base, rows, rmask, offs_n, k0, KLEN: tl.constexp
     acc = _acc_init(BM, BN, WL)
     for it in range(0, KLEN // BK):
         m = k0 // WV + it * (BK // WV)  # the stage's first element of a row (WL >= 2)
-        g = k0 // SK + it * (BK // SK)  # and its first scale column (WL 3)
+        g = k0 // SK + it * (BK // SK)  # and its first scale column (WL 2)
         xa, xb = _x_stage(a_ptrs, rmask[:, None], BK, BKD, XS)
         if XS == 3:
             sa, sb = _load_s_stage(_s_step(s_ptrs, g, 0, ks, WL, ALIGNED), BN, BK, BKD)
@@ -990,10 +989,22 @@ DEFAULT_CONFIGS_SM90_BITS = [
 ]
 
 
+# Default plan for weight_layout="sm90_tiled": the sm90_bits plans, with gate/up at T <= 8 not split along K (768
+# programs, each reading one contiguous 64 KiB run per 32 rows instead of two of 32 KiB). H200 s7
+# (benchmarks/results/mxfp4_moe_2026-11-30-s7-ab.json, medians of 3 interleaved rounds): T = 1 / 4 / 8 30.3 / 100.4 /
+# 197.7 us vs 31.4 / 102.3 / 199.6 with the split of 2 (sm90_bits, its plan: 32.4 / 108.0 / 212.5); the sorted plans
+# at T = 16 / 64 / 128 327.8 / 829.8 / 1043.4 vs 347.6 / 917.8 / 1130.0 on sm90_bits.
+DEFAULT_CONFIGS_SM90_TILED = [
+    (48, dict(DEFAULT_CONFIGS_SM90_BITS[0][1], split_gate_up=1)),
+    *DEFAULT_CONFIGS_SM90_BITS[1:],
+]
+
+
 def default_config(num_pairs: int, weight_layout: str = "sglang") -> dict:
     """The launch plan ``fused_moe_mxfp4`` uses for ``num_pairs`` = T * k (see DEFAULT_CONFIGS, and
-    DEFAULT_CONFIGS_SM90_BITS for the prepared layouts ``PREPARED_LAYOUTS``)."""
-    table = DEFAULT_CONFIGS_SM90_BITS if weight_layout in PREPARED_LAYOUTS else DEFAULT_CONFIGS
+    DEFAULT_CONFIGS_SM90_BITS / DEFAULT_CONFIGS_SM90_TILED for the prepared layouts ``PREPARED_LAYOUTS``)."""
+    table = {"sm90_bits": DEFAULT_CONFIGS_SM90_BITS, "sm90_tiled": DEFAULT_CONFIGS_SM90_TILED}.get(weight_layout,
+                                                                                                  DEFAULT_CONFIGS)
     for bound, cfg in table:
         if num_pairs <= bound:
             return cfg
@@ -1127,8 +1138,8 @@ def mxfp4_max_scale_byte(*scales: torch.Tensor) -> int:
 
 def prepare_mxfp4_weights_sm90(w13: torch.Tensor, w2: torch.Tensor, *, inplace: bool = False,
                                chunk_bytes: int = 1 << 26, tiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reorder packed e2m1 weights once, at weight-load time, into ``weight_layout="sm90_bits"`` (or, ``tiled``,
-    ``"sm90_tiled"``), which the sm_90 bits dequantization reads with about half the integer instructions of SGLang's
+    """Reorder packed e2m1 weights once, at weight-load time, into ``weight_layout="sm90_bits"`` (or, ``tiled``, the
+    weights of ``"sm90_tiled"``, whose scales come from ``tile_mxfp4_scales``), which the sm_90 bits dequantization reads with about half the integer instructions of SGLang's
     layout.
 
     Layout (per row of K values v[0..K), K = H for w13 and I for w2, a multiple of 32): SGLang's byte j holds
@@ -1147,7 +1158,7 @@ def prepare_mxfp4_weights_sm90(w13: torch.Tensor, w2: torch.Tensor, *, inplace: 
         w13: [E, 2 I, H / 2] uint8/int8 (SGLang's layout, see ``fused_moe_mxfp4``). w2: [E, H, I / 2] uint8/int8.
         inplace: write the result into w13 / w2 (no second copy of the weights; done ``chunk_bytes`` at a time).
         chunk_bytes: weight bytes converted per step (bounds the temporaries, ~10x this).
-        tiled: also store the rows as 32-row x 256-value tiles (``weight_layout="sm90_tiled"``).
+        tiled: also store the rows as 32-row x 256-value tiles (the weights of ``weight_layout="sm90_tiled"``).
     Returns:
         (w13, w2) in the prepared layout, same shapes and dtypes (the inputs themselves when ``inplace``).
     Raises:
@@ -1189,7 +1200,7 @@ def _prepare_sm90(name: str, w: torch.Tensor, inplace: bool, chunk_bytes: int, t
 
 
 def tile_mxfp4_scales(w13_scale: torch.Tensor, w2_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The UE8M0 scales of ``weight_layout="sm90_tiled_scales"`` (weights from ``prepare_mxfp4_weights_sm90(...,
+    """The UE8M0 scales of ``weight_layout="sm90_tiled"`` (weights from ``prepare_mxfp4_weights_sm90(...,
     tiled=True)``): each expert's rows in bands of 32, each band stored as K / 256 consecutive [32 rows x 8 bytes]
     tiles, byte g of row r at ((r // 32) * K / 256 + g // 8) * 256 + (r % 32) * 8 + g % 8 from the expert's start.
 
@@ -1331,9 +1342,8 @@ def fused_moe_mxfp4(
             scales unchanged), read by the bits dequantization with about half its integer work. Needs a GPU of
             compute capability >= 9.0 (or the interpreter) and max_scale_byte <= 128; ``dequant="dot_scaled"`` is
             refused. "sm90_tiled": w13 and w2 from ``prepare_mxfp4_weights_sm90(..., tiled=True)`` (rows in
-            32-row x 256-value tiles), the scales unchanged; "sm90_tiled_scales": those weights and the scales from
-            ``tile_mxfp4_scales``. Both need H and I multiples of 256, take the plans of "sm90_bits" and refuse
-            ``prefetch_*``.
+            32-row x 256-value tiles) and the scales from ``tile_mxfp4_scales`` (32-row x 8-byte tiles), with the
+            same needs, plus H and I multiples of 256; ``prefetch_*`` is refused.
         config: launch plan override (benchmarks): {"path": "pair_token"|"pair"|"sorted", "BM": 16|32|64,
             "split_gate_up": 1|2|4|8, "split_down": ..., "gate_up_halves": bool, "dequant": "auto"|"bits"|
             "dot_scaled", "gate_up": {BN, BK, num_warps, num_stages[, BK_DOT, maxnreg]}, "down": {...}, "fold": bool,

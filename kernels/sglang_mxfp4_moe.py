@@ -22,9 +22,11 @@ Weights load exactly as SGLang's ``Fp8MoEMethod`` lays them out (its ``create_we
 (E local experts, H hidden size, I intermediate size per TP rank), which is the layout
 ``pd.kernels.mxfp4_moe.fused_moe_mxfp4`` reads. After loading, the scales are stored as UE8M0 bytes
 (``mxfp4_moe.as_ue8m0``: ``log2(scale) + 127``, exact for powers of two); on an sm_90 GPU with every scale <= 2 the
-packed weights are also reordered in place into the kernel's ``"sm90_bits"`` layout
-(``mxfp4_moe.prepare_mxfp4_weights_sm90``; H200, its default plans vs the checkpoint layout's: 1.10x at T = 1,
-1.13-1.28x at T = 4..128, benchmarks/results/mxfp4_moe_2026-11-30-s5.md). ``apply`` passes the dispatcher's bf16
+packed weights are also reordered in place into the kernel's ``"sm90_tiled"`` layout, weights and scales in 32-row
+tiles (``mxfp4_moe.prepare_mxfp4_weights_sm90(..., tiled=True)`` and ``tile_mxfp4_scales``; H200 s7: 1.07x at T = 1
+and 1.08-1.11x at T = 4..128 over ``"sm90_bits"``, benchmarks/results/mxfp4_moe_2026-11-30-s7.md), or, when H or I
+is not a multiple of 256 (no whole tiles), into ``"sm90_bits"`` (its default plans vs the checkpoint layout's:
+1.10x at T = 1, 1.13-1.28x at T = 4..128, benchmarks/results/mxfp4_moe_2026-11-30-s5.md). ``apply`` passes the dispatcher's bf16
 hidden states [T, H] and the top-k weights/ids [T, k] (routed scaling factor already folded in, since the method
 declares ``fuse_routed_scaling_factor_in_topk``) with the layer's SwiGLU clamp (``swiglu_limit``) to
 ``fused_moe_mxfp4`` and returns its [T, H] output; the TP all-reduce stays with ``FusedMoE``.
@@ -72,7 +74,7 @@ class PdserveMxfp4MoEMethod:
     runner = None
     fuse_routed_scaling_factor_in_topk = True
     max_scale_byte = None  # set when the weights are loaded
-    weight_layout = "sglang"  # "sm90_bits" once the weights are prepared for the sm_90 bits dequantization
+    weight_layout = "sglang"  # "sm90_tiled" / "sm90_bits" once the weights are prepared for sm_90
 
     def __init__(self, fp8_method, prefix: str):
         self._fp8 = fp8_method
@@ -97,21 +99,30 @@ class PdserveMxfp4MoEMethod:
         """Store the loaded fp32 power-of-two scales as the UE8M0 bytes the kernel reads (once, in place, as
         SGLang's own MXFP4 methods repack theirs) and note their largest byte, which lets sm_90 use the bit-arithmetic
         dequantization (scales <= 2). On an sm_90 GPU with scales <= 2 the packed weights are then reordered in
-        place into ``weight_layout="sm90_bits"`` (``mxfp4_moe.prepare_mxfp4_weights_sm90``: about half the
-        integer work per weight in the kernels' K loops); elsewhere (sm_120, larger scales) they stay as loaded.
+        place into ``weight_layout="sm90_tiled"`` (``mxfp4_moe.prepare_mxfp4_weights_sm90(..., tiled=True)``:
+        about half the integer work per weight in the kernels' K loops, a pipeline stage one contiguous run) and
+        the scales into its tiles (``tile_mxfp4_scales``), or ``"sm90_bits"`` (not tiled) when H or I is not a
+        multiple of 256; elsewhere (sm_120, larger scales) they stay as loaded.
 
         Raises:
             ValueError: a scale that is not a power of two (not an MXFP4 checkpoint).
         """
-        from .mxfp4_moe import BITS_MAX_SCALE_BYTE, as_ue8m0, mxfp4_max_scale_byte, prepare_mxfp4_weights_sm90
+        from .mxfp4_moe import (BITS_MAX_SCALE_BYTE, as_ue8m0, mxfp4_max_scale_byte, prepare_mxfp4_weights_sm90,
+                                tile_mxfp4_scales)
 
         for name in ("w13", "w2"):
             sc = getattr(layer, f"{name}_weight_scale_inv")
             sc.data = as_ue8m0(sc.data)
         self.max_scale_byte = mxfp4_max_scale_byte(layer.w13_weight_scale_inv.data, layer.w2_weight_scale_inv.data)
         if self.max_scale_byte <= BITS_MAX_SCALE_BYTE and is_sm90(layer.w13_weight.device):
-            prepare_mxfp4_weights_sm90(layer.w13_weight.data, layer.w2_weight.data, inplace=True)  # no second copy
-            self.weight_layout = "sm90_bits"
+            hidden, inter = layer.w2_weight.shape[1], layer.w2_weight.shape[2] * 2
+            tiled = hidden % 256 == 0 and inter % 256 == 0
+            prepare_mxfp4_weights_sm90(layer.w13_weight.data, layer.w2_weight.data, inplace=True,  # no second copy
+                                       tiled=tiled)
+            if tiled:
+                s13, s2 = layer.w13_weight_scale_inv, layer.w2_weight_scale_inv
+                s13.data, s2.data = tile_mxfp4_scales(s13.data, s2.data)
+            self.weight_layout = "sm90_tiled" if tiled else "sm90_bits"
         logger.info("pdserve mxfp4_moe: %s runs pd.kernels.mxfp4_moe.fused_moe_mxfp4 (%d experts, largest scale "
                     "2**%d%s, weight layout %s)", self.prefix, layer.w13_weight.shape[0], self.max_scale_byte - 127,
                     "" if self.max_scale_byte <= BITS_MAX_SCALE_BYTE else ": no bits dequantization on sm_90",

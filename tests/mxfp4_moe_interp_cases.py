@@ -56,7 +56,7 @@ def run_case(name, t, h, inter, e, k, *, path, bm=16, splits=(1, 1), halves=Fals
     ss13, ss2 = s13, s2
     if layout != "sglang":  # the reference below keeps reading the original layout
         ww13, ww2 = prepare_mxfp4_weights_sm90(ww13, ww2, tiled=layout != "sm90_bits")
-    if layout == "sm90_tiled_scales":
+    if layout == "sm90_tiled":
         ss13, ss2 = tile_mxfp4_scales(s13, s2)
     res = fused_moe_mxfp4(x, ww13, ss13, ww2, ss2, wts, ids, out=out, config=cfg,
                           max_scale_byte=mxfp4_max_scale_byte(s13, s2), weight_layout=layout, workspace=ws, **kw)
@@ -177,34 +177,27 @@ CASES = [
                                     halves=True, dequant="bits", layout="sm90_bits", extra=dict(stage_loads=2),
                                     tiles=(dict(BN=32, BK=256, BK_DOT=128, num_warps=2, num_stages=3),
                                            dict(BN=32, BK=256, BK_DOT=128, num_warps=2, num_stages=3)))),
-    # the tiled prepared layouts (s6; K = 512 so rows span 2 tiles), weights tiled and weights + scales tiled: the
-    # T <= 8 plan (gate/up split 2), and the sorted path with 64-row tiles across two 32-row bands, the fused gate/up,
-    # BK 128 stages (mid-tile starts, BK_DOT 64 steps) and split-2 down (BK 512 / BK_DOT 256 with tiled scales)
-    ("tiled_fold_bm1_split2x1_halves_ids64", dict(t=2, h=512, inter=512, e=4, k=2, path="pair", bm=1, splits=(2, 1),
+    # the tiled prepared layout (weights and scales in 32-row tiles; K = 512 so rows span 2 tiles): the T <= 8 plan
+    # (gate/up not split, its sm_90 default, and split 2: stages that start mid-row), and the sorted path with 64-row
+    # tiles across two 32-row bands, the fused gate/up, BK 128 stages (mid-tile starts, BK_DOT 64 steps) and split-2
+    # down (BK 512 / BK_DOT 256)
+    ("tiled_fold_bm1_split1x1_halves_ids64", dict(t=2, h=512, inter=512, e=4, k=2, path="pair", bm=1, splits=(1, 1),
                                                   halves=True, skip=1, ids64=True, dequant="bits",
                                                   layout="sm90_tiled", calls=2,
                                                   extra=dict(fold=True, pdl=True, stage_loads=3),
                                                   tiles=(dict(BN=32, BK=256, BK_DOT=128, num_warps=2, num_stages=3),
                                                          dict(BN=32, BK=256, BK_DOT=128, num_warps=2,
                                                               num_stages=3)))),
-    ("tiled_sorted_bm8_fused_split1x2", dict(t=6, h=512, inter=256, e=3, k=2, path="sorted", bm=8, shared=True,
+    ("tiled_fold_bm1_split2x1_halves", dict(t=2, h=512, inter=512, e=4, k=2, path="pair", bm=1, splits=(2, 1),
+                                            halves=True, skip=1, dequant="bits", layout="sm90_tiled", calls=2,
+                                            extra=dict(fold=True, pdl=True, stage_loads=3),
+                                            tiles=(dict(BN=32, BK=256, BK_DOT=128, num_warps=2, num_stages=3),
+                                                   dict(BN=32, BK=256, BK_DOT=128, num_warps=2, num_stages=3)))),
+    ("tiled_sorted_bm8_fused_split1x2", dict(t=6, h=512, inter=512, e=3, k=2, path="sorted", bm=8, shared=True,
                                              splits=(1, 2), up_first=True, skip=1, dequant="bits",
                                              layout="sm90_tiled",
                                              tiles=(dict(BN=64, BK=128, BK_DOT=64, num_warps=2, num_stages=3),
-                                                    dict(BN=64, BK=256, BK_DOT=128, num_warps=2, num_stages=3)))),
-    ("tiled_scales_fold_bm1_split2x1_halves", dict(t=2, h=512, inter=512, e=4, k=2, path="pair", bm=1,
-                                                   splits=(2, 1), halves=True, skip=1, dequant="bits",
-                                                   layout="sm90_tiled_scales", calls=2,
-                                                   extra=dict(fold=True, pdl=True, stage_loads=3),
-                                                   tiles=(dict(BN=32, BK=256, BK_DOT=128, num_warps=2, num_stages=3),
-                                                          dict(BN=32, BK=256, BK_DOT=128, num_warps=2,
-                                                               num_stages=3)))),
-    ("tiled_scales_sorted_bm8_fused_split1x2", dict(t=6, h=512, inter=512, e=3, k=2, path="sorted", bm=8,
-                                                    shared=True, splits=(1, 2), up_first=True, skip=1,
-                                                    dequant="bits", layout="sm90_tiled_scales",
-                                                    tiles=(dict(BN=64, BK=128, BK_DOT=64, num_warps=2, num_stages=3),
-                                                           dict(BN=64, BK=512, BK_DOT=256, num_warps=2,
-                                                                num_stages=3)))),
+                                                    dict(BN=64, BK=512, BK_DOT=256, num_warps=2, num_stages=3)))),
     ("fold_pair_one_pass_down_split2", dict(t=2, h=128, inter=256, e=4, k=3, path="pair", bm=8, splits=(1, 2), skip=1,
                                             scaling=1.5, calls=2, workspace=True, extra=dict(fold=True))),
 ]

@@ -625,7 +625,7 @@ def test_aot_sm90a_prepared_layout_default_configs_cut_the_loop():
         assert per_w[1][j] <= 0.92 * per_w[0][j], per_w
 
 
-# ------------------------------------------------------------------- tiled prepared layouts (session 6, sm90_tiled)
+# --------------------------------------------------------------- tiled prepared layout (sessions 6-7, sm90_tiled)
 
 def _tiled_index(rows, row_len, tile_len):
     """Flat index, in tile_len-element units of a tiled tensor, of element m of row r: [rows, row_len]."""
@@ -671,45 +671,53 @@ def test_prepare_tiled_and_tile_scales_layout():
         tile_mxfp4_scales(s13, s2.view(torch.uint8).float())
 
 
-@pytest.mark.parametrize("layout", ["sm90_tiled", "sm90_tiled_scales"])
-def test_tiled_layouts_are_validated(layout):
+def test_tiled_layout_plans_and_validation():
+    """sm90_tiled takes the sm90_bits plans except gate/up unsplit at T <= 8 (H200 s7); it refuses H or I that are
+    not whole tiles and the prefetch options; the s6 name of the layout is unknown now."""
     from pd.kernels.mxfp4_moe import default_config, fused_moe_mxfp4
 
-    assert default_config(6, layout) == default_config(6, "sm90_bits")  # the sm90_bits plans
+    for p in (1, 6, 48):
+        assert default_config(p, "sm90_tiled") == dict(default_config(p, "sm90_bits"), split_gate_up=1)
+    for p in (49, 96, 768, 10 ** 6):
+        assert default_config(p, "sm90_tiled") == default_config(p, "sm90_bits")
     with pytest.raises(ValueError, match="multiples of 256"):  # H = I = 128: no whole tile
-        fused_moe_mxfp4(**_inputs(), weight_layout=layout, max_scale_byte=120)
+        fused_moe_mxfp4(**_inputs(), weight_layout="sm90_tiled", max_scale_byte=120)
     cfg = dict(_PAIR, fold=True, prefetch_down=2)
     with pytest.raises(ValueError, match="prefetch"):
-        fused_moe_mxfp4(**_inputs(h=256, inter=256), weight_layout=layout, max_scale_byte=120, config=cfg)
+        fused_moe_mxfp4(**_inputs(h=256, inter=256), weight_layout="sm90_tiled", max_scale_byte=120, config=cfg)
+    with pytest.raises(ValueError, match="weight_layout must be one of"):
+        fused_moe_mxfp4(**_inputs(h=256, inter=256), weight_layout="sm90_tiled_scales", max_scale_byte=120)
 
 
 @aot
-def test_aot_tiled_layouts_keep_the_k_loop_copies():
-    """The prepared T <= 8 plan and the sorted T >= 16 plans on the tiled layouts (WL 2: weights tiled, WL 3: scales
-    too) build for sm_90a with the K loop of sm90_bits: the same cp.async copies (16-byte weight copies included:
-    the tile addressing keeps the alignment Triton vectorizes on) and at most 5% more SASS (tile offsets; triton
-    3.9: 384-393 vs 377-379 at T <= 8); the T <= 8 plan also for sm_120a."""
-    from pd.kernels.mxfp4_moe import DEFAULT_CONFIGS_SM90_BITS
+def test_aot_tiled_layout_keeps_the_k_loop_copies():
+    """The tiled layout's default T <= 8 plan and sorted T >= 16 plan (WL 2: weights and scales tiled) build for
+    sm_90a with the K loop of sm90_bits's plans: the same cp.async copies (16-byte weight copies included: the tile
+    addressing keeps the alignment Triton vectorizes on) and at most 5% more SASS (tile offsets; triton 3.9: 384-393
+    vs 377-379 at T <= 8); the T <= 8 plan also for sm_120a."""
+    from pd.kernels.mxfp4_moe import DEFAULT_CONFIGS_SM90_BITS, DEFAULT_CONFIGS_SM90_TILED
     from pd.kernels.sass_stats import longest_loop
 
-    for n_plan, (_, c) in enumerate(DEFAULT_CONFIGS_SM90_BITS[:2]):
-        bm = c.get("BM", 16)
-        mode = {"sorted": 0, "pair": 1}[c["path"]]
-        kw = dict(fold=c.get("fold", False), pdl=c.get("pdl", False), xs=c.get("stage_loads", 0), deq=1, bm=bm)
-        loops = {}
-        for wl in ((1, 2, 3) if n_plan == 0 else (1, 3)):
+    bits_loops = {}
+    for wl, table in ((1, DEFAULT_CONFIGS_SM90_BITS), (2, DEFAULT_CONFIGS_SM90_TILED)):
+        for n_plan, (_, c) in enumerate(table[:2]):
+            mode = {"sorted": 0, "pair": 1}[c["path"]]
+            kw = dict(fold=c.get("fold", False), pdl=c.get("pdl", False), xs=c.get("stage_loads", 0), deq=1,
+                      bm=c.get("BM", 16), wl=wl)
             gu = _gate_up(c["gate_up"], 90, sorted_=mode == 0, halves=c.get("gate_up_halves", False),
-                          split=c.get("split_gate_up", 1), wl=wl, **kw)
-            dn = _down(c["down"], 90, mode=mode, split=c.get("split_down", 1), wl=wl, **kw)
-            loops[wl] = [longest_loop(k.asm["cubin"]) for k in (gu, dn)]
+                          split=c.get("split_gate_up", 1), **kw)
+            dn = _down(c["down"], 90, mode=mode, split=c.get("split_down", 1), **kw)
             assert all("mma.sync" in k.asm["ptx"] for k in (gu, dn))
-        for wl in loops:
-            for (n, ops), (n1, ops1) in zip(loops[wl], loops[1]):
+            loops = [longest_loop(k.asm["cubin"]) for k in (gu, dn)]
+            if wl == 1:
+                bits_loops[n_plan] = loops
+                continue
+            for (n, ops), (n1, ops1) in zip(loops, bits_loops[n_plan]):
                 copies = {o: v for o, v in ops.items() if o.startswith("LDGSTS")}
-                assert copies == {o: v for o, v in ops1.items() if o.startswith("LDGSTS")}, (wl, copies)
-                assert any(o.endswith(".128") for o in copies) and n <= 1.05 * n1, (wl, n, n1)
-    t1 = DEFAULT_CONFIGS_SM90_BITS[0][1]
-    kw = dict(bm=1, fold=True, pdl=t1["pdl"], xs=t1["stage_loads"], deq=1, wl=3)
+                assert copies == {o: v for o, v in ops1.items() if o.startswith("LDGSTS")}, (n_plan, copies)
+                assert any(o.endswith(".128") for o in copies) and n <= 1.05 * n1, (n_plan, n, n1)
+    t1 = DEFAULT_CONFIGS_SM90_TILED[0][1]
+    kw = dict(bm=1, fold=True, pdl=t1["pdl"], xs=t1["stage_loads"], deq=1, wl=2)
     assert_sm120_ok(_gate_up(t1["gate_up"], 120, sorted_=False, halves=True, split=t1["split_gate_up"], **kw))
     assert_sm120_ok(_down(t1["down"], 120, mode=1, split=t1["split_down"], **kw))
 

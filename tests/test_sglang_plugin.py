@@ -744,28 +744,40 @@ def test_our_moe_method_loads_like_sglang_and_calls_the_kernel(moe_world):
 
 
 def test_our_moe_method_prepares_the_sm90_layout_at_load(moe_world, monkeypatch):
-    """On sm_90 with scales <= 2 the packed weights are reordered in place (prepare_mxfp4_weights_sm90) and the
-    kernel is told so; with a scale > 2 they stay as loaded."""
-    from pd.kernels.mxfp4_moe import prepare_mxfp4_weights_sm90
+    """On sm_90 with scales <= 2 the packed weights are reordered in place and the kernel is told so: into
+    sm90_tiled (weights and UE8M0 scales in 32-row tiles) when H and I are multiples of 256, else sm90_bits; with a
+    scale > 2 they stay as loaded."""
+    from pd.kernels.mxfp4_moe import prepare_mxfp4_weights_sm90, tile_mxfp4_scales
 
     monkeypatch.setattr(SX, "is_sm90", lambda dev: True)
-    for exp, layout in ((1.0, "sm90_bits"), (2.0, "sglang")):
+    for exp, hidden, inter, layout in ((1.0, 512, 512, "sm90_tiled"), (1.0, 512, 384, "sm90_bits"),
+                                       (2.0, 512, 512, "sglang")):  # K / 32 = 16: two scale tiles per row
         layer = moe_world.FusedMoE()
-        w13 = torch.randint(-128, 127, (2, 128, 64), dtype=torch.int8)
-        w2 = torch.randint(-128, 127, (2, 128, 32), dtype=torch.int8)
+        w13 = torch.randint(-128, 127, (2, 2 * inter, hidden // 2), dtype=torch.int8)
+        w2 = torch.randint(-128, 127, (2, hidden, inter // 2), dtype=torch.int8)
+        s13 = torch.full((2, 2 * inter, hidden // 32), 2.0 ** exp)
+        s13[1, 5:40, 3:11] = 0.25  # not uniform: the tiling must move these bytes
+        s2 = torch.full((2, hidden, inter // 32), 0.5)
+        s2[0, 33:70, 5:] = 1.0
         layer.w13_weight = torch.nn.Parameter(w13.clone(), requires_grad=False)
         layer.w2_weight = torch.nn.Parameter(w2.clone(), requires_grad=False)
-        layer.w13_weight_scale_inv = torch.nn.Parameter(torch.full((2, 128, 4), 2.0 ** exp), requires_grad=False)
-        layer.w2_weight_scale_inv = torch.nn.Parameter(torch.full((2, 128, 2), 0.5), requires_grad=False)
+        layer.w13_weight_scale_inv = torch.nn.Parameter(s13.clone(), requires_grad=False)
+        layer.w2_weight_scale_inv = torch.nn.Parameter(s2.clone(), requires_grad=False)
         m = SX.PdserveMxfp4MoEMethod(None, "p")
         m.create_moe_runner(layer, layer.moe_runner_config)
         ptr = layer.w13_weight.data.data_ptr()
         m.process_weights_after_loading(layer)
         assert m.weight_layout == layout and layer.w13_weight.data.data_ptr() == ptr
-        want13, want2 = prepare_mxfp4_weights_sm90(w13, w2) if layout == "sm90_bits" else (w13, w2)
+        want13, want2 = (w13, w2) if layout == "sglang" else \
+            prepare_mxfp4_weights_sm90(w13, w2, tiled=layout == "sm90_tiled")
         assert torch.equal(layer.w13_weight.data, want13) and torch.equal(layer.w2_weight.data, want2)
+        u13, u2 = (torch.log2(sc).to(torch.int32) + 127 for sc in (s13, s2))  # the UE8M0 bytes
+        if layout == "sm90_tiled":
+            u13, u2 = tile_mxfp4_scales(u13.to(torch.uint8), u2.to(torch.uint8))
+        assert torch.equal(layer.w13_weight_scale_inv.data.view(torch.uint8).int(), u13.int())
+        assert torch.equal(layer.w2_weight_scale_inv.data.view(torch.uint8).int(), u2.int())
         moe_world.seen.clear()
-        m.apply(layer, types.SimpleNamespace(hidden_states=torch.randn(1, 128).bfloat16(),
+        m.apply(layer, types.SimpleNamespace(hidden_states=torch.randn(1, hidden).bfloat16(),
                                              topk_output=(torch.rand(1, 2), torch.zeros(1, 2, dtype=torch.int32),
                                                           None)))
         assert moe_world.seen[0][1]["weight_layout"] == layout

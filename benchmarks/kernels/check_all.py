@@ -3,10 +3,11 @@ testing tiers; run on the GPU machine, not in CI). It times nothing: the per-ker
 
   python3 benchmarks/kernels/check_all.py --out DIR [--only mxfp4_moe,indexer,sparse_mla] [--deadline SECONDS]
 
-- MXFP4 MoE: the prepared sm_90 layout's default plans (the SGLang adapter's choice on sm_90) at T = 1, 4, 8, 16,
-  64, 128, 256 against the torch reference, int32 and int64 ids, a -1 slot, NaN-poisoned output, each called twice
-  (fold tickets reset), and captured in a CUDA graph replayed on fresh inputs, bitwise equal to eager calls
-  (``mxfp4_moe_s5b.full_check``); the SGLang layout's default plan (sm_120's path) at the same T.
+- MXFP4 MoE: the default plans of both prepared sm_90 layouts (the SGLang adapter's choice on sm_90: sm90_tiled, or
+  sm90_bits when H or I is not a multiple of 256) at T = 1, 4, 8, 16, 64, 128, 256 against the torch reference,
+  int32 and int64 ids, a -1 slot, NaN-poisoned output, each called twice (fold tickets reset), and captured in a
+  CUDA graph replayed on fresh inputs, bitwise equal to eager calls (``mxfp4_moe_s6.full_check``); the SGLang
+  layout's default plan (sm_120's path) at the same T.
 - DSA indexer: ``indexer.correctness`` "core" (decode, MTP, fp8 query, ties, graph replay, select alone) and
   "more" (every score config, MTP S=6, per-token lengths, page 128, topk 2048).
 - Sparse-MLA decode: ``sparse_mla_decode.correctness`` (every case: topk 512 / 2048, H 16 / 64 / 128, S 1 / 2 / 4,
@@ -37,22 +38,23 @@ MOE_TS = (1, 4, 8, 16, 64, 128, 256)
 def check_mxfp4_moe(dev: torch.device) -> list[dict]:
     """Prepared-layout default plans (full checks) and the SGLang-layout default plan, per T of MOE_TS."""
     import mxfp4_moe as bm
-    import mxfp4_moe_s5b as s5b
+    import mxfp4_moe_s6 as s6
 
     mx = bm.mx
-    w13, s13, w2, s2 = bm.make_weights(dev)
-    msb = mx.mxfp4_max_scale_byte(s13, s2)
-    p13, p2 = mx.prepare_mxfp4_weights_sm90(w13, w2)
+    W = s6.Weights(dev)
     torch.backends.cuda.matmul.allow_tf32 = False
     cases = []
     for t in MOE_TS:
-        cfg = mx.default_config(t * bm.K, "sm90_bits")
-        cases += s5b.full_check(f"sm90_bits_default_T{t}", cfg, p13, s13, p2, s2, w13, w2, msb, ts=(t,))
+        for lk in ("tiled", "bits"):  # the SGLang adapter's sm_90 layout, and its fallback (H or I not % 256)
+            layout = s6.LAYOUTS[lk]
+            cases += s6.full_check(W, f"{layout}_default_T{t}", mx, lk, mx.default_config(t * bm.K, layout), ts=(t,))
         x, ids, wts = bm.make_routing(t, dev, seed=3000 + t)
         ids[0, -1] = -1
-        ref = bm.fused_moe_mxfp4_reference(x, w13, s13, w2, s2, wts, ids, swiglu_limit=bm.LIMIT, dtype=torch.float32)
+        ref = bm.fused_moe_mxfp4_reference(x, W.w13, W.s13, W.w2, W.s2, wts, ids, swiglu_limit=bm.LIMIT,
+                                           dtype=torch.float32)
         out = torch.full((t, bm.H), float("nan"), dtype=torch.bfloat16, device=dev)
-        mx.fused_moe_mxfp4(x, w13, s13, w2, s2, wts, ids, swiglu_limit=bm.LIMIT, out=out, max_scale_byte=msb)
+        mx.fused_moe_mxfp4(x, W.w13, W.s13, W.w2, W.s2, wts, ids, swiglu_limit=bm.LIMIT, out=out,
+                           max_scale_byte=W.msb)
         torch.cuda.synchronize()
         c = dict(T=t, plan="sglang_layout_default", rel_err=bm.rel(out, ref), nan=bool(torch.isnan(out).any()))
         c["ok"] = c["rel_err"] <= 4e-3 and not c["nan"]

@@ -1,4 +1,4 @@
-"""Device A/B for pd.kernels.mxfp4_moe, session 6 (run on the GPU machine, not in CI): the tiled prepared layouts.
+"""Device A/B for pd.kernels.mxfp4_moe, sessions 6-7 (run on the GPU machine, not in CI): the tiled prepared layout.
 
   python benchmarks/kernels/mxfp4_moe_s6.py --out DIR --head PATH [--budget SECONDS] [--ts 1,4,8,16,64,128]
       [--rounds 3] [--workers 14] [--baseline] [--ncu-after] [--sweep] [--tag s6] [--plans NAME,...]
@@ -6,14 +6,14 @@
 Why (s5d's evidence): at T = 1 gate/up runs at 55% of DRAM peak with 23 or 46 warps per SM, and each of its pipeline
 stages reads one 128-byte piece from each of 32 weight rows 2 KiB apart (down: 1 KiB apart). ``weight_layout=
 "sm90_tiled"`` stores every 32-row x 256-value piece as 4 KiB of consecutive bytes (``prepare_mxfp4_weights_sm90(
-..., tiled=True)``), ``"sm90_tiled_scales"`` also the scales in [32 x 8 byte] tiles (``tile_mxfp4_scales``).
-Prediction: gate/up from 20.0 toward ~15 us (DRAM 55% -> ~70%), down from 12.2 toward ~10 us; the plans are
-unchanged, so every T gains roughly in proportion.
+..., tiled=True)``) and the scales in [32 x 8 byte] tiles (``tile_mxfp4_scales``). (In s6 / the s7 pick run
+``benchmarks/results/mxfp4_moe_2026-11-30-s7-ab.json`` this layout was "sm90_tiled_scales", plan "tiled_s", beside a
+weights-only "sm90_tiled", plan "tiled", which gained nothing and was removed.)
 
 Plans are (layout, config) pairs: "head" (the committed kernel, ``--head``: ``git show HEAD:kernels/mxfp4_moe.py``
 copied to an untracked file; its default plan on the sm90_bits layout), "bits" (this checkout's default plan on
-sm90_bits), "tiled" and "tiled_s" (the default plan on the two tiled layouts), and with ``--sweep`` T <= 8 plan
-variants on the tiled layouts. In one run:
+sm90_bits), "tiled" (its default plan on sm90_tiled), and with ``--sweep`` T <= 8 plan variants on sm90_tiled
+(over the sm90_bits T <= 8 plan). In one run:
 0. ``--workers`` subprocesses compile every plan's kernels first (Triton's on-disk cache);
 1. ``--sweep``: every plan timed once at T = 1 after a quick correctness check; the fastest ``--top`` variants join
    the rounds (``--plans`` names them instead);
@@ -52,7 +52,7 @@ import mxfp4_moe_s5 as s5  # noqa: E402  (kernel profile, interleaved rounds, su
 mx = bm.mx
 K = bm.K
 tile = bm._tile
-LAYOUTS = {"bits": "sm90_bits", "tiled": "sm90_tiled", "tiled_s": "sm90_tiled_scales"}
+LAYOUTS = {"bits": "sm90_bits", "tiled": "sm90_tiled"}
 
 
 def load_head(path):
@@ -78,14 +78,13 @@ def variants():
          ("dn_split2", dict(split_down=2)),
          ("dn_s4", dict(down=tile(32, 256, 2, 4, 128))),
          ("both_s4", dict(gate_up=tile(32, 256, 2, 4, 128), down=tile(32, 256, 2, 4, 128)))]
-    return [(f"{lk}_{n}", lk, f) for lk in ("tiled_s", "tiled") for n, f in v]
+    return [(f"tiled_{n}", "tiled", f) for n, f in v]
 
 
 def all_plans(head):
     """{name: (layout key, config or None = the module's default, module key)}."""
     base = mx.default_config(K, "sm90_bits")
-    plans = {"head": ("bits", None, "head"), "bits": ("bits", None, "mx"), "tiled": ("tiled", None, "mx"),
-             "tiled_s": ("tiled_s", None, "mx")}
+    plans = {"head": ("bits", None, "head"), "bits": ("bits", None, "mx"), "tiled": ("tiled", None, "mx")}
     for name, lk, f in variants():
         plans[name] = (lk, dict(base, **f), "mx")
     return plans
@@ -96,9 +95,9 @@ def all_plans(head):
 def compile_jobs(plans, names):
     """[plan name, T, ids dtype]: T = 1 int32 first (the sweep), then the check / round specializations."""
     jobs = [[n, 1, "int32"] for n in names]
-    jobs += [[n, t, "int32"] for n in ("head", "bits", "tiled", "tiled_s") for t in (16, 64, 128)]
+    jobs += [[n, t, "int32"] for n in ("head", "bits", "tiled") for t in (16, 64, 128)]
     jobs += [[n, t, d] for n in names for t, d in ((1, "int64"), (8, "int32"), (8, "int64"))]
-    jobs += [[n, t, "int64"] for n in ("tiled", "tiled_s") for t in (16, 64, 128)]
+    jobs += [[n, t, "int64"] for n in ("bits", "tiled") for t in (16, 64, 128)]
     return jobs
 
 
@@ -130,7 +129,7 @@ def precompile_worker(index, workers, jobs_path, head_path):
 # ------------------------------------------------------------------------------------------------ checks
 
 class Weights:
-    """The benchmark weights in the SGLang layout and the three prepared layouts."""
+    """The benchmark weights in the SGLang layout and the two prepared layouts."""
 
     def __init__(self, dev):
         self.dev = dev
@@ -139,8 +138,7 @@ class Weights:
         p13, p2 = mx.prepare_mxfp4_weights_sm90(self.w13, self.w2)
         t13, t2 = mx.prepare_mxfp4_weights_sm90(self.w13, self.w2, tiled=True)
         ts13, ts2 = mx.tile_mxfp4_scales(self.s13, self.s2)
-        self.by = {"bits": (p13, self.s13, p2, self.s2), "tiled": (t13, self.s13, t2, self.s2),
-                   "tiled_s": (t13, ts13, t2, ts2)}
+        self.by = {"bits": (p13, self.s13, p2, self.s2), "tiled": (t13, ts13, t2, ts2)}
 
     def call(self, mod, lk, x, ids, wts, out=None, cfg=None):
         a, sa, b, sb = self.by[lk]
@@ -292,7 +290,7 @@ def main():
     head = load_head(args.head)
     plans = all_plans(head)
     chosen = [n for n in args.plans.split(",") if n]
-    defaults = ["head", "bits", "tiled", "tiled_s"]
+    defaults = ["head", "bits", "tiled"]
     names = defaults + ([n for n, _, _ in variants()] if args.sweep else chosen)
     workers = []
     if args.workers > 0:
@@ -375,7 +373,7 @@ def main():
         recs = full_check(W, name, mod_of(name), lk, cfg, graph=name != "head" or not args.sweep)
         res["correctness"] += recs
         print("correct", name, all(r["ok"] for r in recs), max(r.get("rel_err", 0) for r in recs), flush=True)
-    for name in ("tiled", "tiled_s", "bits"):  # the sorted-path defaults
+    for name in ("tiled", "bits"):  # the sorted-path defaults
         lk, cfg, _ = plans[name]
         recs = full_check(W, name, mx, lk, cfg, ts=(16, 64, 128), graph=False)
         res["correctness"] += recs
@@ -408,8 +406,8 @@ def main():
         timed = {n: calls(n, sets, outs) for n in defaults + (chosen if t * K <= 48 else [])
                  if n not in bad}
         s5.interleaved_rounds(row, timed, args.rounds, t_deadline, floor)
-        row["configs"] = {n: (mod_of(n).default_config(t * K, "sm90_bits") if plans[n][1] is None else plans[n][1])
-                          for n in timed}
+        row["configs"] = {n: (mod_of(n).default_config(t * K, LAYOUTS[plans[n][0]]) if plans[n][1] is None
+                              else plans[n][1]) for n in timed}
         if args.baseline and left() > 15:
             bm.time_baseline(row, sets, (W.w13, W.s13, W.w2, W.s2), lut, rep=60)
         res["timing"].append(row)
@@ -432,8 +430,8 @@ def main():
     # 5. ncu of the head and the fastest tiled plan at T = 1
     if args.ncu_after and left() > 20:
         t1 = next((r for r in res["timing"] if r["T"] == 1), None)
-        cands = [n for n in ["tiled", "tiled_s"] + chosen if t1 and n in t1["median_us"]]
-        best = min(cands, key=lambda n: t1["median_us"][n]) if cands else "tiled_s"
+        cands = [n for n in ["tiled"] + chosen if t1 and n in t1["median_us"]]
+        best = min(cands, key=lambda n: t1["median_us"][n]) if cands else "tiled"
         res["ncu_plans"] = ["head", best]
         text = run_ncu(res["ncu_plans"], args.head, max(10.0, left() + 12), args.out)
         res["ncu_lines"] = [ln for ln in text.splitlines() if ln.startswith("====") or any(
