@@ -21,8 +21,9 @@ Kernels (weights are never dequantized in memory):
     work and ~2.7-3.1 SASS per weight, the product computed transposed (converted weights as the mma A operand).
     ``"sm90_tiled"`` is the same elements stored as 32-row x 256-value tiles and the scales as 32-row x 8-byte
     tiles, so a pipeline stage reads one contiguous 4 KiB run (and one 256-byte run of scales) instead of 128 bytes
-    (and 8 bytes) from each of 32 rows: 1.07x at T = 1 and 1.08-1.11x at T = 4..128 on the H200 (s7), what the SGLang
-    method prepares on sm_90 when H and I are multiples of 256.
+    (and 8 bytes) from each of 32 rows: 1.05-1.07x over "sm90_bits" at T = 1..128 on the H200 (T = 1 30.1 us, 62% of
+    the weight-bandwidth floor; benchmarks/results/mxfp4_moe_2026-11-30-s7.md), what the SGLang method prepares on
+    sm_90 when H and I are multiples of 256.
     The epilogue rounds gate/up to bf16, clamps, applies SiLU(gate) * up and stores h (bf16).
   * ``_down_kernel``: the same over K = I for the down projection; multiplies by the routing weight and either
     stores the per-pair rows (fp32) for ``_topk_sum_kernel``, or (``pair_token`` path) loops over a token's k
@@ -990,10 +991,12 @@ DEFAULT_CONFIGS_SM90_BITS = [
 
 
 # Default plan for weight_layout="sm90_tiled": the sm90_bits plans, with gate/up at T <= 8 not split along K (768
-# programs, each reading one contiguous 64 KiB run per 32 rows instead of two of 32 KiB). H200 s7
+# programs, each reading one contiguous 64 KiB run per 32 rows instead of two of 32 KiB). H200 s7 pick
 # (benchmarks/results/mxfp4_moe_2026-11-30-s7-ab.json, medians of 3 interleaved rounds): T = 1 / 4 / 8 30.3 / 100.4 /
 # 197.7 us vs 31.4 / 102.3 / 199.6 with the split of 2 (sm90_bits, its plan: 32.4 / 108.0 / 212.5); the sorted plans
-# at T = 16 / 64 / 128 327.8 / 829.8 / 1043.4 vs 347.6 / 917.8 / 1130.0 on sm90_bits.
+# at T = 16 / 64 / 128 327.8 / 829.8 / 1043.4 vs 347.6 / 917.8 / 1130.0 on sm90_bits. The committed run
+# (mxfp4_moe_2026-11-30-s7.md): T = 1 / 16 / 64 / 128 30.1 / 328.6 / 823.5 / 1006.3 us (62.0 / 75.2 / 76.2 / 75.5% of
+# the floor) vs 32.2 / 344.1 / 863.2 / 1074.3 for the previous default.
 DEFAULT_CONFIGS_SM90_TILED = [
     (48, dict(DEFAULT_CONFIGS_SM90_BITS[0][1], split_gate_up=1)),
     *DEFAULT_CONFIGS_SM90_BITS[1:],
@@ -1139,8 +1142,8 @@ def mxfp4_max_scale_byte(*scales: torch.Tensor) -> int:
 def prepare_mxfp4_weights_sm90(w13: torch.Tensor, w2: torch.Tensor, *, inplace: bool = False,
                                chunk_bytes: int = 1 << 26, tiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Reorder packed e2m1 weights once, at weight-load time, into ``weight_layout="sm90_bits"`` (or, ``tiled``, the
-    weights of ``"sm90_tiled"``, whose scales come from ``tile_mxfp4_scales``), which the sm_90 bits dequantization reads with about half the integer instructions of SGLang's
-    layout.
+    weights of ``"sm90_tiled"``, whose scales come from ``tile_mxfp4_scales``), which the sm_90 bits dequantization
+    reads with about half the integer instructions of SGLang's layout.
 
     Layout (per row of K values v[0..K), K = H for w13 and I for w2, a multiple of 32): SGLang's byte j holds
     v[2 j] (low nibble) and v[2 j + 1]; the prepared row is K / 4 little-endian 16-bit elements (bytes 2 m, 2 m + 1
