@@ -6,7 +6,7 @@ testing tiers; run on the GPU machine, not in CI). It times nothing: the per-ker
 - MXFP4 MoE: the default plans of both prepared sm_90 layouts (the SGLang adapter's choice on sm_90: sm90_tiled, or
   sm90_bits when H or I is not a multiple of 256) at T = 1, 4, 8, 16, 64, 128, 256 against the torch reference,
   int32 and int64 ids, a -1 slot, NaN-poisoned output, each called twice (fold tickets reset), and captured in a
-  CUDA graph replayed on fresh inputs, bitwise equal to eager calls (``mxfp4_moe_s6.full_check``); the SGLang
+  CUDA graph replayed on fresh inputs, bitwise equal to eager calls (``mxfp4_moe_ab.full_check``); the SGLang
   layout's default plan (sm_120's path) at the same T.
 - DSA indexer: ``indexer.correctness`` "core" (decode, MTP, fp8 query, ties, graph replay, select alone) and
   "more" (every score config, MTP S=6, per-token lengths, page 128, topk 2048).
@@ -38,16 +38,16 @@ MOE_TS = (1, 4, 8, 16, 64, 128, 256)
 def check_mxfp4_moe(dev: torch.device) -> list[dict]:
     """Prepared-layout default plans (full checks) and the SGLang-layout default plan, per T of MOE_TS."""
     import mxfp4_moe as bm
-    import mxfp4_moe_s6 as s6
+    import mxfp4_moe_ab as ab
 
     mx = bm.mx
-    W = s6.Weights(dev)
+    W = ab.Weights(dev)
     torch.backends.cuda.matmul.allow_tf32 = False
     cases = []
     for t in MOE_TS:
         for lk in ("tiled", "bits"):  # the SGLang adapter's sm_90 layout, and its fallback (H or I not % 256)
-            layout = s6.LAYOUTS[lk]
-            cases += s6.full_check(W, f"{layout}_default_T{t}", mx, lk, mx.default_config(t * bm.K, layout), ts=(t,))
+            layout = ab.LAYOUTS[lk]
+            cases += ab.full_check(W, f"{layout}_default_T{t}", mx, lk, mx.default_config(t * bm.K, layout), ts=(t,))
         x, ids, wts = bm.make_routing(t, dev, seed=3000 + t)
         ids[0, -1] = -1
         ref = bm.fused_moe_mxfp4_reference(x, W.w13, W.s13, W.w2, W.s2, wts, ids, swiglu_limit=bm.LIMIT,

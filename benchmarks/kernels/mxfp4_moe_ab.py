@@ -1,19 +1,22 @@
-"""Device A/B for pd.kernels.mxfp4_moe, sessions 6-7 (run on the GPU machine, not in CI): the tiled prepared layout.
+"""Device A/B of pd.kernels.mxfp4_moe's prepared sm_90 layouts against a committed kernel (run on the GPU machine,
+not in CI): this checkout's default plans on sm90_bits and sm90_tiled, T <= 8 plan variants, the committed kernel's
+default, and the anchor, in one run.
 
-  python benchmarks/kernels/mxfp4_moe_s6.py --out DIR --head PATH [--budget SECONDS] [--ts 1,4,8,16,64,128]
-      [--rounds 3] [--workers 14] [--baseline] [--ncu-after] [--sweep] [--tag s6] [--plans NAME,...]
+  python benchmarks/kernels/mxfp4_moe_ab.py --out DIR --head PATH [--budget SECONDS] [--ts 1,4,8,16,64,128]
+      [--rounds 3] [--workers 14] [--baseline] [--ncu-after] [--sweep] [--tag ab] [--plans NAME,...]
 
-Why (s5d's evidence): at T = 1 gate/up runs at 55% of DRAM peak with 23 or 46 warps per SM, and each of its pipeline
-stages reads one 128-byte piece from each of 32 weight rows 2 KiB apart (down: 1 KiB apart). ``weight_layout=
-"sm90_tiled"`` stores every 32-row x 256-value piece as 4 KiB of consecutive bytes (``prepare_mxfp4_weights_sm90(
-..., tiled=True)``) and the scales in [32 x 8 byte] tiles (``tile_mxfp4_scales``). (In s6 / the s7 pick run
-``benchmarks/results/mxfp4_moe_2026-11-30-s7-ab.json`` this layout was "sm90_tiled_scales", plan "tiled_s", beside a
-weights-only "sm90_tiled", plan "tiled", which gained nothing and was removed.)
+(Sessions 5-7 ran this as mxfp4_moe_s5.py / _s5b.py / _s6.py and mxfp4_moe_layout_ab.py, named in their results files;
+those scripts are in the commits that added the results.)
+
+Layouts: "sm90_bits" (``prepare_mxfp4_weights_sm90``) and "sm90_tiled" (``prepare_mxfp4_weights_sm90(...,
+tiled=True)`` and ``tile_mxfp4_scales``: every 32-row x 256-value piece 4 KiB of consecutive bytes, the scales in
+[32 x 8 byte] tiles). In the s7 pick run (benchmarks/results/mxfp4_moe_2026-11-30-s7-ab.json) "sm90_tiled" was named
+"sm90_tiled_scales" (plans "tiled_s*"), beside a weights-only tiling (plan "tiled") that gained nothing and is gone.
 
 Plans are (layout, config) pairs: "head" (the committed kernel, ``--head``: ``git show HEAD:kernels/mxfp4_moe.py``
 copied to an untracked file; its default plan on the sm90_bits layout), "bits" (this checkout's default plan on
 sm90_bits), "tiled" (its default plan on sm90_tiled), and with ``--sweep`` T <= 8 plan variants on sm90_tiled
-(over the sm90_bits T <= 8 plan). In one run:
+(over its T <= 8 default). In one run:
 0. ``--workers`` subprocesses compile every plan's kernels first (Triton's on-disk cache);
 1. ``--sweep``: every plan timed once at T = 1 after a quick correctness check; the fastest ``--top`` variants join
    the rounds (``--plans`` names them instead);
@@ -37,6 +40,7 @@ import importlib.util
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,7 +51,6 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mxfp4_moe as bm  # noqa: E402  (weights, routing, baseline, timing helpers of the main benchmark)
-import mxfp4_moe_s5 as s5  # noqa: E402  (kernel profile, interleaved rounds, summary)
 
 mx = bm.mx
 K = bm.K
@@ -67,11 +70,10 @@ def load_head(path):
 
 
 def variants():
-    """(name, layout key, plan fields over the T <= 8 default) of the sweep. With contiguous 4 KiB stages, the
-    s5b-s5d tile choices may move: wider gate/up tiles (8 KiB per stage), no gate/up K split (768 programs, each one
-    64 KiB run), 4 stages, down 64 x 4 or split 2, 16 x 1 warp gate/up."""
+    """(name, layout key, plan fields over sm90_tiled's T <= 8 default) of the sweep: wider gate/up tiles (8 KiB per
+    stage), gate/up split 2 along K (the sm90_bits plan's), 4 stages, down 64 x 4 or split 2, 16 x 1 warp gate/up."""
     v = [("gu64w4", dict(gate_up=tile(64, 256, 4, 3, 128))),
-         ("gu_split1", dict(split_gate_up=1)),
+         ("gu_split2", dict(split_gate_up=2)),
          ("gu_s4", dict(gate_up=tile(32, 256, 2, 4, 128))),
          ("gu16w1", dict(gate_up=tile(16, 256, 1, 3, 128))),
          ("dn64w4", dict(down=tile(64, 256, 4, 3, 128))),
@@ -83,7 +85,7 @@ def variants():
 
 def all_plans(head):
     """{name: (layout key, config or None = the module's default, module key)}."""
-    base = mx.default_config(K, "sm90_bits")
+    base = mx.default_config(K, "sm90_tiled")
     plans = {"head": ("bits", None, "head"), "bits": ("bits", None, "mx"), "tiled": ("tiled", None, "mx")}
     for name, lk, f in variants():
         plans[name] = (lk, dict(base, **f), "mx")
@@ -221,6 +223,97 @@ def full_check(W, name, mod, lk, cfg, ts=(1, 4, 8), graph=True):
     return recs
 
 
+# ------------------------------------------------------------------------------------------------ timing
+
+def kernel_profile(call_sets, n_replay=10):
+    """torch.profiler over graph replays of len(call_sets) calls each: per call, the kernels in launch order with
+    their durations (us) and the gaps before each (start minus the previous kernel's end; negative = overlap, PDL),
+    and the span first start -> last end. Medians over the profiled calls."""
+    n_sets = len(call_sets)
+    for f in call_sets:
+        f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in call_sets:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n_replay):
+            g.replay()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tf:
+        path = tf.name
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        ev = json.load(f)["traceEvents"]
+    os.unlink(path)
+    kern = sorted((e for e in ev if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    if not kern or len(kern) % (n_replay * n_sets):
+        return dict(error=f"{len(kern)} kernel events for {n_replay * n_sets} calls")
+    per = len(kern) // (n_replay * n_sets)
+    calls = [kern[i:i + per] for i in range(0, len(kern), per)]
+    names = [e["name"].split("(")[0][:40] for e in calls[0]]
+    durs = [[c[j]["dur"] for c in calls] for j in range(per)]
+    gaps = [[c[j]["ts"] - (c[j - 1]["ts"] + c[j - 1]["dur"]) for c in calls] for j in range(1, per)]
+    spans = [c[-1]["ts"] + c[-1]["dur"] - c[0]["ts"] for c in calls]
+    between = [calls[i][0]["ts"] - (calls[i - 1][-1]["ts"] + calls[i - 1][-1]["dur"]) for i in range(1, len(calls))]
+    med = statistics.median
+    return dict(kernels=names, dur_us=[round(med(d), 2) for d in durs], gap_us=[round(med(g), 2) for g in gaps],
+                span_us=round(med(spans), 2), between_calls_us=round(med(between), 2), kernels_per_call=per)
+
+
+def end_workers(workers) -> int:
+    """Kill and reap the compile workers (subprocess.Popen handles) still running, so none runs kernels beside the
+    timed rounds; returns how many were."""
+    alive = [w for w in workers if w.poll() is None]
+    for w in alive:
+        w.kill()
+        w.wait()
+    return len(alive)
+
+
+def interleaved_rounds(row, timed, n_rounds, t_deadline, floor):
+    """Time every plan of ``timed`` ({name: CUDA-graph call list}) once per round, ``n_rounds`` interleaved rounds
+    (at least 2; later ones only before ``t_deadline``), into ``row``: rounds_us, median_us, pct_floor (of
+    ``floor`` us) and vs_head (the "head" plan's median over each); a plan that fails gets NaN and its error."""
+    rounds = {n: [] for n in timed}
+    for r in range(n_rounds):
+        if r >= 2 and time.time() > t_deadline:
+            row["rounds_truncated"] = r
+            break
+        for n, fns in timed.items():
+            try:
+                rounds[n].append(bm.bench_graph(fns, 40))
+            except Exception as e:  # noqa: BLE001
+                rounds[n].append(float("nan"))
+                row.setdefault("errors", {})[n] = repr(e)[:200]
+    row["rounds_us"] = rounds
+    row["median_us"] = {n: statistics.median(v) for n, v in rounds.items() if v}
+    row["pct_floor"] = {n: 100 * floor / v for n, v in row["median_us"].items()}
+    row["vs_head"] = {n: row["median_us"]["head"] / v for n, v in row["median_us"].items()}
+
+
+def print_summary(res, name_width=28):
+    """Print the T = 1 kernel profile of each plan (span, time between calls when recorded, per-kernel durations,
+    gaps) and each T's round medians with their spread and % of the floor."""
+    for name, p in res["profile_t1"].items():
+        if "kernels" in p:
+            between = f"between {p['between_calls_us']:5.1f} " if "between_calls_us" in p else ""
+            print(f"profile T=1 {name:{name_width}s} span {p['span_us']:6.1f} {between}"
+                  + " ".join(f"{k[:14]}={d:.1f}" for k, d in zip(p["kernels"], p["dur_us"]))
+                  + " gaps " + " ".join(f"{g:.1f}" for g in p["gap_us"]))
+    for r in res["timing"]:
+        spread = {n: f"{min(v):.1f}-{max(v):.1f}" for n, v in r["rounds_us"].items() if v}
+        print(f"T={r['T']:>3} floor {r['floor_us_4p3']:6.1f} "
+              + " ".join(f"{n}={r['median_us'][n]:.1f}[{spread[n]}]({r['pct_floor'][n]:.1f}%)"
+                         for n in r["median_us"])
+              + (f" baseline={r['baseline_us']:.0f}" if "baseline_us" in r else ""))
+
+
+
 # ------------------------------------------------------------------------------------------------ ncu
 
 def ncu_target(spec):
@@ -274,7 +367,7 @@ def main():
     ap.add_argument("--ncu-after", action="store_true")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--plans", default="", help="comma-separated sweep plans that join the rounds without a sweep")
-    ap.add_argument("--tag", default="s6")
+    ap.add_argument("--tag", default="ab")
     ap.add_argument("--precompile-worker", type=int, default=None)
     ap.add_argument("--jobs-file", default="")
     ap.add_argument("--ncu-target", default="")
@@ -394,7 +487,7 @@ def main():
     save()
 
     # 3. rounds
-    res["workers_ended_before_rounds"] = s5.end_workers(workers)
+    res["workers_ended_before_rounds"] = end_workers(workers)
     res["timing"] = []
     lut = bm._lut_pairs(dev)
     for n_t, t in enumerate(ts):
@@ -405,7 +498,7 @@ def main():
         outs = [torch.empty(t, bm.H, dtype=torch.bfloat16, device=dev) for _ in range(bm.ROT)]
         timed = {n: calls(n, sets, outs) for n in defaults + (chosen if t * K <= 48 else [])
                  if n not in bad}
-        s5.interleaved_rounds(row, timed, args.rounds, t_deadline, floor)
+        interleaved_rounds(row, timed, args.rounds, t_deadline, floor)
         row["configs"] = {n: (mod_of(n).default_config(t * K, LAYOUTS[plans[n][0]]) if plans[n][1] is None
                               else plans[n][1]) for n in timed}
         if args.baseline and left() > 15:
@@ -421,7 +514,7 @@ def main():
             if left() < 6 or name in bad:
                 continue
             try:
-                res["profile_t1"][name] = s5.kernel_profile(calls(name, sets1, outs1))
+                res["profile_t1"][name] = kernel_profile(calls(name, sets1, outs1))
             except Exception as e:  # noqa: BLE001
                 res["profile_t1"][name] = dict(error=repr(e)[:300])
             print("profile", name, json.dumps(res["profile_t1"][name]), flush=True)
@@ -444,7 +537,7 @@ def main():
           f"rounds {res['round_plans']}")
     for ln in res.get("ncu_lines", [])[:60]:
         print("ncu", ln.strip())
-    s5.print_summary(res, name_width=22)
+    print_summary(res, name_width=22)
     print("wrote", out_path)
 
 
