@@ -316,14 +316,10 @@ def _hist_bound(hrow, topk, NB: tl.constexpr, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _flat_scatter(pos_blk, key_blk, fpos, fkey, qv, j, lim, run, t0, CF: tl.constexpr):
-    """Entries j [SL] of every slot's list (slots qv [NSLOT], lim [NSLOT] valid entries each) with key >= t0,
-    stored at run[q] + their rank among such entries of slot q in this chunk: the lists concatenated in slot order,
-    filtered. Returns run advanced by each slot's kept count."""
-    valid = j[None, :] < lim[:, None]
-    off = (qv * CF)[:, None] + j[None, :]
-    k = tl.load(key_blk + off, mask=valid, other=0, cache_modifier=".cg")
-    p = tl.load(pos_blk + off, mask=valid, other=0, cache_modifier=".cg")
+def _flat_scatter(k, p, valid, run, t0, fpos, fkey):
+    """Entries (keys k, positions p [NSLOT, SL]; valid ones: ``valid``) of every slot's list with key >= t0, stored
+    at run[q] + their rank among such entries of slot q here: the lists concatenated in slot order, filtered.
+    Returns run advanced by each slot's kept count."""
     f = valid & (k >= t0)
     slot = run[:, None] + tl.cumsum(f.to(tl.int32), 1) - 1
     tl.store(fpos + slot, p, mask=f)
@@ -332,17 +328,15 @@ def _flat_scatter(pos_blk, key_blk, fpos, fkey, qv, j, lim, run, t0, CF: tl.cons
 
 
 @triton.jit
-def _flat_from_tile(k0, jv, lim, off, t0, pos_blk, fpos, fkey, FLAT: tl.constexpr):
-    """The filtered list (see _fused_select; its first FLAT entries) from the slots' keys k0 [NSLOT, SL] already in
-    registers, when no slot holds more than SL (lim [NSLOT] entries each); the positions are read only for the kept
-    entries. Returns the list's length (all entries, also past FLAT)."""
-    f0 = (jv[None, :] < lim[:, None]) & (k0 >= t0)
-    kept = tl.sum(f0.to(tl.int32), 1)
-    slot = (tl.cumsum(kept, 0) - kept)[:, None] + tl.cumsum(f0.to(tl.int32), 1) - 1
-    f0 = f0 & (slot < FLAT)
-    tl.store(fpos + slot, tl.load(pos_blk + off, mask=f0, other=0, cache_modifier=".cg"), mask=f0)
-    tl.store(fkey + slot, k0, mask=f0)
-    return tl.sum(kept, 0)
+def _take_top(keys, m, rp, topk, out_row, RADIX: tl.constexpr):
+    """Writes the positions rp of the topk largest keys among the valid ones (m; >= topk of them, listed in position
+    order) to out_row, ascending: keys > T, then keys == T in list order (T: radix select in registers)."""
+    thr = _kth_largest_radix(keys, m, topk, RADIX)
+    gt = m & (keys > thr)
+    eq = m & (keys == thr)
+    need_eq = topk - tl.sum(gt.to(tl.int32), 0)
+    take = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need_eq))
+    tl.store(out_row + tl.cumsum(take.to(tl.int32), 0) - 1, rp, mask=take)
 
 
 @triton.jit
@@ -414,51 +408,66 @@ def _fused_select(srow, hrow, tick, crow, out_row, sp, ln, p_lo, p_hi, n_act, to
         act = qv < n_act
         jv = tl.arange(0, SL)
         off = (qv * CF)[:, None] + jv[None, :]
-        # the slots' first SL keys are requested (unmasked: the slots are always allocated) with their counts, bounds
-        # and the complete histogram: one round trip
+        # the slots' first SL entries are requested (unmasked: the slots are always allocated) with their counts,
+        # bounds and the complete histogram: one round trip
         k0 = tl.load(key_blk + off, cache_modifier=".cg")
+        if NSLOT * SL <= FT:  # a tile small enough to select in: its positions too
+            p0 = tl.load(pos_blk + off, cache_modifier=".cg")
+        else:  # (never read)
+            p0 = k0
         cnt_v = tl.load(cnt_ptr + qv, mask=act, other=0, cache_modifier=".cg")
         t0_v = tl.load(t0_ptr + qv, mask=act, other=-2147483648, cache_modifier=".cg")
         t0 = _hist_bound(hrow, topk, NB, SHIFT)
         tl.store(hrow + tl.arange(0, NB), tl.zeros([NB], tl.int32))
         lim = tl.minimum(cnt_v, CF)
         mx = tl.max(lim, 0)
-        if (tl.max(cnt_v, 0) <= CF) & (tl.max(t0_v, 0) <= t0):  # every slot holds all its positions >= t0
-            if mx <= SL:  # the usual case: every slot's list in the tile already loaded
-                total = _flat_from_tile(k0, jv, lim, off, t0, pos_blk, fpos, fkey, FLAT)
-            else:
-                kept = tl.zeros([NSLOT], tl.int32)
-                for c0 in range(0, mx, SL):  # count pass: each slot's entries >= t0
-                    j = c0 + jv
-                    valid = j[None, :] < lim[:, None]
-                    k = tl.load(key_blk + (qv * CF)[:, None] + j[None, :], mask=valid, other=0,
-                                cache_modifier=".cg")
+        complete = (tl.max(cnt_v, 0) <= CF) & (tl.max(t0_v, 0) <= t0)  # every slot holds all its positions >= t0
+        total = tl.zeros([], tl.int32)
+        if NSLOT * SL <= FT:
+            direct = complete & (mx <= SL)
+        else:
+            direct = complete & (mx < 0)
+        if direct:  # the usual case: every slot's list is in the tile, in position order (slot-major); select in it
+            f0 = (jv[None, :] < lim[:, None]) & (k0 >= t0)
+            total = tl.sum(tl.sum(f0.to(tl.int32), 1), 0)
+            if total >= topk:
+                _take_top(tl.reshape(k0, [NSLOT * SL]), tl.reshape(f0, [NSLOT * SL]), tl.reshape(p0, [NSLOT * SL]),
+                          topk, out_row, RADIX)
+            else:  # (a stale histogram)
+                _select_streamed(srow, fpos, ln, topk, out_row, False, TILE)
+        else:
+            if complete:  # the filtered list, gathered SL entries a slot at a time (the first SL in registers)
+                v0 = jv[None, :] < lim[:, None]
+                kept = tl.sum((v0 & (k0 >= t0)).to(tl.int32), 1)
+                for c0 in range(SL, mx, SL):  # count pass (the first SL entries are in registers)
+                    valid = (c0 + jv)[None, :] < lim[:, None]
+                    k = tl.load(key_blk + off + c0, mask=valid, other=0, cache_modifier=".cg")
                     kept += tl.sum((valid & (k >= t0)).to(tl.int32), 1)
                 total = tl.sum(kept, 0)
-                if total <= FLAT:
-                    run = tl.cumsum(kept, 0) - kept
-                    for c0 in range(0, mx, SL):  # scatter pass: the filtered list in position order
-                        run = _flat_scatter(pos_blk, key_blk, fpos, fkey, qv, c0 + jv, lim, run, t0, CF)
-        else:  # a slot overflowed (or a stale histogram): the row's scores >= t0, read whole
-            total = _filter_row(srow, ln, t0, fpos, fkey, FLAT, FC)
-        if (total >= topk) & (total <= FT):
-            tl.debug_barrier()  # the list is complete before any thread reads it back
-            i = tl.arange(0, FT)
-            m = i < total
-            keys = tl.load(fkey + i, mask=m, other=0, cache_modifier=".cg")
-            thr = _kth_largest_radix(keys, m, topk, RADIX)
-            gt = m & (keys > thr)
-            eq = m & (keys == thr)
-            need_eq = topk - tl.sum(gt.to(tl.int32), 0)
-            take = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need_eq))
-            # the positions only now (registers: the radix select's tiles are dead)
-            rp = tl.load(fpos + i, mask=take, other=0, cache_modifier=".cg")
-            tl.store(out_row + tl.cumsum(take.to(tl.int32), 0) - 1, rp, mask=take)
-        elif (total >= topk) & (total <= FLAT):  # more than the register tile: streamed over the list
-            tl.debug_barrier()
-            _select_streamed(srow, fpos, total, topk, out_row, True, TILE)
-        else:  # fewer than topk reach t0 (a stale histogram) or more than the list (mass ties): the whole row
-            _select_streamed(srow, fpos, ln, topk, out_row, False, TILE)
+                if total <= FLAT:  # scatter pass: the filtered list in position order
+                    if NSLOT * SL <= FT:
+                        pp = p0
+                    else:
+                        pp = tl.load(pos_blk + off, mask=v0 & (k0 >= t0), other=0, cache_modifier=".cg")
+                    run = _flat_scatter(k0, pp, v0, tl.cumsum(kept, 0) - kept, t0, fpos, fkey)
+                    for c0 in range(SL, mx, SL):
+                        valid = (c0 + jv)[None, :] < lim[:, None]
+                        run = _flat_scatter(tl.load(key_blk + off + c0, mask=valid, other=0, cache_modifier=".cg"),
+                                            tl.load(pos_blk + off + c0, mask=valid, other=0, cache_modifier=".cg"),
+                                            valid, run, t0, fpos, fkey)
+            else:  # a slot overflowed (or a stale histogram): the row's scores >= t0, read whole
+                total = _filter_row(srow, ln, t0, fpos, fkey, FLAT, FC)
+            if (total >= topk) & (total <= FT):
+                tl.debug_barrier()  # the list is complete before any thread reads it back
+                i = tl.arange(0, FT)
+                m = i < total
+                _take_top(tl.load(fkey + i, mask=m, other=0, cache_modifier=".cg"), m,
+                          tl.load(fpos + i, mask=m, other=0, cache_modifier=".cg"), topk, out_row, RADIX)
+            elif (total >= topk) & (total <= FLAT):  # more than the register tile: streamed over the list
+                tl.debug_barrier()
+                _select_streamed(srow, fpos, total, topk, out_row, True, TILE)
+            else:  # fewer than topk reach t0 (a stale histogram) or more than the list (mass ties): the whole row
+                _select_streamed(srow, fpos, ln, topk, out_row, False, TILE)
 
 
 @triton.jit

@@ -312,13 +312,14 @@ def run_fused(seed=0):
     that repeat pages, so equal scores at several positions: the tie order must match), the decode fp8 query with
     the sm_90 default's fp8pv / EPI 1 tiles, S = 2 (not fused: the two kernels run), repeated calls on one workspace
     (tickets and histograms left zeroed) and a poisoned histogram (exact, then cleared). Each of the final program's
-    ways is counted: slot lists read in one tile (_flat_from_tile) or in passes (_flat_scatter: a slot longer than
-    the tile's width), whole-row filter after a slot overflow (_filter_row), streamed over the list (a register tile
-    smaller than the candidates) and over the row (mass ties)."""
+    ways is counted: selection in the slots' tile read with the histogram (_take_top alone), the slots gathered into
+    a list first (_flat_scatter: once per row from that tile, more when a slot is longer than its width), whole-row
+    filter after a slot overflow (_filter_row), streamed over the list (a register tile smaller than the candidates)
+    and over the row (mass ties past the list)."""
     import pd.kernels.indexer as K
 
     glb = K._index_scores_kernel.fn.__globals__
-    names = ("_flat_from_tile", "_flat_scatter", "_filter_row", "_select_streamed", "_kth_largest_radix")
+    names = ("_take_top", "_flat_scatter", "_filter_row", "_select_streamed")
     real = {n: glb[n] for n in names}
     g = torch.Generator().manual_seed(seed)
     epi1 = dict(BLOCK_N=64, num_warps=4, num_stages=3, TOKENS_M=True, PREFETCH=False, KEYS="fp8pv", WAVE=6,
@@ -359,18 +360,21 @@ def run_fused(seed=0):
             bad[f"{name}_{k}"] = v
         return q, w, kc, bt, seq, kw
 
-    # 3 score programs per long row (slots of 256 positions, capacity 481): the slot lists, read as one tile of 4
-    # slots x 256, or 4 x 4 at a time
+    # the slots read as one tile of 2 x 64 that the final program selects in (a register tile of 128), short rows,
+    # topk + 1, length topk; 3 programs per long row (slots of 256 positions): slots gathered into the list from a
+    # first tile of 4 x 256 (no further pass), or 4 x 4 at a time
+    case("slots_direct_short_rows", 4, 1, [250, 20, 33, 32], 12, n_split=2, slot_read=128)
     case("slots_short_rows", 4, 1, [700, 20, 33, 32], 12, n_split=3)
     case("slots_in_passes", 2, 1, [700, 300], 12, n_split=3, slot_read=16)
     # one program per 4 tiles: the first ones of a row end before the rest count (the interpreter runs programs one
     # after another), their slots overflow: the whole-row filter
     case("overflow_filter_row", 2, 1, [700, 300], 12)
     case("ties_slots", 2, 1, [900, 400], 15, n_split=2, ties=True)
+    case("ties_slots_direct", 2, 1, [250, 200], 15, n_split=2, ties=True, slot_read=128)
     case("fp8q_epi1_default_tiles", 3, 1, [1000, 300, 33], 16, n_split=3, q_fp8=True, config=epi1)
     # a register tile of 32 (= topk) for more candidates than that: streamed over the list
-    case("list_streamed", 2, 1, [700, 500], 12, n_split=2, env={"PD_INDEXER_INTERP_TILE_P": "32"})
-    case("mass_ties_row_streamed", 1, 1, [600], 10, n_split=2, zero_q=True)
+    case("list_streamed", 2, 1, [700, 500], 12, n_split=2, env={"PD_INDEXER_INTERP_TILE_P": "32"}, slot_read=16)
+    case("mass_ties_row_streamed", 1, 1, [600], 10, n_split=2, zero_q=True, slot_read=16)  # > the list
     case("mtp_s2_not_fused", 2, 2, [700, 300], 12, n_split=3)
     ws = indexer_workspace(2, 1, 12 * 64, 32, device="cpu")
     ng = K._workspace_layout(2, 12 * 64, 32)[0]

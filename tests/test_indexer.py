@@ -78,21 +78,24 @@ def test_fused_select_equals_the_two_kernels(interp_results):
     """FUSED_SELECT (selection inside the score kernel) gives the two-kernel output bit for bit and exact up to ties
     on short rows, topk + 1, repeated pages (ties at the threshold), the fp8pv / EPI 1 default tiles, S = 2 (falls
     back to two kernels), repeated calls on one workspace and a poisoned histogram (left zeroed); each way of the
-    final program runs where it should (slot lists, read in one tile or in passes; whole-row filter after an
-    overflow; streamed over the list; streamed over the row on mass ties) and the slot path never needs the streamed
-    select."""
+    final program runs where it should (selection in the slots' tile read with the histogram; the slots gathered
+    into a list from that tile, or in passes; whole-row filter after an overflow; streamed over the list; streamed
+    over the row on mass ties) and the slot paths never need the streamed select."""
     r = interp_results["fused_select"]
     assert all(v == 0 for v in r["bad"].values()), r["bad"]
     assert all(r["equal"].values()), r["equal"]
     p = r["paths"]
+    for name in ("slots_direct_short_rows", "ties_slots_direct"):  # selected in the tile read with the histogram
+        assert p[name]["_take_top"] == 2 and p[name]["_flat_scatter"] == p[name]["_filter_row"] == 0, p
     for name in ("slots_short_rows", "ties_slots", "fp8q_epi1_default_tiles", "repeat_0", "repeat_1", "repeat_2"):
-        assert p[name]["_flat_from_tile"] > 0 and p[name]["_flat_scatter"] == 0, p
-        assert p[name]["_filter_row"] == 0 and p[name]["_select_streamed"] == 0, p
-    assert p["slots_in_passes"]["_flat_scatter"] > 0 and p["slots_in_passes"]["_flat_from_tile"] == 0, p
-    assert p["slots_in_passes"]["_select_streamed"] == 0, p
-    assert p["overflow_filter_row"]["_filter_row"] == 2 and p["overflow_filter_row"]["_select_streamed"] == 0, p
+        # the list gathered from that tile in one scatter per row, then selected in
+        assert p[name]["_take_top"] == p[name]["_flat_scatter"] > 0 and p[name]["_filter_row"] == 0, p
+    for name in ("slots_direct_short_rows", "ties_slots_direct", "slots_short_rows", "slots_in_passes"):
+        assert p[name]["_select_streamed"] == 0, p
+    assert p["slots_in_passes"]["_flat_scatter"] > 2 * p["slots_in_passes"]["_take_top"] == 4, p
+    assert p["overflow_filter_row"]["_filter_row"] == 2 and p["overflow_filter_row"]["_take_top"] == 2, p
     assert p["list_streamed"]["_select_streamed"] == 2 and p["mass_ties_row_streamed"]["_select_streamed"] == 1, p
-    assert p["mtp_s2_not_fused"]["_flat_scatter"] == p["mtp_s2_not_fused"]["_filter_row"] == 0, p
+    assert p["mtp_s2_not_fused"]["_take_top"] == p["mtp_s2_not_fused"]["_filter_row"] == 0, p
     assert r["zero_after_repeats"] and r["stale_cleared"], r
 
 

@@ -432,11 +432,10 @@ def ab_fused(dev, pool, smoke, deadline, base=None, base_label="base"):
     """Same-run A/B of FUSED_SELECT (the selection inside the score kernel) against the two-kernel step: the full
     step (fp8 query, S = 1, topk 512, page 64) at 32K live / 128K max, B = 16 and 64, for the ``base`` module (the
     committed kernel, own workspace), this module with FUSED_SELECT off (the same kernels) and on, on with
-    FUSED_SLOT_READ 2048, its score kernel alone, and at B = 16 on with 32 score programs per request; three
-    interleaved rounds, the least
-    time of each; then whether the fused output equals the two-kernel one on the timed inputs, the fp64-reference
-    correctness cases with FUSED_SELECT on (fp8 query), and short rows / other max contexts (512, 4K at 8K max; 4K
-    and 32K at 1M) for base and fused. Returns a dict for the report."""
+    FUSED_SLOT_READ 2048, its score kernel alone, and at B = 16 on with 32 score programs per request; three rounds
+    over both batches and all variants, the least time of each; then whether the fused output equals the two-kernel
+    one on the timed inputs, the fp64-reference correctness cases with FUSED_SELECT on (fp8 query), and short rows /
+    other max contexts (512, 4K at 8K max; 4K and 32K at 1M) for base and fused. Returns a dict for the report."""
     g = torch.Generator(device=dev).manual_seed(23)
     live, max_ctx = (32768, 131072) if not smoke else (300, 512)
     fused = dict(FUSED_SELECT=True)
@@ -445,34 +444,39 @@ def ab_fused(dev, pool, smoke, deadline, base=None, base_label="base"):
     if base is not None:
         variants = {base_label: lambda st: st.ours(base), **variants}
     out = dict(times={}, equal_to_two_kernel={}, correctness=[], short_rows=[])
-    for b in ((16, 64) if not smoke else (2,)):
-        if not deadline.ok(f"ab_fused B={b}"):
-            continue
-        st = Setup(b, 1, live, max_ctx, dev, pool, g, fp8=True)
-        vs = dict(variants)
+    batches = (16, 64) if not smoke else (2,)
+    setups, plans = {}, {}
+    for b in batches:
+        st = setups[b] = Setup(b, 1, live, max_ctx, dev, pool, g, fp8=True)
+        vs = plans[b] = dict(variants)
+        if b == batches[0]:
+            vs["fused_n_split_32"] = lambda st: with_knobs(st.ours(n_split=32), fused)
         # the score kernel alone (its own workspace: it leaves its histograms for a select that does not run)
         ws_s = K.indexer_workspace(b, 1, max_ctx, TOPK, device=dev)
-        vs["scores_only"] = lambda st: st.ours(stages=("scores",), workspace=ws_s)
-        if b == 16:
-            vs["fused_n_split_32"] = lambda st: with_knobs(st.ours(n_split=32), fused)
-        times = {}
-        for _ in range(3 if not smoke else 1):
-            for n, calls_of in vs.items():
+        vs["scores_only"] = lambda st, ws_s=ws_s: st.ours(stages=("scores",), workspace=ws_s)
+        out["times"][str(b)] = {}
+    # rounds over both batches and every variant, so a deadline still leaves each batch's main comparison
+    for rnd in range(3 if not smoke else 1):
+        for b in batches:
+            times = out["times"][str(b)]
+            for n, calls_of in plans[b].items():
+                if not deadline.ok(f"ab_fused round {rnd} B={b} {n}"):
+                    continue
                 try:
-                    t = time_graph(calls_of(st), 50, smoke)
+                    t = time_graph(calls_of(setups[b]), 50, smoke)
                 except Exception as e:  # noqa: BLE001  (a variant that fails to build or run is reported, not fatal)
                     print("ab_fused: variant failed", n, repr(e)[:300], flush=True)
                     t = float("inf")
                 times[n] = min(times.get(n, t), t)
-        out["times"][str(b)] = times
-        print("ab_fused", b, times, flush=True)
-        # the same inputs through both paths: bit-equal outputs (same candidates, same tie order)
+            print("ab_fused round", rnd, b, times, flush=True)
+    for b in batches:  # the same inputs through both paths: bit-equal outputs (same candidates, same tie order)
+        st = setups[b]
         a = st.ours()[0]
         a()
         want = st.out.clone()
         with_knobs([a], fused)[0]()
         out["equal_to_two_kernel"][str(b)] = bool(torch.equal(st.out, want))
-        del st, ws_s
+    del setups, plans, st
     if deadline.ok("ab_fused correctness"):
         old = K.FUSED_SELECT
         K.FUSED_SELECT = True
