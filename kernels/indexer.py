@@ -359,7 +359,8 @@ def _filter_row(srow, ln, t0, fpos, fkey, FLAT: tl.constexpr, FC: tl.constexpr):
 @triton.jit
 def _fused_select(srow, hrow, tick, crow, out_row, sp, ln, p_lo, p_hi, n_act, topk, NB: tl.constexpr,
                   SHIFT: tl.constexpr, NSLOT: tl.constexpr, CF: tl.constexpr, FT: tl.constexpr, FLAT: tl.constexpr,
-                  FC: tl.constexpr, RADIX: tl.constexpr, TILE: tl.constexpr, SL: tl.constexpr):
+                  FC: tl.constexpr, RADIX: tl.constexpr, TILE: tl.constexpr, SL: tl.constexpr,
+                  PROBE: tl.constexpr = 0):
     """FUSED_SELECT: the exact top-k of one row done by its score programs, no second kernel. Each program, right
     after scoring positions [p_lo, p_hi) of the row (length ln > topk), (1) reads the row's histogram as it is now:
     its bound t0_p is <= the final one (counts only grow); (2) compacts its positions with key >= t0_p (scores read
@@ -373,7 +374,9 @@ def _fused_select(srow, hrow, tick, crow, out_row, sp, ln, p_lo, p_hi, n_act, to
     the same output as the two-kernel path (FT 1024 at topk 512: ~600-700 candidates at 32K; a 2048 tile spills under
     the 80-register cap). Exact on any input: when a slot overflowed CF or holds a bound above t0 (a stale histogram)
     the final program filters the whole row's scores against t0 instead of the slots; more than FT candidates take
-    the streamed select over the list (up to FLAT) or over the whole row, as do fewer than topk."""
+    the streamed select over the list (up to FLAT) or over the whole row, as do fewer than topk. PROBE (benchmark
+    only, wrong output; ``_FUSED_PROBE``): 1 = the last program only resets the ticket and the histogram, 2 = it stops
+    once the slots' first tile, counts, bounds and histogram are read."""
     pos_blk = crow
     key_blk = crow + NSLOT * CF
     cnt_ptr = crow + 2 * NSLOT * CF
@@ -404,6 +407,9 @@ def _fused_select(srow, hrow, tick, crow, out_row, sp, ln, p_lo, p_hi, n_act, to
     ticket = tl.atomic_add(tick, 1, sem="acq_rel")
     if ticket == n_act - 1:
         tl.store(tick, 0)  # for the next call
+        if PROBE == 1:
+            tl.store(hrow + tl.arange(0, NB), tl.zeros([NB], tl.int32))
+            return
         qv = tl.arange(0, NSLOT)
         act = qv < n_act
         jv = tl.arange(0, SL)
@@ -422,6 +428,9 @@ def _fused_select(srow, hrow, tick, crow, out_row, sp, ln, p_lo, p_hi, n_act, to
         lim = tl.minimum(cnt_v, CF)
         mx = tl.max(lim, 0)
         complete = (tl.max(cnt_v, 0) <= CF) & (tl.max(t0_v, 0) <= t0)  # every slot holds all its positions >= t0
+        if PROBE == 2:
+            tl.store(out_row, tl.sum(tl.sum(tl.where(complete, k0, 0) + p0, 1), 0) + mx)
+            return
         total = tl.zeros([], tl.int32)
         if NSLOT * SL <= FT:
             direct = complete & (mx <= SL)
@@ -483,7 +492,7 @@ def _index_scores_kernel(
     SHIFT: tl.constexpr = 20, PROBE: tl.constexpr = 0, PDL: tl.constexpr = False, CH: tl.constexpr = 8,
     NPV: tl.constexpr = 32, PAIR: tl.constexpr = False, EPI: tl.constexpr = 0, FUSE: tl.constexpr = False,
     NSLOT: tl.constexpr = 1, CF: tl.constexpr = 1, FT: tl.constexpr = 1, FLAT: tl.constexpr = 1,
-    FC: tl.constexpr = 1024, FSL: tl.constexpr = 1,
+    FC: tl.constexpr = 1024, FSL: tl.constexpr = 1, FPROBE: tl.constexpr = 0,
     RADIX: tl.constexpr = 6, TILE: tl.constexpr = 1024,
 ):
     # this launch scores query tokens s0 .. s0 + S - 1 (S <= 4) of the S_ALL per request
@@ -563,7 +572,7 @@ def _index_scores_kernel(
             r64 = b.to(tl.int64)
             _fused_select(score_ptr + r64 * max_len, hist_ptr + r64 * NB, tick_ptr + r64, scr_ptr + r64 * scr_row,
                           out_ptr + r64 * topk, sp, l_max, t_begin * BLOCK_N, tl.minimum(t_end * BLOCK_N, l_max),
-                          tl.cdiv(n_tiles, per), topk, NB, SHIFT, NSLOT, CF, FT, FLAT, FC, RADIX, TILE, FSL)
+                          tl.cdiv(n_tiles, per), topk, NB, SHIFT, NSLOT, CF, FT, FLAT, FC, RADIX, TILE, FSL, FPROBE)
     elif FUSE:
         if (sp == 0) & (l_max <= topk):  # no scores: every live position, then -1
             for o in range(0, topk, TILE):
@@ -1025,6 +1034,7 @@ SELECT_TGS = 256  # group maxima per select tile (a 32K-long row: one tile for e
 SELECT_PROGRAMS = 256
 _SELECT_PROBE = 0  # benchmark only: stop the select after a phase (see _select_topk_kernel)
 _SCORES_PROBE = 0  # benchmark only: 1 = scores without histogram atomics, 2 = also without stores (wrong output)
+_FUSED_PROBE = 0  # benchmark only: stop FUSED_SELECT's last program early (see _fused_select; wrong output)
 # final threshold search: "fine" (the slices count their candidates into a per-row histogram of fine bins above
 # t0 with atomics, so the final program reads the bin holding the topk-th candidate and only resolves that bin: by
 # dropping its smallest values when a few too many, else radix select on it) or "radix" (radix select over all
@@ -1387,7 +1397,7 @@ def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512,
             TOKENS_M=cfg["TOKENS_M"], PREFETCH=cfg["PREFETCH"], DOT_PREC="ieee" if _INTERPRET else "tf32",
             KEYS=cfg["KEYS"], NB=HIST_BINS, SHIFT=HIST_SHIFT, PROBE=_SCORES_PROBE, PDL=pdl and fused is None, CH=ch,
             NPV=max(npv, 2), PAIR=pair, EPI=cfg.get("EPI", 0) if sc == 1 else 0, FUSE=fused is not None, NSLOT=nslot,
-            CF=cf, FT=ft, FLAT=flat, FSL=fsl, FC=1024 if not _INTERPRET else 64, RADIX=RADIX_BITS,
+            CF=cf, FT=ft, FLAT=flat, FSL=fsl, FPROBE=_FUSED_PROBE, FC=1024 if not _INTERPRET else 64, RADIX=RADIX_BITS,
             TILE=1024 if not _INTERPRET else 16,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": cfg["MAXNREG"]} if cfg.get("MAXNREG") else {}),

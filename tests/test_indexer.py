@@ -309,7 +309,7 @@ def _compile_scores(cfg, cc, s_p2=1, fp8=False, fused=None):
                  Q_FP8=fp8, MIN_TILES=MIN_TILES, DOT_F32=False, TOKENS_M=cfg["TOKENS_M"], PREFETCH=cfg["PREFETCH"],
                  DOT_PREC="tf32", KEYS=cfg["KEYS"], NB=HIST_BINS, SHIFT=HIST_SHIFT, PROBE=0, PDL=SELECT_PDL,
                  CH=ch, NPV=max(npv, 2), PAIR=pair, EPI=cfg.get("EPI", 0) if s_p2 == 1 else 0, FUSE=False, NSLOT=1,
-                 CF=1, FT=1, FLAT=1, FSL=1, FC=1024, RADIX=6, TILE=1024)
+                 CF=1, FT=1, FLAT=1, FSL=1, FPROBE=0, FC=1024, RADIX=6, TILE=1024)
     if fused:  # FUSED_SELECT: no dependent select launch
         const.update(fused, PDL=False)
     sig = dict(SCORE_SIG, q_ptr="*fp8e4nv" if fp8 else "*bf16")

@@ -432,7 +432,8 @@ def ab_fused(dev, pool, smoke, deadline, base=None, base_label="base"):
     """Same-run A/B of FUSED_SELECT (the selection inside the score kernel) against the two-kernel step: the full
     step (fp8 query, S = 1, topk 512, page 64) at 32K live / 128K max, B = 16 and 64, for the ``base`` module (the
     committed kernel, own workspace), this module with FUSED_SELECT off (the same kernels) and on, on with
-    FUSED_SLOT_READ 2048, its score kernel alone, and at B = 16 on with 32 score programs per request; three rounds
+    FUSED_SLOT_READ 2048, its score kernel alone, and at B = 16 on with 32 score programs per request and the fused
+    tail's phase probes (_FUSED_PROBE); three rounds
     over both batches and all variants, the least time of each; then whether the fused output equals the two-kernel
     one on the timed inputs, the fp64-reference correctness cases with FUSED_SELECT on (fp8 query), and short rows /
     other max contexts (512, 4K at 8K max; 4K and 32K at 1M) for base and fused. Returns a dict for the report."""
@@ -451,6 +452,10 @@ def ab_fused(dev, pool, smoke, deadline, base=None, base_label="base"):
         vs = plans[b] = dict(variants)
         if b == batches[0]:
             vs["fused_n_split_32"] = lambda st: with_knobs(st.ours(n_split=32), fused)
+        if b == batches[0]:  # the fused tail's phases (wrong output, timing only): the slots written and the ticket
+            # taken, the last program only resetting (1); that program also reading the slots' tile and histogram (2)
+            for pr in (1, 2):
+                vs[f"fused_probe{pr}"] = lambda st, pr=pr: with_knobs(st.ours(), fused, _FUSED_PROBE=pr)
         # the score kernel alone (its own workspace: it leaves its histograms for a select that does not run)
         ws_s = K.indexer_workspace(b, 1, max_ctx, TOPK, device=dev)
         vs["scores_only"] = lambda st, ws_s=ws_s: st.ours(stages=("scores",), workspace=ws_s)

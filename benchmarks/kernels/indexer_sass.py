@@ -55,7 +55,7 @@ def build(cfg: dict, fused_slots: int = 0, cc: int = 90):
                  Q_FP8=True, MIN_TILES=K.MIN_TILES, DOT_F32=False, TOKENS_M=cfg["TOKENS_M"], PREFETCH=cfg["PREFETCH"],
                  DOT_PREC="tf32", KEYS=cfg["KEYS"], NB=K.HIST_BINS, SHIFT=K.HIST_SHIFT, PROBE=0,
                  PDL=K.SELECT_PDL and not fused_slots, CH=ch, NPV=max(npv, 2), PAIR=pair, EPI=cfg.get("EPI", 0),
-                 FUSE=False, NSLOT=1, CF=1, FT=1, FLAT=1, FSL=1, FC=1024, RADIX=K.RADIX_BITS, TILE=1024)
+                 FUSE=False, NSLOT=1, CF=1, FT=1, FLAT=1, FSL=1, FPROBE=0, FC=1024, RADIX=K.RADIX_BITS, TILE=1024)
     if fused_slots:
         nslot, cf, ft, flat, fsl = K.fused_layout(512, fused_slots)
         const.update(FUSE=True, NSLOT=nslot, CF=cf, FT=ft, FLAT=flat, FSL=fsl, FC=1024, RADIX=K.RADIX_BITS, TILE=1024)
