@@ -436,7 +436,7 @@ def ab_fused(dev, pool, smoke, deadline, base=None, base_label="base"):
     tail's phase probes (_FUSED_PROBE); three rounds
     over both batches and all variants, the least time of each; then whether the fused output equals the two-kernel
     one on the timed inputs, the fp64-reference correctness cases with FUSED_SELECT on (fp8 query), and short rows /
-    other max contexts (512, 4K at 8K max; 4K and 32K at 1M) for base and fused. Returns a dict for the report."""
+    other max contexts (512 and 4K at 8K and 1M max, 32K at 1M) for base and fused. Returns a dict for the report."""
     g = torch.Generator(device=dev).manual_seed(23)
     live, max_ctx = (32768, 131072) if not smoke else (300, 512)
     fused = dict(FUSED_SELECT=True)
@@ -492,7 +492,7 @@ def ab_fused(dev, pool, smoke, deadline, base=None, base_label="base"):
         finally:
             K.FUSED_SELECT = old
     for b in ((16, 64) if not smoke else (2,)):
-        for lv, mc in (((512, 8192), (4096, 8192), (4096, 1 << 20), (32768, 1 << 20)) if not smoke else
+        for lv, mc in (((512, 8192), (512, 1 << 20), (4096, 8192), (4096, 1 << 20), (32768, 1 << 20)) if not smoke else
                        ((20, 256), (300, 512))):
             if not deadline.ok(f"ab_fused short rows B={b} live={lv} max={mc}"):
                 continue
