@@ -1070,7 +1070,11 @@ SELECT_READS_SCORES = False
 # of the final one), and the row's last program selects among the slots' lists. For decode (S = 1) full calls; MTP
 # verify (S > 1), stage-split calls, score grids of more than one wave (configs without WAVE, large batches: programs
 # that end before others of their row start see a loose bound) and topk too small for the slot layout (fused_layout)
-# keep the two kernels.
+# keep the two kernels. H200 -s7 (benchmarks/results/indexer_2026-11-30-s7-explore.md, full step at 32K, fp8 query):
+# B = 16 53.2 us vs 37.8 with the two kernels, B = 64 120.1 vs 102.5; exact, and bit-equal to the two kernels. Probes at
+# B = 16: the per-program tail alone adds 7.7 us to the 24.4 us scores, the last program's selection 21 us more: the
+# programs that end first see a histogram the others have barely counted into, so their slots are long and the final
+# gather takes many round trips. Off.
 FUSED_SELECT = False
 FUSED_TILE = 1024  # FUSED_SELECT's register tile at topk <= 512 (see _fused_select)
 # entries of the slots the final program reads at once (1024: 64 slots of 16 at B = 16, 16 of 64 at B = 64; a row
