@@ -60,10 +60,6 @@ nothing past a request's length is read, scored or sorted.
    round trips in parallel programs (histogram with the first group-max tile, the score gather, the candidate
    lists), then the fine histogram and a few block-wide reductions over a ~topk-sized register tile, independent
    of the max context.
-3. ``FUSED_SELECT`` (off by default; decode, S = 1, one-wave score grids): no select launch. Each score program,
-   after its tiles, compacts its positions that reach the row's histogram bound as read at that moment (a lower bound
-   of the final one: counts only grow) into its slot of the select scratch, then takes the row's ticket; the last
-   program of the row finishes the selection from the slots (``_fused_select``), same output as 1 + 2.
 """
 
 from __future__ import annotations
@@ -297,203 +293,16 @@ def _score_tile_1q(kf, ksc, q, w, t, ln, row, score_ptr, gmax_ptr, hist_ptr, max
 
 
 @triton.jit
-def _hist_bound(hrow, topk, NB: tl.constexpr, SHIFT: tl.constexpr):
-    """Low edge (order key, int32) of the histogram bin holding the topk-th largest count of the row's histogram
-    ``hrow`` [NB] (read through L2); the minimum int32 when fewer than topk are counted. Counts only grow while the
-    scores kernel runs, so a bound read early is never above the one read after the last count."""
-    # two levels (rows of 32 bins, then the bins of the row holding the topk-th count): no scan over all NB bins,
-    # whose temporaries would spill under the score kernel's register cap
-    R: tl.constexpr = NB // 32
-    rows = tl.arange(0, R)
-    cols = tl.arange(0, 32)
-    h = tl.load(hrow + rows[:, None] * 32 + cols[None, :], cache_modifier=".cg")
-    rs = tl.sum(h, 1)
-    rsel = tl.max(tl.where(tl.cumsum(rs, 0, reverse=True) >= topk, rows, -1), 0)
-    above = tl.sum(tl.where(rows > rsel, rs, 0), 0)
-    c_ge = above + tl.cumsum(tl.sum(tl.where(rows[:, None] == rsel, h, 0), 0), 0, reverse=True)
-    b = tl.where(rsel >= 0, rsel * 32 + tl.max(tl.where(c_ge >= topk, cols, 0), 0), 0)
-    return ((b - NB // 2) << SHIFT).to(tl.int32)
-
-
-@triton.jit
-def _flat_scatter(k, p, valid, run, t0, fpos, fkey):
-    """Entries (keys k, positions p [NSLOT, SL]; valid ones: ``valid``) of every slot's list with key >= t0, stored
-    at run[q] + their rank among such entries of slot q here: the lists concatenated in slot order, filtered.
-    Returns run advanced by each slot's kept count."""
-    f = valid & (k >= t0)
-    slot = run[:, None] + tl.cumsum(f.to(tl.int32), 1) - 1
-    tl.store(fpos + slot, p, mask=f)
-    tl.store(fkey + slot, k, mask=f)
-    return run + tl.sum(f.to(tl.int32), 1)
-
-
-@triton.jit
-def _take_top(keys, m, rp, topk, out_row, RADIX: tl.constexpr):
-    """Writes the positions rp of the topk largest keys among the valid ones (m; >= topk of them, listed in position
-    order) to out_row, ascending: keys > T, then keys == T in list order (T: radix select in registers)."""
-    thr = _kth_largest_radix(keys, m, topk, RADIX)
-    gt = m & (keys > thr)
-    eq = m & (keys == thr)
-    need_eq = topk - tl.sum(gt.to(tl.int32), 0)
-    take = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need_eq))
-    tl.store(out_row + tl.cumsum(take.to(tl.int32), 0) - 1, rp, mask=take)
-
-
-@triton.jit
-def _filter_row(srow, ln, t0, fpos, fkey, FLAT: tl.constexpr, FC: tl.constexpr):
-    """Positions (and keys) of the row's scores with key >= t0, in position order, into fpos / fkey (the first FLAT
-    of them); returns how many there are."""
-    total = tl.zeros([], tl.int32)
-    for c0 in range(0, ln, FC):
-        cp = c0 + tl.arange(0, FC)
-        cv = cp < ln
-        ck = _order_key(tl.load(srow + cp, mask=cv, other=0.0, cache_modifier=".cg"))
-        cf = cv & (ck >= t0)
-        slot = total + tl.cumsum(cf.to(tl.int32), 0) - 1
-        tl.store(fpos + slot, cp, mask=cf & (slot < FLAT))
-        tl.store(fkey + slot, ck, mask=cf & (slot < FLAT))
-        total += tl.sum(cf.to(tl.int32), 0)
-    return total
-
-
-@triton.jit
-def _fused_select(srow, hrow, tick, crow, out_row, sp, ln, p_lo, p_hi, n_act, topk, NB: tl.constexpr,
-                  SHIFT: tl.constexpr, NSLOT: tl.constexpr, CF: tl.constexpr, FT: tl.constexpr, FLAT: tl.constexpr,
-                  FC: tl.constexpr, RADIX: tl.constexpr, TILE: tl.constexpr, SL: tl.constexpr,
-                  PROBE: tl.constexpr = 0):
-    """FUSED_SELECT: the exact top-k of one row done by its score programs, no second kernel. Each program, right
-    after scoring positions [p_lo, p_hi) of the row (length ln > topk), (1) reads the row's histogram as it is now:
-    its bound t0_p is <= the final one (counts only grow); (2) compacts its positions with key >= t0_p (scores read
-    back from L2) into its slot of the scratch ``crow`` (positions [NSLOT, CF], keys [NSLOT, CF], then counts
-    [NSLOT], bounds [NSLOT], the filtered list: positions [FLAT], keys [FLAT]), in position order, and records t0_p;
-    (3) takes the row's ticket (acq_rel). The last of the row's n_act programs: the final t0 from the complete
-    histogram (then zeroed, and the ticket reset, for the next call); every slot's entries >= t0 concatenated in slot
-    (= position) order into the filtered list (from the [NSLOT, SL] tile of keys read with the histogram when no slot
-    holds more, else a count pass and a scatter pass over such tiles);
-    the exact threshold among them in a register tile of FT (radix select), keys > T then == T in position order,
-    the same output as the two-kernel path (FT 1024 at topk 512: ~600-700 candidates at 32K; a 2048 tile spills under
-    the 80-register cap). Exact on any input: when a slot overflowed CF or holds a bound above t0 (a stale histogram)
-    the final program filters the whole row's scores against t0 instead of the slots; more than FT candidates take
-    the streamed select over the list (up to FLAT) or over the whole row, as do fewer than topk. PROBE (benchmark
-    only, wrong output; ``_FUSED_PROBE``): 1 = the last program only resets the ticket and the histogram, 2 = it stops
-    once the slots' first tile, counts, bounds and histogram are read."""
-    pos_blk = crow
-    key_blk = crow + NSLOT * CF
-    cnt_ptr = crow + 2 * NSLOT * CF
-    t0_ptr = cnt_ptr + NSLOT
-    fpos = t0_ptr + NSLOT
-    fkey = fpos + FLAT
-    tl.debug_barrier()  # this program's scores and histogram counts are issued
-    # its first chunk of scores is requested with the histogram (the two loads overlap), each next one meanwhile
-    cp = p_lo + tl.arange(0, FC)
-    ck = _order_key(tl.load(srow + cp, mask=cp < p_hi, other=0.0, cache_modifier=".cg"))
-    t0p = _hist_bound(hrow, topk, NB, SHIFT)
-    n = tl.zeros([], tl.int32)
-    for c0 in range(p_lo, p_hi, FC):
-        cf = (cp < p_hi) & (ck >= t0p)
-        cp_n = cp + FC
-        ck_n = _order_key(tl.load(srow + cp_n, mask=cp_n < p_hi, other=0.0, cache_modifier=".cg"))
-        slot = n + tl.cumsum(cf.to(tl.int32), 0) - 1
-        keep = cf & (slot < CF)
-        tl.store(pos_blk + sp * CF + slot, cp, mask=keep)
-        tl.store(key_blk + sp * CF + slot, ck, mask=keep)
-        n += tl.sum(cf.to(tl.int32), 0)
-        cp = cp_n
-        ck = ck_n
-    tl.store(cnt_ptr + sp, n)
-    tl.store(t0_ptr + sp, t0p)
-    # every thread's stores are issued before the release; the last program of the row sees all slots (acquire)
-    tl.debug_barrier()
-    ticket = tl.atomic_add(tick, 1, sem="acq_rel")
-    if ticket == n_act - 1:
-        tl.store(tick, 0)  # for the next call
-        if PROBE == 1:
-            tl.store(hrow + tl.arange(0, NB), tl.zeros([NB], tl.int32))
-            return
-        qv = tl.arange(0, NSLOT)
-        act = qv < n_act
-        jv = tl.arange(0, SL)
-        off = (qv * CF)[:, None] + jv[None, :]
-        # the slots' first SL entries are requested (unmasked: the slots are always allocated) with their counts,
-        # bounds and the complete histogram: one round trip
-        k0 = tl.load(key_blk + off, cache_modifier=".cg")
-        if NSLOT * SL <= FT:  # a tile small enough to select in: its positions too
-            p0 = tl.load(pos_blk + off, cache_modifier=".cg")
-        else:  # (never read)
-            p0 = k0
-        cnt_v = tl.load(cnt_ptr + qv, mask=act, other=0, cache_modifier=".cg")
-        t0_v = tl.load(t0_ptr + qv, mask=act, other=-2147483648, cache_modifier=".cg")
-        t0 = _hist_bound(hrow, topk, NB, SHIFT)
-        tl.store(hrow + tl.arange(0, NB), tl.zeros([NB], tl.int32))
-        lim = tl.minimum(cnt_v, CF)
-        mx = tl.max(lim, 0)
-        complete = (tl.max(cnt_v, 0) <= CF) & (tl.max(t0_v, 0) <= t0)  # every slot holds all its positions >= t0
-        if PROBE == 2:
-            tl.store(out_row, tl.sum(tl.sum(tl.where(complete, k0, 0) + p0, 1), 0) + mx)
-            return
-        total = tl.zeros([], tl.int32)
-        if NSLOT * SL <= FT:
-            direct = complete & (mx <= SL)
-        else:
-            direct = complete & (mx < 0)
-        if direct:  # the usual case: every slot's list is in the tile, in position order (slot-major); select in it
-            f0 = (jv[None, :] < lim[:, None]) & (k0 >= t0)
-            total = tl.sum(tl.sum(f0.to(tl.int32), 1), 0)
-            if total >= topk:
-                _take_top(tl.reshape(k0, [NSLOT * SL]), tl.reshape(f0, [NSLOT * SL]), tl.reshape(p0, [NSLOT * SL]),
-                          topk, out_row, RADIX)
-            else:  # (a stale histogram)
-                _select_streamed(srow, fpos, ln, topk, out_row, False, TILE)
-        else:
-            if complete:  # the filtered list, gathered SL entries a slot at a time (the first SL in registers)
-                v0 = jv[None, :] < lim[:, None]
-                kept = tl.sum((v0 & (k0 >= t0)).to(tl.int32), 1)
-                for c0 in range(SL, mx, SL):  # count pass (the first SL entries are in registers)
-                    valid = (c0 + jv)[None, :] < lim[:, None]
-                    k = tl.load(key_blk + off + c0, mask=valid, other=0, cache_modifier=".cg")
-                    kept += tl.sum((valid & (k >= t0)).to(tl.int32), 1)
-                total = tl.sum(kept, 0)
-                if total <= FLAT:  # scatter pass: the filtered list in position order
-                    if NSLOT * SL <= FT:
-                        pp = p0
-                    else:
-                        pp = tl.load(pos_blk + off, mask=v0 & (k0 >= t0), other=0, cache_modifier=".cg")
-                    run = _flat_scatter(k0, pp, v0, tl.cumsum(kept, 0) - kept, t0, fpos, fkey)
-                    for c0 in range(SL, mx, SL):
-                        valid = (c0 + jv)[None, :] < lim[:, None]
-                        run = _flat_scatter(tl.load(key_blk + off + c0, mask=valid, other=0, cache_modifier=".cg"),
-                                            tl.load(pos_blk + off + c0, mask=valid, other=0, cache_modifier=".cg"),
-                                            valid, run, t0, fpos, fkey)
-            else:  # a slot overflowed (or a stale histogram): the row's scores >= t0, read whole
-                total = _filter_row(srow, ln, t0, fpos, fkey, FLAT, FC)
-            if (total >= topk) & (total <= FT):
-                tl.debug_barrier()  # the list is complete before any thread reads it back
-                i = tl.arange(0, FT)
-                m = i < total
-                _take_top(tl.load(fkey + i, mask=m, other=0, cache_modifier=".cg"), m,
-                          tl.load(fpos + i, mask=m, other=0, cache_modifier=".cg"), topk, out_row, RADIX)
-            elif (total >= topk) & (total <= FLAT):  # more than the register tile: streamed over the list
-                tl.debug_barrier()
-                _select_streamed(srow, fpos, total, topk, out_row, True, TILE)
-            else:  # fewer than topk reach t0 (a stale histogram) or more than the list (mass ties): the whole row
-                _select_streamed(srow, fpos, ln, topk, out_row, False, TILE)
-
-
-@triton.jit
 def _index_scores_kernel(
     q_ptr, w_ptr, qs_ptr, kc32_ptr, k8_ptr, ks_ptr, bt_ptr, len_ptr, score_ptr, gmax_ptr, hist_ptr,
-    out_ptr, tick_ptr, scr_ptr,
     stride_qb, stride_qs, stride_qh, stride_wb, stride_ws, stride_bt,
-    max_len, ng_buf, n_split, topk, S_ALL, s0, scr_row,
+    max_len, ng_buf, n_split, topk, S_ALL, s0,
     S: tl.constexpr, S_P2: tl.constexpr, H: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     G: tl.constexpr, LEN_2D: tl.constexpr, HAS_QS: tl.constexpr, Q_FP8: tl.constexpr, MIN_TILES: tl.constexpr,
     DOT_F32: tl.constexpr, TOKENS_M: tl.constexpr = True, PREFETCH: tl.constexpr = True,
     DOT_PREC: tl.constexpr = "tf32", KEYS: tl.constexpr = "fp8", NB: tl.constexpr = 4096,
     SHIFT: tl.constexpr = 20, PROBE: tl.constexpr = 0, PDL: tl.constexpr = False, CH: tl.constexpr = 8,
-    NPV: tl.constexpr = 32, PAIR: tl.constexpr = False, EPI: tl.constexpr = 0, FUSE: tl.constexpr = False,
-    NSLOT: tl.constexpr = 1, CF: tl.constexpr = 1, FT: tl.constexpr = 1, FLAT: tl.constexpr = 1,
-    FC: tl.constexpr = 1024, FSL: tl.constexpr = 1, FPROBE: tl.constexpr = 0,
-    RADIX: tl.constexpr = 6, TILE: tl.constexpr = 1024,
+    NPV: tl.constexpr = 32, PAIR: tl.constexpr = False, EPI: tl.constexpr = 0,
 ):
     # this launch scores query tokens s0 .. s0 + S - 1 (S <= 4) of the S_ALL per request
     if PDL:  # the select kernel may be scheduled once every score program has started (it waits for the results)
@@ -568,16 +377,6 @@ def _index_scores_kernel(
                 _score_tile(_unpack_fp8(cur_k, BLOCK_N), cur_ksc, q, w, t, lens, l_max, rows, so, S, score_ptr,
                             gmax_ptr, hist_ptr, max_len, ng_buf, hist_ok, topk, S_P2, H, BLOCK_N, G, Q_FP8, DOT_F32,
                             TOKENS_M, DOT_PREC, NB, SHIFT, PROBE)
-        if FUSE:  # one row per request (S_ALL == 1): this program's part of the row's selection
-            r64 = b.to(tl.int64)
-            _fused_select(score_ptr + r64 * max_len, hist_ptr + r64 * NB, tick_ptr + r64, scr_ptr + r64 * scr_row,
-                          out_ptr + r64 * topk, sp, l_max, t_begin * BLOCK_N, tl.minimum(t_end * BLOCK_N, l_max),
-                          tl.cdiv(n_tiles, per), topk, NB, SHIFT, NSLOT, CF, FT, FLAT, FC, RADIX, TILE, FSL, FPROBE)
-    elif FUSE:
-        if (sp == 0) & (l_max <= topk):  # no scores: every live position, then -1
-            for o in range(0, topk, TILE):
-                idx = o + tl.arange(0, TILE)
-                tl.store(out_ptr + b.to(tl.int64) * topk + idx, tl.where(idx < l_max, idx, -1), mask=idx < topk)
 
 
 @triton.jit
@@ -948,12 +747,13 @@ def _cfg(bn, w, tm, keys, stages, pf=False, wave=0, maxnreg=0, pv=0, epi=0):
 # into registers at once (pages of >= BLOCK_N / 2 positions; smaller pages take the "fp8" path). Every config
 # compiles for sm_120a with mma.sync and <= 99 KiB of shared memory, and for sm_90a, for 1, 2 and 4 stacked query
 # tokens (tests/test_indexer.py; fp8pv 128/8 in 3 stages and 128/4 in 4 need > 99 KiB for 4 tokens).
-# The last four (-s6) were candidates for the sm_90 fp8-query default (timed in -s7, see DEFAULT_FP8Q_SCORE_CONFIGS). SASS of the Triton 3.9 sm_90a decode build per key tile (benchmarks/kernels/indexer_sass.py): the pv24
-# default 511 instructions / 6 barriers / 114 registers; with EPI 1 508; with EPI 1 and a 168-register cap 480 at 140
-# registers (shared memory still holds it to 3 programs per SM); 64-key tiles with EPI 1 at 80 registers 337
-# instructions / 4 barriers per 64 keys and 33 KB of shared memory, so 6 programs (24 warps) per SM instead of 3 (12
-# warps): -s5 found the per-tile path the limit at 3 programs, more warps in flight is what this one tries; in 2 stages
-# at 72 registers 317 instructions and 25 KB, 7 programs (28 warps) per SM, one 64-key tile in flight per program.
+# The last four (-s6) were candidates for the sm_90 fp8-query default (timed in -s7, see DEFAULT_FP8Q_SCORE_CONFIGS).
+# SASS of the Triton 3.9 sm_90a decode build per key tile (benchmarks/kernels/indexer_sass.py): the pv24 default 511
+# instructions / 6 barriers / 114 registers; with EPI 1 508; with EPI 1 and a 168-register cap 480 at 140 registers
+# (shared memory still holds it to 3 programs per SM); 64-key tiles with EPI 1 at 80 registers 337 instructions / 4
+# barriers per 64 keys and 33 KB of shared memory, so 6 programs (24 warps) per SM instead of 3 (12 warps): -s5 found
+# the per-tile path the limit at 3 programs, more warps in flight is what this one tries; in 2 stages at 72 registers
+# 317 instructions and 25 KB, 7 programs (28 warps) per SM, one 64-key tile in flight per program.
 SCORE_CONFIGS = [
     _cfg(64, 4, True, "packed", 1, pf=True),
     _cfg(64, 8, True, "packed", 1, pf=True),
@@ -1012,10 +812,11 @@ DEFAULT_SCORE_CONFIGS = {
 # with pv24), 8 warps with 80 registers (6 warps per scheduler) 42.0 / 118.1 in 3 stages and 43.5 / 121.6 in 4
 # (Nsight Compute on 4 stages: 56% of DRAM peak, 3 warps per scheduler issuing every 6 cycles, as with 3 stages: not
 # short of copies in flight).
-# -s7 (benchmarks/results/indexer_2026-11-30-s7-pick.md, the pick of the five, full step at 32K, B = 16 / 64): 64-key tiles,
-# EPI 1, 80 registers, 6 programs per SM in one wave, page ids of 48 tiles per chunk: 38.3 / 103.8 us vs the -s5
-# default 39.5 / 109.6; the same -s5 tiles with EPI 1 37.6 / 108.0 (168 registers: 37.6 / 108.4), 64-key tiles in 2
-# stages at 72 registers 38.1 / 106.0.
+# -s7 (benchmarks/results/indexer_2026-11-30-s7-pick.md, the pick of the five, full step at 32K, B = 16 / 64):
+# 64-key tiles, EPI 1, 80 registers, 6 programs per SM in one wave, page ids of 48 tiles per chunk: 38.3 / 103.8 us vs
+# the -s5 default 39.5 / 109.6; the same -s5 tiles with EPI 1 37.6 / 108.0 (168 registers: 37.6 / 108.4), 64-key
+# tiles in 2 stages at 72 registers 38.1 / 106.0. Committed run (indexer_2026-11-30-s7.md): 39.7 / 104.7 vs 40.5 /
+# 109.6 with the -s5 default.
 DEFAULT_FP8Q_SCORE_CONFIGS = {
     (True, 1): _cfg(64, 4, True, "fp8pv", 3, wave=6, maxnreg=80, pv=48, epi=1),
 }
@@ -1034,7 +835,6 @@ SELECT_TGS = 256  # group maxima per select tile (a 32K-long row: one tile for e
 SELECT_PROGRAMS = 256
 _SELECT_PROBE = 0  # benchmark only: stop the select after a phase (see _select_topk_kernel)
 _SCORES_PROBE = 0  # benchmark only: 1 = scores without histogram atomics, 2 = also without stores (wrong output)
-_FUSED_PROBE = 0  # benchmark only: stop FUSED_SELECT's last program early (see _fused_select; wrong output)
 # final threshold search: "fine" (the slices count their candidates into a per-row histogram of fine bins above
 # t0 with atomics, so the final program reads the bin holding the topk-th candidate and only resolves that bin: by
 # dropping its smallest values when a few too many, else radix select on it) or "radix" (radix select over all
@@ -1061,26 +861,15 @@ SELECT_FAST_EXACT = True
 # tile's candidate scores ahead (B = 64 at 32K has 4 tiles per slice): 110.9 at B = 64, 40.7 at B = 16.
 # the select slices read their scores whole (a tile of SELECT_TGS * GROUP positions requested with the histogram)
 # instead of the group maxima and then a gather of the groups reaching t0 (one dependent round trip less; same
-# candidates, same output). The scores kernel still stores the group maxima: without that store its histogram atomics need a layout
-# conversion of their own (-s6 SASS: 540 instead of 512 instructions per tile). -s7 pick (B = 16 / 64 at 32K): on
-# 38.8 / 105.3 us, off 37.9 / 106.3; in the sweep on 38.3 / 102.4 vs 38.1 / 102.9: no gain outside the run's spread
+# candidates, same output). The scores kernel still stores the group maxima: without that store its histogram atomics
+# need a layout conversion of their own (-s6 SASS: 540 instead of 512 instructions per tile). -s7 pick (B = 16 / 64 at
+# 32K): on 38.8 / 105.3 us, off 37.9 / 106.3; in the sweep on 38.3 / 102.4 vs 38.1 / 102.9: no gain outside the run's
+# spread
 SELECT_READS_SCORES = False
-# -s7 exploration, off by default: the selection runs in the score kernel (_fused_select), no select launch: each score
-# program compacts its share of the row against the row's histogram as it stands when the program ends (a lower bound
-# of the final one), and the row's last program selects among the slots' lists. For decode (S = 1) full calls; MTP
-# verify (S > 1), stage-split calls, score grids of more than one wave (configs without WAVE, large batches: programs
-# that end before others of their row start see a loose bound) and topk too small for the slot layout (fused_layout)
-# keep the two kernels. H200 -s7 (benchmarks/results/indexer_2026-11-30-s7-explore.md, full step at 32K, fp8 query):
-# B = 16 53.2 us vs 37.8 with the two kernels, B = 64 120.1 vs 102.5; exact, and bit-equal to the two kernels. Probes at
-# B = 16: the per-program tail alone adds 7.7 us to the 24.4 us scores, the last program's selection 21 us more: the
-# programs that end first see a histogram the others have barely counted into, so their slots are long and the final
-# gather takes many round trips. Off.
-FUSED_SELECT = False
-FUSED_TILE = 1024  # FUSED_SELECT's register tile at topk <= 512 (see _fused_select)
-# entries of the slots the final program reads at once (1024: 64 slots of 16 at B = 16, 16 of 64 at B = 64; a row
-# whose slots all fit is read in one round trip with the histogram; 2048 fits more often but spills more: AOT sm_90a
-# 198 / 63 spill stores at 64 slots)
-FUSED_SLOT_READ = 1024
+# Not kept (-s7, benchmarks/results/indexer_2026-11-30-s7-explore.md; the code is at commit 9e31b1d): the selection
+# inside the score kernel (each score program keeps its positions above the row's histogram bound as it stands at its
+# end, the row's last program selects): exact, but B = 16 / 64 at 32K 53.2 / 120.1 us vs 37.7 / 102.6 with the two
+# kernels; the per-program tail alone added 7.7 us to the 24.4 us scores (early programs see a loose bound).
 FINE_BINS = 4096  # fine histogram of the candidates (SELECT_SEARCH "fine"): bins of 2**FINE_SHIFT order keys above t0
 FINE_SHIFT = 11  # 4096 x 2**11 = one binade above t0 (the topk-th score lies within it unless scores are extreme)
 PV_TILES = 8  # "fp8pv" score path: key tiles per chunk of page ids loaded into registers at once
@@ -1127,26 +916,6 @@ def candidate_capacity(topk: int) -> int:
 
 
 _tile_p = candidate_capacity
-
-
-def fused_layout(topk: int, n_split: int, tile_p: int = 0, slot_read: int = 0):
-    """(slots, slot capacity, register tile, list length, slot tile width) of FUSED_SELECT for ``n_split`` score
-    programs per row, inside a row's select scratch (``_workspace_layout``): slots = n_split rounded up to a power of
-    two, each holding up to ``capacity`` candidate positions and keys, plus per slot a count and a bound, plus a
-    filtered list of ``flat`` = candidate_capacity(topk) positions and keys, read into a register tile of ``tile`` =
-    max(FUSED_TILE, 2 * next_pow2(topk)) (at most candidate_capacity; or ``tile_p``); the final program reads the
-    slots [slots, width] at a time (``slot_read`` or FUSED_SLOT_READ entries; width a power of two <= capacity). None
-    when the scratch cannot hold one candidate per slot or the tile is smaller than the slots (tiny topk: the
-    two-kernel path applies)."""
-    cap = candidate_capacity(topk)
-    tile = min(tile_p or max(FUSED_TILE, 2 * triton.next_power_of_2(topk)), cap)
-    slots = triton.next_power_of_2(n_split)
-    scr = SELECT_SPLIT * (2 * cap + 1)
-    capacity = (scr - 2 * slots - 2 * cap) // (2 * slots)
-    if capacity < 1 or tile < slots:
-        return None
-    width = min(max(1, (slot_read or FUSED_SLOT_READ) // slots), 1 << (capacity.bit_length() - 1))
-    return slots, capacity, tile, cap, width
 
 
 def _workspace_layout(rows: int, max_len: int, topk: int):
@@ -1373,7 +1142,6 @@ def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512,
     qs = q_scale if q_scale is not None else weights
     sm90 = is_sm90(dev)
     k8 = kc32.view(torch.float8_e4m3fn)
-    fused = None
     for s0 in range(0, s, S_CHUNK) if "scores" in stages else ():
         sc = min(S_CHUNK, s - s0)
         sp2 = triton.next_power_of_2(sc)
@@ -1385,28 +1153,19 @@ def dsa_indexer_topk(q, weights, index_k_cache, block_table, seq_lens, topk=512,
         if cfg["KEYS"] == "fp8pv" and not npv:
             cfg["KEYS"] = "fp8"  # pages smaller than half a tile: page ids per position (the fp8 path)
         ns = n_split or score_split(b, cfg, num_sms(dev))
-        # one wave (on a GPU): all of a row's score programs run at once, so the bound each reads at its end is
-        # close to the final one and its slot stays small
-        one_wave = _INTERPRET or b * ns <= cfg.get("WAVE", 0) * num_sms(dev)
-        if FUSED_SELECT and s == 1 and "select" in stages and one_wave:
-            fused = fused_layout(topk, ns, _interp("PD_INDEXER_INTERP_TILE_P", 0) if _INTERPRET else 0)
-        nslot, cf, ft, flat, fsl = fused or (1, 1, 1, 1, 1)
         _index_scores_kernel[(b, ns)](
             q, weights, qs, kc32, k8, kc32.view(torch.float32), block_table, seq_lens, scores, gmax, hist,
-            out, tick, scr,
             q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1), block_table.stride(0),
-            max_len, ng, ns, topk, s, s0, scr.numel() // rows,
+            max_len, ng, ns, topk, s, s0,
             S=sc, S_P2=sp2, H=h, PAGE=page_size, BLOCK_N=cfg["BLOCK_N"], G=GROUP, LEN_2D=len_2d,
             HAS_QS=q_scale is not None, Q_FP8=q_fp8, MIN_TILES=MIN_TILES, DOT_F32=_INTERPRET,
             TOKENS_M=cfg["TOKENS_M"], PREFETCH=cfg["PREFETCH"], DOT_PREC="ieee" if _INTERPRET else "tf32",
-            KEYS=cfg["KEYS"], NB=HIST_BINS, SHIFT=HIST_SHIFT, PROBE=_SCORES_PROBE, PDL=pdl and fused is None, CH=ch,
-            NPV=max(npv, 2), PAIR=pair, EPI=cfg.get("EPI", 0) if sc == 1 else 0, FUSE=fused is not None, NSLOT=nslot,
-            CF=cf, FT=ft, FLAT=flat, FSL=fsl, FPROBE=_FUSED_PROBE, FC=1024 if not _INTERPRET else 64, RADIX=RADIX_BITS,
-            TILE=1024 if not _INTERPRET else 16,
+            KEYS=cfg["KEYS"], NB=HIST_BINS, SHIFT=HIST_SHIFT, PROBE=_SCORES_PROBE, PDL=pdl, CH=ch, NPV=max(npv, 2),
+            PAIR=pair, EPI=cfg.get("EPI", 0) if sc == 1 else 0,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": cfg["MAXNREG"]} if cfg.get("MAXNREG") else {}),
         )
-    if "select" in stages and fused is None:
+    if "select" in stages:
         _select_launch(scores, gmax, hist, tick, fine, scr, seq_lens, out, rows, s, max_len, max_len, ng, cap, topk,
                        len_2d, warps, nsel, clear_hist="scores" in stages, pdl=pdl and "scores" in stages)
     return out

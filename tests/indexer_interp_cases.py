@@ -306,90 +306,6 @@ def run_select_paths(seed=0):
     return dict(name="select_paths", **res)
 
 
-def run_fused(seed=0):
-    """FUSED_SELECT (the selection inside the score kernel) against the two-kernel path: the same output bit for bit
-    and exact vs the fp64 reference, on short rows (L <= topk, L = topk), a row of topk + 1, exact ties (block tables
-    that repeat pages, so equal scores at several positions: the tie order must match), the decode fp8 query with
-    the sm_90 default's fp8pv / EPI 1 tiles, S = 2 (not fused: the two kernels run), repeated calls on one workspace
-    (tickets and histograms left zeroed) and a poisoned histogram (exact, then cleared). Each of the final program's
-    ways is counted: selection in the slots' tile read with the histogram (_take_top alone), the slots gathered into
-    a list first (_flat_scatter: once per row from that tile, more when a slot is longer than its width), whole-row
-    filter after a slot overflow (_filter_row), streamed over the list (a register tile smaller than the candidates)
-    and over the row (mass ties past the list)."""
-    import pd.kernels.indexer as K
-
-    glb = K._index_scores_kernel.fn.__globals__
-    names = ("_take_top", "_flat_scatter", "_filter_row", "_select_streamed")
-    real = {n: glb[n] for n in names}
-    g = torch.Generator().manual_seed(seed)
-    epi1 = dict(BLOCK_N=64, num_warps=4, num_stages=3, TOKENS_M=True, PREFETCH=False, KEYS="fp8pv", WAVE=6,
-                MAXNREG=80, PV=48, EPI=1)
-    res, bad, equal = {}, {}, {}
-    read_default = K.FUSED_SLOT_READ
-
-    def case(name, b, s, lens, max_pages, topk=32, ps=64, n_split=None, ties=False, zero_q=False, q_fp8=False,
-             config=None, ws=None, env=None, slot_read=None):
-        q, w, kc, bt = _inputs(b, s, 16, ps, max_pages * b, max_pages, g, q_fp8)
-        if ties:  # every request's pages repeat its first three: each score occurs at several positions
-            bt = bt[:, :3].repeat(1, -(-max_pages // 3))[:, :max_pages].contiguous()
-        if zero_q:
-            q = torch.zeros_like(q)
-        seq = torch.tensor(lens, dtype=torch.int32)
-        kw = dict(topk=topk, page_size=ps, n_split=n_split, config=config)
-        os.environ.update(env or {})
-        try:
-            K.FUSED_SELECT = False
-            want = dsa_indexer_topk(q, w, kc, bt, seq, **kw)
-            K.FUSED_SELECT = True
-            K.FUSED_SLOT_READ = slot_read or read_default
-            logs = {n: [] for n in names}
-            for n in names:
-                glb[n] = Counting(real[n], logs[n])
-            got = dsa_indexer_topk(q, w, kc, bt, seq, workspace=ws, **kw)
-        finally:
-            K.FUSED_SELECT = False
-            K.FUSED_SLOT_READ = read_default
-            glb.update(real)
-            for k in env or {}:
-                del os.environ[k]
-        res[name] = {n: len(v) for n, v in logs.items()}
-        equal[name] = bool(torch.equal(got, want))
-        ref = index_scores_ref(q, w, kc, bt, seq, ps)
-        bound = score_error_bound(q, w, kc, bt, ps)
-        for k, v in check_rows(got, ref, live_lengths(seq, s, max_pages * ps), topk, bound)["bad"].items():
-            bad[f"{name}_{k}"] = v
-        return q, w, kc, bt, seq, kw
-
-    # the slots read as one tile of 2 x 64 that the final program selects in (a register tile of 128), short rows,
-    # topk + 1, length topk; 3 programs per long row (slots of 256 positions): slots gathered into the list from a
-    # first tile of 4 x 256 (no further pass), or 4 x 4 at a time
-    case("slots_direct_short_rows", 4, 1, [250, 20, 33, 32], 12, n_split=2, slot_read=128)
-    case("slots_short_rows", 4, 1, [700, 20, 33, 32], 12, n_split=3)
-    case("slots_in_passes", 2, 1, [700, 300], 12, n_split=3, slot_read=16)
-    # one program per 4 tiles: the first ones of a row end before the rest count (the interpreter runs programs one
-    # after another), their slots overflow: the whole-row filter
-    case("overflow_filter_row", 2, 1, [700, 300], 12)
-    case("ties_slots", 2, 1, [900, 400], 15, n_split=2, ties=True)
-    case("ties_slots_direct", 2, 1, [250, 200], 15, n_split=2, ties=True, slot_read=128)
-    case("fp8q_epi1_default_tiles", 3, 1, [1000, 300, 33], 16, n_split=3, q_fp8=True, config=epi1)
-    # a register tile of 32 (= topk) for more candidates than that: streamed over the list
-    case("list_streamed", 2, 1, [700, 500], 12, n_split=2, env={"PD_INDEXER_INTERP_TILE_P": "32"}, slot_read=16)
-    case("mass_ties_row_streamed", 1, 1, [600], 10, n_split=2, zero_q=True, slot_read=16)  # > the list
-    case("mtp_s2_not_fused", 2, 2, [700, 300], 12, n_split=3)
-    ws = indexer_workspace(2, 1, 12 * 64, 32, device="cpu")
-    ng = K._workspace_layout(2, 12 * 64, 32)[0]
-    h0 = 2 * (12 * 64 + ng)
-    for i in range(3):  # the same workspace: tickets and histograms reset by each call
-        case(f"repeat_{i}", 2, 1, [700, 300], 12, n_split=3, ws=ws)
-    zero_after = bool((ws[h0: h0 + 2 * (K.HIST_BINS + 1)] == 0).all())
-    ws[h0: h0 + K.HIST_BINS] = 0
-    ws[h0 + K.HIST_BINS - 1] = 10 ** 6  # row 0's bound above every score
-    case("stale_histogram", 2, 1, [700, 300], 12, n_split=3, ws=ws)
-    cleared = bool((ws[h0: h0 + 2 * (K.HIST_BINS + 1)] == 0).all())
-    return dict(name="fused_select", bad=bad, equal=equal, paths=res, zero_after_repeats=zero_after,
-                stale_cleared=cleared)
-
-
 INDEXER_CASES = [
     # decode, H 64, page 64: short rows (<= topk), all-groups-candidate rows, rows past the register tile
     ("decode_h64_p64", dict(b=3, s=1, h=64, ps=64, topk=32, lens=[700, 20, 200], max_pages=12)),
@@ -480,7 +396,5 @@ if __name__ == "__main__":
         print(json.dumps(run_select_switches()), flush=True)
     if not names or "workspace_state" in names:
         print(json.dumps(run_workspace_state()), flush=True)
-    if not names or "fused_select" in names:
-        print(json.dumps(run_fused()), flush=True)
     if not names or "sglang_writer_layout" in names:
         print(json.dumps(run_sglang_writer_layout()), flush=True)

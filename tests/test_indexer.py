@@ -74,48 +74,6 @@ def test_select_switches_give_the_same_answer(interp_results):
     assert all(r["equal_when_flipped"].values()) and r["streamed_calls"] == 0, r
 
 
-def test_fused_select_equals_the_two_kernels(interp_results):
-    """FUSED_SELECT (selection inside the score kernel) gives the two-kernel output bit for bit and exact up to ties
-    on short rows, topk + 1, repeated pages (ties at the threshold), the fp8pv / EPI 1 default tiles, S = 2 (falls
-    back to two kernels), repeated calls on one workspace and a poisoned histogram (left zeroed); each way of the
-    final program runs where it should (selection in the slots' tile read with the histogram; the slots gathered
-    into a list from that tile, or in passes; whole-row filter after an overflow; streamed over the list; streamed
-    over the row on mass ties) and the slot paths never need the streamed select."""
-    r = interp_results["fused_select"]
-    assert all(v == 0 for v in r["bad"].values()), r["bad"]
-    assert all(r["equal"].values()), r["equal"]
-    p = r["paths"]
-    for name in ("slots_direct_short_rows", "ties_slots_direct"):  # selected in the tile read with the histogram
-        assert p[name]["_take_top"] == 2 and p[name]["_flat_scatter"] == p[name]["_filter_row"] == 0, p
-    for name in ("slots_short_rows", "ties_slots", "fp8q_epi1_default_tiles", "repeat_0", "repeat_1", "repeat_2"):
-        # the list gathered from that tile in one scatter per row, then selected in
-        assert p[name]["_take_top"] == p[name]["_flat_scatter"] > 0 and p[name]["_filter_row"] == 0, p
-    for name in ("slots_direct_short_rows", "ties_slots_direct", "slots_short_rows", "slots_in_passes"):
-        assert p[name]["_select_streamed"] == 0, p
-    assert p["slots_in_passes"]["_flat_scatter"] > 2 * p["slots_in_passes"]["_take_top"] == 4, p
-    assert p["overflow_filter_row"]["_filter_row"] == 2 and p["overflow_filter_row"]["_take_top"] == 2, p
-    assert p["list_streamed"]["_select_streamed"] == 2 and p["mass_ties_row_streamed"]["_select_streamed"] == 1, p
-    assert p["mtp_s2_not_fused"]["_take_top"] == p["mtp_s2_not_fused"]["_filter_row"] == 0, p
-    assert r["zero_after_repeats"] and r["stale_cleared"], r
-
-
-def test_fused_layout_fits_the_select_scratch():
-    """FUSED_SELECT's slots live in the select scratch the workspace already has: at topk 512, 64 slots (B = 16)
-    of 479 candidates and 16 slots (B = 64) of 1919, a 1024 register tile, a 2048 list; too small a topk for one
-    candidate per slot means no fused path (None)."""
-    from pd.kernels.indexer import SELECT_SPLIT, candidate_capacity, fused_layout
-
-    assert fused_layout(512, 49) == (64, 479, 1024, 2048, 16)
-    assert fused_layout(512, 12) == (16, 1919, 1024, 2048, 64)
-    assert fused_layout(512, 49, slot_read=2048)[4] == 32
-    assert fused_layout(2048, 49)[2] == 4096
-    for topk, ns in ((512, 49), (512, 12), (2048, 64), (32, 3)):
-        slots, cf, _, flat, width = fused_layout(topk, ns)
-        assert width <= cf and slots * width <= max(1024, slots)
-        assert 2 * slots * (cf + 1) + 2 * flat <= SELECT_SPLIT * (2 * candidate_capacity(topk) + 1)
-    assert fused_layout(1, 64) is None
-
-
 def test_page_vector_consts():
     """Page ids per chunk of the fp8pv path: up to 32 in one warp-wide vector, up to 64 in two, more is an error;
     pages smaller than half a tile have no page-vector path."""
@@ -279,10 +237,9 @@ def test_score_split_one_wave_at_small_batch():
 
 SCORE_SIG = {"q_ptr": "*bf16", "w_ptr": "*fp32", "qs_ptr": "*fp32", "kc32_ptr": "*i32", "k8_ptr": "*fp8e4nv",
              "ks_ptr": "*fp32", "bt_ptr": "*i32", "len_ptr": "*i32", "score_ptr": "*fp32", "gmax_ptr": "*fp32",
-             "hist_ptr": "*i32", "out_ptr": "*i32", "tick_ptr": "*i32", "scr_ptr": "*i32", "stride_qb": "i32",
+             "hist_ptr": "*i32", "stride_qb": "i32",
              "stride_qs": "i32", "stride_qh": "i32", "stride_wb": "i32", "stride_ws": "i32", "stride_bt": "i32",
-             "max_len": "i32", "ng_buf": "i32", "n_split": "i32", "topk": "i32", "S_ALL": "i32", "s0": "i32",
-             "scr_row": "i32"}
+             "max_len": "i32", "ng_buf": "i32", "n_split": "i32", "topk": "i32", "S_ALL": "i32", "s0": "i32"}
 
 
 def _score_configs():
@@ -298,7 +255,7 @@ SCORE_ALIGNED = ("q_ptr", "w_ptr", "qs_ptr", "kc32_ptr", "k8_ptr", "ks_ptr", "bt
                  "gmax_ptr", "hist_ptr", "stride_qb", "stride_qs", "stride_qh", "stride_wb", "stride_bt", "max_len")
 
 
-def _compile_scores(cfg, cc, s_p2=1, fp8=False, fused=None):
+def _compile_scores(cfg, cc, s_p2=1, fp8=False):
     """The score kernel as the launcher builds it on sm_90 / sm_120 (both cc >= 9: with the PDL release when
     SELECT_PDL is on)."""
     from pd.kernels.indexer import (GROUP, HIST_BINS, HIST_SHIFT, MIN_TILES, SELECT_PDL, _index_scores_kernel,
@@ -308,10 +265,7 @@ def _compile_scores(cfg, cc, s_p2=1, fp8=False, fused=None):
     const = dict(S=s_p2, S_P2=s_p2, H=64, PAGE=64, BLOCK_N=cfg["BLOCK_N"], G=GROUP, LEN_2D=False, HAS_QS=fp8,
                  Q_FP8=fp8, MIN_TILES=MIN_TILES, DOT_F32=False, TOKENS_M=cfg["TOKENS_M"], PREFETCH=cfg["PREFETCH"],
                  DOT_PREC="tf32", KEYS=cfg["KEYS"], NB=HIST_BINS, SHIFT=HIST_SHIFT, PROBE=0, PDL=SELECT_PDL,
-                 CH=ch, NPV=max(npv, 2), PAIR=pair, EPI=cfg.get("EPI", 0) if s_p2 == 1 else 0, FUSE=False, NSLOT=1,
-                 CF=1, FT=1, FLAT=1, FSL=1, FPROBE=0, FC=1024, RADIX=6, TILE=1024)
-    if fused:  # FUSED_SELECT: no dependent select launch
-        const.update(fused, PDL=False)
+                 CH=ch, NPV=max(npv, 2), PAIR=pair, EPI=cfg.get("EPI", 0) if s_p2 == 1 else 0)
     sig = dict(SCORE_SIG, q_ptr="*fp8e4nv" if fp8 else "*bf16")
     return compile_for(_index_scores_kernel, sig, const, cc, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                        aligned=SCORE_ALIGNED, maxnreg=cfg.get("MAXNREG"))
@@ -344,25 +298,6 @@ def _select_pdl():
     from pd.kernels.indexer import SELECT_PDL
 
     return SELECT_PDL
-
-
-@aot
-def test_aot_fused_select_sm120a_and_sm90a():
-    """The FUSED_SELECT build of the sm_90 fp8-query default (64 slots: B = 16; 16: B = 64) compiles for sm_90a and
-    sm_120a (mma.sync, no wgmma, <= 99 KiB), keeps the 80-register cap, and launches no dependent select kernel."""
-    from pd.kernels.indexer import DEFAULT_FP8Q_SCORE_CONFIGS, RADIX_BITS, fused_layout
-    from pd.kernels.sass_stats import registers
-
-    cfg = DEFAULT_FP8Q_SCORE_CONFIGS[(True, 1)]
-    for slots in (64, 16):
-        nslot, cf, ft, flat, fsl = fused_layout(512, slots)
-        for cc in (90, 120):
-            k = _compile_scores(cfg, cc, fp8=True, fused=dict(FUSE=True, NSLOT=nslot, CF=cf, FT=ft, FLAT=flat,
-                                                              FSL=fsl, FC=1024, RADIX=RADIX_BITS, TILE=1024))
-            assert "acq_rel.add" in k.asm["ptx"] and "griddepcontrol" not in k.asm["ptx"]
-            assert registers(k.asm["cubin"]) <= cfg["MAXNREG"]
-            if cc == 120:
-                assert_sm120_ok(k)
 
 
 @aot

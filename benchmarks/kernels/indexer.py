@@ -2,7 +2,7 @@
 
   python benchmarks/kernels/indexer.py [--out DIR] [--quick] [--skip-correctness] [--skip-sweep] [--skip-grid]
       [--query fp8|bf16] [--baseline PATH] [--full-sweep] [--sweep-first] [--deadline S]
-      [--pick-fp8q-config NAME,NAME,...] [--pick-select] [--ab-fused]
+      [--pick-fp8q-config NAME,NAME,...] [--pick-select]
   TRITON_INTERPRET=1 python benchmarks/kernels/indexer.py --smoke   # CPU: tiny shapes, checks the script only
 
 1. correctness at real shapes against the fp64 torch reference (pd.kernels.indexer_reference): bf16 and fp8
@@ -24,7 +24,6 @@
    the same main rows for another version of the kernel module (e.g. the committed one) in the same run; with
    --pick-fp8q-config, the named score configs are timed first and the fastest is the fp8-query default of the run,
    and with --pick-select the select switches likewise (SELECT_KNOBS);
-   --ab-fused (before everything else): FUSED_SELECT against the two-kernel step and --baseline (ab_fused);
 4. writes indexer_<date>.json (device, date, command, all numbers) and indexer_<date>.md to --out.
 """
 
@@ -162,18 +161,15 @@ class Deadline:
         return False
 
 
-def correctness(dev, smoke, part, deadline, only=None, force_fp8=False, prefix=""):
+def correctness(dev, smoke, part, deadline):
     """part "core" (decode / MTP / fp8 / ties / select-only) or "more" (every config, topk 2048, page 128, S=6,
-    per-token lengths); ``only``: just the named cases; ``force_fp8``: an fp8 query in every case (the path of
-    the sm_90 fp8-query default, e.g. FUSED_SELECT's); ``prefix`` goes before each case name."""
+    per-token lengths)."""
     cases = []
     g = torch.Generator(device=dev).manual_seed(1 if part == "core" else 2)
 
     def run(name, b, s, lens, max_ctx, topk=TOPK, ps=PS, fp8=False, qscale=False, zero_q=False, config=None):
-        if (only is not None and name not in only) or not deadline.ok("correctness " + prefix + name):
+        if not deadline.ok("correctness " + name):
             return
-        fp8 = fp8 or force_fp8
-        name = prefix + name
         n_pages = b * triton.cdiv(max_ctx, ps)
         kc = make_pool(n_pages, dev, seed=len(cases), ps=ps)
         bt = make_tables(b, max_ctx, max_ctx, n_pages, dev, g, ps=ps)[0]
@@ -209,7 +205,7 @@ def correctness(dev, smoke, part, deadline, only=None, force_fp8=False, prefix="
     run("mtp_s2", 8, 2, [2, 513, 514, 1000, 9000, 40000, 40001, 77777], 131072)
     run("mtp_s4_fp8_qscale", 4, 4, [515, 3000, 20000, 66000], 131072, fp8=True, qscale=True)
     run("all_ties_zero_q", 2, 1, [40000, 600], 65536, zero_q=True)
-    if (only is None or "graph_replay" in only) and deadline.ok("correctness graph_replay"):
+    if deadline.ok("correctness graph_replay"):
         # captured in a CUDA graph (the select's programmatic dependent launch becomes a graph edge), replayed on
         # fresh inputs: the same selection as an eager call on those inputs
         b, mc = 16, 65536
@@ -232,12 +228,12 @@ def correctness(dev, smoke, part, deadline, only=None, force_fp8=False, prefix="
         graph.replay()
         torch.cuda.synchronize()
         eager = K.dsa_indexer_topk(q, w, kc, bt, seq, topk=TOPK, workspace=ws)
-        c = dict(name=prefix + "graph_replay_fresh_inputs", equal_to_eager=bool(torch.equal(out, eager)),
+        c = dict(name="graph_replay_fresh_inputs", equal_to_eager=bool(torch.equal(out, eager)),
                  ok=bool(torch.equal(out, eager)))
         cases.append(c)
         print("correct", c, flush=True)
         del graph, kc
-    if only is None and deadline.ok("correctness topk_from_scores_randn"):
+    if deadline.ok("correctness topk_from_scores_randn"):
         # the select stage alone on exact values: must return torch.topk's values exactly
         sc = torch.randn(64, 50000, device=dev, generator=g)
         ln = torch.randint(0, 50001, (64,), device=dev, generator=g, dtype=torch.int32)
@@ -426,108 +422,6 @@ def pick_select(dev, pool, smoke):
         setattr(K, k, v)
     print("pick select", best, times, flush=True)
     return dict(picked=best, knobs=variants[best], times=times)
-
-
-def ab_fused(dev, pool, smoke, deadline, base=None, base_label="base"):
-    """Same-run A/B of FUSED_SELECT (the selection inside the score kernel) against the two-kernel step: the full
-    step (fp8 query, S = 1, topk 512, page 64) at 32K live / 128K max, B = 16 and 64, for the ``base`` module (the
-    committed kernel, own workspace), this module with FUSED_SELECT off (the same kernels) and on, on with
-    FUSED_SLOT_READ 2048, its score kernel alone, and at B = 16 on with 32 score programs per request and the fused
-    tail's phase probes (_FUSED_PROBE); three rounds
-    over both batches and all variants, the least time of each; then whether the fused output equals the two-kernel
-    one on the timed inputs, the fp64-reference correctness cases with FUSED_SELECT on (fp8 query), and short rows /
-    other max contexts (512 and 4K at 8K and 1M max, 32K at 1M) for base and fused. Returns a dict for the report."""
-    g = torch.Generator(device=dev).manual_seed(23)
-    live, max_ctx = (32768, 131072) if not smoke else (300, 512)
-    fused = dict(FUSED_SELECT=True)
-    variants = {"two_kernel": lambda st: st.ours(), "fused": lambda st: with_knobs(st.ours(), fused),
-                "fused_read2048": lambda st: with_knobs(st.ours(), fused, FUSED_SLOT_READ=2048)}
-    if base is not None:
-        variants = {base_label: lambda st: st.ours(base), **variants}
-    out = dict(times={}, equal_to_two_kernel={}, correctness=[], short_rows=[])
-    batches = (16, 64) if not smoke else (2,)
-    setups, plans = {}, {}
-    for b in batches:
-        st = setups[b] = Setup(b, 1, live, max_ctx, dev, pool, g, fp8=True)
-        vs = plans[b] = dict(variants)
-        if b == batches[0]:
-            vs["fused_n_split_32"] = lambda st: with_knobs(st.ours(n_split=32), fused)
-        if b == batches[0]:  # the fused tail's phases (wrong output, timing only): the slots written and the ticket
-            # taken, the last program only resetting (1); that program also reading the slots' tile and histogram (2)
-            for pr in (1, 2):
-                vs[f"fused_probe{pr}"] = lambda st, pr=pr: with_knobs(st.ours(), fused, _FUSED_PROBE=pr)
-        # the score kernel alone (its own workspace: it leaves its histograms for a select that does not run)
-        ws_s = K.indexer_workspace(b, 1, max_ctx, TOPK, device=dev)
-        vs["scores_only"] = lambda st, ws_s=ws_s: st.ours(stages=("scores",), workspace=ws_s)
-        out["times"][str(b)] = {}
-    # rounds over both batches and every variant, so a deadline still leaves each batch's main comparison
-    for rnd in range(3 if not smoke else 1):
-        for b in batches:
-            times = out["times"][str(b)]
-            for n, calls_of in plans[b].items():
-                if not deadline.ok(f"ab_fused round {rnd} B={b} {n}"):
-                    continue
-                try:
-                    t = time_graph(calls_of(setups[b]), 50, smoke)
-                except Exception as e:  # noqa: BLE001  (a variant that fails to build or run is reported, not fatal)
-                    print("ab_fused: variant failed", n, repr(e)[:300], flush=True)
-                    t = float("inf")
-                times[n] = min(times.get(n, t), t)
-            print("ab_fused round", rnd, b, times, flush=True)
-    for b in batches:  # the same inputs through both paths: bit-equal outputs (same candidates, same tie order)
-        st = setups[b]
-        a = st.ours()[0]
-        a()
-        want = st.out.clone()
-        with_knobs([a], fused)[0]()
-        out["equal_to_two_kernel"][str(b)] = bool(torch.equal(st.out, want))
-    del setups, plans, st
-    if deadline.ok("ab_fused correctness"):
-        old = K.FUSED_SELECT
-        K.FUSED_SELECT = True
-        try:
-            out["correctness"] = correctness(dev, smoke, "core", deadline, only=(
-                "decode_b16_mixed_lengths", "all_ties_zero_q", "graph_replay", "smoke"), force_fp8=True,
-                prefix="fused_")
-        finally:
-            K.FUSED_SELECT = old
-    for b in ((16, 64) if not smoke else (2,)):
-        for lv, mc in (((512, 8192), (512, 1 << 20), (4096, 8192), (4096, 1 << 20), (32768, 1 << 20)) if not smoke else
-                       ((20, 256), (300, 512))):
-            if not deadline.ok(f"ab_fused short rows B={b} live={lv} max={mc}"):
-                continue
-            st = Setup(b, 1, lv, mc, dev, pool, g, fp8=True)
-            row = dict(B=b, live=lv, max_ctx=mc, floor_us=floor_us(b, lv),
-                       fused_us=time_graph(with_knobs(st.ours(), fused), 30, smoke))
-            if base is not None:
-                row["base_us"] = time_graph(st.ours(base), 30, smoke)
-            out["short_rows"].append(row)
-            print("ab_fused short", row, flush=True)
-            del st
-    return out
-
-
-def ab_fused_markdown(r, base_label):
-    """The --ab-fused section of the report."""
-    lines = ["", "FUSED_SELECT A/B (same run; full step, fp8 query, S = 1, topk 512, page 64, 32K live / 128K max; "
-                 "least of 3 interleaved rounds of CUDA-graph medians):", "",
-             "| B | variant | us | vs " + base_label + " |", "|---|---|---|---|"]
-    for b, times in r["times"].items():
-        ref = times.get(base_label) or times.get("two_kernel")
-        for n, t in times.items():
-            lines.append(f"| {b} | {n} | {t:.1f} | {t / ref:.3f} |")
-    lines += ["", f"Fused output bit-equal to the two-kernel output on the timed inputs: {r['equal_to_two_kernel']}"]
-    if r["correctness"]:
-        ok = sum(c["ok"] for c in r["correctness"])
-        lines += ["", f"Correctness with FUSED_SELECT on (fp8 query, fp64 reference): {ok}/{len(r['correctness'])} "
-                      "cases exact up to ties: " + ", ".join(c["name"] for c in r["correctness"])]
-    if r["short_rows"]:
-        lines += ["", "| B | actual length | max context | fused us | " + base_label + " us | floor us |",
-                  "|---|---|---|---|---|---|"]
-        for x in r["short_rows"]:
-            lines.append(f"| {x['B']} | {x['live']} | {x['max_ctx']} | {x['fused_us']:.1f} | "
-                         f"{x.get('base_us', float('nan')):.1f} | {x['floor_us']:.1f} |")
-    return lines
 
 
 def apply_picks(path):
@@ -744,8 +638,6 @@ def to_markdown(res):
                   "|---|---|---|"]
         for name, t in p["times"].items():
             lines.append(f"| {name} | {t['16']:.1f} | {t['64']:.1f} |")
-    if res.get("ab_fused"):
-        lines += ab_fused_markdown(res["ab_fused"], res.get("baseline_label", "base"))
     if res.get("correctness"):
         ok = sum(c["ok"] for c in res["correctness"])
         lines += ["", f"Correctness: {ok}/{len(res['correctness'])} cases exact up to ties (fp64 reference)."]
@@ -775,8 +667,6 @@ def main():
     ap.add_argument("--pick-select", action="store_true",
                     help="after any score-config pick, time the select switches (SELECT_KNOBS) and keep the best")
     ap.add_argument("--sweep-first", action="store_true", help="run the config sweep before the timing grid")
-    ap.add_argument("--ab-fused", action="store_true",
-                    help="first, the same-run A/B of FUSED_SELECT against the two kernels and --baseline (ab_fused)")
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds of wall time for optional work")
     ap.add_argument("--query", choices=("fp8", "bf16"), default="fp8",
                     help="query dtype of the headline grid (fp8: what SGLang's DSv4 decode passes)")
@@ -823,11 +713,6 @@ def main():
         res["baseline"] = args.baseline
         base_label = os.path.basename(args.baseline).replace("_indexer_", "").replace(".py", "").strip("_") or "base"
         res["baseline_label"] = base_label
-    if args.ab_fused:
-        res["ab_fused"] = ab_fused(dev, pool, smoke, deadline, base, base_label)
-        res["ab_fused_ok"] = all(res["ab_fused"]["equal_to_two_kernel"].values()) and all(
-            c["ok"] for c in res["ab_fused"]["correctness"])
-        save()
     if args.pick_fp8q_config:  # first, so the correctness cases below check the picked default
         res["pick"] = pick_fp8q_config(dev, pool, smoke, args.pick_fp8q_config.split(","))
         save()

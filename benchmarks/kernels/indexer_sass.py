@@ -30,10 +30,9 @@ sass = kernel_module("sass_stats")
 
 SIG = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "qs_ptr": "*fp32", "kc32_ptr": "*i32", "k8_ptr": "*fp8e4nv",
        "ks_ptr": "*fp32", "bt_ptr": "*i32", "len_ptr": "*i32", "score_ptr": "*fp32", "gmax_ptr": "*fp32",
-       "hist_ptr": "*i32", "out_ptr": "*i32", "tick_ptr": "*i32", "scr_ptr": "*i32", "stride_qb": "i32",
-       "stride_qs": "i32", "stride_qh": "i32", "stride_wb": "i32", "stride_ws": "i32", "stride_bt": "i32",
-       "max_len": "i32", "ng_buf": "i32", "n_split": "i32", "topk": "i32",
-       "S_ALL": "i32", "s0": "i32", "scr_row": "i32"}
+       "hist_ptr": "*i32", "stride_qb": "i32", "stride_qs": "i32", "stride_qh": "i32", "stride_wb": "i32",
+       "stride_ws": "i32", "stride_bt": "i32", "max_len": "i32", "ng_buf": "i32", "n_split": "i32", "topk": "i32",
+       "S_ALL": "i32", "s0": "i32"}
 # what the launcher's specialization sees as 16-divisible at run time (aligned pointers, strides, max_len)
 ALIGNED = ("q_ptr", "w_ptr", "qs_ptr", "kc32_ptr", "k8_ptr", "ks_ptr", "bt_ptr", "len_ptr", "score_ptr", "gmax_ptr",
            "hist_ptr", "stride_qb", "stride_qs", "stride_qh", "stride_wb", "stride_bt", "max_len")
@@ -46,23 +45,18 @@ def cfg_name(c: dict) -> str:
     return BI.cfg_name(c)
 
 
-def build(cfg: dict, fused_slots: int = 0, cc: int = 90):
-    """The decode score kernel of ``cfg`` for sm_90a (or ``cc``; the constants dsa_indexer_topk passes for S = 1,
-    H = 64, page 64, an fp8 query, topk 512); with ``fused_slots`` (score programs per row rounded up to a power of
-    two, e.g. 64 at B = 16, 16 at B = 64) the FUSED_SELECT build, which selects in the same kernel."""
+def build(cfg: dict):
+    """The decode score kernel of ``cfg`` for sm_90a (the constants dsa_indexer_topk passes for S = 1, H = 64,
+    page 64, an fp8 query)."""
     ch, npv, pair = K.page_vector_consts(cfg["BLOCK_N"], 64, cfg.get("PV", 0))
     const = dict(S=1, S_P2=1, H=64, PAGE=64, BLOCK_N=cfg["BLOCK_N"], G=K.GROUP, LEN_2D=False, HAS_QS=False,
                  Q_FP8=True, MIN_TILES=K.MIN_TILES, DOT_F32=False, TOKENS_M=cfg["TOKENS_M"], PREFETCH=cfg["PREFETCH"],
-                 DOT_PREC="tf32", KEYS=cfg["KEYS"], NB=K.HIST_BINS, SHIFT=K.HIST_SHIFT, PROBE=0,
-                 PDL=K.SELECT_PDL and not fused_slots, CH=ch, NPV=max(npv, 2), PAIR=pair, EPI=cfg.get("EPI", 0),
-                 FUSE=False, NSLOT=1, CF=1, FT=1, FLAT=1, FSL=1, FPROBE=0, FC=1024, RADIX=K.RADIX_BITS, TILE=1024)
-    if fused_slots:
-        nslot, cf, ft, flat, fsl = K.fused_layout(512, fused_slots)
-        const.update(FUSE=True, NSLOT=nslot, CF=cf, FT=ft, FLAT=flat, FSL=fsl, FC=1024, RADIX=K.RADIX_BITS, TILE=1024)
+                 DOT_PREC="tf32", KEYS=cfg["KEYS"], NB=K.HIST_BINS, SHIFT=K.HIST_SHIFT, PROBE=0, PDL=K.SELECT_PDL,
+                 CH=ch, NPV=max(npv, 2), PAIR=pair, EPI=cfg.get("EPI", 0))
     fn = K._index_scores_kernel
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED}
     src = ASTSource(fn=fn, signature=dict(SIG, **{k: "constexpr" for k in const}), constexprs=const, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", cc, 32),
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                                        **({"maxnreg": cfg["MAXNREG"]} if cfg.get("MAXNREG") else {})))
 
@@ -84,35 +78,10 @@ def measure() -> list[dict]:
     return rows
 
 
-def fused_rows() -> list[dict]:
-    """FUSED_SELECT builds of the sm_90 fp8-query default (B = 16: 64 slots, B = 64: 16) next to the plain one:
-    the per-tile loop must stay the same (the selection runs after it), registers stay within the config's cap,
-    and local-memory spills (STL / LDL: the selection's register tiles under the cap) are counted."""
-    default = K.DEFAULT_FP8Q_SCORE_CONFIGS[(True, 1)]
-    rows = []
-    for slots in (0, 64, 16):
-        k = build(default, slots)
-        n, _ = sass.innermost_loop_with(k.asm["cubin"], "QGMMA")
-        dump = sass._cuobjdump(k.asm["cubin"], "-sass")
-        rows.append(dict(config=cfg_name(default), fused_slots=slots, loop_instructions=n,
-                         registers=sass.registers(k.asm["cubin"]), stl=dump.count(" STL"), ldl=dump.count(" LDL"),
-                         shared_bytes=k.metadata.shared, triton=triton.__version__))
-        print(json.dumps(rows[-1]), flush=True)
-    return rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="write the rows to this file")
-    ap.add_argument("--fused", action="store_true", help="only the FUSED_SELECT builds of the default (fused_rows)")
     args = ap.parse_args()
-    if args.fused:
-        rows = fused_rows()
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(dict(command="python benchmarks/kernels/indexer_sass.py " + " ".join(sys.argv[1:]),
-                               rows=rows), f, indent=1)
-        return
     rows = measure()
     print("\n| config | tile loop instructions | per key | BAR.SYNC | SHFL | STS | LDS | cp.async | registers | "
           "shared bytes |\n|---|---|---|---|---|---|---|---|---|---|")
