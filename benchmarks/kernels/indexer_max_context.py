@@ -48,7 +48,7 @@ def main() -> None:
     mods = {"ours": None}
     if args.baseline:
         mods["baseline"] = BI.load_baseline(args.baseline)
-    pool = BI.make_pool(8192, dev, 1)
+    pool = BI.make_pool(max(8192, BI.ROT * 64 * triton.cdiv(args.live, BI.PS)), dev, 1)  # ROT input sets at B = 64
     gen = torch.Generator(device=dev).manual_seed(3)
     setups = {(b, m): BI.Setup(b, 1, args.live, m, dev, pool, gen, fp8=True) for b in (16, 64) for m in CONTEXTS}
     times: dict[tuple, list[float]] = {}
