@@ -191,6 +191,12 @@ def _tiled_rows(rows, KE: tl.constexpr, TE: tl.constexpr):
 
 
 @triton.jit
+def _tile_col(c, TW: tl.constexpr):
+    """WL >= 2: the offset of column c of a row from the row's first tile (TW columns per row of a tile)."""
+    return (c // TW) * (TILE_ROWS * TW) + c % TW
+
+
+@triton.jit
 def _w_ptrs(base, rows, KE: tl.constexpr, kb, WL: tl.constexpr):
     """[len(rows), len(kb)] weight element pointers: rows ``rows``, elements ``kb`` of the row (WL 0 / 1: from
     ``base``, which holds the program's K start; WL >= 2: of the row's first tile, ``_w_step`` adds the K offset)."""
@@ -203,7 +209,7 @@ def _w_ptrs(base, rows, KE: tl.constexpr, kb, WL: tl.constexpr):
 @triton.jit
 def _w_step(ptrs, m, j_off: tl.constexpr, WL: tl.constexpr, STEP: tl.constexpr, ALIGNED: tl.constexpr):
     """The weight pointers of a dequantize + dot step ``j_off`` elements into the stage that starts at row element
-    ``m``: WL 0 / 1 ``ptrs + j_off`` (the K loop advances ``ptrs``, ``_w_next``); WL >= 2 the tile offset of element
+    ``m``: WL 0 / 1 ``ptrs + j_off`` (the K loop advances ``ptrs``, ``_next_stage``); WL >= 2 the tile offset of element
     m + j_off (a multiple of STEP <= 64: the step stays inside one tile) added to the row offsets. ALIGNED: every
     stage starts a tile (m % 64 == 0), so the offset is m * 32 plus a constant (no division in the K loop)."""
     if WL >= 2:
@@ -211,16 +217,15 @@ def _w_step(ptrs, m, j_off: tl.constexpr, WL: tl.constexpr, STEP: tl.constexpr, 
             jo = tl.constexpr(j_off)  # the interpreter passes a plain int
             return ptrs + m * TILE_ROWS + ((jo // TILE_ELEMS) * (TILE_ROWS * TILE_ELEMS) + jo % TILE_ELEMS)
         else:
-            mm = m + j_off
-            off = (mm // TILE_ELEMS) * (TILE_ROWS * TILE_ELEMS) + mm % TILE_ELEMS
-            return ptrs + tl.multiple_of(off, STEP)
+            return ptrs + tl.multiple_of(_tile_col(m + j_off, TILE_ELEMS), STEP)
     else:
         return ptrs + j_off
 
 
 @triton.jit
-def _w_next(ptrs, n: tl.constexpr, WL: tl.constexpr):
-    """The weight pointers of the next stage (``n`` elements on; WL >= 2 keeps the row offsets, see ``_w_step``)."""
+def _next_stage(ptrs, n: tl.constexpr, WL: tl.constexpr):
+    """The weight or scale pointers of the next stage (``n`` elements or bytes on; WL >= 2 keeps the row offsets,
+    ``_w_step`` / ``_s_step`` add the stage's)."""
     if WL >= 2:
         return ptrs
     else:
@@ -244,22 +249,11 @@ def _s_step(ptrs, g, j_off: tl.constexpr, ks, WL: tl.constexpr, ALIGNED: tl.cons
     ``ptrs + j_off``; WL 2 the tiled offsets of columns g + j_off + ks (ALIGNED: g % 8 == 0)."""
     if WL >= 2:
         if ALIGNED:
-            c = (ks + j_off) // TILE_SCALES * (TILE_ROWS * TILE_SCALES) + (ks + j_off) % TILE_SCALES
-            return ptrs + g * TILE_ROWS + c[None, :]
+            return ptrs + g * TILE_ROWS + _tile_col(ks + j_off, TILE_SCALES)[None, :]
         else:
-            gg = g + j_off + ks
-            return ptrs + (gg // TILE_SCALES * (TILE_ROWS * TILE_SCALES) + gg % TILE_SCALES)[None, :]
+            return ptrs + _tile_col(g + j_off + ks, TILE_SCALES)[None, :]
     else:
         return ptrs + j_off
-
-
-@triton.jit
-def _s_next(ptrs, n: tl.constexpr, WL: tl.constexpr):
-    """The scale pointers of the next stage (WL 2 keeps the row pointers, see ``_s_step``)."""
-    if WL >= 2:
-        return ptrs
-    else:
-        return ptrs + n
 
 
 @triton.jit
@@ -648,8 +642,8 @@ def _gate_up_kernel(
                     w = tl.load(_w_step(w_ptrs, m, j * (BKD // WV), WL, BKD // WV, ALIGNED))
                     acc = _mx_step(acc, x0, x1, x2, x3, w, sc, DEQ, WL, BM, BN, BKD)
                 x_ptrs += BK
-                w_ptrs = _w_next(w_ptrs, BK // WV, WL)
-                sc_ptrs = _s_next(sc_ptrs, BK // SK, WL)
+                w_ptrs = _next_stage(w_ptrs, BK // WV, WL)
+                sc_ptrs = _next_stage(sc_ptrs, BK // SK, WL)
             if PDL == 1:  # after the K loop: released at the start of a grid of several waves, the down programs
                 tl.extra.cuda.gdc_launch_dependents()  # crowded onto the SMs freed first (H200, s5: down 1.5x slower)
             acc = _acc_out(acc, WL)
@@ -695,10 +689,10 @@ def _gate_up_kernel(
                     acc_g = _mx_step(acc_g, x0, x1, x2, x3, wg, sg, DEQ, WL, BM, BN, BKD)
                     acc_u = _mx_step(acc_u, x0, x1, x2, x3, wu, su, DEQ, WL, BM, BN, BKD)
                 x_ptrs += BK
-                wg_ptrs = _w_next(wg_ptrs, BK // WV, WL)
-                wu_ptrs = _w_next(wu_ptrs, BK // WV, WL)
-                sg_ptrs = _s_next(sg_ptrs, BK // SK, WL)
-                su_ptrs = _s_next(su_ptrs, BK // SK, WL)
+                wg_ptrs = _next_stage(wg_ptrs, BK // WV, WL)
+                wu_ptrs = _next_stage(wu_ptrs, BK // WV, WL)
+                sg_ptrs = _next_stage(sg_ptrs, BK // SK, WL)
+                su_ptrs = _next_stage(su_ptrs, BK // SK, WL)
             if PDL == 1:
                 tl.extra.cuda.gdc_launch_dependents()
             acc_g = _acc_out(acc_g, WL)
@@ -790,8 +784,8 @@ def _down_tile(h_ptr, w_base, s_base, rows, rmask, offs_n, k0, KLEN: tl.constexp
                 s = tl.load(_s_step(s_ptrs, g, j * (BKD // SK), ks, WL, ALIGNED))
             acc = _mx_step(acc, a0, a1, a2, a3, w, s, DEQ, WL, BM, BN, BKD)
         a_ptrs += BK
-        w_ptrs = _w_next(w_ptrs, BK // WV, WL)
-        s_ptrs = _s_next(s_ptrs, BK // SK, WL)
+        w_ptrs = _next_stage(w_ptrs, BK // WV, WL)
+        s_ptrs = _next_stage(s_ptrs, BK // SK, WL)
     return _acc_out(acc, WL)
 
 
