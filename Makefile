@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q -e ".[cpu,dev,monitoring]"
 	# The pinned SGLang (pyproject's gpu extra) without its GPU dependencies: contract tests parse our
 	# command lines with its own argument parser.
-	$(PIP) install -q --no-deps "$$($(PY) -c 'from pd.engines.sglang import pinned_sglang_requirement as r; print(r())')"
+	$(PIP) install -q --no-deps "$$($(PY) -c 'from pd.commands.sglang import pinned_sglang_requirement as r; print(r())')"
 	touch $@
 
 serve: install

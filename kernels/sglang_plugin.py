@@ -27,7 +27,7 @@ or anywhere with ``PDSERVE_KERNELS_FORCE=1``, and otherwise calls SGLang's funct
 
 The hook table is :data:`HOOKS`; each adapter module documents its target's signature and the conversion:
 ``pd.kernels.sglang_sparse_mla``, ``pd.kernels.sglang_indexer``, ``pd.kernels.sglang_mxfp4_moe``.
-This module imports neither torch nor sglang at import time (pd.engines.sglang reads its flag names).
+This module imports neither torch nor sglang at import time (pd.commands.sglang reads its flag names).
 """
 
 from __future__ import annotations

@@ -43,19 +43,19 @@ def _dispatch(argv: list[str]) -> None:
         raise SystemExit(0)
     cmd, rest = argv[0], argv[1:]
     if cmd == "up":
-        from pd.up import main as up_main
+        from pd.cluster.up import main as up_main
 
         raise SystemExit(up_main(rest))
     if cmd == "plan":
-        from pd.plan import main as plan_main
+        from pd.tools.plan import main as plan_main
 
         raise SystemExit(plan_main(rest))
     if cmd == "doctor":
-        from pd.doctor import main as doctor_main
+        from pd.tools.doctor import main as doctor_main
 
         raise SystemExit(doctor_main(rest))
     if cmd == "diagnose":
-        from pd.diagnose import main as diagnose_main
+        from pd.tools.diagnose import main as diagnose_main
 
         raise SystemExit(diagnose_main(rest))
     if cmd == "render-dashboard":

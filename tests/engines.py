@@ -36,7 +36,7 @@ class ManagedProcess:
             return f.read()
 
     def stop(self) -> None:
-        from pd.procs import stop_group
+        from pd.cluster.procs import stop_group
 
         if self.proc.poll() is None:
             stop_group(self.proc.pid, grace=15)

@@ -99,7 +99,7 @@ class RayHead:
             time.sleep(0.5)
 
     def stop(self) -> None:
-        from pd.procs import stop_group
+        from pd.cluster.procs import stop_group
 
         stop_group(self.proc.pid, grace=5)
         self.log.close()

@@ -7,7 +7,7 @@ import pytest
 
 from engines import ROOT
 from pd.config import ConfigError, load_config, parse_config
-from pd.engines.commands import engine_command
+from pd.commands.build import engine_command
 
 
 def test_default_is_local_yaml():

@@ -1,4 +1,4 @@
-"""pd.diagnose: root cause of a failed SGLang start/crash from multi-rank logs (fixtures in SGLang's format)."""
+"""pd.tools.diagnose: root cause of a failed SGLang start/crash from multi-rank logs (fixtures in SGLang's format)."""
 
 import json
 import os
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from pd.diagnose import Diagnosis, diagnose_logs, diagnose_text, render
+from pd.tools.diagnose import Diagnosis, diagnose_logs, diagnose_text, render
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "sglang_logs")
 ALL_FIXTURES = sorted(
@@ -452,7 +452,7 @@ def test_bad_model_path_is_named(line, path):
 
 
 def test_cli_directory_without_logs_and_unknown_option(tmp_path, capsys):
-    from pd.diagnose import main
+    from pd.tools.diagnose import main
 
     assert main([str(tmp_path)]) == 2
     assert f"{tmp_path} has no *.log files" in capsys.readouterr().err

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from engines import ROOT, free_port
-from pd import doctor as D
+from pd.tools import doctor as D
 from pd.config import parse_config
 
 PROFILE = os.path.join(ROOT, "deploy", "dsv4-flash-rtxpro6000x8.yaml")
@@ -493,7 +493,7 @@ def test_launch_stops_on_errors_before_ray(tmp_path, capsys, monkeypatch):
     import sys
     import types
 
-    from pd import launch
+    from pd.cluster import launch
 
     def no_ray(*a, **k):
         raise AssertionError("the launch reached ray.init")
@@ -518,7 +518,7 @@ def test_unknown_extra_flag_is_refused_with_candidates(monkeypatch):
     assert len(err) == 1 and err[0].message.startswith("prefill: prefill.extra_args: unknown SGLang flag --max-runing-requests")
     assert "--max-running-requests" in err[0].message
 
-    import pd.engines.sglang as sg
+    import pd.commands.sglang as sg
 
     def unavailable(_cmd):
         raise RuntimeError("checking SGLang flags needs the pinned sglang==0.5.23 importable")

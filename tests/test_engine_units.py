@@ -273,7 +273,7 @@ def test_run_blocking_drops_queued_work_of_a_cancelled_caller_and_waits_for_runn
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from pd.engines.scheduler import run_blocking
+    from pd.engines.engine_core import run_blocking
 
     ran = []
     release = threading.Event()

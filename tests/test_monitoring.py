@@ -28,8 +28,8 @@ from engines import ROOT, ManagedProcess, free_port, spawn
 from pd.monitoring import grafana as g
 from pd.monitoring.prom_api import Prometheus, finite_values
 from pd.monitoring.promql import metric_names
-from pd.prom_targets import TargetsFile, build_targets
-from pd.worker_metrics import WorkerStateExporter
+from pd.cluster.prom_targets import TargetsFile, build_targets
+from pd.cluster.worker_metrics import WorkerStateExporter
 
 MON = Path(ROOT) / "monitoring"
 DASHBOARDS = sorted((MON / "grafana" / "dashboards").glob("*.json"))
@@ -516,7 +516,7 @@ def test_targets_file_is_atomic_and_written_on_change(tmp_path):
 
 
 def test_scrape_address():
-    from pd.prom_targets import scrape_address
+    from pd.cluster.prom_targets import scrape_address
 
     assert scrape_address("0.0.0.0", 8000, node_ip="10.1.2.3") == "10.1.2.3:8000"
     assert scrape_address("127.0.0.1", 8000) == "127.0.0.1:8000"

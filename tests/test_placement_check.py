@@ -1,6 +1,6 @@
-"""pd.placement_check: the launcher names what a worker's bundle lacks instead of waiting silently."""
+"""pd.cluster.placement_check: the launcher names what a worker's bundle lacks instead of waiting silently."""
 
-from pd.placement_check import unplaceable_reason
+from pd.cluster.placement_check import unplaceable_reason
 
 
 def node(addr, resources, labels=None, alive=True):

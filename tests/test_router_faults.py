@@ -611,7 +611,7 @@ async def test_launcher_membership_follows_workers_and_drains(si, routers, logs)
     """What pd.launch does through the admin API: swap a worker that came back on other ports,
     drop one that failed for good, put one back after a restart, drain everything on stop."""
     from pd.router.admin_client import AdminClient
-    from pd.router.membership import Membership
+    from pd.cluster.membership import Membership
 
     r = routers("main")
     admin = AdminClient(r.url, ADMIN_KEY)

@@ -425,7 +425,7 @@ def test_metric_series_exist_from_the_start_and_leave_with_their_worker():
 
 def test_launcher_router_command_line_and_keys():
     from pd.config import PDConfig
-    from pd.launch import Launcher
+    from pd.cluster.launch import Launcher
     from pd.router.config import ADMIN_KEY_ENV, API_KEY_ENV
 
     cfg = PDConfig.model_validate({"router": {"port": 8123, "prefill_policy": "cache_aware", "api_key": "ck",

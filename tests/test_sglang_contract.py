@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from engines import ROOT
-from pd import doctor as D
+from pd.tools import doctor as D
 from pd.config import load_config, parse_config
-from pd.engines.sglang import SGLangArgError, parse_sglang_args, pinned_sglang_version, server_args_of, sglang_command
-from pd.plan import plan
+from pd.commands.sglang import SGLangArgError, parse_sglang_args, pinned_sglang_version, server_args_of, sglang_command
+from pd.tools.plan import plan
 
 SGLANG_CONFIGS = [p for p in sorted(glob.glob(os.path.join(ROOT, "deploy", "*.yaml")))
                   if load_config(p).engine == "sglang"]
@@ -87,7 +87,7 @@ def test_extra_args_pass_through_and_are_checked():
 
 
 def test_plan_cli_prints_both_command_lines(capsys):
-    from pd.plan import main
+    from pd.tools.plan import main
 
     assert main([SGLANG_CONFIGS[0]]) == 0
     out = capsys.readouterr().out

@@ -30,7 +30,7 @@ import torch
 import sglang
 from engines import ROOT
 from pd.config import load_config, parse_config
-from pd.engines.sglang import sglang_command
+from pd.commands.sglang import sglang_command
 from pd.kernels import sglang_indexer as SI
 from pd.kernels import sglang_mxfp4_moe as SX
 from pd.kernels import sglang_plugin as P

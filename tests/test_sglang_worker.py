@@ -24,7 +24,7 @@ def ray_local():
 
 def worker(ray, tmp_path, scenario, **overrides):
     from pd.config import parse_config
-    from pd.worker import EngineWorker
+    from pd.cluster.worker import EngineWorker
 
     cfg = parse_config({
         "engine": "sglang", "model_path": "/models/none", "page_size": 64,

@@ -102,7 +102,7 @@ def test_pdserve_up_runs_the_preflight_before_starting_a_head(tmp_path):
 
 def test_submission_waits_for_the_heads_job_agent(monkeypatch):
     """A new head refuses jobs with "No available agent" until its agent registers: `up` retries only that."""
-    from pd import up
+    from pd.cluster import up
 
     monkeypatch.setattr(up.time, "sleep", lambda s: None)
 

@@ -1,1 +1,1 @@
-"""Engines a pdserve worker can run: the reference engine (CPU, exact) and, later, SGLang."""
+"""The reference engine: a small, exact CPU engine that speaks SGLang's HTTP and PD protocol."""

@@ -1,4 +1,4 @@
-"""OpenAI-compatible /v1/completions and /v1/chat/completions on top of the scheduler.
+"""OpenAI-compatible /v1/completions and /v1/chat/completions on top of the engine core.
 
 Shapes follow the OpenAI API reference and SGLang's serving_completions.py / serving_chat.py:
 choices are prompt-major (``index = prompt * n + sample``), finish reasons ``stop`` / ``length``

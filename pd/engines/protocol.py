@@ -153,7 +153,7 @@ class Bootstrap:
 
 @dataclass
 class SeqSpec:
-    """One generated sequence, the unit the scheduler runs.
+    """One generated sequence, the unit the engine core runs.
 
     Attributes:
         index: position in the expanded batch (prompt-major, see ``expand``).

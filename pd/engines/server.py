@@ -29,7 +29,7 @@ from pd.engines.errors import EngineError, bad_request
 from pd.engines.metrics import EngineMetrics
 from pd.engines.model_runner import ModelRunner
 from pd.engines.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from pd.engines.scheduler import Scheduler
+from pd.engines.engine_core import EngineCore
 from pd.engines.sequence import Sequence
 
 log = logging.getLogger("pd.engine")
@@ -84,13 +84,13 @@ def parse(model: type[pydantic.BaseModel], body) -> pydantic.BaseModel:
 
 
 class EngineServer:
-    """The FastAPI application around one Scheduler."""
+    """The FastAPI application around one EngineCore."""
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.served_name = args.served_model_name or args.model_path
         self.runner: Optional[ModelRunner] = None
-        self.scheduler: Optional[Scheduler] = None
+        self.core: Optional[EngineCore] = None
         self.metrics = EngineMetrics(self.served_name, args.disaggregation_mode)
         self.started = time.time()
         self.app = FastAPI(title="pdserve reference engine", lifespan=self._lifespan)
@@ -101,17 +101,17 @@ class EngineServer:
     async def _lifespan(self, _app):
         loop = asyncio.get_running_loop()
         self.runner = await loop.run_in_executor(None, ModelRunner, self.args.model_path, self.args.dtype)
-        self.scheduler = Scheduler(self.runner, self.args, self.metrics)
-        await self.scheduler.start()
+        self.core = EngineCore(self.runner, self.args, self.metrics)
+        await self.core.start()
         try:
             yield
         finally:
-            await self.scheduler.stop()
+            await self.core.stop()
 
     # ---- request plumbing ---------------------------------------------------------------
     async def _run(self, request: Request, specs, stream: bool, full: Callable, chunks: Callable) -> Response:
         """Submit sequences and answer: one JSON body, or an SSE stream of ``chunks(seq)``."""
-        seqs = self.scheduler.submit(specs)
+        seqs = self.core.submit(specs)
         queue: asyncio.Queue = asyncio.Queue()
         for s in seqs:
             s.listener = queue
@@ -129,7 +129,7 @@ class EngineServer:
         first = await queue.get()
         if first.error is not None:
             for s in seqs:
-                self.scheduler.cancel(s, "another sequence of the request failed")
+                self.core.cancel(s, "another sequence of the request failed")
             return error_response(first.error)
         queue.put_nowait(first)
         return StreamingResponse(self._sse(seqs, queue, chunks), media_type="text/event-stream")
@@ -148,14 +148,14 @@ class EngineServer:
             yield SSE_DONE
         finally:
             for s in seqs:  # client went away (or a sequence failed): release everything
-                self.scheduler.cancel(s, "client disconnected")
+                self.core.cancel(s, "client disconnected")
 
     async def _watch_disconnect(self, request: Request, seqs: list[Sequence]) -> None:
         while True:
             await asyncio.sleep(0.2)
             if await request.is_disconnected():
                 for s in seqs:
-                    self.scheduler.cancel(s, "client disconnected")
+                    self.core.cancel(s, "client disconnected")
                 return
 
     # ---- routes -------------------------------------------------------------------------
@@ -198,7 +198,7 @@ class EngineServer:
         @app.get("/health_generate")
         async def health_generate():
             try:
-                await asyncio.wait_for(self.scheduler.health_generate(), HEALTH_CHECK_TIMEOUT)
+                await asyncio.wait_for(self.core.health_generate(), HEALTH_CHECK_TIMEOUT)
             except asyncio.TimeoutError:
                 return Response(status_code=503)
             return Response(status_code=200)
@@ -207,7 +207,7 @@ class EngineServer:
         @app.get("/server_info")
         async def server_info():
             info = {k: v for k, v in vars(self.args).items() if isinstance(v, (str, int, float, bool, type(None)))}
-            pool = self.scheduler.pool
+            pool = self.core.pool
             info.update({
                 "version": pd.__version__,
                 "engine": "pdserve-reference",
@@ -220,7 +220,7 @@ class EngineServer:
                 },
                 "kv_pages_held": pool.held if pool else 0,
                 "kv_pages_total": pool.num_pages if pool else 0,
-                "transfer_session_id": self.scheduler.transfer.session_id if self.scheduler.transfer else None,
+                "transfer_session_id": self.core.transfer.session_id if self.core.transfer else None,
             })
             return info
 
@@ -244,7 +244,7 @@ class EngineServer:
             rid, abort_all = body.get("rid", ""), bool(body.get("abort_all", False))
             if not isinstance(rid, str):
                 raise bad_request("rid must be a string", "rid")
-            self.scheduler.abort(rid, abort_all)
+            self.core.abort(rid, abort_all)
             return Response(status_code=200)
 
         @app.get("/metrics")

@@ -20,7 +20,7 @@ from typing import Iterable, Optional
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-STATES = ("created", "starting", "ready", "restarting", "failed", "stopped")  # pd/worker.py's states
+STATES = ("created", "starting", "ready", "restarting", "failed", "stopped")  # pd/cluster/worker.py's states
 LABELS = ["worker", "worker_name", "role"]
 
 

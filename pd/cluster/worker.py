@@ -21,8 +21,9 @@ from typing import Optional
 import httpx
 
 from pd.config import PDConfig
-from pd.engines.commands import EngineCommand, engine_command
-from pd.procs import die_with_parent
+from pd.commands.build import engine_command
+from pd.commands.command import EngineCommand
+from pd.cluster.procs import die_with_parent
 
 
 LOG_TAIL_LINES = 20000  # engine log lines kept for diagnosis (a TP4 SGLang crash is a few hundred)
@@ -239,8 +240,8 @@ class EngineWorker:
             await asyncio.wait({task}, timeout=5)
 
     def _diagnose(self) -> str:
-        """Root cause of the engine's failure from its log (pd.diagnose), kept in ``info()``."""
-        from pd.diagnose import diagnose_text, render
+        """Root cause of the engine's failure from its log (pd.tools.diagnose), kept in ``info()``."""
+        from pd.tools.diagnose import diagnose_text, render
 
         found = diagnose_text("\n".join(self.log_tail), source=f"{self.name} engine log")
         self.diagnosis = render(found) if found else "no known failure pattern in the engine log; last lines:\n" + \

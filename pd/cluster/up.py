@@ -23,10 +23,10 @@ from typing import Optional
 import httpx
 
 from pd.config import DEFAULT_CONFIG, ConfigError, PDConfig, load_config
-from pd.launch import CONFIG_ENV
-from pd.procs import popen_group, stop_group
+from pd.cluster.launch import CONFIG_ENV
+from pd.cluster.procs import popen_group, stop_group
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 READY = re.compile(r"pdserve: router ready at (\S+)")
 
 
@@ -128,7 +128,7 @@ async def follow(client, job_id: str, router_seen: list, model: str) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     """``pdserve up [CONFIG]``: start (or reuse) a Ray head, submit the cluster job and follow its log; Ctrl-C
     or SIGTERM stops the job and the head it started. When it starts the head, it first runs the job's preflight
-    checks here (pd.doctor.preflight) and starts nothing if they fail. Returns 0 when the job succeeded or was
+    checks here (pd.tools.doctor.preflight) and starts nothing if they fail. Returns 0 when the job succeeded or was
     stopped (the head's log is then removed), 1 when it failed, 2 for an invalid config or a failed preflight."""
     p = argparse.ArgumentParser(prog="pdserve up", description=__doc__.split("\n\n")[0])
     p.add_argument("config", nargs="?", help=f"cluster config YAML (default: {DEFAULT_CONFIG.relative_to(REPO)})")
@@ -147,7 +147,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     address = args.address if "://" in args.address else f"http://{args.address}"
     if not dashboard_up(address):
         # The job would run the same checks on this machine after the head started and the job was submitted.
-        from pd.doctor import preflight
+        from pd.tools.doctor import preflight
 
         if not preflight(cfg):
             say("the preflight checks failed (see above; `pdserve doctor CONFIG` runs them alone); nothing started")

@@ -1,4 +1,4 @@
-"""The reference engine's scheduler: runs each generated sequence through its mode's lifecycle.
+"""The reference engine's core: runs each generated sequence through its mode's lifecycle.
 
 Modes (SGLang's ``--disaggregation-mode``):
 
@@ -79,7 +79,7 @@ async def settle(coro) -> None:
             continue
 
 
-class Scheduler:
+class EngineCore:
     """Owns the model thread, the KV page pool, the transfer engine and the bootstrap channel.
 
     Args:

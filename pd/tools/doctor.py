@@ -3,7 +3,7 @@
 Each check is a small function of a :class:`Context` (the config, the GPU architecture, the
 model's config.json, the SGLang argv of both roles parsed by the pinned parser) that returns
 :class:`Finding` objects: ``error`` (known to fail: the launch is refused), ``warning`` (runs, but
-probably not the way you want) or ``ok`` (passed, or skipped with the reason). ``pd.launch`` runs
+probably not the way you want) or ``ok`` (passed, or skipped with the reason). ``pd.cluster.launch`` runs
 the same checks before it touches Ray (:func:`preflight`).
 
 Exit codes: 0 no errors (warnings allowed), 1 at least one error, 2 an unreadable/invalid config.
@@ -504,7 +504,7 @@ def build_context(cfg: PDConfig, gpu: GpuInfo, check_ports: bool = True) -> Cont
             ctx.draft = read_model_info(sp.draft_model_path)
         except ModelConfigError as e:
             ctx.draft_note = str(e)
-    from pd.engines.sglang import SGLangArgError, server_args_of, sglang_command
+    from pd.commands.sglang import SGLangArgError, server_args_of, sglang_command
 
     for role in ROLES:
         try:
@@ -1147,7 +1147,7 @@ def render(findings: list[Finding], verbose: bool = True) -> str:
 
 
 def preflight(cfg: PDConfig, out=None) -> bool:
-    """What ``pd.launch`` runs before starting: detect the GPU, run every check, print warnings and
+    """What ``pd.cluster.launch`` runs before starting: detect the GPU, run every check, print warnings and
     errors (to ``out``, default stderr). Returns False when an error must stop the launch."""
     out = out or sys.stderr
     gpu = detect_gpu() if cfg.engine == "sglang" else GpuInfo()

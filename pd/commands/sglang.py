@@ -35,7 +35,7 @@ from functools import lru_cache
 from typing import Optional
 
 from pd.config import PDConfig
-from pd.engines.commands import EngineCommand
+from pd.commands.command import EngineCommand
 from pd.kernels.sglang_plugin import PLUGIN_ALLOW_LIST
 from pd.kernels.sglang_plugin import worker_env as plugin_env
 

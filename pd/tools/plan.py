@@ -16,7 +16,7 @@ import sys
 from typing import Optional
 
 from pd.config import ConfigError, PDConfig, load_config
-from pd.engines.commands import engine_command
+from pd.commands.build import engine_command
 
 EXAMPLE_PORT, EXAMPLE_BOOTSTRAP_PORT = 30000, 8998
 
@@ -35,7 +35,7 @@ def plan(cfg: PDConfig, host: str = "127.0.0.1") -> list[dict]:
             bport = EXAMPLE_BOOTSTRAP_PORT + i if role == "prefill" else None
             cmd = engine_command(cfg, role, host, port, bport)
             if cfg.engine == "sglang":
-                from pd.engines.sglang import server_args_of
+                from pd.commands.sglang import server_args_of
 
                 server_args_of(cmd)
             workers.append({

@@ -544,7 +544,7 @@ _FIX_OOM = {
         "check with nvidia-smi that no other process shares the GPU."
     ),
 }
-# Backends by expert format follow pd.doctor (FP4_EXPERT_METHODS, FP4_TO_TRITON_BACKENDS) and SGLang's own
+# Backends by expert format follow pd.tools.doctor (FP4_EXPERT_METHODS, FP4_TO_TRITON_BACKENDS) and SGLang's own
 # sm_120 pick for modelopt_fp4 (sglang/srt/arg_groups/overrides.py).
 _FIX_ARCH = (
     "The backend picked a kernel compiled for another GPU (sm_100 = B200/GB200 kernels such as "

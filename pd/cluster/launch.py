@@ -1,0 +1,343 @@
+"""The Ray job entrypoint: bring up a PD cluster from a config, serve until stopped.
+
+    ray job submit --address http://HEAD:8265 --working-dir . -- python -m pd.launch deploy/X.yaml
+
+Steps: connect to Ray; one STRICT_PACK placement group per worker (its TP ranks on one node);
+one EngineWorker actor per engine holding its GPUs; unique ports per node; start every engine and
+wait for readiness; start the router with the workers' URLs and bootstrap ports; print
+``pdserve: router ready at URL`` and a ``pdserve: workers [...]`` JSON line; serve worker state
+and restarts to Prometheus and keep its targets file current (``monitoring`` config); keep the
+router's workers in step with the actors through its admin API (a worker back on other ports is
+swapped in, a failed one removed); block. On SIGTERM/SIGINT (``ray job stop``, Ctrl-C): drain the
+router's workers (``router.drain_timeout_secs``), stop the router, stop the engines, kill the actors,
+remove the placement groups. Engines and the router also die with their parent process, so a
+SIGKILLed job leaves nothing behind either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+from typing import Optional
+
+import httpx
+
+from pd.config import ConfigError, PDConfig, load_config, parse_config
+from pd.cluster.procs import popen_group, stop_group
+
+CONFIG_ENV = "PDSERVE_CONFIG_YAML"  # `pdserve up` ships the config text here (works for any path)
+PG_READY_TIMEOUT = 120.0
+
+
+class Shutdown(Exception):
+    """Raised in the main thread by SIGTERM/SIGINT."""
+
+
+def say(msg: str) -> None:
+    """Print a launcher message (prefixed ``pdserve:``) to the job log, flushed at once."""
+    print(f"pdserve: {msg}", flush=True)
+
+
+class Launcher:
+    """Owns the placement groups, worker actors and router process of one deployment."""
+
+    def __init__(self, cfg: PDConfig):
+        self.cfg = cfg
+        self.pgs: list = []
+        self.actors: list = []
+        self.workers: list[dict] = []
+        self.router = None
+        # The router's admin API (worker membership, drain on stop) is keyed; the key travels in
+        # the router's environment, never on a command line.
+        self.admin_key = cfg.router.admin_api_key or secrets.token_urlsafe(24)
+        self.membership = None  # pd.cluster.membership.Membership, once the router answers
+        self.exporter = None  # pd.cluster.worker_metrics.WorkerStateExporter
+        self.targets = None  # pd.cluster.prom_targets.TargetsFile
+
+    def check_resources(self) -> None:
+        """Raises ConfigError when the cluster cannot hold the config."""
+        import ray
+
+        have = ray.cluster_resources().get("GPU", 0)
+        need = self.cfg.total_gpus()
+        if need > have:
+            raise ConfigError(f"the config needs {need} GPUs (prefill {self.cfg.prefill.replicas}x{self.cfg.prefill.tp_size}, "
+                              f"decode {self.cfg.decode.replicas}x{self.cfg.decode.tp_size}); the Ray cluster has {have:g}")
+
+    def start(self) -> None:
+        """Place and start every worker, then the router and the metrics endpoint; returns when the router answers.
+
+        Raises ConfigError when the Ray cluster lacks the GPUs or a bundle cannot be placed within
+        PG_READY_TIMEOUT (naming the missing resource), RuntimeError when an engine or the router fails to start.
+        The caller's ``shutdown()`` stops whatever was started."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from pd.cluster.placement_check import unplaceable_reason
+        from pd.cluster.worker import EngineWorker
+
+        self.check_resources()
+        actor_cls = ray.remote(EngineWorker)
+        specs = []
+        nodes = ray.nodes()
+        for role, group in self.cfg.groups().items():
+            for i in range(group.replicas):
+                bundle = {"GPU": group.tp_size, **group.placement.resources}
+                kwargs = {}
+                if group.placement.node_labels:
+                    kwargs["bundle_label_selector"] = [dict(group.placement.node_labels)]
+                why = unplaceable_reason(bundle, group.placement.node_labels, nodes)
+                if why:  # an autoscaler may still add such a node, so this only warns
+                    say(f"{role}-{i}: {why}; waiting up to {PG_READY_TIMEOUT:g}s for one to join")
+                pg = placement_group([bundle], strategy="STRICT_PACK", name=f"pdserve-{role}-{i}", **kwargs)
+                self.pgs.append(pg)
+                specs.append((role, i, group, pg, bundle))
+        for role, i, group, pg, bundle in specs:
+            try:
+                ray.get(pg.ready(), timeout=PG_READY_TIMEOUT)
+            except ray.exceptions.GetTimeoutError:
+                why = unplaceable_reason(bundle, group.placement.node_labels, ray.nodes()) or \
+                    "the nodes that could hold it are taken by other placement groups"
+                raise ConfigError(f"{role}-{i}: Ray could not place a bundle {bundle} within {PG_READY_TIMEOUT:g}s: "
+                                  f"{why} (check {role}.placement)") from None
+            gpu_ids = group.gpus[i] if group.gpus is not None else None
+            actor = actor_cls.options(
+                num_cpus=0, num_gpus=group.tp_size,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+            ).remote(f"{role}-{i}", role, self.cfg.model_dump(), gpu_ids)
+            self.actors.append(actor)
+        # Ports are handed out one worker at a time so two workers on a node never collide.
+        used: dict[str, list[int]] = {}
+        infos = []
+        for actor in self.actors:
+            node_host = ray.get(actor.info.remote())["host"]
+            info = ray.get(actor.reserve_ports.remote(used.get(node_host, [])))
+            used.setdefault(node_host, []).extend(p for p in (info["port"], info["bootstrap_port"]) if p)
+            infos.append(info)
+        say(f"starting {len(self.actors)} engines: " + ", ".join(f"{i['name']}@{i['host']}:{i['port']}" for i in infos))
+        self.workers = ray.get([a.start.remote() for a in self.actors])
+        say("workers " + json.dumps(self.workers))
+        self.start_router()
+        self.start_monitoring()
+
+    def router_workers(self) -> list[dict]:
+        """The workers a (re)started router begins with: those that are up (all known ones when a
+        side has none up: its health checks sort them out)."""
+        ready = [w for w in self.workers if w.get("state") == "ready" and w.get("url")]
+        if not all(any(w["role"] == role for w in ready) for role in ("prefill", "decode")):
+            ready = [w for w in self.workers if w.get("url")]
+        return ready
+
+    def router_argv(self) -> list[str]:
+        """``pdserve router`` with the config's router settings and ``router_workers()``."""
+        argv = [sys.executable, "-m", "pd.cli", "router", *self.cfg.router.cli_args()]
+        workers = self.router_workers()
+        for w in workers:
+            if w["role"] == "prefill":
+                argv += ["--prefill", w["url"], str(w["bootstrap_port"])]
+        for w in workers:
+            if w["role"] == "decode":
+                argv += ["--decode", w["url"]]
+        return argv
+
+    def router_env(self) -> dict[str, str]:
+        """Environment for the router process: ours plus the admin key and, when set, the API key."""
+        from pd.router.config import ADMIN_KEY_ENV, API_KEY_ENV
+
+        env = dict(os.environ, **{ADMIN_KEY_ENV: self.admin_key})
+        if self.cfg.router.api_key:
+            env[API_KEY_ENV] = self.cfg.router.api_key
+        return env
+
+    def router_admin_url(self) -> str:
+        """Base URL of the router's admin API as reachable from this host (a wildcard bind becomes 127.0.0.1)."""
+        r = self.cfg.router
+        host = "127.0.0.1" if r.host in ("0.0.0.0", "::", "") else r.host
+        return f"http://[{host}]:{r.port}" if ":" in host else f"http://{host}:{r.port}"
+
+    def sync_router(self, infos: list[dict]) -> None:
+        """Tell the router about workers that moved, left or came back (pd.cluster.membership)."""
+        self.workers = infos
+        if self.membership is not None:
+            self.membership.sync(infos)
+
+    def start_router(self) -> None:
+        """Start the router process group and wait until it answers; raises RuntimeError if it exits or times out."""
+        import subprocess
+
+        r = self.cfg.router
+        self.router = popen_group(self.router_argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  env=self.router_env())
+        threading.Thread(target=self._forward_router_log, args=(self.router,), daemon=True).start()
+        url = f"http://{r.host}:{r.port}"
+        deadline = time.monotonic() + 60
+        while True:
+            if self.router.poll() is not None:
+                raise RuntimeError(f"the router exited with {self.router.returncode} (is port {r.port} free? set router.port)")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the router did not answer {url}/health within 60s")
+            time.sleep(0.2)
+        from pd.router.admin_client import AdminClient
+        from pd.cluster.membership import Membership
+
+        self.membership = Membership(AdminClient(self.router_admin_url(), self.admin_key), say)
+        self.membership.seed(self.router_workers())
+        say(f"router ready at {url}")
+
+    def start_monitoring(self) -> None:
+        """Serve worker state and engine restarts (pd.cluster.worker_metrics) and write the Prometheus
+        targets file (pd.cluster.prom_targets) that monitoring/prometheus.yml reads."""
+        from pd.cluster.prom_targets import TargetsFile, default_targets_path
+        from pd.cluster.worker_metrics import WorkerStateExporter
+
+        m, host = self.cfg.monitoring, self.cfg.router.host
+        self.exporter = WorkerStateExporter()
+        try:
+            self.exporter.start(host, m.metrics_port)
+        except OSError as e:
+            raise RuntimeError(f"cannot serve the launcher's metrics on {host}:{m.metrics_port}: {e} "
+                               "(set monitoring.metrics_port)") from None
+        self.targets = TargetsFile(m.targets_file or default_targets_path(self.cfg.router.port))
+        self.publish(self.workers)
+        say(f"prometheus targets in {self.targets.path}; launcher metrics on port {self.exporter.port}")
+
+    def publish(self, infos: list[dict]) -> None:
+        """Hand the latest worker infos to the exporter; rewrite the targets file if they moved."""
+        from pd.cluster.prom_targets import build_targets, scrape_address
+
+        if self.exporter is None:
+            return
+        self.exporter.update(infos)
+        r = self.cfg.router
+        try:
+            self.targets.write(build_targets(scrape_address(r.host, r.port), infos,
+                                             scrape_address(r.host, self.exporter.port)))
+        except OSError as e:  # monitoring must not take the cluster down
+            say(f"could not write {self.targets.path}: {e}")
+
+    @staticmethod
+    def _forward_router_log(proc) -> None:
+        for raw in proc.stdout:
+            print(f"[router] {raw.decode(errors='replace').rstrip()}", flush=True)
+
+    def serve(self) -> None:
+        """Block; report worker state changes; restart the router if it dies."""
+        import ray
+
+        last: dict[str, tuple] = {}
+        while True:
+            time.sleep(2)
+            if self.router is not None and self.router.poll() is not None:
+                say(f"router exited with {self.router.returncode}; restarting it")
+                self.start_router()
+            try:
+                infos = ray.get([a.info.remote() for a in self.actors], timeout=10)
+            except Exception as e:  # an actor died: Ray reports it; keep serving the rest
+                say(f"could not read worker state: {e!r}")
+                continue
+            self.sync_router(infos)
+            self.publish(infos)
+            for info in infos:
+                key = (info["state"], info["restarts"])
+                if last.get(info["name"]) not in (None, key):
+                    say(f"{info['name']} is {info['state']} (restarts {info['restarts']}, last exit {info['last_exit']})")
+                last[info["name"]] = key
+
+    def shutdown(self) -> None:
+        """Stop everything this launcher started; safe to call at any point of start()."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if self.targets is not None:  # Prometheus stops scraping what is about to go away
+            try:
+                self.targets.remove()
+            except OSError:
+                pass
+        if self.exporter is not None:
+            self.exporter.stop()
+        if self.router is not None:
+            if self.membership is not None and self.router.poll() is None and self.cfg.router.drain_timeout_secs > 0:
+                say(f"draining the router's workers (up to {self.cfg.router.drain_timeout_secs:g}s for requests in flight)")
+                if not self.membership.drain_all(self.cfg.router.drain_timeout_secs):
+                    say("some requests were still in flight; stopping anyway")
+            stop_group(self.router.pid)
+        try:
+            ray.get([a.stop.remote() for a in self.actors], timeout=30)
+        except Exception as e:
+            say(f"some workers did not stop cleanly: {e!r}")
+        for a in self.actors:
+            ray.kill(a)
+        for pg in self.pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                pass
+        say("stopped")
+
+
+def _raise_shutdown(signum, _frame):
+    raise Shutdown(signal.Signals(signum).name)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m pd.launch [CONFIG]``: run one cluster until SIGTERM/SIGINT, then stop all of it.
+
+    Returns 0 on a clean stop, 2 for a bad config, failed preflight or unplaceable layout, 1 when a start fails."""
+    p = argparse.ArgumentParser(prog="python -m pd.launch", description="Run a pdserve PD cluster as a Ray job.")
+    p.add_argument("config", nargs="?", help="cluster config YAML (default: $PDSERVE_CONFIG_YAML, else deploy/local.yaml)")
+    args = p.parse_args(argv)
+    try:
+        if args.config is None and os.environ.get(CONFIG_ENV):
+            import yaml
+
+            cfg = parse_config(yaml.safe_load(os.environ[CONFIG_ENV]), f"${CONFIG_ENV}")
+        else:
+            cfg = load_config(args.config)
+    except ConfigError as e:
+        print(f"pdserve: invalid config:\n{e}", file=sys.stderr)
+        return 2
+    from pd.tools.doctor import preflight
+
+    if not preflight(cfg):  # prints warnings and errors; errors stop the launch
+        print("pdserve: the preflight checks failed (see above; `pdserve doctor CONFIG` runs them alone)", file=sys.stderr)
+        return 2
+
+    import ray
+
+    signal.signal(signal.SIGTERM, _raise_shutdown)
+    signal.signal(signal.SIGINT, _raise_shutdown)
+    ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True)
+    launcher = Launcher(cfg)
+    try:
+        launcher.start()
+        launcher.serve()
+    except Shutdown as s:
+        say(f"received {s}; shutting down")
+        return 0
+    except ConfigError as e:
+        print(f"pdserve: cannot deploy:\n{e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"pdserve: {e}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        launcher.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""The reference engine's command line (``pdserve engine``, SGLang's flag names) for one worker."""
+
+from __future__ import annotations
+
+import sys
+
+from pd.commands.command import EngineCommand
+from pd.config import PDConfig
+
+
+def reference_command(cfg: PDConfig, role: str, host: str, port: int, bootstrap_port: int | None) -> EngineCommand:
+    """Build the reference engine's command for one worker.
+
+    Args:
+        role: ``prefill`` or ``decode``.
+        host: address the engine listens on and peers reach it at.
+        port: HTTP port; ``bootstrap_port``: the prefill's bootstrap port (None for decode).
+    """
+    group = cfg.groups()[role]
+    argv = [
+        sys.executable, "-m", "pd.cli", "engine",
+        "--model-path", cfg.model_path,
+        "--host", host, "--port", str(port),
+        "--disaggregation-mode", role,
+        "--disaggregation-transfer-backend", cfg.transfer.backend,
+        "--disaggregation-transfer-protocol", cfg.transfer.protocol,
+        "--page-size", str(cfg.page_size),
+    ]
+    if cfg.served_model_name:
+        argv += ["--served-model-name", cfg.served_model_name]
+    if cfg.transfer.ib_device:
+        argv += ["--disaggregation-ib-device", cfg.transfer.ib_device]
+    if bootstrap_port is not None:
+        argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+    argv += group.extra_args
+    env = dict(group.env)
+    if cfg.transfer.protocol == "tcp":
+        env.setdefault("MC_FORCE_TCP", "1")
+    return EngineCommand(argv=argv, env=env, ready_path="/health", args_start=4)
