@@ -36,7 +36,8 @@ Reproduce
     make bench-kv                                   # = .venv/bin/python benchmarks/kv_transfer.py
     .venv/bin/python benchmarks/kv_transfer.py --quick   # short run (two small sizes)
 
-The result JSON goes to ``benchmarks/results/kv_transfer_<date>.json`` (``--out`` to change).
+The result goes to ``benchmarks/results/kv_transfer.json`` and ``kv_transfer.md`` beside it (``--out`` to
+change); the date, the commit and the command are inside.
 """
 
 from __future__ import annotations
@@ -51,12 +52,13 @@ import random
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from pd.procs import LoggedGroup
+from pd.cluster.procs import LoggedGroup
 
 REPO = Path(__file__).resolve().parent.parent
 GOAL = 0.80
@@ -97,6 +99,50 @@ def machine() -> dict:
     }
 
 
+def git_commit() -> str | None:
+    """Short hash of the checkout's HEAD, with ``+dirty`` when tracked files differ from it."""
+    def git(*a: str) -> str | None:
+        r = subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    head = git("rev-parse", "--short", "HEAD")
+    return head and head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def markdown(report: dict) -> str:
+    """The short human-readable page beside the result JSON: where, when, at which commit, the command, the table."""
+    m, v = report["machine"], report["verdict"]
+    commit = report.get("commit") or "unknown"
+    lines = [
+        "# KV handoff through the reference engines vs raw Mooncake", "",
+        f"- Device: {m['cpu_model']}, {m['cpu_cores']} cores, {m['mem_gib']} GiB, no GPU; {m['transport']}",
+        f"- Date: {report['started_utc']} ({report['mode']} run, {report['wall_s']:.0f} s)",
+        f"- Measured at commit {commit}",
+        f"- Command: `{report['command']}`",
+        "- Anchor, same run: raw Mooncake `batch_transfer_sync_write` of the same pages in the same segments",
+        "  between two TransferEngines in the benchmark process, interleaved with the engine requests",
+        "",
+        "Headline: engine handoff / raw Mooncake, time-paired median ratio "
+        f"**{v['min_ratio']:.2f}-{v['max_ratio']:.2f}** (goal >= {v['goal_ratio']:.2f}): {v['summary']}.",
+        "",
+        "| prompt tokens | MiB | segments | engine GB/s | raw GB/s | ratio (paired) | ratio of medians | engine ms "
+        "| export_kv ms | memcpy ms | goal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        b = r["breakdown"]
+        lines.append(
+            f"| {r['prompt_tokens']} | {r['bytes'] / 2**20:.0f} | {r['segments']} | {r['engine_gb_s_median']:.3f} "
+            f"| {r['raw_gb_s_median']:.3f} | {r['ratio']:.3f} | {r['ratio_of_medians']:.3f} "
+            f"| {r['engine_latency_ms_median']:.1f} | {b['export_kv_ms_median_in_bench_process']:.2f} "
+            f"| {b['memcpy_same_bytes_ms_median']:.2f} | {'ok' if r['meets_goal'] else 'MISS'} |")
+    lines += ["", f"Method: {report['method']}.", "",
+              "Reproduce: `make bench-kv` (= `.venv/bin/python benchmarks/kv_transfer.py`; `--quick` for a short run).",
+              "GB/s is 1e9 bytes/s. On one 2-core machine the engines, the transfer threads and the benchmark share",
+              "the cores; raw loopback throughput drifts within a run, which the time-paired ratio cancels."]
+    return "\n".join(lines) + "\n"
+
+
 def write_model(target: Path, args) -> dict:
     """Write a local HF Llama checkpoint with a big KV footprint and little compute; tokenizer
     files are copied from builtin:tiny (ByT5, 384 tokens)."""
@@ -126,7 +172,8 @@ def write_model(target: Path, args) -> dict:
     target.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(target, safe_serialization=True)
     for f in tiny.iterdir():
-        if f.is_file() and f.name not in ("config.json", "generation_config.json") and not f.name.endswith(".safetensors"):
+        if (f.is_file() and f.name not in ("config.json", "generation_config.json")
+                and not f.name.endswith(".safetensors")):
             shutil.copy(f, target / f.name)
     return {k: getattr(config, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                              "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -257,7 +304,8 @@ async def pd_request(client, p_url: str, d_url: str, bs_port: int, ids: list[int
         "bootstrap_port": bs_port,
         "bootstrap_room": random.randrange(2**63),
     }
-    p, d = await asyncio.gather(client.post(p_url + "/generate", json=body), client.post(d_url + "/generate", json=body))
+    p, d = await asyncio.gather(client.post(p_url + "/generate", json=body),
+                                client.post(d_url + "/generate", json=body))
     for name, r in (("prefill", p), ("decode", d)):
         if r.status_code != 200:
             raise RuntimeError(f"{name} /generate answered {r.status_code}: {r.text[:500]}")
@@ -305,17 +353,22 @@ async def run(args, workdir: Path) -> dict:
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
     engines: list[LoggedGroup] = []
     try:
-        engines.append(LoggedGroup("prefill", [engine_bin, *common, "--port", str(p_port), "--disaggregation-mode", "prefill",
-                                          "--disaggregation-bootstrap-port", str(bs_port)], workdir / "prefill.log", env))
-        engines.append(LoggedGroup("decode", [engine_bin, *common, "--port", str(d_port), "--disaggregation-mode", "decode",
-                                         "--disaggregation-bootstrap-port", str(bs_port)], workdir / "decode.log", env))
+        engines.append(LoggedGroup("prefill", [engine_bin, *common, "--port", str(p_port),
+                                               "--disaggregation-mode", "prefill",
+                                               "--disaggregation-bootstrap-port", str(bs_port)],
+                                   workdir / "prefill.log", env))
+        engines.append(LoggedGroup("decode", [engine_bin, *common, "--port", str(d_port),
+                                              "--disaggregation-mode", "decode",
+                                              "--disaggregation-bootstrap-port", str(bs_port)],
+                                   workdir / "decode.log", env))
         async with httpx.AsyncClient(timeout=args.request_timeout) as client:
             await wait_healthy(client, [(engines[0], p_url), (engines[1], d_url)], args.startup_timeout)
             print(f"engines healthy: prefill {p_url} (bootstrap {bs_port}), decode {d_url}", flush=True)
             rng = random.Random(0)
             vocab = model_cfg["vocab_size"]
             # Warm-up: first Mooncake connection between the two engines, and in this process.
-            await pd_request(client, p_url, d_url, bs_port, [rng.randrange(3, vocab) for _ in range(64)], args.max_new_tokens)
+            await pd_request(client, p_url, d_url, bs_port, [rng.randrange(3, vocab) for _ in range(64)],
+                             args.max_new_tokens)
             raw.write(raw.segments(64))
 
             results = []
@@ -323,7 +376,8 @@ async def run(args, workdir: Path) -> dict:
                 segs = raw.segments(size)
                 nbytes_expected = sum(segs[2])
                 # One discarded warm-up at this size (first touch of the pool pages on both engines).
-                await pd_request(client, p_url, d_url, bs_port, [rng.randrange(3, vocab) for _ in range(size)], args.max_new_tokens)
+                await pd_request(client, p_url, d_url, bs_port, [rng.randrange(3, vocab) for _ in range(size)],
+                                 args.max_new_tokens)
                 raw.write(segs)
                 eng_gbs, eng_ms, fwd_ms, raw_gbs, raw_ms = [], [], [], [], []
                 for _ in range(args.requests):
@@ -415,7 +469,8 @@ async def run(args, workdir: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="Short run: sizes 512,2048, 2 requests each.")
     ap.add_argument("--sizes", default=None, help="Comma-separated prompt sizes in tokens. Default: 512,2048,4096.")
     ap.add_argument("--requests", type=int, default=None, help="Measured PD requests per size (default 16; quick 2).")
@@ -433,7 +488,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="Default: float32.")
     ap.add_argument("--startup-timeout", type=float, default=180.0, help="Seconds to wait for /health. Default: 180.")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="Seconds per HTTP call. Default: 300.")
-    ap.add_argument("--out", default=None, help="Result JSON path. Default: benchmarks/results/kv_transfer_<date>.json.")
+    ap.add_argument("--out", default=None,
+                    help="Result JSON path (the .md goes beside it). Default: benchmarks/results/kv_transfer.json.")
     ap.add_argument("--keep-workdir", action="store_true", help="Keep the temp dir (model, engine logs).")
     args = ap.parse_args()
     args.sizes = [int(s) for s in (args.sizes or ("512,2048" if args.quick else "512,2048,4096")).split(",")]
@@ -458,12 +514,13 @@ def main() -> None:
         "date": started.strftime("%Y-%m-%d"),
         "started_utc": started.isoformat(timespec="seconds"),
         "wall_s": round(time.perf_counter() - t0, 1),
+        "commit": git_commit(),
         "command": " ".join([".venv/bin/python", "benchmarks/kv_transfer.py", *sys.argv[1:]]),
         "mode": "quick" if args.quick else "full",
         "machine": machine(),
         "method": ("engine GB/s = pdserve_kv_transfer_bytes_total delta / sglang:kv_transfer_latency_ms delta per PD "
-                   "request (one at a time; prefill forward end -> Mooncake write end, as SGLang measures it; the KV store "
-                   "into pool pages (export_kv) happens inside the forward, as SGLang's set_kv_buffer does); "
+                   "request (one at a time; prefill forward end -> Mooncake write end, as SGLang measures it; the KV "
+                   "store into pool pages (export_kv) happens inside the forward, as SGLang's set_kv_buffer does); "
                    "raw GB/s = same bytes, same coalesced segments, batch_transfer_sync_write between two "
                    "TransferEngines in the benchmark process (tcp, loopback), interleaved with the engine requests; "
                    "medians; GB = 1e9 bytes"),
@@ -474,13 +531,15 @@ def main() -> None:
           f"{'engine ms':>10} {'goal':>5}")
     for r in report["results"]:
         print(f"{r['prompt_tokens']:7d} {r['bytes'] / 2**20:7.1f} {r['segments']:4d} {r['engine_gb_s_median']:12.3f} "
-              f"{r['raw_gb_s_median']:9.3f} {r['ratio']:6.2f} {r['breakdown']['export_kv_ms_median_in_bench_process']:10.1f} "
+              f"{r['raw_gb_s_median']:9.3f} {r['ratio']:6.2f} "
+              f"{r['breakdown']['export_kv_ms_median_in_bench_process']:10.1f} "
               f"{r['engine_latency_ms_median']:10.1f} {'ok' if r['meets_goal'] else 'MISS':>5}")
     print(f"verdict: {report['verdict']['summary']} (min ratio {report['verdict']['min_ratio']:.2f}, goal {GOAL:.2f})")
-    out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"kv_transfer_{report['date']}.json"
+    out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / "kv_transfer.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    out.with_suffix(".md").write_text(markdown(report))
+    print(f"wrote {out} and {out.with_suffix('.md').name}")
 
 
 if __name__ == "__main__":

@@ -164,7 +164,8 @@ class Stub:
                 "prompt_tokens": prompt_tokens, "completion_tokens": completion, "cached_tokens": 0}
 
     def full_answer(self, rid: str, n: int) -> bytes:
-        return orjson.dumps({"text": TOKEN_TEXT * n, "output_ids": list(range(n)), "meta_info": self.meta(rid, 8, n, True)})
+        return orjson.dumps({"text": TOKEN_TEXT * n, "output_ids": list(range(n)),
+                             "meta_info": self.meta(rid, 8, n, True)})
 
     def events(self, rid: str, n: int) -> list[bytes]:
         """The chunked-encoding frames of the ``n`` SSE events (without the final [DONE]).
@@ -216,7 +217,8 @@ class HttpConnection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
             self.stub.stats.bad_requests += 1
-            self.transport.write(_response(b"400 Bad Request", orjson.dumps({"error": f"bad HTTP: {e}"}), keep_alive=False))
+            self.transport.write(_response(b"400 Bad Request", orjson.dumps({"error": f"bad HTTP: {e}"}),
+                                           keep_alive=False))
             self.transport.close()
 
     # ---- httptools callbacks ------------------------------------------------------------
@@ -251,7 +253,8 @@ class HttpConnection(asyncio.Protocol):
                     raise ValueError("the body must be a JSON object")
             except ValueError as e:
                 stub.stats.bad_requests += 1
-                return _response(b"400 Bad Request", orjson.dumps({"error": f"malformed JSON body: {e}"}), keep_alive=keep_alive)
+                return _response(b"400 Bad Request", orjson.dumps({"error": f"malformed JSON body: {e}"}),
+                                 keep_alive=keep_alive)
             stub.stats.requests += 1
             if all(f in req for f in BOOTSTRAP_FIELDS):
                 stub.stats.with_bootstrap += 1
