@@ -15,6 +15,7 @@ Unknown keys and impossible layouts are errors that name the field (``ConfigErro
 
 from __future__ import annotations
 
+from importlib.resources import files
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -23,7 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pd.router.config import RouterSettings, TimeoutConfig
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "local.yaml"
+# deploy/ is package data (``pd.deploy``), so the embedded default is found in a checkout and in an installed wheel.
+DEFAULT_CONFIG = Path(str(files("pd.deploy").joinpath("local.yaml")))
 
 
 class ConfigError(ValueError):

@@ -1,0 +1,1 @@
+"""Cluster configs (YAML), shipped as package data: ``pd.deploy``/local.yaml is the embedded default."""
