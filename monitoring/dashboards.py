@@ -17,8 +17,17 @@ from __future__ import annotations
 from pd.monitoring import grafana as g
 from pd.monitoring.promql import REQUEST_ENGINES, sel
 from pd.monitoring.rules import SLO
-from pd.monitoring.stages import (ENGINE_E2E_STAGE, ENGINE_FILTERS, ENGINE_ITL_STAGE, ENGINE_STAGE, ENGINE_TTFT_STAGE,
-                                  ROUTER_FILTER, STAGE, STAGES, Stage)
+from pd.monitoring.stages import (
+    ENGINE_E2E_STAGE,
+    ENGINE_FILTERS,
+    ENGINE_ITL_STAGE,
+    ENGINE_STAGE,
+    ENGINE_TTFT_STAGE,
+    ROUTER_FILTER,
+    STAGE,
+    STAGES,
+    Stage,
+)
 
 RATE = "$__rate_interval"
 OVERVIEW_UID = "pdserve-pd-overview"
@@ -61,7 +70,8 @@ def _stage_row(title: str, main: Stage, extra: list[tuple[Stage, float]], descri
     heat = heat or main
     return [
         g.row(title),
-        g.timeseries(f"{title}: p50 / p90 / p99", targets, unit="s", log=True, slo=slo, w=14, description=description),
+        g.timeseries(f"{title}: p50 / p90 / p99", targets, unit="s", log=True, slo=slo, w=14,
+                     description=description),
         g.heatmap(f"{title}: distribution ({heat.title})", f"sum by (le) ({heat.buckets()})",
                   unit="s" if heat.hist.scale == 1 else "ms", w=10,
                   description=f"Requests per second in each latency bucket of {heat.hist.metric}."),
@@ -70,18 +80,20 @@ def _stage_row(title: str, main: Stage, extra: list[tuple[Stage, float]], descri
 
 def overview(slo: SLO) -> dict:
     """The "PD overview" dashboard."""
+    requests = sel("pdserve_router_requests_total", ROUTER_FILTER)
+    requests_5xx = sel("pdserve_router_requests_total", ROUTER_FILTER, STATUS_5XX)
     items = [
         g.row("One request, stage by stage"),
-        g.timeseries("Per-stage latency p50", [g.target(s.quantile(0.5), s.title) for s in STAGES], unit="s", log=True,
-                     w=12, h=10, description="Median time of each stage of a PD request, in request order: router "
-                     "queue, prefill, KV transfer, decode wait, TTFT, inter-token latency, TPOT, E2E."),
-        g.timeseries("Per-stage latency p99", [g.target(s.quantile(0.99), s.title) for s in STAGES], unit="s", log=True,
-                     w=12, h=10, description="p99 of each stage of a PD request, in request order."),
+        g.timeseries("Per-stage latency p50", [g.target(s.quantile(0.5), s.title) for s in STAGES], unit="s",
+                     log=True, w=12, h=10, description="Median time of each stage of a PD request, in request "
+                     "order: router queue, prefill, KV transfer, decode wait, TTFT, inter-token latency, TPOT, E2E."),
+        g.timeseries("Per-stage latency p99", [g.target(s.quantile(0.99), s.title) for s in STAGES], unit="s",
+                     log=True, w=12, h=10, description="p99 of each stage of a PD request, in request order."),
         g.bargauge("Mean time per stage", [g.target(s.mean(), s.title) for s in STAGES], w=12, h=10,
                    description="Mean seconds spent in each stage over the rate window (from _sum / _count)."),
         g.timeseries("Requests by status",
-                     [g.target(f"sum by (endpoint, status) (rate({sel('pdserve_router_requests_total', ROUTER_FILTER)}[{RATE}]))",
-                               "{{endpoint}} {{status}}")], unit="reqps", stack=True, w=12, h=10,
+                     [g.target(f"sum by (endpoint, status) (rate({requests}[{RATE}]))", "{{endpoint}} {{status}}")],
+                     unit="reqps", stack=True, w=12, h=10,
                      description="Router responses per second by endpoint and HTTP status."),
         *_stage_row("Router queue", STAGE["router_queue"], [],
                     "Arrival at the router to dispatch to both workers (body parse, pair pick, rooms)."),
@@ -90,7 +102,8 @@ def overview(slo: SLO) -> dict:
                     "Router: dispatch to the prefill's response fully read. Engine: waiting for the decode's "
                     "bootstrap, then the forward pass."),
         *_stage_row("KV transfer", STAGE["kv_transfer"],
-                    [(Stage("kv_stage", "Prefill transfer stage", ENGINE_STAGE, ('stage="prefill_transfer_kv_cache"',)), 0.99),
+                    [(Stage("kv_stage", "Prefill transfer stage", ENGINE_STAGE,
+                            ('stage="prefill_transfer_kv_cache"',)), 0.99),
                      (STAGE["decode_transferred"], 0.99)],
                     "Prefill -> decode KV write (transfer engine), as measured by the prefill; the decode's wait "
                     "for the KV to arrive."),
@@ -108,48 +121,59 @@ def overview(slo: SLO) -> dict:
                     "Arrival to the last byte at the router; the decode engine's view."),
         g.row("Traffic"),
         g.timeseries("Errors by kind",
-                     [g.target(f"sum by (endpoint, kind) (rate({sel('pdserve_router_errors_total', ROUTER_FILTER)}[{RATE}]))",
+                     [g.target("sum by (endpoint, kind) "
+                               f"(rate({sel('pdserve_router_errors_total', ROUTER_FILTER)}[{RATE}]))",
                                "{{endpoint}} {{kind}}")], unit="reqps", w=8,
-                     description="Failed requests per second: invalid_request, {prefill,decode}_{status,connect,timeout}, "
-                     "decode_stream, client_disconnect."),
+                     description="Failed requests per second: invalid_request, "
+                     "{prefill,decode}_{status,connect,timeout}, decode_stream, client_disconnect."),
         g.timeseries("Error ratio (5xx)",
-                     [g.target(f"(sum(rate({sel('pdserve_router_requests_total', ROUTER_FILTER, STATUS_5XX)}[{RATE}])) or vector(0))"
-                               f" / sum(rate({sel('pdserve_router_requests_total', ROUTER_FILTER)}[{RATE}]))", "5xx ratio")],
+                     [g.target(f"(sum(rate({requests_5xx}[{RATE}])) or vector(0)) / sum(rate({requests}[{RATE}]))",
+                               "5xx ratio")],
                      unit="percentunit", slo=slo.error_ratio, w=8),
         g.timeseries("Tokens per second",
-                     [g.target(f"sum(rate({_eng('sglang:prompt_tokens_total', REQUEST_ENGINES)}[{RATE}]))", "prompt (engine)"),
-                      g.target(f"sum(rate({_eng('sglang:generation_tokens_total', REQUEST_ENGINES)}[{RATE}]))", "generated (engine)"),
-                      g.target(f"sum(rate({sel('pdserve_router_prompt_tokens_total', ROUTER_FILTER)}[{RATE}]))", "prompt (router)"),
+                     [g.target(f"sum(rate({_eng('sglang:prompt_tokens_total', REQUEST_ENGINES)}[{RATE}]))",
+                               "prompt (engine)"),
+                      g.target(f"sum(rate({_eng('sglang:generation_tokens_total', REQUEST_ENGINES)}[{RATE}]))",
+                               "generated (engine)"),
+                      g.target(f"sum(rate({sel('pdserve_router_prompt_tokens_total', ROUTER_FILTER)}[{RATE}]))",
+                               "prompt (router)"),
                       g.target(f"sum(rate({sel('pdserve_router_completion_tokens_total', ROUTER_FILTER)}[{RATE}]))",
                                "completion (router)")],
-                     unit="short", w=8, description="Tokens in (prompt) and out (generated) per second, counted once per "
-                     "request (decode side) and at the router."),
+                     unit="short", w=8, description="Tokens in (prompt) and out (generated) per second, counted once "
+                     "per request (decode side) and at the router."),
         g.timeseries("Requests in flight",
                      [g.target("sum(pdserve_router_requests_in_flight)", "router"),
                       g.target("sum by (role) (pdserve_router_worker_inflight)", "router -> {{role}} workers"),
-                      g.target(f"sum by (engine_type) ({_eng('sglang:num_running_reqs')})", "{{engine_type}} engines running")],
+                      g.target(f"sum by (engine_type) ({_eng('sglang:num_running_reqs')})",
+                               "{{engine_type}} engines running")],
                      w=8),
         g.timeseries("Retries",
-                     [g.target(f"sum by (endpoint) (rate({sel('pdserve_router_retries_total', ROUTER_FILTER)}[{RATE}]))",
+                     [g.target("sum by (endpoint) "
+                               f"(rate({sel('pdserve_router_retries_total', ROUTER_FILTER)}[{RATE}]))",
                                "{{endpoint}}")], unit="reqps", w=8,
                      description="Requests the router re-dispatched to another worker pair."),
         g.timeseries("Request rate by engine role",
-                     [g.target(f"sum by (engine_type) (rate({_eng('sglang:num_requests_total')}[{RATE}]))", "{{engine_type}}")],
+                     [g.target(f"sum by (engine_type) (rate({_eng('sglang:num_requests_total')}[{RATE}]))",
+                               "{{engine_type}}")],
                      unit="reqps", w=8, description="Requests finished per second as each engine role counts them "
                      "(prefill and decode each count every PD request once)."),
         g.row("KV transfer"),
         g.timeseries("KV transfer throughput",
-                     [g.target(f"sum by (instance) (rate({_eng('sglang:kv_transfer_total_mb_sum', PREFILL)}[{RATE}])) * 1048576",
-                               "{{instance}}")], unit="Bps", w=8,
-                     description="Bytes per second each prefill writes to decodes (SGLang's kv_transfer_total_mb, MiB)."),
+                     [g.target(f"sum by (instance) (rate({_eng('sglang:kv_transfer_total_mb_sum', PREFILL)}[{RATE}]))"
+                               " * 1048576", "{{instance}}")], unit="Bps", w=8,
+                     description="Bytes per second each prefill writes to decodes "
+                     "(SGLang's kv_transfer_total_mb, MiB)."),
         g.timeseries("KV transfer speed per request",
-                     [g.target(f"histogram_quantile({q}, sum by (le) (rate({_eng('sglang:kv_transfer_speed_gb_s_bucket')}[{RATE}])))",
+                     [g.target(f"histogram_quantile({q}, sum by (le) "
+                               f"(rate({_eng('sglang:kv_transfer_speed_gb_s_bucket')}[{RATE}])))",
                                f"p{round(q * 100)}") for q in (0.1, 0.5, 0.9)], unit="GBs", w=8,
                      description="Per-request transfer speed (GB/s) as the prefill measures it."),
         g.timeseries("KV transfer and bootstrap failures",
-                     [g.target(f"sum by (instance, engine_type) (rate({_eng('sglang:num_transfer_failed_reqs_total')}[{RATE}]))",
+                     [g.target("sum by (instance, engine_type) "
+                               f"(rate({_eng('sglang:num_transfer_failed_reqs_total')}[{RATE}]))",
                                "transfer {{engine_type}} {{instance}}"),
-                      g.target(f"sum by (instance, engine_type) (rate({_eng('sglang:num_bootstrap_failed_reqs_total')}[{RATE}]))",
+                      g.target("sum by (instance, engine_type) "
+                               f"(rate({_eng('sglang:num_bootstrap_failed_reqs_total')}[{RATE}]))",
                                "bootstrap {{engine_type}} {{instance}}")], unit="reqps", w=8),
         g.row("Speculative decoding (SGLang --speculative-algorithm; empty otherwise)"),
         g.timeseries("Speculative accept length",
@@ -170,14 +194,16 @@ def workers() -> dict:
     items = [
         g.row("Worker state"),
         g.state_timeline("Health (router probe)",
-                         [g.target(f"min by (role, worker) ({sel('pdserve_router_worker_healthy', worker)})", "{{role}} {{worker}}")],
+                         [g.target(f"min by (role, worker) ({sel('pdserve_router_worker_healthy', worker)})",
+                                   "{{role}} {{worker}}")],
                          {0: ("unhealthy", "red"), 1: ("healthy", "green")}, w=12),
         g.state_timeline("Circuit breaker (router)",
                          [g.target(f"max by (role, worker) ({sel('pdserve_router_worker_circuit_state', worker)})",
                                    "{{role}} {{worker}}")],
                          {0: ("closed", "green"), 1: ("half-open", "yellow"), 2: ("open", "red")}, w=12),
         g.stat("Engine restarts (since launch)",
-               [g.target(f"max by (worker_name, role) ({sel('pdserve_worker_restarts_total', worker)})", "{{worker_name}}")],
+               [g.target(f"max by (worker_name, role) ({sel('pdserve_worker_restarts_total', worker)})",
+                         "{{worker_name}}")],
                w=8, description="Engine restarts by each worker actor (launcher's exporter)."),
         g.state_timeline("Worker state (launcher)",
                          [g.target(f"max by (worker_name) ({sel('pdserve_worker_ready', worker)})", "{{worker_name}}")],
@@ -187,34 +213,44 @@ def workers() -> dict:
                          {0: ("down", "red"), 1: ("up", "green")}, w=8),
         g.row("Load"),
         g.timeseries("In flight per worker (router)",
-                     [g.target(f"sum by (role, worker) ({sel('pdserve_router_worker_inflight', worker)})", "{{role}} {{worker}}")],
+                     [g.target(f"sum by (role, worker) ({sel('pdserve_router_worker_inflight', worker)})",
+                               "{{role}} {{worker}}")],
                      w=8),
         g.timeseries("Policy decisions per worker",
-                     [g.target(f"sum by (role, policy, worker) (rate({sel('pdserve_router_policy_decisions_total', worker)}[{RATE}]))",
+                     [g.target("sum by (role, policy, worker) "
+                               f"(rate({sel('pdserve_router_policy_decisions_total', worker)}[{RATE}]))",
                                "{{role}} {{worker}} ({{policy}})")], unit="reqps", w=8),
         g.timeseries("Running requests",
-                     [g.target(f"sum by (engine_type, instance) ({_eng('sglang:num_running_reqs')})", "{{engine_type}} {{instance}}")],
+                     [g.target(f"sum by (engine_type, instance) ({_eng('sglang:num_running_reqs')})",
+                               "{{engine_type}} {{instance}}")],
                      w=8),
         g.timeseries("Queue depth",
-                     [g.target(f"sum by (engine_type, instance) ({_eng('sglang:num_queue_reqs')})", "{{engine_type}} {{instance}}")],
+                     [g.target(f"sum by (engine_type, instance) ({_eng('sglang:num_queue_reqs')})",
+                               "{{engine_type}} {{instance}}")],
                      w=8, description="Requests waiting for a forward batch."),
         g.timeseries("PD queues",
-                     [g.target(f"sum by (instance) ({_eng('sglang:num_prefill_bootstrap_queue_reqs')})", "prefill bootstrap {{instance}}"),
-                      g.target(f"sum by (instance) ({_eng('sglang:num_decode_prealloc_queue_reqs')})", "decode prealloc {{instance}}"),
-                      g.target(f"sum by (instance) ({_eng('sglang:num_decode_transfer_queue_reqs')})", "decode transfer {{instance}}")],
+                     [g.target(f"sum by (instance) ({_eng('sglang:num_prefill_bootstrap_queue_reqs')})",
+                               "prefill bootstrap {{instance}}"),
+                      g.target(f"sum by (instance) ({_eng('sglang:num_decode_prealloc_queue_reqs')})",
+                               "decode prealloc {{instance}}"),
+                      g.target(f"sum by (instance) ({_eng('sglang:num_decode_transfer_queue_reqs')})",
+                               "decode transfer {{instance}}")],
                      w=8, description="Prefills waiting for their decode's bootstrap; decodes waiting for KV pages; "
                      "decodes waiting for the KV to arrive."),
         g.timeseries("Tokens per second per engine",
                      [g.target(f"sum by (instance) (rate({_eng('sglang:prompt_tokens_total', PREFILL)}[{RATE}]))",
                                "prefill in {{instance}}"),
-                      g.target(f"sum by (instance) (rate({_eng('sglang:generation_tokens_total', REQUEST_ENGINES)}[{RATE}]))",
+                      g.target("sum by (instance) "
+                               f"(rate({_eng('sglang:generation_tokens_total', REQUEST_ENGINES)}[{RATE}]))",
                                "decode out {{instance}}")], w=8),
         g.row("KV cache"),
         g.timeseries("KV token usage",
-                     [g.target(f"max by (engine_type, instance) ({_eng('sglang:token_usage')})", "{{engine_type}} {{instance}}")],
+                     [g.target(f"max by (engine_type, instance) ({_eng('sglang:token_usage')})",
+                               "{{engine_type}} {{instance}}")],
                      unit="percentunit", w=12, description="Fraction of the KV pool in use (max over ranks)."),
         g.timeseries("KV tokens in use",
-                     [g.target(f"max by (engine_type, instance) ({_eng('sglang:num_used_tokens')})", "{{engine_type}} {{instance}}")],
+                     [g.target(f"max by (engine_type, instance) ({_eng('sglang:num_used_tokens')})",
+                               "{{engine_type}} {{instance}}")],
                      w=12),
     ]
     variables = [g.query_variable("worker", "Worker (router view)", "pdserve_router_worker_healthy", "worker"),

@@ -19,7 +19,8 @@ SCHEMA_VERSION = 39
 GRID_WIDTH = 24
 
 
-def target(expr: str, legend: str = "", *, ref: Optional[str] = None, heatmap: bool = False, instant: bool = False) -> dict:
+def target(expr: str, legend: str = "", *, ref: Optional[str] = None, heatmap: bool = False,
+           instant: bool = False) -> dict:
     """One Prometheus query of a panel (``refId`` filled in by :func:`panel` when None)."""
     t = {"datasource": DS, "expr": expr, "legendFormat": legend or "__auto", "refId": ref,
          "range": not instant, "instant": instant, "editorMode": "code"}
@@ -80,7 +81,8 @@ def timeseries(title: str, targets: list[dict], *, unit: str = "short", log: boo
               "thresholdsStyle": {"mode": "line" if slo is not None else "off"}}
     if log:
         del custom["axisSoftMin"]
-    options = {"legend": {"displayMode": "table", "placement": "bottom", "showLegend": True, "calcs": ["mean", "max", "lastNotNull"]},
+    options = {"legend": {"displayMode": "table", "placement": "bottom", "showLegend": True,
+                          "calcs": ["mean", "max", "lastNotNull"]},
                "tooltip": {"mode": "multi", "sort": "desc"}}
     p = panel("timeseries", title, targets, unit=unit, options=options, custom=custom, **kw)
     p["fieldConfig"]["defaults"]["thresholds"] = _thresholds(slo)
@@ -96,7 +98,8 @@ def heatmap(title: str, buckets_expr: str, *, unit: str = "s", **kw) -> dict:
                "filterValues": {"le": 1e-9}, "showValue": "never", "tooltip": {"show": True, "yHistogram": True},
                "legend": {"show": True}, "exemplars": {"color": "rgba(255,0,255,0.7)"}}
     return panel("heatmap", title, [target(buckets_expr, heatmap=True)], unit=unit, options=options,
-                 custom={"scaleDistribution": {"type": "linear"}, "hideFrom": {"legend": False, "tooltip": False, "viz": False}},
+                 custom={"scaleDistribution": {"type": "linear"},
+                         "hideFrom": {"legend": False, "tooltip": False, "viz": False}},
                  **kw)
 
 
@@ -133,7 +136,8 @@ def stat(title: str, targets: list[dict], *, unit: str = "short", **kw) -> dict:
 
 def row(title: str) -> dict:
     """A (never collapsed) row header; the panels after it belong to it."""
-    return {"type": "row", "title": title, "collapsed": False, "panels": [], "gridPos": {"h": 1, "w": GRID_WIDTH, "x": 0, "y": 0}}
+    return {"type": "row", "title": title, "collapsed": False, "panels": [],
+            "gridPos": {"h": 1, "w": GRID_WIDTH, "x": 0, "y": 0}}
 
 
 # ---- variables ------------------------------------------------------------------------------------
@@ -227,7 +231,8 @@ def resolve_variables(dash: dict, label_values: Callable[[str, str], list[str]])
     return out
 
 
-def expand(expr: str, values: dict[str, str], rate_interval: str = "1m", interval: str = "15s", range_: str = "1h") -> str:
+def expand(expr: str, values: dict[str, str], rate_interval: str = "1m", interval: str = "15s",
+           range_: str = "1h") -> str:
     """Substitute ``$var`` / ``${var}`` and Grafana's ``$__rate_interval``, ``$__interval``,
     ``$__range`` in ``expr``.
 

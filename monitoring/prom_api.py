@@ -30,7 +30,8 @@ class Prometheus:
         try:
             body = r.json()
         except ValueError:
-            raise PrometheusError(f"{self.url}{path}: HTTP {r.status_code}, not a Prometheus API answer: {r.text[:200]!r}") from None
+            raise PrometheusError(f"{self.url}{path}: HTTP {r.status_code}, not a Prometheus API answer: "
+                                  f"{r.text[:200]!r}") from None
         if body.get("status") != "success":
             raise PrometheusError(f"{self.url}{path} {params}: {body.get('errorType')}: {body.get('error')}")
         return body["data"]
@@ -56,7 +57,8 @@ class Prometheus:
                          {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:g}"})
         return data["result"]
 
-    def label_values(self, selector: str, label: str, start: float | None = None, end: float | None = None) -> list[str]:
+    def label_values(self, selector: str, label: str, start: float | None = None,
+                     end: float | None = None) -> list[str]:
         """Values of ``label`` on the series ``selector`` matches (what Grafana's
         ``label_values(selector, label)`` variable query returns)."""
         params = [("match[]", selector)]

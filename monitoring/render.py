@@ -84,7 +84,8 @@ def parse_time(text: str) -> float:
     try:
         t = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
-        raise ValueError(f"--end: expected a Unix timestamp or an ISO 8601 time like 2026-11-30T01:13:00Z, got {text!r}") from None
+        raise ValueError("--end: expected a Unix timestamp or an ISO 8601 time like 2026-11-30T01:13:00Z, "
+                         f"got {text!r}") from None
     if t.tzinfo is None:
         t = t.replace(tzinfo=dt.timezone.utc)
     return t.timestamp()
@@ -100,7 +101,8 @@ def _utc(ts: float) -> dt.datetime:
     return dt.datetime.fromtimestamp(ts, dt.timezone.utc)
 
 
-def render(prom: Prometheus, out: Path, range_s: float, end: float, step: float, scrape_interval: float) -> dict[str, int]:
+def render(prom: Prometheus, out: Path, range_s: float, end: float, step: float,
+           scrape_interval: float) -> dict[str, int]:
     """Draw the main panels into ``out`` (PNG). Returns panel title -> series drawn.
 
     Raises:
@@ -194,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                                               "(default: now)")
     p.add_argument("--step", default=None, help="resolution (default: range / 240, at least the scrape interval)")
     p.add_argument("--scrape-interval", default="10s",
-                   help="Prometheus's scrape_interval, for $__rate_interval (default %(default)s, as monitoring/prometheus.yml)")
+                   help="Prometheus's scrape_interval, for $__rate_interval "
+                        "(default %(default)s, as monitoring/prometheus.yml)")
     args = p.parse_args(argv)
     if args.out.suffix.lower() != ".png":
         p.error(f"--out: expected a .png file name, got {str(args.out)!r}")

@@ -53,7 +53,8 @@ def recording_rules() -> list[dict]:
         {"record": TTFT_P99,
          "expr": quantile(0.99, f"rate({ROUTER_TTFT.metric}_bucket[5m])", by=("endpoint",))},
         {"record": ITL_P99,
-         "expr": quantile(0.99, f"rate({sel(ENGINE_ITL.metric + '_bucket', REQUEST_ENGINES)}[5m])", by=("model_name",))},
+         "expr": quantile(0.99, f"rate({sel(ENGINE_ITL.metric + '_bucket', REQUEST_ENGINES)}[5m])",
+                          by=("model_name",))},
         # `or 0 * total`: 0 (not nothing) while there are requests and no 5xx.
         {"record": ERROR_RATIO,
          "expr": f'(sum by (endpoint) (rate({requests}{{status=~"5.."}}[5m])) or 0 * {total}) / {total}'},
@@ -85,7 +86,8 @@ def alerting_rules(slo: SLO) -> list[dict]:
                "{{ $labels.role }} worker {{ $labels.worker }} fails the router's health probe",
                "The router's health probe of {{ $labels.worker }} has failed for 1m; the router stops sending it "
                "new requests."),
-        _alert("PdserveWorkerFailed", 'max by (worker, worker_name, role) (pdserve_worker_state{state="failed"}) == 1', "0m",
+        _alert("PdserveWorkerFailed",
+               'max by (worker, worker_name, role) (pdserve_worker_state{state="failed"}) == 1', "0m",
                "critical", "{{ $labels.worker_name }} gave up restarting its engine",
                "The worker actor reached restart.max_restarts; its engine stays down until the deployment is "
                "restarted. `pdserve diagnose` on its log names the cause."),
@@ -103,7 +105,8 @@ def alerting_rules(slo: SLO) -> list[dict]:
                "0m", "warning", "PD bootstrap fails on {{ $labels.engine_type }} {{ $labels.instance }}",
                "{{ $value | humanize }} request(s) failed the prefill/decode handshake in 5m (timeouts, layout "
                "mismatch, unreachable bootstrap port)."),
-        _alert("PdserveCircuitOpen", "max by (worker, role) (pdserve_router_worker_circuit_state) == 2", "2m", "warning",
+        _alert("PdserveCircuitOpen", "max by (worker, role) (pdserve_router_worker_circuit_state) == 2", "2m",
+               "warning",
                "The router's circuit breaker for {{ $labels.role }} worker {{ $labels.worker }} is open",
                "The router stopped sending requests to {{ $labels.worker }} after repeated failures."),
         _alert("PdserveTargetDown", 'up{job="pdserve"} == 0', "2m", "critical",

@@ -59,7 +59,8 @@ class Histogram:
 
 
 def _router(stage: str) -> Histogram:
-    return Histogram(f"pdserve_router_{stage}_seconds", f"pdserve:router_{stage}_seconds_bucket:rate1m", ROUTER_BY, "router")
+    return Histogram(f"pdserve_router_{stage}_seconds", f"pdserve:router_{stage}_seconds_bucket:rate1m", ROUTER_BY,
+                     "router")
 
 
 ROUTER_QUEUE = _router("queue")
@@ -69,11 +70,14 @@ ROUTER_ITL = _router("inter_token")
 ROUTER_E2E = _router("e2e")
 ENGINE_STAGE = Histogram("sglang:per_stage_req_latency_seconds", "pdserve:engine_stage_seconds_bucket:rate1m",
                          ENGINE_BY + ("stage",), "engine")
-ENGINE_TTFT = Histogram("sglang:time_to_first_token_seconds", "pdserve:engine_ttft_seconds_bucket:rate1m", ENGINE_BY, "engine")
-ENGINE_ITL = Histogram("sglang:inter_token_latency_seconds", "pdserve:engine_itl_seconds_bucket:rate1m", ENGINE_BY, "engine")
+ENGINE_TTFT = Histogram("sglang:time_to_first_token_seconds", "pdserve:engine_ttft_seconds_bucket:rate1m",
+                        ENGINE_BY, "engine")
+ENGINE_ITL = Histogram("sglang:inter_token_latency_seconds", "pdserve:engine_itl_seconds_bucket:rate1m",
+                       ENGINE_BY, "engine")
 ENGINE_TPOT = Histogram("sglang:request_time_per_output_token_seconds", "pdserve:engine_tpot_seconds_bucket:rate1m",
                         ENGINE_BY, "engine")
-ENGINE_E2E = Histogram("sglang:e2e_request_latency_seconds", "pdserve:engine_e2e_seconds_bucket:rate1m", ENGINE_BY, "engine")
+ENGINE_E2E = Histogram("sglang:e2e_request_latency_seconds", "pdserve:engine_e2e_seconds_bucket:rate1m",
+                       ENGINE_BY, "engine")
 ENGINE_KV_TRANSFER = Histogram("sglang:kv_transfer_latency_ms", "pdserve:engine_kv_transfer_latency_ms_bucket:rate1m",
                                ENGINE_BY, "engine", scale=0.001)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sys
 
-
 USAGE = """usage: pdserve COMMAND [ARGS]   (pdserve --version: the installed version)
 
 commands:

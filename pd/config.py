@@ -267,7 +267,8 @@ def check_layout(cfg: PDConfig) -> None:
     used: dict[int, str] = {}
     for role, g in cfg.groups().items():
         if g.tp_size > cfg.cluster.gpus_per_node:
-            raise ValueError(f"{role}.tp_size {g.tp_size} does not fit a node of cluster.gpus_per_node={cfg.cluster.gpus_per_node} GPUs")
+            raise ValueError(f"{role}.tp_size {g.tp_size} does not fit a node of "
+                             f"cluster.gpus_per_node={cfg.cluster.gpus_per_node} GPUs")
         if g.gpus is None:
             continue
         if len(g.gpus) != g.replicas:
@@ -277,7 +278,8 @@ def check_layout(cfg: PDConfig) -> None:
                 raise ValueError(f"{role}.gpus[{i}] has {len(ids)} GPUs; {role}.tp_size is {g.tp_size}")
             for gid in ids:
                 if not 0 <= gid < cfg.cluster.num_gpus:
-                    raise ValueError(f"{role}.gpus[{i}]: GPU {gid} does not exist (cluster.num_gpus={cfg.cluster.num_gpus})")
+                    raise ValueError(f"{role}.gpus[{i}]: GPU {gid} does not exist "
+                                     f"(cluster.num_gpus={cfg.cluster.num_gpus})")
                 where = f"{role}.gpus[{i}]"
                 if gid in used:
                     raise ValueError(f"{where}: GPU {gid} is also used by {used[gid]}")
@@ -285,7 +287,8 @@ def check_layout(cfg: PDConfig) -> None:
     need = cfg.total_gpus()
     if need > cfg.cluster.num_gpus:
         raise ValueError(
-            f"prefill needs {cfg.prefill.replicas}x{cfg.prefill.tp_size} and decode {cfg.decode.replicas}x{cfg.decode.tp_size} "
+            f"prefill needs {cfg.prefill.replicas}x{cfg.prefill.tp_size} "
+            f"and decode {cfg.decode.replicas}x{cfg.decode.tp_size} "
             f"= {need} GPUs; cluster.num_gpus is {cfg.cluster.num_gpus}"
         )
 

@@ -34,8 +34,8 @@ import sys
 from functools import lru_cache
 from typing import Optional
 
-from pd.config import PDConfig
 from pd.commands.command import EngineCommand
+from pd.config import PDConfig
 from pd.kernels.sglang_plugin import PLUGIN_ALLOW_LIST
 from pd.kernels.sglang_plugin import worker_env as plugin_env
 
