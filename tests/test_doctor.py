@@ -9,10 +9,11 @@ import stat
 
 import pytest
 import yaml
-
 from engines import ROOT, free_port
-from pd.tools import doctor as D
+
 from pd.config import parse_config
+from pd.tools import doctor as D
+from pd.tools.doctor import hardware
 
 PROFILE = os.path.join(ROOT, "deploy", "dsv4-flash-rtxpro6000x8.yaml")
 SM120, SM100, SM90, NOGPU = D.GpuInfo("sm_120"), D.GpuInfo("sm_100"), D.GpuInfo("sm_90"), D.GpuInfo()
@@ -173,7 +174,6 @@ def test_cli_version_and_a_closed_pipe():
     exit 1, not a BrokenPipeError traceback."""
     import subprocess
     import sys
-
     from importlib.metadata import version
 
     r = subprocess.run([sys.executable, "-m", "pd.cli", "--version"], capture_output=True, text=True, timeout=60)
@@ -205,7 +205,7 @@ def test_detect_gpu_from_nvidia_smi_then_nothing(tmp_path, monkeypatch):
     assert D.detect_gpu() == D.GpuInfo("sm_120", 4, "nvidia-smi")
     assert D.detect_gpu("sm_90") == D.GpuInfo("sm_90", None, "--assume-gpu")
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
-    monkeypatch.setattr(D, "_from_torch", lambda: None)  # a CPU machine
+    monkeypatch.setattr(hardware, "_from_torch", lambda: None)  # a CPU machine
     assert D.detect_gpu() == D.GpuInfo()
 
 
@@ -222,13 +222,15 @@ def test_read_model_info_keys(tmp_path):
         "fp8", "mxfp4", "mxfp4", 1, 4096, True)
     h = D.read_model_info(ckpt(tmp_path, "b", **NVFP4_HYBRID))
     assert (h.quant_method, h.experts_quant, h.draft_experts_quant) == ("fp8", "nvfp4", "mxfp4")
-    dflt = D.read_model_info(ckpt(tmp_path, "c", architectures=["DeepseekV4ForCausalLM"], quantization_config={"quant_method": "fp8"}))
+    dflt = D.read_model_info(ckpt(tmp_path, "c", architectures=["DeepseekV4ForCausalLM"],
+                                  quantization_config={"quant_method": "fp8"}))
     assert dflt.draft_experts_quant == "mxfp4" and "SGLang default" in dflt.draft_experts_source
     # without routed_experts_quant_method SGLang reads one routed expert's dtype from the safetensors header
     for dtype, want in (("U8", "mxfp4"), ("I8", "mxfp4"), ("F8_E4M3", "fp8")):
         d = tmp_path / f"hdr-{dtype}"
         d.mkdir()
-        (d / "config.json").write_text(json.dumps({"architectures": ["DeepseekV4ForCausalLM"], "quantization_config": {"quant_method": "fp8"}}))
+        (d / "config.json").write_text(json.dumps({"architectures": ["DeepseekV4ForCausalLM"],
+                                                   "quantization_config": {"quant_method": "fp8"}}))
         safetensors_header(d, {"model.embed_tokens.weight": "BF16", "model.layers.0.ffn.experts.0.w2.weight": dtype})
         m = D.read_model_info(d)
         assert (m.experts_quant, m.draft_experts_quant) == (want, want) and f"is {dtype}" in m.experts_source
@@ -265,10 +267,13 @@ def test_sm100_only_moe_backends_are_refused_off_sm100(tmp_path):
                           "MXFP8 x MXFP4 kernels for sm_120)")
     assert not of(run(d, SM100), "moe-backend-arch", "error")
     (err,) = of(run(d, SM90), "moe-backend-arch", "error")  # not sm_100 either
-    assert err.fix.startswith("set sglang.moe_runner_backend: flashinfer_mxfp4 (MXFP4 experts on FlashInfer CUTLASS kernels")
-    fp8 = profile(tmp_path, {**DSV4_CONFIG, "architectures": ["DeepseekV3ForCausalLM"], "quantization_config": {"quant_method": "fp8"}},
+    assert err.fix.startswith("set sglang.moe_runner_backend: flashinfer_mxfp4 (MXFP4 experts on FlashInfer "
+                              "CUTLASS kernels")
+    fp8 = profile(tmp_path, {**DSV4_CONFIG, "architectures": ["DeepseekV3ForCausalLM"],
+                             "quantization_config": {"quant_method": "fp8"}},
                   moe_runner_backend="flashinfer_trtllm")  # FP8 experts: Triton is the portable choice
-    assert of(run(fp8, SM120), "moe-backend-arch", "error")[0].fix == "set sglang.moe_runner_backend: triton (runs on sm_120)"
+    assert (of(run(fp8, SM120), "moe-backend-arch", "error")[0].fix
+            == "set sglang.moe_runner_backend: triton (runs on sm_120)")
     d = profile(speculative={"moe_runner_backend": "flashinfer_trtllm_routed"})
     err = of(run(d, SM120), "moe-backend-arch", "error")
     assert len(err) == 1 and "the draft (MTP) MoE" in err[0].message
@@ -276,13 +281,15 @@ def test_sm100_only_moe_backends_are_refused_off_sm100(tmp_path):
     d = profile()
     d["decode"]["extra_args"] = ["--moe-runner-backend", "flashinfer_megamoe"]
     err = of(run(d, SM120), "moe-backend-arch", "error")
-    assert len(err) == 1 and err[0].message.startswith("decode.extra_args (--moe-runner-backend) is flashinfer_megamoe on decode")
+    assert len(err) == 1 and err[0].message.startswith(
+        "decode.extra_args (--moe-runner-backend) is flashinfer_megamoe on decode")
     d = profile(moe_runner_backend="hpc_ops")  # SM90-only
     assert of(run(d, SM120), "moe-backend-arch", "error") and not of(run(d, SM90), "moe-backend-arch", "error")
     # auto is resolved as SGLang resolves it: the FP8+NVFP4 hybrid gets flashinfer_trtllm_routed (sm_100-only)
     d = profile(tmp_path, NVFP4_HYBRID, moe_runner_backend=None, speculative={"moe_runner_backend": None})
     (err,) = of(run(d, SM120), "moe-backend-arch", "error")
-    assert "is auto (SGLang's DeepSeek-V4 override picks it for the FP8+NVFP4 hybrid checkpoint: flashinfer_trtllm_routed)" in err.message
+    assert ("is auto (SGLang's DeepSeek-V4 override picks it for the FP8+NVFP4 hybrid checkpoint: "
+            "flashinfer_trtllm_routed)") in err.message
     assert "the draft inherits it" in err.message
     assert not of(run(d, SM100), "moe-backend-arch", "error")
 
@@ -294,7 +301,8 @@ def test_mxfp4_experts_under_triton_are_refused(tmp_path):
                 pdserve_kernels=False)
     for gpu in (SM120, SM100, SM90, NOGPU):  # no GPU generation reads packed e2m1 as FP8
         err = of(run(d, gpu), "moe-fp4-experts", "error")
-        assert [e.message.split(" (")[0] for e in err] == ["sglang.moe_runner_backend", "sglang.speculative.moe_runner_backend"]
+        assert [e.message.split(" (")[0] for e in err] == ["sglang.moe_runner_backend",
+                                                           "sglang.speculative.moe_runner_backend"]
         assert all("routed experts are MXFP4" in e.message and "Hidden size mismatch" in e.message for e in err)
     err = of(run(d, SM120), "moe-fp4-experts", "error")
     assert [e.fix.split(" (")[0] for e in err] == ["set sglang.moe_runner_backend: flashinfer_mxfp4",
@@ -305,7 +313,8 @@ def test_mxfp4_experts_under_triton_are_refused(tmp_path):
         bad = profile(tmp_path, None, speculative={"moe_runner_backend": spec}, pdserve_kernels=False)
         bad["model_path"] = d["model_path"]
         (e,) = of(run(bad, SM120), "moe-fp4-experts", "error")
-        assert e.message.startswith(f"sglang.speculative.moe_runner_backend (--speculative-moe-runner-backend) is {spec}")
+        assert e.message.startswith(
+            f"sglang.speculative.moe_runner_backend (--speculative-moe-runner-backend) is {spec}")
     # the same backends on FP8 experts (a converted checkpoint: the safetensors header says F8_E4M3) are fine
     fp8 = tmp_path / "fp8-experts"
     fp8.mkdir()
@@ -333,12 +342,14 @@ def test_mxfp4_expert_backends_by_gpu_generation(tmp_path, backend, ok_on, bad_o
         err = of(run(d, D.GpuInfo(arch)), "moe-fp4-experts", "error")
         assert len(err) == 2 and f"{backend}'s MXFP4 MoE method runs on" in err[0].message, arch
     if backend == "flashinfer_mxfp4":  # nothing MXFP4 runs on sm_89: dequantize to FP8
-        assert "auto and SGLANG_DSV4_FP4_DEQUANT: '1'" in of(run(d, D.GpuInfo("sm_89")), "moe-fp4-experts", "error")[0].fix
+        assert "auto and SGLANG_DSV4_FP4_DEQUANT: '1'" in of(run(d, D.GpuInfo("sm_89")), "moe-fp4-experts",
+                                                             "error")[0].fix
 
 
 def test_mxfp4_target_left_to_auto_and_dequantization(tmp_path):
     # auto: SGLang's DeepSeek-V4 override picks flashinfer_mxfp4 on sm_90/sm_100/sm_120; an unset draft inherits it
-    d = profile(tmp_path, DSV4_CONFIG, moe_runner_backend=None, speculative={"moe_runner_backend": None}, pdserve_kernels=False)
+    d = profile(tmp_path, DSV4_CONFIG, moe_runner_backend=None, speculative={"moe_runner_backend": None},
+                pdserve_kernels=False)
     for gpu in (SM120, SM100, SM90):
         assert [x.level for x in of(run(d, gpu), "moe-fp4-experts")] == ["ok"]
     err = of(run(d, D.GpuInfo("sm_89")), "moe-fp4-experts", "error")  # there auto stays auto: Triton
@@ -397,7 +408,8 @@ def test_quantization_left_to_auto_detection_is_refused(tmp_path):
 
 # ---- 3d. the draft -----------------------------------------------------------------------------
 def test_draft_hidden_size_mismatch_is_refused(tmp_path):
-    d = profile(tmp_path, DSV4_CONFIG, speculative={"draft_model_path": ckpt(tmp_path, "draft", **{**DSV4_CONFIG, "hidden_size": 2048})})
+    draft = ckpt(tmp_path, "draft", **{**DSV4_CONFIG, "hidden_size": 2048})
+    d = profile(tmp_path, DSV4_CONFIG, speculative={"draft_model_path": draft})
     err = of(run(d), "draft", "error")
     assert len(err) == 1 and "hidden_size 2048" in err[0].message and "target's 4096" in err[0].message
     d["sglang"]["speculative"]["draft_model_path"] = ckpt(tmp_path, "draft2", **DSV4_CONFIG)
@@ -483,7 +495,8 @@ def test_router_port_in_use_is_refused():
         s.listen()
         d["router"]["port"] = s.getsockname()[1]
         f = of(run(d, check_ports=True), "router-port")
-        assert f[0].level == "error" and f"router.port {d['router']['port']} on 127.0.0.1 is already in use" in f[0].message
+        assert (f[0].level == "error"
+                and f"router.port {d['router']['port']} on 127.0.0.1 is already in use" in f[0].message)
     assert of(run(d, check_ports=True), "router-port")[0].level == "ok"
     d["router"]["host"] = "192.0.2.1"  # TEST-NET: not this machine's
     assert "not an address of this machine" in of(run(d, check_ports=True), "router-port")[0].message
@@ -515,7 +528,8 @@ def test_unknown_extra_flag_is_refused_with_candidates(monkeypatch):
     d = profile()
     d["prefill"]["extra_args"] = ["--max-runing-requests", "8"]
     err = of(run(d), "engine-args", "error")
-    assert len(err) == 1 and err[0].message.startswith("prefill: prefill.extra_args: unknown SGLang flag --max-runing-requests")
+    assert len(err) == 1 and err[0].message.startswith(
+        "prefill: prefill.extra_args: unknown SGLang flag --max-runing-requests")
     assert "--max-running-requests" in err[0].message
 
     import pd.commands.sglang as sg
@@ -559,14 +573,14 @@ def test_kv_transfer_tcp_warning_and_missing_rdma_device(tmp_path, monkeypatch):
     assert of(run(profile()), "kv-transfer")[0].level == "warning"
     ib = tmp_path / "infiniband"
     (ib / "mlx5_0").mkdir(parents=True)
-    monkeypatch.setattr(D, "IB_SYSFS", str(ib))
+    monkeypatch.setattr(hardware, "IB_SYSFS", str(ib))
     d = profile()
     d["transfer"] = {"protocol": "rdma", "ib_device": "mlx5_1"}
     f = of(run(d), "kv-transfer")
     assert f[0].level == "error" and "mlx5_1" in f[0].message and "mlx5_0" in f[0].fix
     d["transfer"]["ib_device"] = "mlx5_0"
     assert of(run(d), "kv-transfer")[0].level == "ok"
-    monkeypatch.setattr(D, "IB_SYSFS", str(tmp_path / "none"))
+    monkeypatch.setattr(hardware, "IB_SYSFS", str(tmp_path / "none"))
     assert of(run(d), "kv-transfer")[0].level == "error"
     ref = parse_config({"router": {"port": free_port()}})
     assert of(D.run_checks(ref, NOGPU), "kv-transfer")[0].level == "ok"  # reference engine on TCP: fine

@@ -15,8 +15,8 @@ import shlex
 import sys
 from typing import Optional
 
-from pd.config import ConfigError, PDConfig, load_config
 from pd.commands.build import engine_command
+from pd.config import ConfigError, PDConfig, load_config
 
 EXAMPLE_PORT, EXAMPLE_BOOTSTRAP_PORT = 30000, 8998
 
