@@ -1,165 +1,90 @@
 """``pdserve router``: the PD router alone, for engines started by hand.
 
-Flag names follow ``sglang_router.launch_router`` (``--prefill URL [BOOTSTRAP_PORT]``, repeatable,
-the bootstrap port defaulting to SGLang's 8998 when omitted or ``none``; ``--decode URL``,
-repeatable; ``--policy`` / ``--prefill-policy`` / ``--decode-policy``; ``--cache-threshold``,
-``--balance-abs-threshold``, ``--balance-rel-threshold``, ``--eviction-interval-secs``,
-``--max-tree-size``; ``--retry-*``, ``--disable-retries``; ``--cb-*``,
-``--disable-circuit-breaker``; ``--health-*``; ``--request-timeout-secs``; ``--max-payload-size``;
-``--api-key``; ``--request-id-headers``). pdserve adds per-stage timeouts
-(``--connect-timeout-secs``, ``--prefill-timeout-secs``, ``--first-token-timeout-secs``,
-``--stream-idle-timeout-secs``) and ``--admin-api-key``. ``--pd-disaggregation`` is accepted and
-implied. Keys may come from the environment instead of the command line (visible in ``ps``):
-``PDSERVE_ROUTER_API_KEY``, ``PDSERVE_ROUTER_ADMIN_API_KEY``.
+The worker flags are written here, in sglang_router.launch_router's forms: ``--prefill URL
+[BOOTSTRAP_PORT]``, repeatable, the bootstrap port defaulting to SGLang's 8998 when omitted or
+``none``; ``--decode URL``, repeatable; ``--pd-disaggregation`` is accepted and implied. Every
+other flag is generated from the settings model (pd.router.flags, pd.router.config), with
+sglang-router's names where it has the setting (``--policy``, ``--retry-*``, ``--cb-*``,
+``--health-*``, ...). Settings can also come as JSON in ``$PDSERVE_ROUTER_CONFIG`` (how the
+launcher starts a router), and the keys from ``$PDSERVE_ROUTER_API_KEY`` /
+``$PDSERVE_ROUTER_ADMIN_API_KEY`` (``ps`` shows flags, not these); ``config_from_args`` defines
+the precedence.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import os
-from typing import Optional
+from typing import Mapping, Optional
 
 import uvicorn
 from pydantic import ValidationError
 
 from pd.router.app import create_app
-from pd.router.config import (ADMIN_KEY_ENV, API_KEY_ENV, DEFAULT_BOOTSTRAP_PORT, POLICY_NAMES, CacheAwareConfig,
-                              CircuitBreakerConfig, HealthCheckConfig, PrefillWorkerConfig, RetryConfig, RouterConfig,
-                              TimeoutConfig)
+from pd.router.config import CONFIG_ENV, DEFAULT_BOOTSTRAP_PORT, PrefillWorkerConfig, RouterConfig
+from pd.router.flags import SettingsFlags, set_path
 
 log = logging.getLogger("pd.router")
 
-# (config model, field) -> the flag that sets it, so a bad value is reported under the flag the user typed.
-_FLAG_OF_FIELD: dict[tuple[str, str], str] = {
-    **{("RouterConfig", f): "--" + f.replace("_", "-") for f in (
-        "host", "port", "prefill", "decode", "policy", "prefill_policy", "decode_policy", "max_payload_size",
-        "max_connections", "api_key", "admin_api_key", "request_id_headers", "log_level")},
-    ("PrefillWorkerConfig", "url"): "--prefill",
-    ("PrefillWorkerConfig", "bootstrap_port"): "--prefill URL BOOTSTRAP_PORT",
-    **{("CacheAwareConfig", f): "--" + f.replace("_", "-") for f in (
-        "cache_threshold", "balance_abs_threshold", "balance_rel_threshold", "eviction_interval_secs",
-        "max_tree_size")},
-    **{("RetryConfig", f): "--retry-" + f.replace("_", "-") for f in (
-        "max_retries", "initial_backoff_ms", "max_backoff_ms", "backoff_multiplier", "jitter_factor")},
-    **{("CircuitBreakerConfig", f): "--cb-" + f.replace("_", "-") for f in (
-        "failure_threshold", "success_threshold", "timeout_duration_secs", "window_duration_secs")},
-    ("HealthCheckConfig", "interval_secs"): "--health-check-interval-secs",
-    ("HealthCheckConfig", "timeout_secs"): "--health-check-timeout-secs",
-    ("HealthCheckConfig", "failure_threshold"): "--health-failure-threshold",
-    ("HealthCheckConfig", "success_threshold"): "--health-success-threshold",
-    ("HealthCheckConfig", "endpoint"): "--health-check-endpoint",
-    **{("TimeoutConfig", f): f"--{f.replace('_', '-')}-timeout-secs" for f in (
-        "connect", "prefill", "first_token", "stream_idle", "request")},
-}
+# Fields with hand-written flags (their forms are sglang-router's: ``--prefill URL [BOOTSTRAP_PORT]``).
+WORKER_FIELDS = ("prefill", "decode")
 
 
-def flag_errors(e: ValidationError) -> str:
+def _worker_flag(title: str, loc: tuple[str, ...]) -> Optional[str]:
+    """The flag of a worker value at ``loc`` of model ``title`` (None: not a worker value)."""
+    if title == "PrefillWorkerConfig" or (loc and loc[0] == "prefill"):
+        return "--prefill URL BOOTSTRAP_PORT" if loc and loc[-1] == "bootstrap_port" else "--prefill"
+    if loc and loc[0] == "decode":
+        return "--decode"
+    return None
+
+
+def flag_errors(e: ValidationError, flags: Optional[SettingsFlags] = None,
+                from_json: frozenset[str] = frozenset()) -> str:
     """A router config validation error as one line per problem, each naming the ``pdserve router``
-    flag that set the bad value (``--port: Input should be less than or equal to 65535, got 99999``)."""
+    flag that set the bad value (``--port: Input should be less than or equal to 65535, got 99999``);
+    a value at a dotted path in ``from_json`` is named as that key of ``$PDSERVE_ROUTER_CONFIG``."""
+    flags = flags or SettingsFlags(RouterConfig, skip=WORKER_FIELDS)
     lines = []
     for err in e.errors():
-        field = str(err["loc"][0]) if err["loc"] else ""
-        flag = _FLAG_OF_FIELD.get((e.title, field), ".".join(str(x) for x in err["loc"]))
+        loc = tuple(str(x) for x in err["loc"])
+        dotted = ".".join(loc)
+        if dotted in from_json:
+            where = f"{dotted} in ${CONFIG_ENV}"
+        else:
+            where = _worker_flag(e.title, loc) or flags.flag_of(dotted) or dotted
         msg = err["msg"].removeprefix("Value error, ")
         got = f", got {err['input']!r}" if err["type"] != "value_error" and not isinstance(err["input"], dict) else ""
-        lines.append(f"{flag}: {msg}{got}" if flag else msg)
+        lines.append(f"{where}: {msg}{got}" if where else msg)
     return "; ".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The router's argument parser (sglang-router's flag names where one exists)."""
+def _parser(model: type[RouterConfig]) -> tuple[argparse.ArgumentParser, SettingsFlags]:
     p = argparse.ArgumentParser(
         prog="pdserve router",
         description="The pdserve PD router: pairs each request with one prefill and one decode worker, adds the "
-                    "bootstrap fields, relays decode's answer; retries, circuit breakers, health checks, admin API.",
+                    "bootstrap fields, relays decode's answer; retries, circuit breakers, health checks, admin API. "
+                    f"Settings can also come as JSON in ${CONFIG_ENV} (flags given here override it).",
     )
-    add = p.add_argument
-    add("--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
-        help="a prefill worker URL and its bootstrap port (default %d); repeat for more" % DEFAULT_BOOTSTRAP_PORT)
-    add("--decode", nargs=1, action="append", default=[], metavar="URL", help="a decode worker URL; repeat for more")
-    add("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    add("--port", type=int, default=30000, help="port to listen on, 0 = any free one (default %(default)s)")
-    add("--pd-disaggregation", action="store_true", help="accepted for sglang_router compatibility; implied")
+    g = p.add_argument_group("workers")
+    g.add_argument("--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
+                   help="a prefill worker URL and its bootstrap port (default %d); repeat for more"
+                        % DEFAULT_BOOTSTRAP_PORT)
+    g.add_argument("--decode", nargs=1, action="append", default=[], metavar="URL",
+                   help="a decode worker URL; repeat for more")
+    g.add_argument("--pd-disaggregation", action="store_true", help="accepted for sglang_router compatibility; implied")
+    flags = SettingsFlags(model, skip=WORKER_FIELDS)
+    flags.add_to(p)
+    return p, flags
 
-    g = p.add_argument_group("policies")
-    g.add_argument("--policy", default="round_robin", choices=POLICY_NAMES,
-                   help="pairing policy of both sides unless overridden (default %(default)s)")
-    g.add_argument("--prefill-policy", choices=POLICY_NAMES, help="policy of the prefill side")
-    g.add_argument("--decode-policy", choices=POLICY_NAMES, help="policy of the decode side")
-    ca = CacheAwareConfig()
-    g.add_argument("--cache-threshold", type=float, default=ca.cache_threshold,
-                   help="cache_aware: prefix match ratio that wins a worker (default %(default)s)")
-    g.add_argument("--balance-abs-threshold", type=int, default=ca.balance_abs_threshold,
-                   help="cache_aware: in-flight difference that switches to least load (default %(default)s)")
-    g.add_argument("--balance-rel-threshold", type=float, default=ca.balance_rel_threshold,
-                   help="cache_aware: in-flight ratio that switches to least load (default %(default)s)")
-    g.add_argument("--eviction-interval-secs", type=float, default=ca.eviction_interval_secs,
-                   help="cache_aware: seconds between tree trims (default %(default)s)")
-    g.add_argument("--max-tree-size", type=int, default=ca.max_tree_size,
-                   help="cache_aware: characters kept per worker tree (default %(default)s)")
 
-    g = p.add_argument_group("retries (before the first byte reaches the client, each on a fresh pair)")
-    r = RetryConfig()
-    g.add_argument("--retry-max-retries", type=int, default=r.max_retries,
-                   help="attempts in all, 1 = no retry (default %(default)s)")
-    g.add_argument("--retry-initial-backoff-ms", type=float, default=r.initial_backoff_ms)
-    g.add_argument("--retry-max-backoff-ms", type=float, default=r.max_backoff_ms)
-    g.add_argument("--retry-backoff-multiplier", type=float, default=r.backoff_multiplier)
-    g.add_argument("--retry-jitter-factor", type=float, default=r.jitter_factor)
-    g.add_argument("--disable-retries", action="store_true", help="same as --retry-max-retries 1")
-
-    g = p.add_argument_group("circuit breaker (per worker)")
-    cb = CircuitBreakerConfig()
-    g.add_argument("--cb-failure-threshold", type=int, default=cb.failure_threshold,
-                   help="consecutive failures that open a worker's circuit (default %(default)s)")
-    g.add_argument("--cb-success-threshold", type=int, default=cb.success_threshold,
-                   help="half-open successes that close it (default %(default)s)")
-    g.add_argument("--cb-timeout-duration-secs", type=float, default=cb.timeout_duration_secs,
-                   help="seconds open before trial requests (default %(default)s)")
-    g.add_argument("--cb-window-duration-secs", type=float, default=cb.window_duration_secs,
-                   help="failures further apart do not add up (default %(default)s)")
-    g.add_argument("--disable-circuit-breaker", action="store_true")
-
-    g = p.add_argument_group("active health checks")
-    hc = HealthCheckConfig()
-    g.add_argument("--health-check-interval-secs", "--health-check-interval", dest="health_check_interval_secs",
-                   type=float, default=hc.interval_secs, help="seconds between probe rounds, 0 = off (default %(default)s)")
-    g.add_argument("--health-check-timeout-secs", type=float, default=hc.timeout_secs)
-    g.add_argument("--health-failure-threshold", type=int, default=hc.failure_threshold,
-                   help="failed probes in a row that take a worker out (default %(default)s)")
-    g.add_argument("--health-success-threshold", type=int, default=hc.success_threshold,
-                   help="passed probes in a row that put it back (default %(default)s)")
-    g.add_argument("--health-check-endpoint", default=hc.endpoint)
-
-    g = p.add_argument_group("timeouts (seconds)")
-    t = TimeoutConfig()
-    g.add_argument("--connect-timeout-secs", "--connect-timeout", dest="connect_timeout_secs", type=float,
-                   default=t.connect, help="to connect to a worker (default %(default)s)")
-    g.add_argument("--prefill-timeout-secs", type=float, help="dispatch -> the prefill's whole answer")
-    g.add_argument("--first-token-timeout-secs", type=float,
-                   help="dispatch -> decode's first byte (streams) or whole answer; retried")
-    g.add_argument("--stream-idle-timeout-secs", type=float, help="longest silence inside a decode stream")
-    g.add_argument("--request-timeout-secs", "--request-timeout", dest="request_timeout_secs", type=float,
-                   default=t.request, help="one upstream request in total, streams included (default %(default)s)")
-
-    g = p.add_argument_group("limits, keys, logging")
-    g.add_argument("--max-payload-size", type=int, default=512 * 1024 * 1024,
-                   help="largest request body in bytes (default %(default)s)")
-    g.add_argument("--max-connections", type=int, default=1024,
-                   help="pooled upstream connections, all workers together, per client (generation requests; "
-                        "health checks, aborts and info) (default %(default)s)")
-    g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                   help=f"key clients must send as 'Authorization: Bearer KEY'; also sent to the workers "
-                        f"(default ${API_KEY_ENV})")
-    g.add_argument("--admin-api-key", default=os.environ.get(ADMIN_KEY_ENV),
-                   help=f"key of the admin API /workers (default ${ADMIN_KEY_ENV}; none: the api key, else "
-                        f"loopback clients only)")
-    g.add_argument("--request-id-headers", nargs="+", default=["x-request-id"],
-                   help="headers a client request id is read from (default %(default)s)")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
-    return p
+def build_parser(model: type[RouterConfig] = RouterConfig) -> argparse.ArgumentParser:
+    """The router's argument parser: the worker flags, and one flag per setting of ``model``
+    generated by pd.router.flags (sglang-router's flag names where one exists)."""
+    return _parser(model)[0]
 
 
 def parse_prefill(values: list[str]) -> PrefillWorkerConfig:
@@ -179,43 +104,70 @@ def parse_prefill(values: list[str]) -> PrefillWorkerConfig:
     return PrefillWorkerConfig(url=url, bootstrap_port=int(port))
 
 
-def config_from_args(argv: Optional[list[str]] = None) -> RouterConfig:
-    """Parse ``pdserve router`` arguments into a RouterConfig (exits with usage on bad input)."""
-    parser = build_parser()
-    a = parser.parse_args(argv)
-    if not a.prefill or not a.decode:
-        parser.error("at least one --prefill and one --decode worker are required")
+def _json_settings(environ: Mapping[str, str]) -> dict:
+    """The settings in ``$PDSERVE_ROUTER_CONFIG`` as a dict ({} when unset).
+
+    Raises:
+        ValueError: not JSON, or not a JSON object.
+    """
+    text = environ.get(CONFIG_ENV)
+    if not text:
+        return {}
     try:
-        return RouterConfig(
-            prefill=[parse_prefill(v) for v in a.prefill],
-            decode=[v[0] for v in a.decode],
-            host=a.host, port=a.port,
-            policy=a.policy, prefill_policy=a.prefill_policy, decode_policy=a.decode_policy,
-            cache_aware=CacheAwareConfig(cache_threshold=a.cache_threshold, balance_abs_threshold=a.balance_abs_threshold,
-                                         balance_rel_threshold=a.balance_rel_threshold,
-                                         eviction_interval_secs=a.eviction_interval_secs, max_tree_size=a.max_tree_size),
-            retry=RetryConfig(max_retries=1 if a.disable_retries else a.retry_max_retries,
-                              initial_backoff_ms=a.retry_initial_backoff_ms, max_backoff_ms=a.retry_max_backoff_ms,
-                              backoff_multiplier=a.retry_backoff_multiplier, jitter_factor=a.retry_jitter_factor),
-            circuit_breaker=CircuitBreakerConfig(enabled=not a.disable_circuit_breaker,
-                                                 failure_threshold=a.cb_failure_threshold,
-                                                 success_threshold=a.cb_success_threshold,
-                                                 timeout_duration_secs=a.cb_timeout_duration_secs,
-                                                 window_duration_secs=a.cb_window_duration_secs),
-            health_check=HealthCheckConfig(interval_secs=a.health_check_interval_secs,
-                                           timeout_secs=a.health_check_timeout_secs,
-                                           failure_threshold=a.health_failure_threshold,
-                                           success_threshold=a.health_success_threshold,
-                                           endpoint=a.health_check_endpoint),
-            timeouts=TimeoutConfig(connect=a.connect_timeout_secs, prefill=a.prefill_timeout_secs,
-                                   first_token=a.first_token_timeout_secs, stream_idle=a.stream_idle_timeout_secs,
-                                   request=a.request_timeout_secs),
-            max_payload_size=a.max_payload_size, max_connections=a.max_connections,
-            api_key=a.api_key, admin_api_key=a.admin_api_key, request_id_headers=tuple(a.request_id_headers),
-            log_level=a.log_level,
-        )
+        data = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"${CONFIG_ENV} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"${CONFIG_ENV} must be a JSON object of router settings, got {type(data).__name__}")
+    return data
+
+
+def _dotted(data: dict, prefix: str = "") -> set[str]:
+    out = set()
+    for key, value in data.items():
+        out.add(prefix + key)
+        if isinstance(value, dict):
+            out |= _dotted(value, prefix + key + ".")
+    return out
+
+
+def config_from_args(argv: Optional[list[str]] = None, environ: Optional[Mapping[str, str]] = None,
+                     model: type[RouterConfig] = RouterConfig) -> RouterConfig:
+    """Parse ``pdserve router`` arguments into a RouterConfig (exits with usage on bad input).
+
+    Where each setting comes from, first match wins: its flag on the command line; for the keys,
+    ``$PDSERVE_ROUTER_API_KEY`` / ``$PDSERVE_ROUTER_ADMIN_API_KEY``; the JSON object in
+    ``$PDSERVE_ROUTER_CONFIG`` (a RouterConfig's keys: how the launcher hands over its settings);
+    the model's default. Workers given with ``--prefill`` / ``--decode`` replace the JSON's
+    ``prefill`` / ``decode`` lists.
+
+    Args:
+        argv: the arguments (default ``sys.argv[1:]``).
+        environ: the environment (default ``os.environ``).
+        model: the config model (a subclass adds settings, and their flags).
+    """
+    environ = os.environ if environ is None else environ
+    parser, flags = _parser(model)
+    a = parser.parse_args(argv)
+    try:
+        data = _json_settings(environ)
+    except ValueError as e:
+        parser.error(str(e))
+    from_json = frozenset(_dotted(data))
+    given = flags.given(a, environ)
+    for dotted, value in given.items():
+        set_path(data, dotted, value)
+    try:
+        if a.prefill:
+            data["prefill"] = [parse_prefill(v) for v in a.prefill]
+        if a.decode:
+            data["decode"] = [v[0] for v in a.decode]
+        if not data.get("prefill") or not data.get("decode"):
+            parser.error("at least one --prefill and one --decode worker are required")
+        return model.model_validate(data)
     except ValidationError as e:
-        parser.error(flag_errors(e))
+        parser.error(flag_errors(e, flags, from_json - set(given) - ({"prefill", "decode"} if a.prefill or a.decode
+                                                                     else set())))
     except ValueError as e:
         parser.error(str(e))
 

@@ -4,14 +4,18 @@
 cluster YAML and ``pdserve router``'s flags set the same things. ``RouterConfig`` adds the initial
 prefill and decode workers (more can be added at runtime through the admin API).
 
-Names follow ``sglang_router.launch_router``'s flags (``--retry-max-retries`` is
-``retry.max_retries``, ``--cb-failure-threshold`` is ``circuit_breaker.failure_threshold``,
-``--health-check-interval-secs`` is ``health_check.interval_secs``, ...).
+The models are the one description of every setting: a field's type, default and constraints,
+its documentation (the docstring under it, also its flag's ``--help``) and its flag.
+pd.router.flags derives ``pdserve router``'s flags from them: a field of a section is named by the
+section's ``FLAG`` rule (``RetryConfig.FLAG = "--retry-{}"``: ``retry.max_retries`` is
+``--retry-max-retries``), or by ``flag(...)`` metadata where sglang-router's name differs
+(``health_check.failure_threshold`` is ``--health-failure-threshold``). Names follow
+``sglang_router.launch_router``'s flags; pdserve's own settings follow the same patterns.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -21,6 +25,9 @@ DEFAULT_BOOTSTRAP_PORT = 8998
 # Where `pdserve router` reads its keys when no flag gives them (``ps`` shows flags, not these).
 API_KEY_ENV = "PDSERVE_ROUTER_API_KEY"
 ADMIN_KEY_ENV = "PDSERVE_ROUTER_ADMIN_API_KEY"
+# Settings as JSON (a RouterConfig's keys; the workers may be left to --prefill / --decode): how the
+# launcher hands a router its settings. Flags given on the command line override it (pd.router.cli).
+CONFIG_ENV = "PDSERVE_ROUTER_CONFIG"
 
 PolicyName = Literal["round_robin", "random", "least_load", "power_of_two", "cache_aware"]
 POLICY_NAMES: tuple[str, ...] = PolicyName.__args__
@@ -47,8 +54,37 @@ def normalize_url(url: str) -> str:
     return url
 
 
+def flag(name: Optional[str] = None, *aliases: str, switch: Optional[tuple[str, Any]] = None,
+         env: Optional[str] = None, takes_value: bool = True) -> dict:
+    """Command-line metadata of one setting, for ``Field(json_schema_extra=flag(...))``
+    (pd.router.flags reads it; a field without it gets its section's ``FLAG`` rule).
+
+    Args:
+        name: the flag that sets the field (e.g. ``"--health-failure-threshold"``), where the
+            section's rule would give another name.
+        aliases: more option strings of the same flag.
+        switch: ``(flag, value)``: a flag without a value that sets the field to ``value``
+            (``("--disable-retries", 1)``).
+        env: an environment variable read when no flag sets the field.
+        takes_value: False = no flag with a value (only ``switch``).
+    """
+    meta: dict = {}
+    if name is not None or not takes_value:
+        meta["flag"] = name if takes_value else None
+    if aliases:
+        meta["aliases"] = list(aliases)
+    if switch is not None:
+        meta["switch"] = list(switch)
+    if env is not None:
+        meta["env"] = env
+    return meta
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # The docstring under a field is its description: the key's documentation here and its flag's --help.
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    # How a field's flag is named from its key (``{}`` = the key with ``-`` for ``_``).
+    FLAG: ClassVar[str] = "--{}"
 
 
 class PrefillWorkerConfig(_Strict):
@@ -71,53 +107,61 @@ class PrefillWorkerConfig(_Strict):
 
 class RetryConfig(_Strict):
     """Retries of a request that failed before its first byte reached the client, each on a fresh
-    (prefill, decode) pair with fresh bootstrap rooms (``--retry-*`` flags of sglang-router).
+    (prefill, decode) pair with fresh bootstrap rooms (``--retry-*`` flags of sglang-router)."""
 
-    Attributes:
-        max_retries: attempts in all, the first included (sglang-router's meaning: 1 = no retry).
-        initial_backoff_ms / max_backoff_ms: wait before the 2nd attempt, and its cap, in ms.
-        backoff_multiplier: growth of the wait per attempt.
-        jitter_factor: each wait is scaled by a uniform factor in [1 - j, 1 + j].
-    """
+    FLAG: ClassVar[str] = "--retry-{}"
 
-    max_retries: int = Field(5, ge=1)
+    max_retries: int = Field(5, ge=1, json_schema_extra=flag(switch=("--disable-retries", 1)))
+    """attempts in all, the first included (sglang-router's meaning: 1 = no retry;
+    ``--disable-retries`` sets 1)."""
     initial_backoff_ms: float = Field(50, ge=0)
+    """wait before the 2nd attempt, in ms."""
     max_backoff_ms: float = Field(30_000, ge=0)
+    """cap of the wait between two attempts, in ms."""
     backoff_multiplier: float = Field(1.5, ge=1)
+    """growth of the wait per attempt."""
     jitter_factor: float = Field(0.2, ge=0, le=1)
+    """each wait is scaled by a uniform factor in [1 - j, 1 + j]."""
 
 
 class CircuitBreakerConfig(_Strict):
-    """A circuit breaker per worker (``--cb-*`` flags of sglang-router).
+    """A circuit breaker per worker (``--cb-*`` flags of sglang-router)."""
 
-    Attributes:
-        enabled: False = never open (``--disable-circuit-breaker``).
-        failure_threshold: consecutive failed requests (connection error, timeout, HTTP 5xx) that
-            open the circuit; a success resets the count.
-        success_threshold: consecutive successes in half-open state that close it again.
-        timeout_duration_secs: seconds an open circuit waits before letting trial requests through
-            (half-open).
-        window_duration_secs: failures further apart than this do not add up.
-    """
+    FLAG: ClassVar[str] = "--cb-{}"
 
-    enabled: bool = True
+    enabled: bool = Field(True, json_schema_extra=flag(switch=("--disable-circuit-breaker", False),
+                                                                takes_value=False))
+    """whether a worker's circuit opens at all; False = never."""
     failure_threshold: int = Field(10, ge=1)
+    """consecutive failed requests (connection error, timeout, HTTP 5xx) that open the circuit; a
+    success resets the count."""
     success_threshold: int = Field(3, ge=1)
+    """consecutive successes in half-open state that close it again."""
     timeout_duration_secs: float = Field(60, gt=0)
+    """seconds an open circuit waits before letting trial requests through (half-open)."""
     window_duration_secs: float = Field(120, gt=0)
+    """failures further apart than this (seconds) do not add up."""
 
 
 class HealthCheckConfig(_Strict):
     """Active health checks: GET ``endpoint`` on every worker every ``interval_secs``; a worker
     failing ``failure_threshold`` probes in a row is taken out of routing, and put back after
-    ``success_threshold`` passing probes in a row (``--health-*`` flags of sglang-router).
-    ``interval_secs`` 0 turns active checks off (a worker is then never taken out by them)."""
+    ``success_threshold`` passing probes in a row (``--health-*`` flags of sglang-router)."""
 
-    interval_secs: float = Field(10, ge=0)
+    FLAG: ClassVar[str] = "--health-check-{}"
+
+    interval_secs: float = Field(10, ge=0, json_schema_extra=flag("--health-check-interval-secs",
+                                                                  "--health-check-interval"))
+    """seconds between probe rounds; 0 turns active checks off (a worker is then never taken out
+    by them)."""
     timeout_secs: float = Field(5, gt=0)
-    failure_threshold: int = Field(3, ge=1)
-    success_threshold: int = Field(2, ge=1)
+    """seconds one probe may take."""
+    failure_threshold: int = Field(3, ge=1, json_schema_extra=flag("--health-failure-threshold"))
+    """failed probes in a row that take a worker out of routing."""
+    success_threshold: int = Field(2, ge=1, json_schema_extra=flag("--health-success-threshold"))
+    """passed probes in a row that put it back."""
     endpoint: str = "/health"
+    """the path probed on every worker."""
 
     @field_validator("endpoint")
     @classmethod
@@ -128,83 +172,83 @@ class HealthCheckConfig(_Strict):
 
 
 class TimeoutConfig(_Strict):
-    """Per-stage timeouts in seconds (None = bounded only by ``request``).
+    """Per-stage timeouts in seconds (None = bounded only by ``request``)."""
 
-    Attributes:
-        connect: to open a connection to a worker.
-        prefill: dispatch -> the prefill's response fully read.
-        first_token: dispatch -> the first byte of decode's body for streams, its whole answer
-            otherwise (the part of a request that may be retried).
-        stream_idle: longest silence between two chunks of a decode stream.
-        request: one upstream request in total, streams included.
-    """
+    FLAG: ClassVar[str] = "--{}-timeout-secs"
 
-    connect: float = Field(10.0, gt=0)
+    connect: float = Field(10.0, gt=0, json_schema_extra=flag("--connect-timeout-secs", "--connect-timeout"))
+    """to open a connection to a worker."""
     prefill: Optional[float] = Field(None, gt=0)
+    """dispatch -> the prefill's response fully read."""
     first_token: Optional[float] = Field(None, gt=0)
+    """dispatch -> the first byte of decode's body for streams, its whole answer otherwise (the
+    part of a request that may be retried)."""
     stream_idle: Optional[float] = Field(None, gt=0)
-    request: float = Field(1800.0, gt=0)
+    """longest silence between two chunks of a decode stream."""
+    request: float = Field(1800.0, gt=0, json_schema_extra=flag("--request-timeout-secs", "--request-timeout"))
+    """one upstream request in total, streams included."""
 
 
 class CacheAwareConfig(_Strict):
-    """The ``cache_aware`` policy (sglang-router's flags of the same names).
-
-    Attributes:
-        cache_threshold: a worker whose tree matches at least this fraction of the prompt wins;
-            below it the worker with the smallest tree (most free cache) is picked.
-        balance_abs_threshold / balance_rel_threshold: when the busiest and idlest candidate differ
-            by more than ``abs`` in-flight sequences AND by more than ``rel`` times, the least
-            loaded worker is picked instead (cache affinity must not pile up load).
-        eviction_interval_secs: how often each tree is trimmed to ``max_tree_size``.
-        max_tree_size: characters kept per worker's tree (least recently used first out).
-    """
+    """The ``cache_aware`` policy (sglang-router's flags of the same names)."""
 
     cache_threshold: float = Field(0.3, ge=0, le=1)
+    """a worker whose tree matches at least this fraction of the prompt wins; below it the worker
+    with the smallest tree (most free cache) is picked."""
     balance_abs_threshold: int = Field(64, ge=0)
+    """when the busiest and idlest candidate differ by more than this many in-flight sequences AND
+    by more than ``balance_rel_threshold`` times, the least loaded worker is picked instead (cache
+    affinity must not pile up load)."""
     balance_rel_threshold: float = Field(1.5, ge=1)
+    """the ratio half of that rule."""
     eviction_interval_secs: float = Field(120, gt=0)
+    """how often (seconds) each tree is trimmed to ``max_tree_size``."""
     max_tree_size: int = Field(2**26, ge=1)
+    """characters kept per worker's tree (least recently used first out)."""
 
 
 class RouterSettings(_Strict):
-    """Everything about a router except its workers.
-
-    Attributes:
-        host / port: where the router listens (port 0 = any free port).
-        policy: the pairing policy of both sides, unless ``prefill_policy`` / ``decode_policy``
-            set one side's (``round_robin``, ``random``, ``least_load``, ``power_of_two``,
-            ``cache_aware``; see pd.router.policies).
-        cache_aware: tuning of the ``cache_aware`` policy.
-        retry / circuit_breaker / health_check / timeouts: failure handling.
-        max_payload_size: largest request body in bytes (413 above it).
-        max_connections: pooled upstream connections, all workers together, per client: the
-            generation requests' client (pd.router.upstream) and the aiohttp client of health
-            checks, aborts and info proxies each keep at most this many.
-        api_key: clients must send ``Authorization: Bearer KEY`` on client routes (generation and
-            info); the router sends the same key to the workers (SGLang's ``--api-key``).
-        admin_api_key: key of the admin API (/workers); without it the admin API accepts the
-            ``api_key``, and with neither only clients on a loopback address.
-        request_id_headers: request headers a client's request id is taken from, first match wins;
-            it is passed to both workers and returned as ``X-Request-Id``.
-        log_level: Python logging level name.
-    """
+    """Everything about a router except its workers. Each key is one ``pdserve router`` flag
+    (pd.router.flags derives them from the fields: name, type, default, help)."""
 
     host: str = "127.0.0.1"
+    """address the router listens on."""
     port: int = Field(30000, ge=0, le=65535)
+    """port the router listens on (0 = any free port)."""
     policy: PolicyName = "round_robin"
+    """the pairing policy of both sides unless ``prefill_policy`` / ``decode_policy`` set one side's
+    (see pd.router.policies)."""
     prefill_policy: Optional[PolicyName] = None
+    """the policy of the prefill side."""
     decode_policy: Optional[PolicyName] = None
+    """the policy of the decode side."""
     cache_aware: CacheAwareConfig = Field(default_factory=CacheAwareConfig)
+    """tuning of the ``cache_aware`` policy."""
     retry: RetryConfig = Field(default_factory=RetryConfig)
+    """retries (before the first byte reaches the client, each on a fresh pair)."""
     circuit_breaker: CircuitBreakerConfig = Field(default_factory=CircuitBreakerConfig)
+    """circuit breaker (per worker)."""
     health_check: HealthCheckConfig = Field(default_factory=HealthCheckConfig)
+    """active health checks."""
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
+    """timeouts (seconds)."""
     max_payload_size: int = Field(512 * 1024 * 1024, ge=1)
+    """largest request body in bytes (413 above it)."""
     max_connections: int = Field(1024, ge=1)
-    api_key: Optional[str] = Field(None, repr=False)
-    admin_api_key: Optional[str] = Field(None, repr=False)
+    """pooled upstream connections, all workers together, per client: the generation requests'
+    client (pd.router.upstream) and the client of health checks, aborts and info proxies each
+    keep at most this many."""
+    api_key: Optional[str] = Field(None, repr=False, json_schema_extra=flag(env=API_KEY_ENV))
+    """key clients must send as ``Authorization: Bearer KEY`` on client routes (generation and
+    info); the router sends the same key to the workers (SGLang's ``--api-key``)."""
+    admin_api_key: Optional[str] = Field(None, repr=False, json_schema_extra=flag(env=ADMIN_KEY_ENV))
+    """key of the admin API (/workers); without it the admin API accepts the ``api_key``, and with
+    neither only clients on a loopback address."""
     request_id_headers: tuple[str, ...] = ("x-request-id",)
+    """request headers a client's request id is taken from, first match wins; it is passed to both
+    workers and returned as ``X-Request-Id``."""
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
+    """Python logging level name."""
 
     @field_validator("api_key", "admin_api_key")
     @classmethod

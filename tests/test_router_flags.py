@@ -122,8 +122,9 @@ def setting(cfg, path: str):
 
 
 def test_flags_are_the_committed_sglang_router_compatible_set():
-    """Same names, aliases, value forms, types and choices as the committed table, in order."""
-    assert flag_table(build_parser()) == FLAGS
+    """Same names, aliases, value forms, types and choices as the committed table (in any order:
+    the order of flags on a command line does not matter, only --help lists them differently)."""
+    assert sorted(flag_table(build_parser()), key=repr) == sorted(FLAGS, key=repr)
 
 
 def test_every_value_flag_sets_its_setting_and_defaults_to_the_model(monkeypatch):
@@ -153,3 +154,53 @@ def test_bad_flag_values_are_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         config_from_args(WORKERS + argv)
     assert exit_info.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
+def test_a_new_setting_is_one_field_of_the_model(capsys):
+    """Adding a setting means adding its field (type, default, docstring) to the model: its flag,
+    help, default and error naming follow, and it travels in the launcher's JSON."""
+    from pydantic import Field
+
+    from pd.router.config import CONFIG_ENV, RouterConfig, TimeoutConfig
+
+    class MoreTimeouts(TimeoutConfig):
+        foo: float = Field(3, gt=0)
+        """dispatch -> foo done."""
+
+    class MoreConfig(RouterConfig):
+        timeouts: MoreTimeouts = Field(default_factory=MoreTimeouts)
+
+    parser = build_parser(MoreConfig)
+    (action,) = [a for a in parser._actions if "--foo-timeout-secs" in a.option_strings]
+    assert action.type is float and action.help == "dispatch -> foo done (default 3)"
+    assert config_from_args(WORKERS, {}, MoreConfig).timeouts.foo == 3
+    assert config_from_args(WORKERS + ["--foo-timeout-secs", "7.5"], {}, MoreConfig).timeouts.foo == 7.5
+    from_json = MoreConfig.from_urls(["http://a:1"], ["http://d:1"], timeouts={"foo": 9})
+    assert config_from_args([], {CONFIG_ENV: from_json.model_dump_json()}, MoreConfig).timeouts.foo == 9
+    with pytest.raises(SystemExit):
+        config_from_args(WORKERS + ["--foo-timeout-secs", "0"], {}, MoreConfig)
+    assert "--foo-timeout-secs: Input should be greater than 0, got 0.0" in capsys.readouterr().err
+    # the committed router's flags are untouched by the subclass
+    assert "--foo-timeout-secs" not in {o for row in flag_table(build_parser()) for o in row[0]}
+
+
+def test_settings_json_then_key_variables_then_flags(monkeypatch, capsys):
+    """$PDSERVE_ROUTER_CONFIG sets what no flag sets; key variables beat its keys; flags beat both;
+    --prefill / --decode replace its workers."""
+    from pd.router.config import CONFIG_ENV, RouterConfig
+
+    cfg = RouterConfig.from_urls([("http://a:1", 9000)], ["http://d:1"], port=8123, api_key="json-ck",
+                                 retry={"max_retries": 2, "jitter_factor": 0.5}, timeouts={"first_token": 30})
+    env = {CONFIG_ENV: cfg.model_dump_json()}
+    assert config_from_args([], env) == cfg
+    got = config_from_args(["--retry-max-retries", "4", "--decode", "http://e:2"], {**env, API_KEY_ENV: "env-ck"})
+    assert got.retry.max_retries == 4 and got.retry.jitter_factor == 0.5 and got.timeouts.first_token == 30
+    assert got.decode == ["http://e:2"] and [p.url for p in got.prefill] == ["http://a:1"]
+    assert got.api_key == "env-ck" and got.port == 8123
+    assert config_from_args(["--api-key", "flag-ck"], {**env, API_KEY_ENV: "env-ck"}).api_key == "flag-ck"
+    for bad, says in (("{", f"${CONFIG_ENV} is not valid JSON"), ("[1]", "must be a JSON object"),
+                      ('{"retry": {"max_retries": 0}, "prefill": [{"url": "http://a:1"}], "decode": ["http://d:1"]}',
+                       f"retry.max_retries in ${CONFIG_ENV}: Input should be greater than or equal to 1")):
+        with pytest.raises(SystemExit):
+            config_from_args([], {CONFIG_ENV: bad})
+        assert says in capsys.readouterr().err, bad
