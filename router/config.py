@@ -269,40 +269,6 @@ class RouterSettings(_Strict):
         own = self.prefill_policy if role == "prefill" else self.decode_policy
         return own or self.policy
 
-    def cli_args(self) -> list[str]:
-        """``pdserve router`` flags that reproduce these settings (host, port, policies, retries,
-        breaker, health checks, timeouts, limits); keys are left out: pass them in the environment
-        (``PDSERVE_ROUTER_API_KEY``, ``PDSERVE_ROUTER_ADMIN_API_KEY``), where ``ps`` does not show
-        them. Used by the launcher."""
-        argv = ["--host", self.host, "--port", str(self.port), "--policy", self.policy]
-        if self.prefill_policy:
-            argv += ["--prefill-policy", self.prefill_policy]
-        if self.decode_policy:
-            argv += ["--decode-policy", self.decode_policy]
-        ca, r, cb, hc, t = self.cache_aware, self.retry, self.circuit_breaker, self.health_check, self.timeouts
-        argv += ["--cache-threshold", str(ca.cache_threshold), "--balance-abs-threshold", str(ca.balance_abs_threshold),
-                 "--balance-rel-threshold", str(ca.balance_rel_threshold),
-                 "--eviction-interval-secs", str(ca.eviction_interval_secs), "--max-tree-size", str(ca.max_tree_size),
-                 "--retry-max-retries", str(r.max_retries), "--retry-initial-backoff-ms", str(r.initial_backoff_ms),
-                 "--retry-max-backoff-ms", str(r.max_backoff_ms), "--retry-backoff-multiplier", str(r.backoff_multiplier),
-                 "--retry-jitter-factor", str(r.jitter_factor),
-                 "--cb-failure-threshold", str(cb.failure_threshold), "--cb-success-threshold", str(cb.success_threshold),
-                 "--cb-timeout-duration-secs", str(cb.timeout_duration_secs),
-                 "--cb-window-duration-secs", str(cb.window_duration_secs),
-                 "--health-check-interval-secs", str(hc.interval_secs), "--health-check-timeout-secs", str(hc.timeout_secs),
-                 "--health-failure-threshold", str(hc.failure_threshold),
-                 "--health-success-threshold", str(hc.success_threshold), "--health-check-endpoint", hc.endpoint,
-                 "--connect-timeout-secs", str(t.connect), "--request-timeout-secs", str(t.request),
-                 "--max-payload-size", str(self.max_payload_size), "--max-connections", str(self.max_connections),
-                 "--request-id-headers", *self.request_id_headers, "--log-level", self.log_level]
-        if not cb.enabled:
-            argv.append("--disable-circuit-breaker")
-        for flag, value in (("--prefill-timeout-secs", t.prefill), ("--first-token-timeout-secs", t.first_token),
-                            ("--stream-idle-timeout-secs", t.stream_idle)):
-            if value is not None:
-                argv += [flag, str(value)]
-        return argv
-
 
 class RouterConfig(RouterSettings):
     """A router with its initial workers.

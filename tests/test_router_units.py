@@ -12,7 +12,7 @@ from pd.router.aborts import aborted_indexes
 from pd.router.auth import Auth, key_matches
 from pd.router.circuit import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from pd.router.cli import config_from_args, parse_prefill
-from pd.router.config import CircuitBreakerConfig, RouterConfig
+from pd.router.config import CONFIG_ENV, CircuitBreakerConfig, RouterConfig
 from pd.router.logprobs import merge_event, merge_full, prefill_inputs, wants_input_logprobs
 from pd.router.metrics import ERROR_KINDS, RouterMetrics
 from pd.router.policies import POLICIES, routing_key
@@ -327,9 +327,8 @@ def test_cli_parsing_and_flags_round_trip():
     assert cfg.timeouts.stream_idle == 2 and cfg.max_payload_size == 1000
     assert cfg.request_id_headers == ("x-trace-id", "x-request-id")
     assert config_from_args(["--disable-retries", "--prefill", "http://a:1", "--decode", "http://d:1"]).retry.max_retries == 1
-    workers = ["--prefill", "http://a:1", "9000", "--prefill", "http://b:2", "--prefill", "http://c:3",
-               "--decode", "http://d:4"]
-    assert config_from_args(cfg.cli_args() + workers) == cfg
+    # what the launcher hands a router: the settings and workers as JSON, read back unchanged
+    assert config_from_args([], {CONFIG_ENV: cfg.model_dump_json()}) == cfg
     with pytest.raises(ValueError):
         parse_prefill(["http://a:1", "x"])
     with pytest.raises(SystemExit):
@@ -426,7 +425,7 @@ def test_metric_series_exist_from_the_start_and_leave_with_their_worker():
 def test_launcher_router_command_line_and_keys():
     from pd.config import PDConfig
     from pd.cluster.launch import Launcher
-    from pd.router.config import ADMIN_KEY_ENV, API_KEY_ENV
+    from pd.router.config import ADMIN_KEY_ENV, API_KEY_ENV, CONFIG_ENV
 
     cfg = PDConfig.model_validate({"router": {"port": 8123, "prefill_policy": "cache_aware", "api_key": "ck",
                                               "retry": {"max_retries": 2}, "timeouts": {"first_token": 30}}})
@@ -438,15 +437,18 @@ def test_launcher_router_command_line_and_keys():
     ]
     argv = launcher.router_argv()
     assert argv[1:4] == ["-m", "pd.cli", "router"] and "ck" not in argv and launcher.admin_key not in argv
-    parsed = config_from_args(argv[4:])
+    env = launcher.router_env()
+    handed = json.loads(env[CONFIG_ENV])  # the keys travel in their own variables only
+    assert handed["api_key"] is None and handed["admin_api_key"] is None and launcher.admin_key not in env[CONFIG_ENV]
+    parsed = config_from_args(argv[4:], env)
     assert [p.url for p in parsed.prefill] == ["http://10.0.0.1:31000"] and parsed.decode == ["http://10.0.0.3:31000"]
     assert parsed.port == 8123 and parsed.side_policy("prefill") == "cache_aware" and parsed.retry.max_retries == 2
     assert parsed.timeouts.first_token == 30 and parsed.timeouts.request == cfg.router.timeouts.request
-    env = launcher.router_env()
+    assert parsed.api_key == "ck" and parsed.admin_api_key == launcher.admin_key
     assert env[API_KEY_ENV] == "ck" and len(env[ADMIN_KEY_ENV]) >= 24
     # no decode up: every known worker, so the router can start and its health checks decide
     launcher.workers[2]["state"] = "restarting"
-    assert len(config_from_args(launcher.router_argv()[4:]).prefill) == 2
+    assert len(config_from_args(launcher.router_argv()[4:], launcher.router_env()).prefill) == 2
 
 
 def test_lock_free_metrics_expose_what_prometheus_client_would():

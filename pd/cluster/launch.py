@@ -4,7 +4,8 @@
 
 Steps: connect to Ray; one STRICT_PACK placement group per worker (its TP ranks on one node);
 one EngineWorker actor per engine holding its GPUs; unique ports per node; start every engine and
-wait for readiness; start the router with the workers' URLs and bootstrap ports; print
+wait for readiness; start the router (its settings and the workers' URLs and bootstrap ports as
+JSON in ``$PDSERVE_ROUTER_CONFIG``, the keys in their own variables); print
 ``pdserve: router ready at URL`` and a ``pdserve: workers [...]`` JSON line; serve worker state
 and restarts to Prometheus and keep its targets file current (``monitoring`` config); keep the
 router's workers in step with the actors through its admin API (a worker back on other ports is
@@ -136,22 +137,28 @@ class Launcher:
         return ready
 
     def router_argv(self) -> list[str]:
-        """``pdserve router`` with the config's router settings and ``router_workers()``."""
-        argv = [sys.executable, "-m", "pd.cli", "router", *self.cfg.router.cli_args()]
+        """The router's command line: ``pdserve router`` alone (its settings travel in ``router_env``)."""
+        return [sys.executable, "-m", "pd.cli", "router"]
+
+    def router_config(self):
+        """The router's settings (the config's ``router`` section) and ``router_workers()``, keys left
+        out (``router_env`` passes them in their own variables): a pd.router.config.RouterConfig."""
+        from pd.router.config import RouterConfig, RouterSettings
+
+        settings = self.cfg.router.model_dump(include=set(RouterSettings.model_fields),
+                                              exclude={"api_key", "admin_api_key"})
         workers = self.router_workers()
-        for w in workers:
-            if w["role"] == "prefill":
-                argv += ["--prefill", w["url"], str(w["bootstrap_port"])]
-        for w in workers:
-            if w["role"] == "decode":
-                argv += ["--decode", w["url"]]
-        return argv
+        return RouterConfig(**settings,
+                            prefill=[{"url": w["url"], "bootstrap_port": w["bootstrap_port"]}
+                                     for w in workers if w["role"] == "prefill"],
+                            decode=[w["url"] for w in workers if w["role"] == "decode"])
 
     def router_env(self) -> dict[str, str]:
-        """Environment for the router process: ours plus the admin key and, when set, the API key."""
-        from pd.router.config import ADMIN_KEY_ENV, API_KEY_ENV
+        """Environment for the router process: ours plus its settings as JSON (``router_config()``),
+        the admin key and, when set, the API key (in the environment, where ``ps`` does not show them)."""
+        from pd.router.config import ADMIN_KEY_ENV, API_KEY_ENV, CONFIG_ENV
 
-        env = dict(os.environ, **{ADMIN_KEY_ENV: self.admin_key})
+        env = dict(os.environ, **{ADMIN_KEY_ENV: self.admin_key, CONFIG_ENV: self.router_config().model_dump_json()})
         if self.cfg.router.api_key:
             env[API_KEY_ENV] = self.cfg.router.api_key
         return env
