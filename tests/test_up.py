@@ -7,14 +7,14 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
 import yaml
 
 from engines import ROOT, free_port
-from ray_cluster import pid_alive
+from pd.util.wait import wait_until
+from ray_cluster import wait_pids_gone
 
 
 def test_pdserve_up_serves_and_ctrl_c_stops_everything(model_cache, tmp_path):
@@ -29,12 +29,18 @@ def test_pdserve_up_serves_and_ctrl_c_stops_everything(model_cache, tmp_path):
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
     lines: list[str] = []
-    threading.Thread(target=lambda: [lines.append(l.decode(errors="replace")) for l in proc.stdout], daemon=True).start()
+    threading.Thread(target=lambda: [lines.append(line.decode(errors="replace")) for line in proc.stdout],
+                     daemon=True).start()
+
+    def ready() -> bool:
+        assert proc.poll() is None, "".join(lines)[-4000:]
+        return any("pdserve up: try: curl" in line for line in lines)
+
     try:
-        deadline = time.time() + 240
-        while not any("pdserve up: try: curl" in l for l in lines):
-            assert proc.poll() is None and time.time() < deadline, "".join(lines)[-4000:]
-            time.sleep(0.5)
+        try:
+            wait_until(ready, 240, interval=0.5, what="`pdserve up` printing the curl example", retry=())
+        except TimeoutError as e:
+            raise AssertionError("".join(lines)[-4000:]) from e
         out = "".join(lines)
         assert f"Router: http://127.0.0.1:{router_port}" in out
         assert "starting a local head with 8 logical GPUs" in out
@@ -66,10 +72,7 @@ def test_pdserve_up_serves_and_ctrl_c_stops_everything(model_cache, tmp_path):
     assert "pdserve up: stopping the local Ray head" in out
     head_log = re.search(r"logical GPUs \(log: (\S+)\)", out).group(1)
     assert not os.path.exists(head_log), "the head's log outlived a clean stop"
-    deadline = time.time() + 30
-    while any(pid_alive(p) for p in pids) and time.time() < deadline:
-        time.sleep(0.5)
-    assert not [p for p in pids if pid_alive(p)], "engine processes left behind"
+    assert not wait_pids_gone(pids, 30), "engine processes left behind"
     for port in (router_port, dashboard_port):
         try:
             httpx.get(f"http://127.0.0.1:{port}/", timeout=2)
@@ -103,8 +106,9 @@ def test_pdserve_up_runs_the_preflight_before_starting_a_head(tmp_path):
 def test_submission_waits_for_the_heads_job_agent(monkeypatch):
     """A new head refuses jobs with "No available agent" until its agent registers: `up` retries only that."""
     from pd.cluster import up
+    from pd.util import wait
 
-    monkeypatch.setattr(up.time, "sleep", lambda s: None)
+    monkeypatch.setattr(wait.time, "sleep", lambda s: None)
 
     class Client:
         def __init__(self, errors):

@@ -6,7 +6,8 @@ import ctypes
 import os
 import signal
 import subprocess
-import time
+
+from pd.util.wait import wait_until
 
 _PR_SET_PDEATHSIG = 1
 
@@ -27,22 +28,28 @@ def stop_group(pid: int, grace: float = 10.0) -> None:
         os.killpg(pid, signal.SIGTERM)
     except ProcessLookupError:
         return
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pid, 0)
-        except ProcessLookupError:
-            return
-        try:  # reap the leader if it is our child
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                pass
-        except ChildProcessError:
-            pass
-        time.sleep(0.1)
+    try:
+        wait_until(lambda: _group_gone(pid), grace, interval=0.1, what=f"process group {pid} gone", retry=())
+        return
+    except TimeoutError:
+        pass
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _group_gone(pid: int) -> bool:
+    """No process of group ``pid`` is left (the leader is reaped if it is our child)."""
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    return False
 
 
 def popen_group(argv: list[str], **kw) -> subprocess.Popen:

@@ -16,7 +16,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -25,6 +24,8 @@ import httpx
 from pd.config import DEFAULT_CONFIG, ConfigError, PDConfig, load_config
 from pd.cluster.launch import CONFIG_ENV
 from pd.cluster.procs import popen_group, stop_group
+from pd.util.ports import free_ports
+from pd.util.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 READY = re.compile(r"pdserve: router ready at (\S+)")
@@ -54,14 +55,6 @@ def ray_env() -> dict[str, str]:
     return env
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_local_head(cfg: PDConfig, dashboard_port: int, log_path: Path) -> subprocess.Popen:
     """``ray start --head --block`` on 127.0.0.1 with ``cluster.num_gpus`` logical GPUs, as a child
     process group (stopping it stops the whole local cluster).
@@ -70,23 +63,33 @@ def start_local_head(cfg: PDConfig, dashboard_port: int, log_path: Path) -> subp
         RuntimeError: the dashboard did not come up within 120 s.
     """
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    argv = [ray_bin, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(_free_port()),
+    gcs, agent, agent_grpc, runtime_env_agent, metrics = free_ports(5, exclude=[dashboard_port])
+    argv = [ray_bin, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
             "--num-cpus", str(max(4, os.cpu_count() or 1)), "--num-gpus", str(cfg.cluster.num_gpus),
             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port), "--disable-usage-stats",
             # Ray's fixed defaults (agent 52365, ...) collide with another Ray cluster on this host; a
             # head whose agent cannot bind serves the dashboard but refuses every job submission.
-            "--dashboard-agent-listen-port", str(_free_port()), "--dashboard-agent-grpc-port", str(_free_port()),
-            "--runtime-env-agent-port", str(_free_port()), "--metrics-export-port", str(_free_port())]
+            "--dashboard-agent-listen-port", str(agent), "--dashboard-agent-grpc-port", str(agent_grpc),
+            "--runtime-env-agent-port", str(runtime_env_agent), "--metrics-export-port", str(metrics)]
     log = open(log_path, "wb")
     head = popen_group(argv, stdout=log, stderr=subprocess.STDOUT, env=ray_env())
     address = f"http://127.0.0.1:{dashboard_port}"
-    deadline = time.monotonic() + 120
-    while not dashboard_up(address):
-        if head.poll() is not None or time.monotonic() > deadline:
-            stop_group(head.pid)
-            raise RuntimeError(f"the local Ray head did not start; see {log_path}")
-        time.sleep(0.5)
+
+    def ready() -> bool:
+        if head.poll() is not None:
+            raise RuntimeError(f"the Ray head exited with {head.returncode}")
+        return dashboard_up(address)
+
+    try:
+        wait_until(ready, 120, interval=0.5, what=f"the local Ray dashboard at {address}", retry=())
+    except (RuntimeError, TimeoutError) as e:
+        stop_group(head.pid)
+        raise RuntimeError(f"the local Ray head did not start; see {log_path}") from e
     return head
+
+
+class _AgentBusy(RuntimeError):
+    """The head refused a job submission because its job agent has not registered yet."""
 
 
 def submit_when_agent_ready(client, timeout_s: float = 180, **job) -> str:
@@ -99,15 +102,19 @@ def submit_when_agent_ready(client, timeout_s: float = 180, **job) -> str:
     Raises:
         RuntimeError: any other submission error, or no agent within ``timeout_s`` seconds.
     """
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def submit() -> str:
         try:
             return client.submit_job(**job)
         except RuntimeError as e:
-            if "No available agent" not in str(e) or time.monotonic() > deadline:
+            if "No available agent" not in str(e):
                 raise
             say("the Ray head's job agent is not up yet; retrying the submission")
-            time.sleep(1)
+            raise _AgentBusy(str(e)) from None
+
+    try:
+        return wait_until(submit, timeout_s, interval=1, what="a job agent on the Ray head", retry=(_AgentBusy,))
+    except TimeoutError as e:
+        raise e.__cause__ from None  # the head's last refusal, "No available agent ..."
 
 
 async def follow(client, job_id: str, router_seen: list, model: str) -> None:
@@ -192,9 +199,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if client is not None and job_id is not None:
             try:
                 client.stop_job(job_id)
-                deadline = time.monotonic() + 60
-                while not client.get_job_status(job_id).is_terminal() and time.monotonic() < deadline:
-                    time.sleep(0.5)
+                wait_until(lambda: client.get_job_status(job_id).is_terminal(), 60, interval=0.5,
+                           what=f"job {job_id} stopped", retry=())
             except Exception as e:
                 say(f"could not stop job {job_id}: {e!r}")
         if head is not None:

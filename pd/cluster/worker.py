@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
-import socket
-import time
 from typing import Optional
 
 import httpx
@@ -24,18 +22,15 @@ from pd.config import PDConfig
 from pd.commands.build import engine_command
 from pd.commands.command import EngineCommand
 from pd.cluster.procs import die_with_parent
+from pd.util.ports import free_port
+from pd.util.wait import async_wait_until
 
 
 LOG_TAIL_LINES = 20000  # engine log lines kept for diagnosis (a TP4 SGLang crash is a few hundred)
 
 
-def _free_port(host: str, exclude: set[int]) -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port not in exclude:
-            return port
+class _EngineExited(Exception):
+    """The engine process ended while the worker waited for it to become ready."""
 
 
 def _node_address(ray) -> str:
@@ -89,10 +84,10 @@ class EngineWorker:
         """Pick this worker's HTTP (and, for a prefill, bootstrap) port on its node, avoiding
         ``exclude`` (ports already given to other workers on the node)."""
         taken = set(exclude)
-        self.port = _free_port(self.host, taken)
+        self.port = free_port(self.host, taken)
         taken.add(self.port)
         if self.role == "prefill":
-            self.bootstrap_port = _free_port(self.host, taken)
+            self.bootstrap_port = free_port(self.host, taken)
         return await self.info()
 
     async def start(self) -> dict:
@@ -155,26 +150,32 @@ class EngineWorker:
         await self._wait_ready(cmd)
 
     async def _wait_ready(self, cmd: EngineCommand) -> None:
-        deadline = time.monotonic() + self.cfg.engine_startup_timeout
+        """Poll the engine's ready path every 0.25 s until it answers 200.
+
+        Raises:
+            RuntimeError: the engine exited, or was not ready within ``engine_startup_timeout`` s
+                (it is then terminated); the message carries the diagnosis.
+        """
         url = f"http://{self.host}:{self.port}{cmd.ready_path}"
         async with httpx.AsyncClient(timeout=5) as client:
-            while True:
+            async def ready() -> bool:
                 if self.proc.returncode is not None:
-                    self.last_exit = self.proc.returncode
-                    await self._drain_log()
-                    raise RuntimeError(f"{self.name}: engine exited with {self.proc.returncode} during startup\n"
-                                       + self._diagnose())
-                try:
-                    if (await client.get(url)).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    await self._terminate()
-                    await self._drain_log()
-                    raise RuntimeError(f"{self.name}: engine not ready within {self.cfg.engine_startup_timeout:g}s "
-                                       f"(ready log line seen: {self._ready_line_seen})\n" + self._diagnose())
-                await asyncio.sleep(0.25)
+                    raise _EngineExited()
+                return (await client.get(url)).status_code == 200
+
+            try:
+                await async_wait_until(ready, self.cfg.engine_startup_timeout, interval=0.25,
+                                       what=f"{self.name} engine ready at {url}", retry=(httpx.HTTPError,))
+            except _EngineExited:
+                self.last_exit = self.proc.returncode
+                await self._drain_log()
+                raise RuntimeError(f"{self.name}: engine exited with {self.proc.returncode} during startup\n"
+                                   + self._diagnose()) from None
+            except TimeoutError:
+                await self._terminate()
+                await self._drain_log()
+                raise RuntimeError(f"{self.name}: engine not ready within {self.cfg.engine_startup_timeout:g}s "
+                                   f"(ready log line seen: {self._ready_line_seen})\n" + self._diagnose()) from None
 
     async def _forward_log(self, proc: asyncio.subprocess.Process, ready_line: str) -> None:
         while True:
