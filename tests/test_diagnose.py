@@ -444,7 +444,8 @@ def test_100k_line_log_is_fast():
      "'https://huggingface.co//models/dsv4/tree/None' for available files.", "/models/dsv4"),
     ("OSError: We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them in the "
      "cached files. Check your internet connection or see how to run the library in offline mode. "
-     "'/mnt/ckpt/DeepSeek-V4-Flash' is not a local folder and is not a valid model identifier", "/mnt/ckpt/DeepSeek-V4-Flash"),
+     "'/mnt/ckpt/DeepSeek-V4-Flash' is not a local folder and is not a valid model identifier",
+     "/mnt/ckpt/DeepSeek-V4-Flash"),
 ])
 def test_bad_model_path_is_named(line, path):
     d = only(diagnose_text(SCHED_TB.format(rank=0, exc=line)))

@@ -1,0 +1,5 @@
+"""``python -m pd.tools.diagnose``: the same as ``pdserve diagnose``."""
+
+from .cli import main
+
+raise SystemExit(main())
