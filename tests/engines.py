@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 
 import httpx
 
+from pd.util.ports import free_port
+from pd.util.wait import wait_until
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ManagedProcess:
@@ -71,10 +66,30 @@ def start_engine(mode: str, log_dir: str, *extra: str) -> Engine:
     return Engine(mode, port, bport, spawn(args, log_path), log_path, args)
 
 
+def wait_until_ready(proc: ManagedProcess, path: str = "/health", timeout: float = 60) -> None:
+    """Poll ``proc``'s ``path`` until it answers 200.
+
+    Raises:
+        RuntimeError: the process exited (the message carries the end of its log).
+        TimeoutError: no 200 within ``timeout`` s.
+    """
+    def ready() -> bool:
+        if proc.proc.poll() is not None:
+            raise RuntimeError(f"{proc.log_path}: process exited with {proc.proc.returncode}:\n{proc.log()[-3000:]}")
+        return httpx.get(proc.url + path, timeout=2).status_code == 200
+
+    wait_until(ready, timeout, interval=0.2, what=f"{proc.url}{path} answering 200", retry=(httpx.HTTPError,))
+
+
 def wait_ready(engines: list[Engine], timeout: float = 180) -> None:
-    deadline = time.time() + timeout
+    """Wait until every engine's /health answers 200, all within one ``timeout`` (s).
+
+    Raises:
+        RuntimeError: an engine exited. TimeoutError: not all ready in time.
+    """
     pending = list(engines)
-    while pending:
+
+    def all_ready() -> bool:
         for e in list(pending):
             if e.proc.poll() is not None:
                 raise RuntimeError(f"{e.mode} engine exited with {e.proc.returncode}:\n{e.log()[-3000:]}")
@@ -83,19 +98,31 @@ def wait_ready(engines: list[Engine], timeout: float = 180) -> None:
                     pending.remove(e)
             except httpx.HTTPError:
                 pass
-        if time.time() > deadline:
-            raise RuntimeError(f"engines not ready in {timeout}s: {[e.mode for e in pending]}")
-        time.sleep(0.3)
+        return not pending
+
+    try:
+        wait_until(all_ready, timeout, interval=0.3, what="every engine's /health answering 200", retry=())
+    except TimeoutError as e:
+        raise TimeoutError(f"engines not ready in {timeout}s: {[p.mode for p in pending]}") from e
 
 
-def metric(engine: Engine, name: str, **labels) -> float:
-    """Sum of the samples of ``name`` on the engine's /metrics whose labels include ``labels``."""
+def _metric_sum(text: str, name: str, labels: dict) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     total = 0.0
-    text = httpx.get(engine.url + "/metrics", timeout=10).text
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 total += s.value
     return total
+
+
+def metric(engine: Engine, name: str, **labels) -> float:
+    """Sum of the samples of ``name`` on the engine's /metrics whose labels include ``labels``."""
+    return _metric_sum(httpx.get(engine.url + "/metrics", timeout=10).text, name, labels)
+
+
+async def async_metric(engine: Engine, name: str, **labels) -> float:
+    """``metric`` without blocking the event loop (for tests whose own requests run in it)."""
+    async with httpx.AsyncClient(timeout=10) as c:
+        return _metric_sum((await c.get(engine.url + "/metrics")).text, name, labels)

@@ -9,11 +9,11 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 
 import httpx
 
 from engines import ROOT, free_port
+from pd.util.wait import wait_until
 
 BIN = os.path.dirname(sys.executable)
 
@@ -33,18 +33,18 @@ class RayHead:
         self.log = open(os.path.join(self.tmp, "head.log"), "wb")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True, cwd=ROOT)
-        deadline = time.time() + 120
-        while True:
-            try:
-                # 401: up, with token authentication (on once ~/.ray/auth_token exists)
-                if httpx.get(self.address + "/api/version", timeout=2).status_code in (200, 401):
-                    break
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.time() > deadline:
-                self.stop()
-                raise RuntimeError("Ray head did not start: " + open(self.log.name).read()[-3000:])
-            time.sleep(0.5)
+
+        def up() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the Ray head exited with {self.proc.returncode}")
+            # 401: up, with token authentication (on once ~/.ray/auth_token exists)
+            return httpx.get(self.address + "/api/version", timeout=2).status_code in (200, 401)
+
+        try:
+            wait_until(up, 120, interval=0.5, what=f"the Ray dashboard at {self.address}", retry=(httpx.HTTPError,))
+        except (RuntimeError, TimeoutError) as e:
+            self.stop()
+            raise RuntimeError(f"Ray head did not start ({e}): " + open(self.log.name).read()[-3000:]) from e
 
     def ray(self, *args: str, timeout: float = 120) -> str:
         if os.path.exists(os.path.expanduser("~/.ray/auth_token")):  # the head may have just created it
@@ -56,16 +56,20 @@ class RayHead:
         return out.stdout + out.stderr
 
     def submit(self, *entrypoint: str) -> str:
-        deadline = time.time() + 180
-        while True:  # a new head serves its dashboard before its job agent registers (busy CI: > 10 s)
+        class AgentBusy(RuntimeError):
+            pass
+
+        def submit() -> str:
             try:
-                out = self.ray("job", "submit", "--address", self.address, "--working-dir", ".", "--no-wait", "--",
-                               *entrypoint)
-                break
+                return self.ray("job", "submit", "--address", self.address, "--working-dir", ".", "--no-wait", "--",
+                                *entrypoint)
             except RuntimeError as e:
-                if "No available agent" not in str(e) or time.time() > deadline:
+                if "No available agent" not in str(e):
                     raise
-                time.sleep(1)
+                raise AgentBusy(str(e)) from None
+
+        # a new head serves its dashboard before its job agent registers (busy CI: > 10 s)
+        out = wait_until(submit, 180, interval=1, what="a job agent on the Ray head", retry=(AgentBusy,))
         return re.search(r"raysubmit_\w+", out).group(0)
 
     def logs(self, job: str) -> str:
@@ -75,16 +79,25 @@ class RayHead:
         return self.ray("job", "status", "--address", self.address, job)
 
     def wait_log(self, job: str, pattern: str, timeout: float = 240) -> re.Match:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
+        """Poll the job's log (every 1 s) until ``pattern`` matches; fails at once on a failed job.
+
+        Raises:
+            AssertionError: the job failed (config refused, traceback) or no match within ``timeout`` s.
+        """
+        def found():
             logs = self.logs(job)
             m = re.search(pattern, logs)
             if m:
                 return m
             if re.search(r"pdserve: (invalid config|cannot deploy|the preflight checks failed)|Traceback", logs):
                 raise AssertionError(f"job {job} failed:\n{logs[-4000:]}")
-            time.sleep(1)
-        raise AssertionError(f"{pattern!r} not in job {job} logs after {timeout}s:\n{self.logs(job)[-4000:]}")
+            return None
+
+        try:
+            return wait_until(found, timeout, interval=1, what=f"{pattern!r} in job {job}'s log", retry=())
+        except TimeoutError:
+            raise AssertionError(f"{pattern!r} not in job {job} logs after {timeout}s:\n{self.logs(job)[-4000:]}") \
+                from None
 
     def workers(self, job: str) -> list[dict]:
         line = self.wait_log(job, r"pdserve: workers (\[.*\])").group(1)
@@ -92,17 +105,26 @@ class RayHead:
 
     def stop_job(self, job: str, timeout: float = 60) -> None:
         self.ray("job", "stop", "--address", self.address, job)
-        deadline = time.time() + timeout
-        while not re.search(r"stopped|succeeded|failed", self.status(job), re.IGNORECASE):
-            if time.time() > deadline:
-                raise AssertionError(f"job {job} did not stop: {self.status(job)}")
-            time.sleep(0.5)
+        try:
+            wait_until(lambda: re.search(r"stopped|succeeded|failed", self.status(job), re.IGNORECASE), timeout,
+                       interval=0.5, what=f"job {job} stopped", retry=())
+        except TimeoutError:
+            raise AssertionError(f"job {job} did not stop: {self.status(job)}") from None
 
     def stop(self) -> None:
         from pd.cluster.procs import stop_group
 
         stop_group(self.proc.pid, grace=5)
         self.log.close()
+
+
+def wait_pids_gone(pids, timeout: float = 30) -> list[int]:
+    """Poll until none of ``pids`` is alive, at most ``timeout`` s; returns those still alive."""
+    try:
+        wait_until(lambda: not any(pid_alive(p) for p in pids), timeout, interval=0.5, what="processes gone")
+    except TimeoutError:
+        pass
+    return [p for p in pids if pid_alive(p)]
 
 
 def pid_alive(pid: int) -> bool:

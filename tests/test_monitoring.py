@@ -23,13 +23,14 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines import ROOT, ManagedProcess, free_port, spawn
+from engines import ROOT, ManagedProcess, free_port, spawn, wait_until_ready
 
 from pd.monitoring import grafana as g
 from pd.monitoring.prom_api import Prometheus, finite_values
 from pd.monitoring.promql import metric_names
 from pd.cluster.prom_targets import TargetsFile, build_targets
 from pd.cluster.worker_metrics import WorkerStateExporter
+from pd.util.wait import wait_until
 
 MON = Path(ROOT) / "monitoring"
 DASHBOARDS = sorted((MON / "grafana" / "dashboards").glob("*.json"))
@@ -188,18 +189,7 @@ class Stack:
 
     @staticmethod
     def wait(proc: ManagedProcess, path: str, timeout: float = 60) -> None:
-        deadline = time.time() + timeout
-        while True:
-            if proc.proc.poll() is not None:
-                raise RuntimeError(f"{proc.log_path} process exited with {proc.proc.returncode}:\n{proc.log()[-3000:]}")
-            try:
-                if httpx.get(proc.url + path, timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"{proc.url}{path} not ready in {timeout}s:\n{proc.log()[-3000:]}")
-            time.sleep(0.2)
+        wait_until_ready(proc, path, timeout)
 
     def scrape(self, url: str) -> set[str]:
         """Sample names on a /metrics page (``x_bucket``, ``x_total``, ...)."""
@@ -276,16 +266,40 @@ async def _traffic(router_url: str) -> dict:
     return {"requests": len(tokens), "completion_tokens": sum(tokens)}
 
 
+def _sample_sum(text: str, name: str) -> float:
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
+
+
+# Engine counters whose totals on /metrics and in Prometheus must agree before the checks read them.
+ENGINE_COUNTERS = ("sglang:generation_tokens_total", "sglang:num_requests_total", "sglang:e2e_request_latency_seconds_count")
+
+
+def _rule_groups_evaluated_after(stack, t: float) -> bool:
+    """Every rule group's last evaluation is later than ``t`` (epoch seconds)."""
+    import datetime as dt
+    import re
+
+    groups = stack.prom._get("/api/v1/rules", {})["groups"]
+    # RFC 3339 with nanoseconds; fromisoformat takes at most microseconds
+    stamps = [re.sub(r"(\.\d{6})\d+", r"\1", g["lastEvaluation"]).replace("Z", "+00:00") for g in groups]
+    return bool(groups) and all(dt.datetime.fromisoformat(x).timestamp() > t for x in stamps)
+
+
 def _sync_router_counts(stack) -> None:
-    """Wait until Prometheus's last scrape of the router has every answered request."""
-    text = httpx.get(stack.router.url + "/metrics", timeout=5).text
-    answered = sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-                   if s.name == "pdserve_router_requests_total")
-    deadline = time.time() + 30
-    while stack.value("sum(pdserve_router_requests_total)") != answered:
-        assert time.time() < deadline, "Prometheus did not scrape the router's final counts"
-        time.sleep(0.3)
-    time.sleep(1.5)  # the engines are scraped in the same round; plus one rule evaluation
+    """Wait until Prometheus's last scrape of the router has every answered request, its last
+    scrape of the engines has their current counters, and every rule group has been evaluated
+    after that (so the recording rules include the traffic)."""
+    answered = _sample_sum(httpx.get(stack.router.url + "/metrics", timeout=5).text, "pdserve_router_requests_total")
+    wait_until(lambda: stack.value("sum(pdserve_router_requests_total)") == answered, 30, interval=0.3,
+               what="Prometheus scraping the router's final counts")
+    pages = [httpx.get(e.url + "/metrics", timeout=5).text for e in stack.engines.values()]
+    for name in ENGINE_COUNTERS:
+        exported = sum(_sample_sum(text, name) for text in pages)
+        wait_until(lambda: stack.value(f'sum({name}{{component="engine"}})') == exported, 30, interval=0.3,
+                   what=f"Prometheus scraping the engines' final {name} ({exported:g})")
+    synced = time.time()
+    wait_until(lambda: _rule_groups_evaluated_after(stack, synced), 30, interval=0.3,
+               what="a rule evaluation after the last scrape")
 
 
 @pytest.fixture(scope="module")
@@ -294,14 +308,16 @@ def traffic(stack):
     and the recording rules have run on it. A first round creates every labelled series, so the
     measured round's increments are all inside rate windows (Prometheus cannot see the increments
     that happened before a series' first scrape)."""
-    deadline = time.time() + 30
-    while True:
+    def all_up():
         targets = stack.prom._get("/api/v1/targets", {"state": "active"})["activeTargets"]
         pd_targets = [t for t in targets if t["labels"]["job"] == "pdserve"]
-        if len(pd_targets) == 4 and all(t["health"] == "up" for t in pd_targets):
-            break
-        assert time.time() < deadline, json.dumps(targets, indent=1)[-3000:]
-        time.sleep(0.3)
+        return len(pd_targets) == 4 and all(t["health"] == "up" for t in pd_targets)
+
+    try:
+        wait_until(all_up, 30, interval=0.3, what="Prometheus scraping all 4 pdserve targets")
+    except TimeoutError as e:
+        targets = stack.prom._get("/api/v1/targets", {"state": "active"})["activeTargets"]
+        raise AssertionError(json.dumps(targets, indent=1)[-3000:]) from e
     asyncio.run(_traffic(stack.router.url))
     _sync_router_counts(stack)
     decode_out = 'sum(sglang:generation_tokens_total{engine_type=~"decode|unified"})'
@@ -309,11 +325,10 @@ def traffic(stack):
     before = (stack.value(decode_out), stack.value(all_out))
     sent = asyncio.run(_traffic(stack.router.url))
     _sync_router_counts(stack)
-    deadline = time.time() + 30
-    while not all(finite_values(stack.prom.query(f"{r} > 0")) for r in
-                  ("pdserve:router_e2e_seconds_bucket:rate1m", "pdserve:engine_kv_transfer_latency_ms_bucket:rate1m")):
-        assert time.time() < deadline, "recording rules did not pick up the traffic"
-        time.sleep(0.3)
+    wait_until(lambda: all(finite_values(stack.prom.query(f"{r} > 0")) for r in
+                           ("pdserve:router_e2e_seconds_bucket:rate1m",
+                            "pdserve:engine_kv_transfer_latency_ms_bucket:rate1m")),
+               30, interval=0.3, what="the recording rules picking up the traffic")
     return dict(sent, before=before)
 
 

@@ -3,11 +3,11 @@
 
 import os
 import sys
-import time
 
 import pytest
 
 from engines import ROOT
+from pd.util.wait import wait_until
 
 FAKE = [sys.executable, os.path.join(ROOT, "tests", "fake_sglang", "launch_server.py")]
 
@@ -39,13 +39,15 @@ def worker(ray, tmp_path, scenario, **overrides):
 
 
 def wait_for(ray, actor, pred, timeout=30):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+    """Poll the actor's ``info()`` until ``pred(info)`` holds; returns that info (TimeoutError with the last one)."""
+    def met():
         info = ray.get(actor.info.remote())
-        if pred(info):
-            return info
-        time.sleep(0.2)
-    raise AssertionError(f"condition not met: {ray.get(actor.info.remote())}")
+        return info if pred(info) else None
+
+    try:
+        return wait_until(met, timeout, interval=0.2, what="actor state", retry=())
+    except TimeoutError as e:
+        raise AssertionError(f"condition not met: {ray.get(actor.info.remote())}") from e
 
 
 def test_ready_then_crash_is_diagnosed_and_restarted(ray_local, tmp_path):
