@@ -16,22 +16,39 @@ sglang/srt/disaggregation/mooncake/conn.py, we do it over one HTTP server on the
 
 A room aborted on either side is remembered for ``tombstone_ttl`` seconds, so the other side's
 late arrival fails at once instead of waiting for its timeout.
+
+The server is a Starlette app on an embedded ``uvicorn.Server`` in the engine's event loop (the
+engine's own HTTP server is FastAPI on uvicorn); the decode's calls go through the engine's one
+``httpx.AsyncClient``. Neither cancels a long poll when the peer disconnects: only a result, a
+timeout or an abort ends it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-import aiohttp
-from aiohttp import web
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from pd.engines.errors import EngineError
+from pd.util.wait import async_wait_until
 
 log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 * 1024 * 1024  # a registration lists every page address of the room's prompt
+SHUTDOWN_GRACE = 5.0  # s the server waits for open requests when it stops, then cancels them
+ABORT_TIMEOUT = 30.0  # s a decode's /pd/abort may take (it waits for in-flight KV writes)
 
 
 class RoomFailed(Exception):
@@ -82,23 +99,46 @@ class BootstrapServer:
         self.tombstone_ttl = tombstone_ttl
         self.rooms: dict[int, Room] = {}
         self.tombstones: dict[int, tuple[str, float]] = {}
-        self._runner: Optional[web.AppRunner] = None
+        self._server: Optional[uvicorn.Server] = None
+        self._serving: Optional[asyncio.Task] = None
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
-        """Start serving /pd/register, /pd/abort and /health on ``host:port``."""
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/pd/register", self._handle_register)
-        app.router.add_post("/pd/abort", self._handle_abort)
-        app.router.add_get("/health", self._handle_health)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, self.host, self.port).start()
+        """Start serving /pd/register, /pd/abort and /health on ``host:port``; returns once it listens.
+
+        Raises:
+            OSError: ``host:port`` cannot be bound (in use, bad address).
+            RuntimeError: the server stopped while starting.
+        """
+        app = Starlette(routes=[
+            Route("/pd/register", self._handle_register, methods=["POST"]),
+            Route("/pd/abort", self._handle_abort, methods=["POST"]),
+            Route("/health", self._handle_health, methods=["GET"]),
+        ])
+        sockets = _listen(self.host, self.port)  # bound here, so a taken port raises instead of exiting
+        config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False,
+                                timeout_graceful_shutdown=SHUTDOWN_GRACE)
+        self._server = _EmbeddedServer(config)
+        self._serving = asyncio.get_running_loop().create_task(self._server.serve(sockets=sockets))
+
+        def started() -> bool:
+            if self._serving.done():
+                raise RuntimeError(f"bootstrap server on {self.host}:{self.port} stopped while starting")
+            return self._server.started
+
+        await async_wait_until(started, 30, interval=0.01, what=f"bootstrap server on {self.host}:{self.port}",
+                               retry=())
 
     async def stop(self) -> None:
-        """Stop the HTTP server (idempotent)."""
-        if self._runner is not None:
-            await self._runner.cleanup()
+        """Fail every room still waiting (its decode's long poll answers at once), then stop the
+        HTTP server, waiting up to ``SHUTDOWN_GRACE`` s for open requests (idempotent)."""
+        for room in list(self.rooms):
+            self._abort_room(room, "prefill shutting down")
+        if self._server is not None and self._serving is not None:
+            self._server.should_exit = True
+            with contextlib.suppress(Exception):
+                await self._serving
+            self._server = self._serving = None
 
     # ---- tombstones ---------------------------------------------------------------------
     def tombstone(self, room: int, reason: str) -> None:
@@ -160,42 +200,47 @@ class BootstrapServer:
             del self.rooms[rec.room]
 
     # ---- HTTP handlers (decode -> prefill) ----------------------------------------------
-    async def _handle_health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "rooms": len(self.rooms)})
+    async def _handle_health(self, request: Request) -> Response:
+        return _json({"status": "ok", "rooms": len(self.rooms)})
 
-    async def _handle_register(self, request: web.Request) -> web.Response:
+    async def _handle_register(self, request: Request) -> Response:
         try:
-            body = await request.json()
+            body = await _read_json(request)
             reg = Registration(**{k: body[k] for k in Registration.__dataclass_fields__})
+        except _TooLarge as e:
+            return _json({"status": "failed", "reason": str(e)}, status=413)
         except (ValueError, KeyError, TypeError) as e:
-            return web.json_response({"status": "failed", "reason": f"bad registration: {e!r}"}, status=400)
+            return _json({"status": "failed", "reason": f"bad registration: {e!r}"}, status=400)
         reason = self.tombstone_reason(reg.room)
         if reason is not None:
-            return web.json_response({"status": "failed", "reason": f"room {reg.room} was aborted by the prefill: {reason}"})
+            return _json({"status": "failed", "reason": f"room {reg.room} was aborted by the prefill: {reason}"})
         rec = self.rooms.get(reg.room)
         if rec is None:
             rec = self.rooms[reg.room] = Room(reg.room)
         if rec.registered.done():
-            return web.json_response({"status": "failed", "reason": f"room {reg.room} already has a decode registered"}, status=409)
+            return _json({"status": "failed", "reason": f"room {reg.room} already has a decode registered"}, status=409)
         rec.registered.set_result(reg)
         try:
             result = await asyncio.wait_for(asyncio.shield(rec.result), self.waiting_timeout)
         except asyncio.TimeoutError:
-            result = {"status": "failed", "reason": f"room {reg.room}: no prefill request arrived within {self.waiting_timeout:g}s"}
+            result = {"status": "failed",
+                      "reason": f"room {reg.room}: no prefill request arrived within {self.waiting_timeout:g}s"}
             self._abort_room(reg.room, "decode waiting timeout")
-        return web.json_response(result)
+        return _json(result)
 
-    async def _handle_abort(self, request: web.Request) -> web.Response:
+    async def _handle_abort(self, request: Request) -> Response:
         try:
-            body = await request.json()
+            body = await _read_json(request)
             room = int(body["room"])
             reason = str(body.get("reason", "aborted by decode"))
+        except _TooLarge as e:
+            return _json({"ok": False, "reason": str(e)}, status=413)
         except (ValueError, KeyError, TypeError) as e:
-            return web.json_response({"ok": False, "reason": f"bad abort: {e!r}"}, status=400)
+            return _json({"ok": False, "reason": f"bad abort: {e!r}"}, status=400)
         rec = self._abort_room(room, reason)
         if rec is not None:
             await rec.no_transfer_in_flight.wait()
-        return web.json_response({"ok": True})
+        return _json({"ok": True})
 
     def _abort_room(self, room: int, reason: str) -> Optional[Room]:
         self.tombstone(room, reason)
@@ -212,9 +257,78 @@ class BootstrapServer:
         return rec
 
 
+# ---- HTTP plumbing of the server ----------------------------------------------------------
+class _EmbeddedServer(uvicorn.Server):
+    """A uvicorn server inside the engine's loop: the engine's own server keeps the signals, so
+    SIGTERM stops the engine (which then stops this server) rather than this server alone."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    def install_signal_handlers(self) -> None:  # uvicorn < 0.29 calls this instead
+        pass
+
+
+class _TooLarge(Exception):
+    """A request body over ``MAX_BODY_BYTES``."""
+
+
+def _listen(host: str, port: int) -> list[socket.socket]:
+    """Bound listening sockets for every address ``host`` resolves to (as asyncio's create_server
+    binds them: SO_REUSEADDR, IPv6 sockets v6-only).
+
+    Raises:
+        OSError: an address cannot be bound or ``host`` does not resolve.
+    """
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, addr in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(addr)
+            sock.listen(2048)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+async def _read_json(request: Request):
+    """The request body parsed as JSON.
+
+    Raises:
+        _TooLarge: the body is over ``MAX_BODY_BYTES``.
+        ValueError: the body is not JSON (or not UTF-8).
+    """
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise _TooLarge(f"request body exceeds {MAX_BODY_BYTES} bytes")
+    return json.loads(body)
+
+
+def _json(obj, status: int = 200) -> Response:
+    # json.dumps as-is, NaN/Infinity included (a logprob may be -inf), as the decode's json.loads reads it
+    return Response(json.dumps(obj), status_code=status, media_type="application/json")
+
+
 # ---- decode side --------------------------------------------------------------------------
+def make_client() -> httpx.AsyncClient:
+    """The engine's client for its peers: no connection limit (one long poll per room in flight),
+    every call with its own timeout, no proxies from the environment (peers are direct)."""
+    return httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+                             timeout=httpx.Timeout(300.0, connect=30.0), trust_env=False)
+
+
 async def register_with_prefill(
-    session: aiohttp.ClientSession, host: str, port: int, reg: Registration, timeout: float
+    client: httpx.AsyncClient, host: str, port: int, reg: Registration, timeout: float
 ) -> dict:
     """Send the registration and wait for the prefill's KV push (the long poll).
 
@@ -223,32 +337,30 @@ async def register_with_prefill(
 
     Raises:
         RoomFailed: the prefill failed or aborted the room, is unreachable, or nothing came within
-            ``timeout`` seconds (SGLang's decode waiting timeout).
+            ``timeout`` seconds (SGLang's decode waiting timeout; the whole call, connecting included).
     """
     url = f"http://{host}:{port}/pd/register"
     try:
-        async with session.post(url, json=reg.__dict__, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            body = await resp.json()
-    except asyncio.TimeoutError:
-        raise RoomFailed(f"bootstrap room {reg.room}: no KV from prefill {host}:{port} within {timeout:g}s (waiting timeout)") from None
-    except (aiohttp.ClientError, ValueError) as e:
+        async with asyncio.timeout(timeout):
+            resp = await client.post(url, json=reg.__dict__, timeout=timeout)
+        body = resp.json()
+    except (TimeoutError, httpx.TimeoutException):
+        raise RoomFailed(f"bootstrap room {reg.room}: no KV from prefill {host}:{port} within {timeout:g}s "
+                         "(waiting timeout)") from None
+    except (httpx.HTTPError, ValueError) as e:
         raise RoomFailed(f"bootstrap room {reg.room}: prefill bootstrap server {host}:{port} unreachable: {e!r}") from None
-    if body.get("status") != "ok":
-        raise RoomFailed(f"bootstrap room {reg.room}: {body.get('reason', 'failed on the prefill')}")
+    if not isinstance(body, dict) or body.get("status") != "ok":
+        reason = body.get("reason", "failed on the prefill") if isinstance(body, dict) else "failed on the prefill"
+        raise RoomFailed(f"bootstrap room {reg.room}: {reason}")
     return body
 
 
-async def abort_on_prefill(session: aiohttp.ClientSession, host: str, port: int, room: int, reason: str) -> None:
+async def abort_on_prefill(client: httpx.AsyncClient, host: str, port: int, room: int, reason: str) -> None:
     """Tell the prefill the decode gave up on ``room``; returns once no KV write into our pages is
-    in flight (or the prefill is unreachable, so none can be). Never raises."""
+    in flight (or the prefill is unreachable, so none can be; at most ``ABORT_TIMEOUT`` s). Never raises."""
     try:
-        async with session.post(
-            f"http://{host}:{port}/pd/abort",
-            json={"room": room, "reason": reason},
-            timeout=aiohttp.ClientTimeout(total=30),
-        ) as resp:
-            await resp.read()
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        async with asyncio.timeout(ABORT_TIMEOUT):
+            await client.post(f"http://{host}:{port}/pd/abort", json={"room": room, "reason": reason},
+                              timeout=ABORT_TIMEOUT)
+    except (httpx.HTTPError, TimeoutError) as e:
         log.info("abort of room %s on %s:%s not delivered: %r", room, host, port, e)
-
-

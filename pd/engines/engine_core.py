@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Callable, Optional
 
-import aiohttp
+import httpx
 import torch
 
 from pd.engines.bootstrap import (
@@ -34,6 +34,7 @@ from pd.engines.bootstrap import (
     Registration,
     RoomFailed,
     abort_on_prefill,
+    make_client,
     register_with_prefill,
 )
 from pd.engines.errors import EngineError, bad_request
@@ -98,7 +99,7 @@ class EngineCore:
         self.pool: Optional[KVPagePool] = None
         self.transfer: Optional[MooncakeTransfer] = None
         self.bootstrap: Optional[BootstrapServer] = None
-        self.http: Optional[aiohttp.ClientSession] = None
+        self.http: Optional[httpx.AsyncClient] = None
         self.sequences: set[Sequence] = set()
         self.decode_rooms: set[int] = set()
         self.queued = 0
@@ -115,7 +116,7 @@ class EngineCore:
         self.transfer = MooncakeTransfer(a.transfer_host, a.disaggregation_transfer_protocol, a.disaggregation_ib_device or "")
         self.transfer.register(self.pool.base_addr, self.pool.total_bytes)
         self._update_pool_metrics()
-        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self.http = make_client()
         if self.mode == "prefill":
             self.bootstrap = BootstrapServer(
                 a.host, a.disaggregation_bootstrap_port, a.waiting_timeout, tombstone_ttl=max(60.0, 2 * a.waiting_timeout)
@@ -135,7 +136,7 @@ class EngineCore:
         if self.bootstrap is not None:
             await self.bootstrap.stop()
         if self.http is not None:
-            await self.http.close()
+            await self.http.aclose()
         self.model_exec.shutdown(wait=False, cancel_futures=True)
         self.transfer_exec.shutdown(wait=False, cancel_futures=True)
 
