@@ -458,8 +458,9 @@ def test_dequant_choice(monkeypatch):
     """auto: bits only on sm_90 with max_scale_byte <= 128; dot_scaled otherwise (sm_120 has the e2m1 cvt);
     bits requested without a fitting max_scale_byte is an error."""
     import pd.kernels.mxfp4_moe as mx
+    import pd.kernels.mxfp4_moe.launch as launch  # the module whose _INTERPRET _dequant_mode reads
 
-    monkeypatch.setattr(mx, "_INTERPRET", False)
+    monkeypatch.setattr(launch, "_INTERPRET", False)
     cc = {"cap": (9, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: cc["cap"])
     cuda = torch.device("cuda")
@@ -473,7 +474,7 @@ def test_dequant_choice(monkeypatch):
     for bad in (None, 129):
         with pytest.raises(ValueError, match="max_scale_byte"):
             mx._dequant_mode("bits", bad, cuda)
-    monkeypatch.setattr(mx, "_INTERPRET", True)
+    monkeypatch.setattr(launch, "_INTERPRET", True)
     assert mx._dequant_mode("bits", 120, torch.device("cpu")) == mx.DEQ_BITS_TL
 
 

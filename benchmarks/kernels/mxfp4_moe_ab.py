@@ -13,8 +13,9 @@ tiled=True)`` and ``tile_mxfp4_scales``: every 32-row x 256-value piece 4 KiB of
 [32 x 8 byte] tiles). In the s7 pick run (benchmarks/results/mxfp4_moe_2026-11-30-s7-ab.json) "sm90_tiled" was named
 "sm90_tiled_scales" (plans "tiled_s*"), beside a weights-only tiling (plan "tiled") that gained nothing and is gone.
 
-Plans are (layout, config) pairs: "head" (the committed kernel, ``--head``: ``git show HEAD:kernels/mxfp4_moe.py``
-copied to an untracked file; its default plan on the sm90_bits layout), "bits" (this checkout's default plan on
+Plans are (layout, config) pairs: "head" (the committed kernel, ``--head``: a kernels/mxfp4_moe package folder of
+another checkout, e.g. ``git worktree add /tmp/head HEAD`` and ``--head /tmp/head/kernels/mxfp4_moe``, or a file of
+the single-module layout, ``git show OLD:kernels/mxfp4_moe.py``; its default plan on the sm90_bits layout), "bits" (this checkout's default plan on
 sm90_bits), "tiled" (its default plan on sm90_tiled), and with ``--sweep`` T <= 8 plan variants on sm90_tiled
 (over its T <= 8 default). In one run:
 0. ``--workers`` subprocesses compile every plan's kernels first (Triton's on-disk cache);
@@ -59,10 +60,15 @@ LAYOUTS = {"bits": "sm90_bits", "tiled": "sm90_tiled"}
 
 
 def load_head(path):
-    """The committed kernel module from ``path``, imported inside this checkout's kernels package (its relative
-    imports resolve there)."""
+    """The committed kernel from ``path``, imported inside this checkout's kernels package (its relative imports
+    resolve there): a single-file module (``git show OLD:kernels/mxfp4_moe.py > /tmp/head.py``, the layout before
+    the package) or a package folder (``git worktree add /tmp/head COMMIT``, then ``/tmp/head/kernels/mxfp4_moe``)."""
     pkg = mx.__name__.rsplit(".", 1)[0]
-    spec = importlib.util.spec_from_file_location(f"{pkg}._mxfp4_moe_head", path)
+    if os.path.isdir(path):
+        spec = importlib.util.spec_from_file_location(f"{pkg}._mxfp4_moe_head", os.path.join(path, "__init__.py"),
+                                                      submodule_search_locations=[path])
+    else:
+        spec = importlib.util.spec_from_file_location(f"{pkg}._mxfp4_moe_head", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
