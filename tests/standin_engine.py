@@ -17,7 +17,8 @@ decode does not learn of it either).
 
 Control (tests only): ``POST /control`` with any of
 ``{"faults": [...], "clear_faults": true, "health": STATUS, "propagate_aborts": bool,
-"token_interval": seconds}`` appends faults (after clearing the pending ones) / sets values; ``POST /control/reset`` clears faults and the records;
+"token_interval": seconds}`` appends faults (after clearing the pending ones) / sets values;
+``POST /control/reset`` clears faults and the records;
 ``GET /control`` returns ``{"requests": [...], "aborts": [rid...], "live": [rid...],
 "aborted": [rid...], "finished": n}``. A fault is ``{"kind": K, "count": N (default 1), ...}``,
 used by the next N generation requests:
@@ -158,8 +159,9 @@ class StandIn:
                 r.verdict.set_result("aborted")
             return
         if not done:
-            raise web.HTTPInternalServerError(text=json.dumps(error_json(500, f"bootstrap timeout for room {seq.room}")),
-                                              content_type="application/json")
+            raise web.HTTPInternalServerError(
+                text=json.dumps(error_json(500, f"bootstrap timeout for room {seq.room}")),
+                content_type="application/json")
         seq.tokens = 1
         seq.finish = {"type": "length", "length": 1}
         if not r.verdict.done():
@@ -173,8 +175,9 @@ class StandIn:
                                          timeout=ClientTimeout(total=5)) as r:
                 await r.read()
         except Exception as e:  # the prefill is gone: fail fast, as SGLang's decode does
-            raise web.HTTPInternalServerError(text=json.dumps(error_json(500, f"prefill bootstrap {base} unreachable: {e!r}")),
-                                              content_type="application/json")
+            raise web.HTTPInternalServerError(
+                text=json.dumps(error_json(500, f"prefill bootstrap {base} unreachable: {e!r}")),
+                content_type="application/json")
         poll = asyncio.ensure_future(self._poll(base, seq.room))
         aborted = asyncio.ensure_future(seq.abort.wait())
         done, _ = await asyncio.wait({poll, aborted}, timeout=self.args.waiting_timeout,
@@ -300,7 +303,8 @@ class StandIn:
                               "stream_options": body.get("stream_options"), "fault": fault and fault["kind"]})
         if fault and fault["kind"] == "status":
             status = fault.get("status", 503)
-            return web.json_response(error_json(status, fault.get("message", f"stand-in fault {status}")), status=status)
+            return web.json_response(error_json(status, fault.get("message", f"stand-in fault {status}")),
+                                     status=status)
         if fault and fault["kind"] == "drop":
             request.transport.close()
             return web.Response(status=500)

@@ -3,8 +3,8 @@ Ray cluster with 8 logical GPUs, real prompts through the router, failures, clea
 
 import asyncio
 import json
-import re
 import os
+import re
 import signal
 import time
 
@@ -12,11 +12,11 @@ import httpx
 import openai
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
-
 from engines import ROOT, free_port
-from pd.util.wait import async_wait_until, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 from ray_cluster import RayHead, wait_pids_gone
+
+from pd.util.wait import async_wait_until, wait_until
 
 GEN = {"temperature": 0, "max_new_tokens": 12}
 
@@ -73,8 +73,8 @@ def test_local_yaml_job(ray_head, engines):
         targets = prometheus_targets(ray_head)
         assert targets["router"]["targets"] == ["127.0.0.1:8000"]
         for w in workers:
-            assert targets[w["name"]] == {"targets": [w["url"].removeprefix("http://")],
-                                          "labels": {"component": "engine", "role": w["role"], "worker_name": w["name"]}}
+            labels = {"component": "engine", "role": w["role"], "worker_name": w["name"]}
+            assert targets[w["name"]] == {"targets": [w["url"].removeprefix("http://")], "labels": labels}
         assert launcher_restarts(targets) == {"prefill-0": 0, "decode-0": 0}
 
         # OpenAI client, not streaming and streaming, equals the null-mode engine.
@@ -93,7 +93,8 @@ def test_local_yaml_job(ray_head, engines):
         texts = [f"batch item {i}" for i in range(5)]
         r = httpx.post(url + "/generate", json={"text": texts, "sampling_params": GEN}, timeout=60)
         assert r.status_code == 200, r.text
-        assert [x["output_ids"] for x in r.json()] == [x["output_ids"] for x in null_generate(engines, {"text": texts, "sampling_params": GEN})]
+        ref_batch = null_generate(engines, {"text": texts, "sampling_params": GEN})
+        assert [x["output_ids"] for x in r.json()] == [x["output_ids"] for x in ref_batch]
 
         # Kill the prefill engine while requests are in flight: each ends promptly (done or error),
         # the decode stays healthy, only the prefill restarts, the next request succeeds.
@@ -118,8 +119,8 @@ def test_local_yaml_job(ray_head, engines):
             async with httpx.AsyncClient(timeout=5) as c:
                 async def holds_two() -> bool:
                     m = (await c.get(pre["url"] + "/metrics")).text
-                    queued = sum(float(line.rsplit(" ", 1)[1]) for line in m.splitlines()
-                                 if line.startswith(("sglang:num_queue_reqs{", "sglang:num_prefill_bootstrap_queue_reqs{")))
+                    gauges = ("sglang:num_queue_reqs{", "sglang:num_prefill_bootstrap_queue_reqs{")
+                    queued = sum(float(line.rsplit(" ", 1)[1]) for line in m.splitlines() if line.startswith(gauges))
                     return queued >= 2
 
                 await async_wait_until(holds_two, 60, interval=0.01, what="the prefill holding 2 requests")
@@ -142,7 +143,8 @@ def test_local_yaml_job(ray_head, engines):
         assert prometheus_targets(ray_head)["prefill-0"] == targets["prefill-0"]  # same port after the restart
         r = httpx.post(url + "/generate", json={"text": prompt, "sampling_params": GEN}, timeout=60)
         assert r.status_code == 200 and r.json()["output_ids"] == ref["output_ids"]
-        new_pid = int(ray_head.wait_log(job, r"\[prefill-0\] pdserve: started engine pid (\d+)(?![\s\S]*started engine pid)").group(1))
+        last_start = r"\[prefill-0\] pdserve: started engine pid (\d+)(?![\s\S]*started engine pid)"
+        new_pid = int(ray_head.wait_log(job, last_start).group(1))
         pids.add(new_pid)
     finally:
         ray_head.stop_job(job)
@@ -183,7 +185,7 @@ def test_two_prefill_two_decode_ports_and_pairing(ray_head, tmp_path):
             for w in workers:
                 if w["role"] == "prefill":
                     m = c.get(w["url"] + "/metrics").text
-                    line = next(l for l in m.splitlines() if l.startswith("pdserve_kv_transfer_bytes_total{"))
+                    line = next(x for x in m.splitlines() if x.startswith("pdserve_kv_transfer_bytes_total{"))
                     assert float(line.rsplit(" ", 1)[1]) > 0, f"{w['name']} got no traffic"
     finally:
         ray_head.stop_job(job)
@@ -213,7 +215,8 @@ def test_bundle_no_node_can_hold_is_named_at_once(ray_head):
     away (the launcher keeps waiting for an autoscaler to add such a node; the test stops it)."""
     path = os.path.join(ROOT, "deploy", f".test-placement-{free_port()}.yaml")
     with open(path, "w") as f:
-        yaml.safe_dump({"decode": {"placement": {"resources": {"decode_node": 0.01}}}, "router": {"port": free_port()}}, f)
+        yaml.safe_dump({"decode": {"placement": {"resources": {"decode_node": 0.01}}},
+                        "router": {"port": free_port()}}, f)
     try:
         job = ray_head.submit("python", "-m", "pd.launch", os.path.relpath(path, ROOT))
     finally:

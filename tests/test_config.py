@@ -4,10 +4,10 @@ import glob
 import os
 
 import pytest
-
 from engines import ROOT
-from pd.config import ConfigError, load_config, parse_config
+
 from pd.commands.build import engine_command
+from pd.config import ConfigError, load_config, parse_config
 
 
 def test_default_is_local_yaml():

@@ -135,7 +135,8 @@ def test_eos_min_tokens_and_length():
 
 def test_expand_is_prompt_major_with_a_room_per_sequence():
     req = CompletionRequest(prompt=["a", "b"], n=3, bootstrap_room=100, bootstrap_host="h", bootstrap_port=9)
-    specs = expand([[1], [2]], 3, [SamplingParams(sampling_seed=5)] * 2, req, "r", [False] * 2, [-1] * 2, [0] * 2, False)
+    specs = expand([[1], [2]], 3, [SamplingParams(sampling_seed=5)] * 2, req, "r", [False] * 2, [-1] * 2, [0] * 2,
+                   False)
     assert [(s.prompt_index, s.sample_index) for s in specs] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
     assert [s.bootstrap.room for s in specs] == list(range(100, 106))
     assert [s.rid for s in specs] == [f"r_{i}" for i in range(6)]
@@ -154,7 +155,8 @@ def test_engine_help_documents_every_flag():
             assert action.help and len(action.help) > 15, action.option_strings
     text = parser.format_help()
     for flag in ("--model-path", "--disaggregation-mode", "--disaggregation-bootstrap-port",
-                 "--disaggregation-transfer-backend", "--disaggregation-transfer-protocol", "--disaggregation-ib-device"):
+                 "--disaggregation-transfer-backend", "--disaggregation-transfer-protocol",
+                 "--disaggregation-ib-device"):
         assert flag in text
 
 

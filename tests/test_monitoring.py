@@ -21,21 +21,21 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from engines import ROOT, ManagedProcess, free_port, spawn, wait_until_ready
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines import ROOT, ManagedProcess, free_port, spawn, wait_until_ready
-
+from pd.cluster.prom_targets import TargetsFile, build_targets
+from pd.cluster.worker_metrics import WorkerStateExporter
 from pd.monitoring import grafana as g
 from pd.monitoring.prom_api import Prometheus, finite_values
 from pd.monitoring.promql import metric_names
-from pd.cluster.prom_targets import TargetsFile, build_targets
-from pd.cluster.worker_metrics import WorkerStateExporter
 from pd.util.wait import wait_until
 
 MON = Path(ROOT) / "monitoring"
 DASHBOARDS = sorted((MON / "grafana" / "dashboards").glob("*.json"))
 RULES = yaml.safe_load((MON / "rules.yml").read_text())
-SGLANG_SRT = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages" / "sglang" / "srt"
+SGLANG_SRT = (Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+              / "sglang" / "srt")
 
 # Panels whose only metrics exist in SGLang and not in the reference engine (no speculative
 # decoding there): their names are checked against the pinned SGLang source instead of for data.
@@ -76,7 +76,8 @@ def test_generated_files_are_current():
 def test_generate_check_fails_on_a_stale_file(tmp_path):
     out = tmp_path / "m"
     assert run(sys.executable, "-m", "pd.monitoring.generate", "--out", str(out), cwd=Path(ROOT)).returncode == 0
-    assert run(sys.executable, "-m", "pd.monitoring.generate", "--check", "--out", str(out), cwd=Path(ROOT)).returncode == 0
+    assert run(sys.executable, "-m", "pd.monitoring.generate", "--check", "--out", str(out),
+               cwd=Path(ROOT)).returncode == 0
     rules = out / "rules.yml"
     rules.write_text(rules.read_text().replace("> 2", "> 3"))
     r = run(sys.executable, "-m", "pd.monitoring.generate", "--check", "--out", str(out), cwd=Path(ROOT))
@@ -93,8 +94,8 @@ def test_promtool_check_config_and_rules():
     r = run(promtool, "check", "config", "prometheus.yml")
     assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
     r = run(promtool, "check", "rules", "rules.yml")
-    assert r.returncode == 0 and f"SUCCESS: {len(all_rules('record')) + len(all_rules('alert'))} rules found" in r.stdout, \
-        r.stdout + r.stderr
+    found = f"SUCCESS: {len(all_rules('record')) + len(all_rules('alert'))} rules found"
+    assert r.returncode == 0 and found in r.stdout, r.stdout + r.stderr
 
 
 def test_promtool_unit_tests_cover_every_alert():
@@ -149,15 +150,17 @@ class Stack:
         self.router = ManagedProcess()
         self.router.port = free_port()
         self.router.log_path = str(workdir / "router.log")
-        self.router.proc = spawn([sys.executable, "-m", "pd.cli", "router", "--prefill", pre.url, str(pre.bootstrap_port),
-                                  "--decode", dec.url, "--port", str(self.router.port)], self.router.log_path)
+        self.router.proc = spawn([sys.executable, "-m", "pd.cli", "router", "--prefill", pre.url,
+                                  str(pre.bootstrap_port), "--decode", dec.url, "--port", str(self.router.port)],
+                                 self.router.log_path)
         self.started.append(self.router)
         # The launcher's exporter, fed the worker infos as the launcher polls them from its actors.
         self.exporter = WorkerStateExporter()
         self.exporter.update([{"name": "prefill-0", "role": "prefill", "url": pre.url, "state": "ready", "restarts": 0},
                               {"name": "decode-0", "role": "decode", "url": dec.url, "state": "ready", "restarts": 0}])
         self.exporter.start("127.0.0.1", 0)
-        infos = [{"name": "prefill-0", "role": "prefill", "url": pre.url}, {"name": "decode-0", "role": "decode", "url": dec.url}]
+        infos = [{"name": "prefill-0", "role": "prefill", "url": pre.url},
+                 {"name": "decode-0", "role": "decode", "url": dec.url}]
         TargetsFile(workdir / "targets.json").write(
             build_targets(f"127.0.0.1:{self.router.port}", infos, f"127.0.0.1:{self.exporter.port}"))
         (workdir / "ray_sd.json").write_text("[]")
@@ -247,13 +250,14 @@ async def _traffic(router_url: str) -> dict:
                                                       "stream_options": {"include_usage": True}})
             assert r.status_code == 200, r.text
             if stream:
-                usage = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")][-1]["usage"]
-                return usage["completion_tokens"]
+                chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+                return chunks[-1]["usage"]["completion_tokens"]
             return r.json()["usage"]["completion_tokens"]
 
         async def chat():
             r = await c.post("/v1/chat/completions", json={"model": "builtin:tiny", "max_tokens": 8, "temperature": 0,
-                                                           "messages": [{"role": "user", "content": "hi"}], "logprobs": True})
+                                                           "messages": [{"role": "user", "content": "hi"}],
+                                                           "logprobs": True})
             assert r.status_code == 200, r.text
             return r.json()["usage"]["completion_tokens"]
 
@@ -271,7 +275,8 @@ def _sample_sum(text: str, name: str) -> float:
 
 
 # Engine counters whose totals on /metrics and in Prometheus must agree before the checks read them.
-ENGINE_COUNTERS = ("sglang:generation_tokens_total", "sglang:num_requests_total", "sglang:e2e_request_latency_seconds_count")
+ENGINE_COUNTERS = ("sglang:generation_tokens_total", "sglang:num_requests_total",
+                   "sglang:e2e_request_latency_seconds_count")
 
 
 def _rule_groups_evaluated_after(stack, t: float) -> bool:
@@ -400,7 +405,8 @@ def test_every_metric_name_is_exported_somewhere(stack, traffic):
     for dash in (json.loads(p.read_text()) for p in DASHBOARDS):
         for v in dash["templating"]["list"]:
             if v["type"] == "query":
-                used.setdefault(v["definition"].split("(", 1)[1].split(",")[0].split("{")[0].strip(), f"variable {v['name']}")
+                metric = v["definition"].split("(", 1)[1].split(",")[0].split("{")[0].strip()
+                used.setdefault(metric, f"variable {v['name']}")
     for r in all_rules("record") + all_rules("alert"):
         for n in metric_names(r["expr"]):
             used.setdefault(n, f"rule {r.get('record') or r.get('alert')}")
@@ -433,7 +439,8 @@ def sglang_metric_names() -> set[str]:
                 continue
             fn = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
             for kw in node.keywords:
-                if kw.arg == "name" and isinstance(kw.value, ast.Constant) and str(kw.value.value).startswith("sglang:"):
+                if (kw.arg == "name" and isinstance(kw.value, ast.Constant)
+                        and str(kw.value.value).startswith("sglang:")):
                     name = kw.value.value
                     if "Histogram" in fn:
                         out |= {name + "_bucket", name + "_sum", name + "_count"}
@@ -522,8 +529,10 @@ def test_targets_file_is_atomic_and_written_on_change(tmp_path):
     assert f.write(doc) and not f.write(doc)
     assert json.loads(f.path.read_text()) == [
         {"targets": ["10.0.0.1:8000"], "labels": {"component": "router"}},
-        {"targets": ["10.0.0.2:30001"], "labels": {"component": "engine", "role": "decode", "worker_name": "decode-0"}},
-        {"targets": ["10.0.0.3:30000"], "labels": {"component": "engine", "role": "prefill", "worker_name": "prefill-0"}},
+        {"targets": ["10.0.0.2:30001"],
+         "labels": {"component": "engine", "role": "decode", "worker_name": "decode-0"}},
+        {"targets": ["10.0.0.3:30000"],
+         "labels": {"component": "engine", "role": "prefill", "worker_name": "prefill-0"}},
         {"targets": ["10.0.0.1:9100"], "labels": {"component": "launcher"}},
     ]
     assert os.listdir(f.path.parent) == ["t.json"]  # no temp file left behind
@@ -598,6 +607,6 @@ def test_render_time_axis_is_the_requested_range_in_utc(tmp_path, monkeypatch):
 
 
 def test_metric_names_tokenizer():
-    assert metric_names('histogram_quantile(0.99, sum by (le, endpoint) (rate(a_bucket{x=~"$v", s="5.."}[5m]))) * 0.001') \
-        == {"a_bucket"}
+    expr = 'histogram_quantile(0.99, sum by (le, endpoint) (rate(a_bucket{x=~"$v", s="5.."}[5m]))) * 0.001'
+    assert metric_names(expr) == {"a_bucket"}
     assert metric_names("(sum(rate(a[1m])) or vector(0)) / on(x) group_left sum(b:c:d) > bool 2e-3") == {"a", "b:c:d"}

@@ -15,7 +15,8 @@ def test_fitting_bundle_has_no_reason():
     assert unplaceable_reason({"GPU": 4}, {}, [HEAD]) is None
     assert unplaceable_reason({"GPU": 8, "prefill_node": 0.01}, {"zone": "a"}, [HEAD]) is None
     # any one node that fits is enough
-    assert unplaceable_reason({"GPU": 2, "decode_node": 1}, {}, [HEAD, node("10.0.0.2", {"GPU": 2.0, "decode_node": 1.0})]) is None
+    nodes = [HEAD, node("10.0.0.2", {"GPU": 2.0, "decode_node": 1.0})]
+    assert unplaceable_reason({"GPU": 2, "decode_node": 1}, {}, nodes) is None
 
 
 def test_missing_custom_resource_is_named_without_internal_keys():

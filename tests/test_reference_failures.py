@@ -10,10 +10,10 @@ import uuid
 
 import httpx
 import pytest
-
 from engines import async_metric, free_port, metric
-from pd.util.wait import async_wait_until
 from pdclient import add_rooms, pd_post, stream_then_disconnect
+
+from pd.util.wait import async_wait_until
 
 GOOD = {"text": "still alive", "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
 
@@ -58,19 +58,22 @@ async def wait_metric(engine, name: str, at_least: float, what: str) -> None:
 
 async def waiting_for_kv(engines, n: int = 1) -> None:
     """The decode holds pages for ``n`` requests and waits on the prefill's bootstrap server for their KV."""
-    await wait_metric(engines["decode"], "sglang:num_decode_transfer_queue_reqs", n, f"{n} decode request(s) waiting for KV")
+    await wait_metric(engines["decode"], "sglang:num_decode_transfer_queue_reqs", n,
+                      f"{n} decode request(s) waiting for KV")
 
 
 async def waiting_for_decode(engines) -> None:
     """The prefill holds a request that waits for its decode to register."""
-    await wait_metric(engines["prefill"], "sglang:num_prefill_bootstrap_queue_reqs", 1, "a prefill waiting for its decode")
+    await wait_metric(engines["prefill"], "sglang:num_prefill_bootstrap_queue_reqs", 1,
+                      "a prefill waiting for its decode")
 
 
 # ---- bad input --------------------------------------------------------------------------------
 @pytest.mark.parametrize("side", ["null", "decode", "prefill"])
 async def test_bad_inputs_get_4xx_and_hold_nothing(engines, side):
     e = engines[side]
-    pd_fields = {} if side == "null" else {"bootstrap_host": "127.0.0.1", "bootstrap_port": engines["prefill"].bootstrap_port}
+    pd_fields = ({} if side == "null"
+                 else {"bootstrap_host": "127.0.0.1", "bootstrap_port": engines["prefill"].bootstrap_port})
     async with httpx.AsyncClient(timeout=30, base_url=e.url) as c:
         r = await c.post("/generate", content=b'{"text": "oops"', headers={"content-type": "application/json"})
         assert_error(r, 400, "malformed JSON")
@@ -78,12 +81,14 @@ async def test_bad_inputs_get_4xx_and_hold_nothing(engines, side):
         assert_error(r, 404, "gpt-17")
         r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0, **pd_fields, "bootstrap_room": 1})
         assert assert_error(r, 400, "max_tokens")["param"] == "max_tokens"
-        r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3})
+        r = await c.post("/v1/chat/completions",
+                         json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3})
         assert_error(r, 400, "max_tokens")
         r = await c.post("/generate", json={"text": "x" * 3000, "sampling_params": {"max_new_tokens": 4},
                                             **pd_fields, "bootstrap_room": 2})
         assert_error(r, 400, "maximum context length")
-        r = await c.post("/generate", json={"text": "hi", "sampling_params": {"temperature": -1}, **pd_fields, "bootstrap_room": 3})
+        r = await c.post("/generate", json={"text": "hi", "sampling_params": {"temperature": -1}, **pd_fields,
+                                            "bootstrap_room": 3})
         assert_error(r, 400, "temperature")
         # SGLang refuses a sampling_params key it does not know (a misspelt max_new_tokens is not the default)
         r = await c.post("/generate", json={"text": "hi", "sampling_params": {"max_new_token": 2}, **pd_fields,
@@ -107,7 +112,8 @@ async def test_bad_inputs_get_4xx_and_hold_nothing(engines, side):
         r = await c.post("/generate", json={"text": "hi", "stream": "yes", **pd_fields, "bootstrap_room": 10})
         assert assert_error(r, 400, "valid boolean")["param"] == "stream"
         for n in ("x", 2.5, [2]):
-            r = await c.post("/generate", json={"text": "hi", "sampling_params": {"n": n}, **pd_fields, "bootstrap_room": 7})
+            r = await c.post("/generate", json={"text": "hi", "sampling_params": {"n": n}, **pd_fields,
+                                                "bootstrap_room": 7})
             assert assert_error(r, 400, "n must be an integer")["param"] == "n"
         r = await c.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "hi"}], **pd_fields,
                                                         "bootstrap_room": 8})
@@ -135,7 +141,8 @@ async def test_room_already_active_is_rejected(engines):
     dec = engines["decode"]
     room = random.randrange(2**63)
     body = {"text": "hold this room", "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": engines["prefill"].bootstrap_port, "bootstrap_room": room, "rid": "holder-" + uuid.uuid4().hex}
+            "bootstrap_port": engines["prefill"].bootstrap_port, "bootstrap_room": room,
+            "rid": "holder-" + uuid.uuid4().hex}
     async with httpx.AsyncClient(timeout=30, base_url=dec.url) as c:
         first = asyncio.create_task(c.post("/generate", json=body))
         await waiting_for_kv(engines)  # the first request now waits for KV that never comes

@@ -4,7 +4,6 @@ import asyncio
 
 import httpx
 import pytest
-
 from engines import metric
 from pdclient import final_generate_chunks, merge_logprobs, parse_sse, pd_post, strip_volatile
 
@@ -40,7 +39,8 @@ def openai_stream_result(chunks, chat):
             if ch["finish_reason"]:
                 o["finish"] = ch["finish_reason"]
             if ch.get("logprobs"):
-                o["lp"] += [x["logprob"] for x in ch["logprobs"]["content"]] if chat else ch["logprobs"]["token_logprobs"]
+                lps = ch["logprobs"]
+                o["lp"] += [x["logprob"] for x in lps["content"]] if chat else lps["token_logprobs"]
     return out, usage
 
 
@@ -225,7 +225,8 @@ async def test_transfer_counters_and_pages_released(engines):
     # 100 tokens -> 7 pages of 16 tokens x 512 B/token on builtin:tiny, per request
     assert moved_p == moved_d == 5 * 7 * 16 * 512
     assert metric(engines["prefill"], "sglang:kv_transfer_latency_ms_count") >= 5
-    assert metric(engines["prefill"], "sglang:per_stage_req_latency_seconds_count", stage="prefill_transfer_kv_cache") >= 5
+    assert metric(engines["prefill"], "sglang:per_stage_req_latency_seconds_count",
+                  stage="prefill_transfer_kv_cache") >= 5
     assert metric(engines["decode"], "sglang:per_stage_req_latency_seconds_count", stage="decode_transferred") >= 5
     for side in ("prefill", "decode"):
         assert metric(engines[side], "pdserve_kv_pages_held") == 0

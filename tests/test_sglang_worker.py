@@ -5,8 +5,8 @@ import os
 import sys
 
 import pytest
-
 from engines import ROOT
+
 from pd.util.wait import wait_until
 
 FAKE = [sys.executable, os.path.join(ROOT, "tests", "fake_sglang", "launch_server.py")]
@@ -23,18 +23,20 @@ def ray_local():
 
 
 def worker(ray, tmp_path, scenario, **overrides):
-    from pd.config import parse_config
     from pd.cluster.worker import EngineWorker
+    from pd.config import parse_config
 
     cfg = parse_config({
         "engine": "sglang", "model_path": "/models/none", "page_size": 64,
         "sglang": {"quantization": "fp8", "launch_command": FAKE},
-        "prefill": {"tp_size": 4, "env": {"FAKE_SGLANG_SCENARIO": scenario, "FAKE_SGLANG_STATE": str(tmp_path / "starts"),
+        "prefill": {"tp_size": 4, "env": {"FAKE_SGLANG_SCENARIO": scenario,
+                                          "FAKE_SGLANG_STATE": str(tmp_path / "starts"),
                                           "FAKE_SGLANG_CRASH_AFTER": "1.5"}},
         "restart": {"max_restarts": 2, "backoff_initial": 0.2, "backoff_max": 0.5},
         **overrides,
     })
-    actor = ray.remote(EngineWorker).options(num_cpus=0, num_gpus=4).remote("prefill-0", "prefill", cfg.model_dump(), None, "127.0.0.1")
+    actor = ray.remote(EngineWorker).options(num_cpus=0, num_gpus=4).remote("prefill-0", "prefill", cfg.model_dump(),
+                                                                            None, "127.0.0.1")
     return actor
 
 

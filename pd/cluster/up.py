@@ -21,9 +21,9 @@ from typing import Optional
 
 import httpx
 
-from pd.config import DEFAULT_CONFIG, ConfigError, PDConfig, load_config
 from pd.cluster.launch import CONFIG_ENV
 from pd.cluster.procs import popen_group, stop_group
+from pd.config import DEFAULT_CONFIG, ConfigError, PDConfig, load_config
 from pd.util.ports import free_ports
 from pd.util.wait import wait_until
 
@@ -127,7 +127,8 @@ async def follow(client, job_id: str, router_seen: list, model: str) -> None:
                 router_seen.append(m.group(1))
                 url = m.group(1)
                 say(f"ready. Router: {url}")
-                body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16})
+                body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}],
+                                   "max_tokens": 16})
                 say(f"try: curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")
                 say("Ctrl-C stops the job and everything `pdserve up` started")
 
@@ -161,7 +162,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
         port = int(address.rsplit(":", 1)[1]) if re.search(r":\d+$", address) else 8265
         log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-ray-head-{os.getpid()}.log"
-        say(f"no Ray cluster at {address}; starting a local head with {cfg.cluster.num_gpus} logical GPUs (log: {log_path})")
+        say(f"no Ray cluster at {address}; starting a local head with {cfg.cluster.num_gpus} logical GPUs "
+            f"(log: {log_path})")
         head = start_local_head(cfg, port, log_path)
         address = f"http://127.0.0.1:{port}"
     os.environ.update({k: v for k, v in ray_env().items() if k == "RAY_AUTH_MODE"})

@@ -18,13 +18,12 @@ from typing import Optional
 
 import httpx
 
-from pd.config import PDConfig
+from pd.cluster.procs import die_with_parent
 from pd.commands.build import engine_command
 from pd.commands.command import EngineCommand
-from pd.cluster.procs import die_with_parent
+from pd.config import PDConfig
 from pd.util.ports import free_port
 from pd.util.wait import async_wait_until
-
 
 LOG_TAIL_LINES = 20000  # engine log lines kept for diagnosis (a TP4 SGLang crash is a few hundred)
 

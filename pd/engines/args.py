@@ -56,8 +56,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: $SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT or 300).")
     p.add_argument("--disaggregation-waiting-timeout", type=float,
                    default=_env_float("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300),
-                   help="Seconds a decode waits for a room's KV (default: $SGLANG_DISAGGREGATION_WAITING_TIMEOUT or 300).")
-    p.add_argument("--page-size", type=int, default=16, help="Tokens per KV page; must match on prefill and decode. Default: 16.")
+                   help="Seconds a decode waits for a room's KV "
+                        "(default: $SGLANG_DISAGGREGATION_WAITING_TIMEOUT or 300).")
+    p.add_argument("--page-size", type=int, default=16,
+                   help="Tokens per KV page; must match on prefill and decode. Default: 16.")
     p.add_argument("--max-total-tokens", type=int, default=65536,
                    help="KV pool capacity in tokens (prefill and decode). Default: 65536.")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",

@@ -193,7 +193,8 @@ class BootstrapServer:
         """Resolve the decode's long poll (``meta`` on success, ``reason`` on failure) and forget
         the room. A failure is tombstoned so a late registration fails fast."""
         if not rec.result.done():
-            rec.result.set_result({"status": "ok", **meta} if meta is not None else {"status": "failed", "reason": reason})
+            rec.result.set_result({"status": "ok", **meta} if meta is not None
+                                  else {"status": "failed", "reason": reason})
         if meta is None:
             self.tombstone(rec.room, reason or "aborted by prefill")
         if self.rooms.get(rec.room) is rec:
@@ -348,7 +349,8 @@ async def register_with_prefill(
         raise RoomFailed(f"bootstrap room {reg.room}: no KV from prefill {host}:{port} within {timeout:g}s "
                          "(waiting timeout)") from None
     except (httpx.HTTPError, ValueError) as e:
-        raise RoomFailed(f"bootstrap room {reg.room}: prefill bootstrap server {host}:{port} unreachable: {e!r}") from None
+        raise RoomFailed(f"bootstrap room {reg.room}: prefill bootstrap server {host}:{port} unreachable: "
+                         f"{e!r}") from None
     if not isinstance(body, dict) or body.get("status") != "ok":
         reason = body.get("reason", "failed on the prefill") if isinstance(body, dict) else "failed on the prefill"
         raise RoomFailed(f"bootstrap room {reg.room}: {reason}")

@@ -113,17 +113,20 @@ class EngineCore:
             return
         a = self.args
         self.pool = KVPagePool(self.runner.layout, a.page_size, a.max_total_tokens)
-        self.transfer = MooncakeTransfer(a.transfer_host, a.disaggregation_transfer_protocol, a.disaggregation_ib_device or "")
+        self.transfer = MooncakeTransfer(a.transfer_host, a.disaggregation_transfer_protocol,
+                                         a.disaggregation_ib_device or "")
         self.transfer.register(self.pool.base_addr, self.pool.total_bytes)
         self._update_pool_metrics()
         self.http = make_client()
         if self.mode == "prefill":
             self.bootstrap = BootstrapServer(
-                a.host, a.disaggregation_bootstrap_port, a.waiting_timeout, tombstone_ttl=max(60.0, 2 * a.waiting_timeout)
+                a.host, a.disaggregation_bootstrap_port, a.waiting_timeout,
+                tombstone_ttl=max(60.0, 2 * a.waiting_timeout)
             )
             await self.bootstrap.start()
         log.info("%s engine: KV pool %d pages x %d tokens (%.1f MB), transfer session %s",
-                 self.mode, self.pool.num_pages, self.pool.page_size, self.pool.total_bytes / 1e6, self.transfer.session_id)
+                 self.mode, self.pool.num_pages, self.pool.page_size, self.pool.total_bytes / 1e6,
+                 self.transfer.session_id)
 
     async def stop(self) -> None:
         """Cancel every running sequence (its client gets an error), wait up to 10 s for them, then stop the
@@ -154,7 +157,8 @@ class EngineCore:
             raise bad_request("the prompt is empty", "prompt")
         bad = [t for t in spec.prompt_ids if not 0 <= t < self.runner.vocab_size]
         if bad:
-            raise bad_request(f"input_ids: token {bad[0]} is outside the vocabulary [0, {self.runner.vocab_size})", "input_ids")
+            raise bad_request(f"input_ids: token {bad[0]} is outside the vocabulary [0, {self.runner.vocab_size})",
+                              "input_ids")
         spec.params.validate_for(self.runner.vocab_size)
         max_new = spec.params.max_new_tokens or 0
         ctx = self.runner.context_length
@@ -193,8 +197,8 @@ class EngineCore:
                 raise EngineError(409, f"bootstrap room {b.room} is already active on this prefill", "bootstrap_room")
             aborted = self.bootstrap.tombstone_reason(b.room)
             if aborted is not None:
-                raise EngineError(500, f"Prefill bootstrap failed for request rid={spec.rid!r} bootstrap_room={b.room}: "
-                                       f"the room was aborted by the decode: {aborted}")
+                raise EngineError(500, f"Prefill bootstrap failed for request rid={spec.rid!r} "
+                                       f"bootstrap_room={b.room}: the room was aborted by the decode: {aborted}")
 
     def submit(self, specs: list[SeqSpec]) -> list[Sequence]:
         """Validate every sequence of a request, then start them all (all or nothing).
@@ -204,7 +208,8 @@ class EngineCore:
         """
         rooms = [s.bootstrap.room for s in specs if s.bootstrap is not None]
         if len(set(rooms)) != len(rooms):
-            raise bad_request("bootstrap_room: every generated sequence needs its own room; the request repeats one", "bootstrap_room")
+            raise bad_request("bootstrap_room: every generated sequence needs its own room; the request repeats one",
+                              "bootstrap_room")
         for spec in specs:
             self.validate(spec)
         seqs = []
@@ -362,7 +367,8 @@ class EngineCore:
         except TransferError as e:
             reason = str(e)
             self.metrics.transfer_failed.labels(**self.metrics.labels).inc()
-            raise EngineError(500, f"Prefill transfer failed for request rid={seq.spec.rid!r} bootstrap_room={b.room}: {e}") from None
+            raise EngineError(500, f"Prefill transfer failed for request rid={seq.spec.rid!r} "
+                                   f"bootstrap_room={b.room}: {e}") from None
         except BaseException as e:
             reason = f"prefill failed: {e}"
             raise
@@ -377,8 +383,8 @@ class EngineCore:
             problem = (f"KV layout mismatch: decode has {reg.layout} page_size={reg.page_size}, prefill has {ours} "
                        f"page_size={self.pool.page_size} (--page-size and the model must match on both sides)")
         elif reg.num_tokens != n or len(reg.page_addrs) < self.pool.pages_for(n):
-            problem = (f"prompt mismatch: decode expects {reg.num_tokens} tokens in {len(reg.page_addrs)} pages, prefill "
-                       f"tokenized {n} (were both sides sent the same request?)")
+            problem = (f"prompt mismatch: decode expects {reg.num_tokens} tokens in {len(reg.page_addrs)} pages, "
+                       f"prefill tokenized {n} (were both sides sent the same request?)")
         if problem:
             raise RoomFailed(problem)
 
@@ -437,7 +443,8 @@ class EngineCore:
                 try:
                     if not kv_arrived:
                         # The prefill may be writing into these pages: make it stop first.
-                        await settle(abort_on_prefill(self.http, b.host, b.port, b.room, seq.abort_reason or "decode failed"))
+                        await settle(abort_on_prefill(self.http, b.host, b.port, b.room,
+                                                      seq.abort_reason or "decode failed"))
                 finally:
                     self.pool.free(pages)
                     self._update_pool_metrics()

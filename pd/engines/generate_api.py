@@ -73,7 +73,8 @@ def specs_from_generate(req: GenerateRequest, runner: ModelRunner) -> tuple[list
     specs = expand(
         prompts, n, params, req, req.rid,
         return_logprob=[bool(x) for x in per_item(req.return_logprob or False, count, "return_logprob")],
-        logprob_start_len=[int(x) for x in per_item(-1 if req.logprob_start_len is None else req.logprob_start_len, count, "logprob_start_len")],
+        logprob_start_len=[int(x) for x in per_item(-1 if req.logprob_start_len is None else req.logprob_start_len,
+                                                    count, "logprob_start_len")],
         top_logprobs_num=[int(x) for x in per_item(req.top_logprobs_num or 0, count, "top_logprobs_num")],
         stream=req.stream,
     )

@@ -55,7 +55,8 @@ class EngineMetrics:
         self.itl = Histogram("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
                              req, buckets=ITL_BUCKETS, registry=r)
         self.tpot = Histogram("sglang:request_time_per_output_token_seconds",
-                              "Per-request TPOT in seconds: (finished_time - first_token_time) / (completion_tokens - 1).",
+                              "Per-request TPOT in seconds: "
+                              "(finished_time - first_token_time) / (completion_tokens - 1).",
                               req + ["is_streaming"], buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds",
                              req + ["is_streaming"], buckets=E2E_BUCKETS, registry=r)
@@ -64,26 +65,29 @@ class EngineMetrics:
         self.running = Gauge("sglang:num_running_reqs", "The number of running requests.", names, registry=r)
         self.queued = Gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", names, registry=r)
         self.prefill_bootstrap_queue = Gauge("sglang:num_prefill_bootstrap_queue_reqs",
-                                             "Prefill requests waiting for their decode to register.", names, registry=r)
+                                             "Prefill requests waiting for their decode to register.", names,
+                                             registry=r)
         self.decode_prealloc_queue = Gauge("sglang:num_decode_prealloc_queue_reqs",
                                            "Decode requests waiting for KV pages.", names, registry=r)
         self.decode_transfer_queue = Gauge("sglang:num_decode_transfer_queue_reqs",
                                            "Decode requests waiting for their KV to arrive.", names, registry=r)
         self.token_usage = Gauge("sglang:token_usage", "Fraction of the KV pool in use.", names, registry=r)
-        self.num_used_tokens = Gauge("sglang:num_used_tokens", "KV tokens in use (held pages x page size).", names, registry=r)
-        self.pages_held = Gauge("pdserve_kv_pages_held", "KV pages currently allocated from the pool.", names, registry=r)
+        self.num_used_tokens = Gauge("sglang:num_used_tokens", "KV tokens in use (held pages x page size).", names,
+                                     registry=r)
+        self.pages_held = Gauge("pdserve_kv_pages_held", "KV pages currently allocated from the pool.", names,
+                                registry=r)
         self.transfer_ms = Histogram("sglang:kv_transfer_latency_ms", "Histogram of KV transfer latency in ms.",
                                      names, buckets=TRANSFER_MS_BUCKETS, registry=r)
         self.transfer_mb = Histogram("sglang:kv_transfer_total_mb", "Histogram of KV cache transfer size in MB.",
                                      names, buckets=TRANSFER_MB_BUCKETS, registry=r)
         self.transfer_speed = Histogram("sglang:kv_transfer_speed_gb_s", "Histogram of KV transfer speed in GB/s.",
                                         names, buckets=TRANSFER_GBS_BUCKETS, registry=r)
-        self.transfer_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV bytes written or received through the transfer engine.",
-                                      names, registry=r)
-        self.transfer_failed = Counter("sglang:num_transfer_failed_reqs_total", "The number of transfer failed requests.",
-                                       names, registry=r)
-        self.bootstrap_failed = Counter("sglang:num_bootstrap_failed_reqs_total", "The number of bootstrap failed requests.",
-                                        names, registry=r)
+        self.transfer_bytes = Counter("pdserve_kv_transfer_bytes_total",
+                                      "KV bytes written or received through the transfer engine.", names, registry=r)
+        self.transfer_failed = Counter("sglang:num_transfer_failed_reqs_total",
+                                       "The number of transfer failed requests.", names, registry=r)
+        self.bootstrap_failed = Counter("sglang:num_bootstrap_failed_reqs_total",
+                                        "The number of bootstrap failed requests.", names, registry=r)
         self.prompt_tokens = Counter("sglang:prompt_tokens_total", "Number of prefill tokens processed.",
                                      req + ["is_streaming"], registry=r)
         self.generation_tokens = Counter("sglang:generation_tokens_total", "Number of generation tokens processed.",
@@ -99,7 +103,8 @@ class EngineMetrics:
         self.num_aborted.labels(**self.request_labels)
         for m in (self.running, self.queued, self.prefill_bootstrap_queue, self.decode_prealloc_queue,
                   self.decode_transfer_queue, self.token_usage, self.num_used_tokens, self.pages_held, self.transfer_ms,
-                  self.transfer_mb, self.transfer_speed, self.transfer_bytes, self.transfer_failed, self.bootstrap_failed):
+                  self.transfer_mb, self.transfer_speed, self.transfer_bytes, self.transfer_failed,
+                  self.bootstrap_failed):
             m.labels(**self.labels)
 
     def observe_ttft(self, seconds: float, stream: bool) -> None:

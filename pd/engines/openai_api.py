@@ -23,7 +23,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and SGLang's default for /v1/com
 def check_model(requested: Optional[str], served: set[str]) -> None:
     """Raises EngineError 404 (OpenAI's ``model_not_found``) for a model this engine does not serve."""
     if requested and requested not in served:
-        raise EngineError(404, f"The model `{requested}` does not exist; this server serves {sorted(served)[0]!r}", "model")
+        raise EngineError(404, f"The model `{requested}` does not exist; this server serves {sorted(served)[0]!r}",
+                          "model")
 
 
 def _check_common(req) -> None:
@@ -71,7 +72,8 @@ def _message_text(content) -> str:
     parts = []
     for part in content:
         if part.get("type") != "text":
-            raise bad_request(f"messages: content part type {part.get('type')!r} is not supported (text only)", "messages")
+            raise bad_request(f"messages: content part type {part.get('type')!r} is not supported (text only)",
+                              "messages")
         parts.append(part.get("text", ""))
     return "".join(parts)
 
@@ -149,8 +151,8 @@ def chat_logprobs(seq: Sequence, runner: ModelRunner, start: int) -> dict:
         t = runner.token_text(tid)
         content.append({
             "token": t, "logprob": lp, "bytes": list(t.encode("utf-8")),
-            "top_logprobs": [{"token": runner.token_text(i), "logprob": v, "bytes": list(runner.token_text(i).encode("utf-8"))}
-                             for v, i in top],
+            "top_logprobs": [{"token": runner.token_text(i), "logprob": v,
+                              "bytes": list(runner.token_text(i).encode("utf-8"))} for v, i in top],
         })
     return {"content": content}
 

@@ -25,11 +25,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import pd
 from pd.engines import generate_api, openai_api
 from pd.engines.args import add_engine_args, finalize
+from pd.engines.engine_core import EngineCore
 from pd.engines.errors import EngineError, bad_request
 from pd.engines.metrics import EngineMetrics
 from pd.engines.model_runner import ModelRunner
 from pd.engines.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from pd.engines.engine_core import EngineCore
 from pd.engines.sequence import Sequence
 
 log = logging.getLogger("pd.engine")

@@ -61,7 +61,8 @@ class MooncakeTransfer:
         self.engine = TransferEngine()
         rc = self.engine.initialize(host, "P2PHANDSHAKE", protocol, ib_device or "")
         if rc != 0:
-            raise RuntimeError(f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}) returned {rc}")
+            raise RuntimeError(f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}) "
+                               f"returned {rc}")
         self.host = host
         self.protocol = protocol
         self.session_id = f"{host}:{self.engine.get_rpc_port()}"

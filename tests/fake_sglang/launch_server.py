@@ -47,7 +47,8 @@ def load(tp):
     for r in range(tp):
         log(r, "Load weight begin. avail mem=94.12 GB")
     for r in range(tp):
-        log(r, "Load weight end. type=DeepseekV4ForCausalLM, dtype=torch.bfloat16, avail mem=61.40 GB, mem usage=32.72 GB.")
+        log(r, "Load weight end. type=DeepseekV4ForCausalLM, dtype=torch.bfloat16, avail mem=61.40 GB, "
+               "mem usage=32.72 GB.")
 
 
 def crash_at_start(tp):
