@@ -15,8 +15,9 @@ Per request (DESIGN.md, "The PD wire protocol"):
 
 Failures before the first byte reaches the client (a side unreachable, timed out, answering
 408/429/5xx, or a stream whose first event is an error) are retried with exponential backoff on a
-fresh pair with fresh rooms, up to ``retry.max_retries`` attempts in all; the side that did not
-fail is aborted at once (pd.router.aborts). A non-retryable answer (e.g. the prefill's 400 for a
+fresh pair with fresh rooms, up to ``retry.max_retries`` attempts in all (pd.router.retry: the
+rules and the loop; here: the attempts); the side that did not fail is aborted at once
+(pd.router.aborts). A non-retryable answer (e.g. the prefill's 400 for a
 prompt over the context length) goes to the client as the worker sent it, after the other side
 was aborted. Sequences one side ends as aborted (finish reason ``abort``) are aborted on the
 other side too. Connection errors, timeouts and 5xx count against the worker's circuit breaker.
@@ -29,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import time
 from typing import Optional
 
@@ -44,6 +44,7 @@ from pd.router.errors import error_body, error_json
 from pd.router.front import ClientGone, Receive, Scope, Send, read_body, request_headers, send_whole
 from pd.router.metrics import EndpointMetrics, RouterMetrics
 from pd.router.policies import routing_key
+from pd.router.retry import Failure, Retrier, answered, no_answer, no_worker, stream_start
 from pd.router.rooms import assign_rids, new_rid, sequence_count, stamp
 from pd.router.stream import Relay
 from pd.router.tokens import count as count_tokens, wants_usage_injected
@@ -52,12 +53,10 @@ from pd.router.workers import Worker, WorkerPool
 
 log = logging.getLogger("pd.router")
 
-RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})  # sglang-router's retryable statuses
 PREFILL_VERDICT_WAIT = 0.25  # seconds a decode error waits for the prefill's outcome (the likelier root cause)
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request" (only ever seen in metrics)
 WATCH_DELAY = 0.05  # seconds into a request (after its body) from which a client leaving is watched for
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
-_ERROR_EVENT = b'data: {"error"'
 
 
 def _ok(status: Optional[int]) -> bool:
@@ -100,21 +99,6 @@ class Answer:
 
     def __init__(self, status: int, body: bytes, content_type: str):
         self.status, self.body, self.content_type = status, body, content_type
-
-
-class Failure:
-    """An attempt that ended without an answer for the client: what it would get, and whether
-    another attempt may fix it."""
-
-    __slots__ = ("status", "body", "content_type", "kind", "retryable")
-
-    def __init__(self, status: int, body: bytes, kind: str, retryable: bool, content_type: str = "application/json"):
-        self.status, self.body, self.kind, self.retryable, self.content_type = status, body, kind, retryable, content_type
-
-    @classmethod
-    def router(cls, status: int, message: str, kind: str, retryable: bool) -> "Failure":
-        """A failure described by the router (an OpenAI-style error body)."""
-        return cls(status, json.dumps(error_body(status, message)).encode(), kind, retryable)
 
 
 class Exchange:
@@ -184,7 +168,7 @@ class PDDispatcher:
         self.request_timeout = t.request  # seconds, the whole decode request (streams included)
         self.first_token_timeout = t.first_token
         self.stream_idle_timeout = t.stream_idle
-        self.retry = settings.retry
+        self.retrier = Retrier(settings.retry)
         self.limit = settings.max_payload_size
         self.id_headers = [h.lower().encode("latin-1") for h in settings.request_id_headers]
         self.worker_headers = header_block({"Content-Type": "application/json", **auth.worker_headers()})
@@ -272,49 +256,49 @@ class PDDispatcher:
         watch = DisconnectWatch(receive)
         ex: Optional[Exchange] = None
         relay: Optional[Relay] = None
-        attempt = 0
+
+        async def attempt(number: int):
+            nonlocal ex
+            prefill = self.pool.pick_prefill(key)
+            decode = self.pool.pick_decode(key) if prefill is not None else None
+            if prefill is None or decode is None:
+                return no_worker(self.pool.unavailable_reason("prefill" if prefill is None else "decode"))
+            rids = assign_rids(body, count, batch, n, client_rid)
+            stamp(body, count, batch, prefill)
+            payload = jsonio.encode(body, fast_json)
+            ex = Exchange(route, em, prefill, decode, rids, count, stream, merge, drop_usage, payload,
+                          upstream_headers, arrival)
+            if number == 1:
+                em.queue.observe(ex.dispatched - arrival)
+            result = await self._attempt(ex)
+            if isinstance(result, Failure):
+                ex = None  # both sides are done with (answered, or aborted)
+            return result
+
+        def retrying(number: int, failure: Failure) -> None:
+            em.retries.inc()
+            log.warning("request %s attempt %d failed (%s %s: %s); retrying on a fresh pair", req_id, number,
+                        failure.status, failure.kind, failure.body[:200])
+
         try:
-            while True:
-                attempt += 1
-                prefill = self.pool.pick_prefill(key)
-                decode = self.pool.pick_decode(key) if prefill is not None else None
-                if prefill is None or decode is None:
-                    failure = Failure.router(503, self.pool.unavailable_reason("prefill" if prefill is None else "decode"),
-                                             "no_worker", True)
-                else:
-                    rids = assign_rids(body, count, batch, n, client_rid)
-                    stamp(body, count, batch, prefill)
-                    payload = jsonio.encode(body, fast_json)
-                    ex = Exchange(route, em, prefill, decode, rids, count, stream, merge, drop_usage, payload,
-                                  upstream_headers, arrival)
-                    if attempt == 1:
-                        em.queue.observe(ex.dispatched - arrival)
-                    result = await self._attempt(ex)
-                    if isinstance(result, Relay):
-                        relay = result
-                        try:
-                            await relay.run(send, rid_header)
-                        finally:
-                            relay.close(finished=False)  # no-op when the stream ran to its end
-                        return
-                    if isinstance(result, Answer):
-                        watch.disarm()
-                        await send_whole(send, result.status, result.body, result.content_type, (rid_header,))
-                        return
-                    failure = result
-                    ex = None
-                if not failure.retryable or attempt >= self.retry.max_retries:
-                    self.record(em, arrival, failure.status, failure.kind)
-                    if attempt > 1:
-                        log.warning("request %s failed after %d attempts: %s %s", req_id, attempt, failure.status,
-                                    failure.body[:300])
-                    watch.disarm()
-                    await send_whole(send, failure.status, failure.body, failure.content_type, (rid_header,))
-                    return
-                em.retries.inc()
-                log.warning("request %s attempt %d failed (%s %s: %s); retrying on a fresh pair", req_id, attempt,
-                            failure.status, failure.kind, failure.body[:200])
-                await asyncio.sleep(self._backoff(attempt))
+            result, attempts = await self.retrier.run(attempt, retrying)
+            if isinstance(result, Relay):
+                relay = result
+                try:
+                    await relay.run(send, rid_header)
+                finally:
+                    relay.close(finished=False)  # no-op when the stream ran to its end
+                return
+            if isinstance(result, Answer):
+                watch.disarm()
+                await send_whole(send, result.status, result.body, result.content_type, (rid_header,))
+                return
+            self.record(em, arrival, result.status, result.kind)
+            if attempts > 1:
+                log.warning("request %s failed after %d attempts: %s %s", req_id, attempts, result.status,
+                            result.body[:300])
+            watch.disarm()
+            await send_whole(send, result.status, result.body, result.content_type, (rid_header,))
         except asyncio.CancelledError:
             if not watch.client_left():
                 raise  # not the client leaving (e.g. shutdown)
@@ -325,12 +309,6 @@ class PDDispatcher:
                 self.record(em, arrival, CLIENT_CLOSED, "client_disconnect")
         finally:
             watch.stop()
-
-    def _backoff(self, attempt: int) -> float:
-        """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
-        r = self.retry
-        base = min(r.initial_backoff_ms * r.backoff_multiplier ** (attempt - 1), r.max_backoff_ms)
-        return base * random.uniform(1 - r.jitter_factor, 1 + r.jitter_factor) / 1000.0
 
     # ---- one attempt -------------------------------------------------------------------------
     async def _attempt(self, ex: Exchange):
@@ -347,9 +325,8 @@ class PDDispatcher:
             side = ex.prefill if not ex.prefill_task.done() else ex.decode
             self._abort_both(ex)
             side.breaker.record_failure()
-            return Failure.router(504, f"{side.role} worker {side.url} gave no first token within "
-                                       f"{self.first_token_timeout:g}s on {ex.route} (timeouts.first_token)",
-                                  f"{side.role}_timeout", True)
+            return no_answer(side.role, True, f"{side.role} worker {side.url} gave no first token within "
+                                              f"{self.first_token_timeout:g}s on {ex.route} (timeouts.first_token)")
         except asyncio.CancelledError:
             self._abort_both(ex)
             raise
@@ -496,8 +473,8 @@ class PDDispatcher:
             what = "timed out (timeouts.prefill)" if timeout else "is unreachable or broke the connection"
             msg = f"prefill worker {w.url} {what} on {ex.route}: {pre.detail}"
             log.warning("%s", msg)
-            return Failure.router(504 if timeout else 502, msg, "prefill_timeout" if timeout else "prefill_connect", True)
-        return Failure(pre.status, pre.body, "prefill_status", pre.status in RETRYABLE_STATUS, pre.content_type)
+            return no_answer("prefill", timeout, msg)
+        return answered("prefill", pre.status, pre.body, pre.content_type)
 
     def _decode_error(self, ex: Exchange, exc: BaseException) -> Failure:
         """502 (unreachable, connection broken) or 504 (timed out) naming the decode worker."""
@@ -505,10 +482,10 @@ class PDDispatcher:
         if isinstance(exc, asyncio.TimeoutError):
             msg = f"decode worker {w.url} timed out on {ex.route}"
             log.warning("%s", msg)
-            return Failure.router(504, msg, "decode_timeout", True)
+            return no_answer("decode", True, msg)
         msg = f"decode worker {w.url} is unreachable or broke the connection on {ex.route}: {exc}"
         log.warning("%s", msg)
-        return Failure.router(502, msg, "decode_connect", True)
+        return no_answer("decode", False, msg)
 
     async def _decode_status(self, ex: Exchange, resp: UpstreamResponse) -> Failure:
         """Decode answered non-2xx: its error, or the prefill's when that is the root cause."""
@@ -533,7 +510,7 @@ class PDDispatcher:
             # was not our abort that cut the connection
             if not pre.ok and (pre.status is not None or not ex.prefill_aborted):
                 return self._prefill_failure(ex, pre)
-        return Failure(resp.status, data, "decode_status", resp.status in RETRYABLE_STATUS, resp.content_type)
+        return answered("decode", resp.status, data, resp.content_type)
 
     async def _read_decode(self, ex: Exchange, resp: UpstreamResponse, read):
         """``await read()`` on decode's 2xx response -> (bytes, None). On an upstream error the decode
@@ -558,29 +535,16 @@ class PDDispatcher:
         first, failure = await self._read_decode(ex, resp, resp.readany)
         if failure is not None:
             return failure
-        if first.startswith(_ERROR_EVENT):
-            failure = self._stream_error(ex, first)
-            if failure is not None:
-                resp.close()
-                ex.decode_end()
-                self._abort_prefill(ex)
-                return failure
+        failure = stream_start(first)
+        if failure is not None:
+            if failure.status >= 500:
+                ex.decode.breaker.record_failure()
+            resp.close()
+            ex.decode_end()
+            self._abort_prefill(ex)
+            return failure
         ex.decode.breaker.record_success()
         return Relay(self, ex, resp, first)
-
-    def _stream_error(self, ex: Exchange, first: bytes) -> Optional[Failure]:
-        """A Failure when the stream's first event is an engine error (before any token)."""
-        event = first.split(b"\n\n", 1)[0]
-        try:
-            err = json.loads(event[len(logprobs.SSE_DATA):]).get("error")
-        except (ValueError, AttributeError):
-            return None
-        if not isinstance(err, dict):
-            return None
-        status = err.get("code") if isinstance(err.get("code"), int) and 400 <= err.get("code") < 600 else 500
-        if status >= 500:
-            ex.decode.breaker.record_failure()
-        return Failure(status, json.dumps({"error": err}).encode(), "decode_status", status in RETRYABLE_STATUS)
 
 
 async def _first_done(a: asyncio.Future, b: asyncio.Future) -> None:
