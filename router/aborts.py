@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import aiohttp
 
 from pd.router.background import TaskSet
+from pd.router.errors import UPSTREAM_ERRORS
 from pd.router.logprobs import SSE_DATA, SSE_DONE, sse_events
 
 log = logging.getLogger("pd.router")
@@ -34,7 +35,6 @@ log = logging.getLogger("pd.router")
 ABORT_TIMEOUT = 5.0  # seconds for one /abort_request; best effort, it never blocks a reply
 RESEND = (0.05, 0.1, 0.2, 0.4, 0.8)  # seconds between abort resends while the request runs
 _ABORT_CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=ABORT_TIMEOUT)  # one object, not one per abort
-UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
 class Aborter:

@@ -31,8 +31,8 @@ from pd.router.admin import AdminAPI
 from pd.router.auth import Auth
 from pd.router.client import make_session
 from pd.router.config import RouterConfig
-from pd.router.dispatch import UPSTREAM_ERRORS, PDDispatcher
-from pd.router.errors import error_response
+from pd.router.dispatch import PDDispatcher
+from pd.router.errors import UPSTREAM_ERRORS, error_response
 from pd.router.front import GenerationFront
 from pd.router.health import HealthMonitor
 from pd.router.metrics import RouterMetrics

@@ -40,7 +40,7 @@ from pd.router.aborts import Aborter, aborted_indexes
 from pd.router.auth import Auth
 from pd.router.background import TaskSet
 from pd.router.config import RouterSettings
-from pd.router.errors import error_body, error_json
+from pd.router.errors import UPSTREAM_ERRORS, error_body, error_json
 from pd.router.front import ClientGone, Receive, Scope, Send, read_body, request_headers, send_whole
 from pd.router.metrics import EndpointMetrics, RouterMetrics
 from pd.router.policies import routing_key
@@ -56,7 +56,6 @@ log = logging.getLogger("pd.router")
 PREFILL_VERDICT_WAIT = 0.25  # seconds a decode error waits for the prefill's outcome (the likelier root cause)
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request" (only ever seen in metrics)
 WATCH_DELAY = 0.05  # seconds into a request (after its body) from which a client leaving is watched for
-UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
 def _ok(status: Optional[int]) -> bool:

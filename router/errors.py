@@ -1,12 +1,19 @@
 """Errors the router itself produces, as OpenAI-style bodies
-``{"error": {"message", "type", "param", "code"}}`` (the engines answer in the same shape)."""
+``{"error": {"message", "type", "param", "code"}}`` (the engines answer in the same shape), and
+the errors a failed exchange with a worker raises."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Optional
 
+import aiohttp
 from starlette.responses import Response
+
+# What a failed exchange with a worker raises: the HTTP client's errors, timeouts and socket errors
+# (pd.router.upstream's UpstreamError is an OSError).
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
           405: "MethodNotAllowedError", 409: "ConflictError", 413: "PayloadTooLargeError",

@@ -17,11 +17,9 @@ import logging
 import time
 from typing import TYPE_CHECKING, Optional
 
-import aiohttp
-
 from pd.router import logprobs
 from pd.router.aborts import aborted_indexes
-from pd.router.errors import error_body
+from pd.router.errors import UPSTREAM_ERRORS, error_body
 from pd.router.front import Send, response_headers
 from pd.router.tokens import UsageTap
 
@@ -32,7 +30,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("pd.router")
 
 CLIENT_CLOSED = 499
-UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 _DATA = logprobs.SSE_DATA
 _DONE = logprobs.SSE_DONE
 _STREAM_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
