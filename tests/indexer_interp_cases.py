@@ -127,12 +127,9 @@ def run_select(name, rows, width, topk, lens, kind, seed=0, search=None):
         raise ValueError(kind)
     lengths = torch.tensor(lens, dtype=torch.int32)
     buf = torch.full((rows + 1, topk), -7, dtype=torch.int32)  # last row: guard against writes past the output
-    default_search = K.SELECT_SEARCH
-    K.SELECT_SEARCH = search or default_search  # the final threshold search: fine (default) or radix
-    try:
-        out = topk_from_scores(sc, lengths, topk, out=buf[:rows])
-    finally:
-        K.SELECT_SEARCH = default_search
+    # the final threshold search: fine (default) or radix
+    icfg = K.IndexerConfig(select_search=search or K.DEFAULT_INDEXER_CONFIG.select_search)
+    out = topk_from_scores(sc, lengths, topk, out=buf[:rows], indexer_config=icfg)
     res = check_rows(out, sc.double(), lengths.clamp(0, width), topk, None)
     res["bad"]["guard"] = int(not bool((buf[rows] == -7).all()))
     ref = topk_from_scores_ref(sc, lengths.clamp(0, width), topk)
@@ -172,12 +169,13 @@ def run_sglang_writer_layout(seed=0):
 
 
 def run_select_switches(seed=0):
-    """Each select switch of pd.kernels.indexer (SELECT_GATHER2D, SELECT_FAST_EXACT, SELECT_READS_SCORES) flipped, and
+    """Each select switch of pd.kernels.indexer's IndexerConfig (select_gather2d, select_fast_exact,
+    select_reads_scores) flipped, and
     all flipped, gives the same output as the defaults, bit for bit (same candidates, same order), on the scores
     kernel's output with several group-max (score) tiles per select slice and on precomputed scores with ties."""
     import pd.kernels.indexer as K
 
-    knobs = ("SELECT_GATHER2D", "SELECT_FAST_EXACT", "SELECT_READS_SCORES")
+    knobs = ("SELECT_GATHER2D", "SELECT_FAST_EXACT", "SELECT_READS_SCORES")  # IndexerConfig fields, upper case
     g = torch.Generator().manual_seed(seed)
     b, s, h, ps, topk, max_pages = 2, 1, 16, 64, 24, 14
     q, w, kc, bt = _inputs(b, s, h, ps, max_pages * b, max_pages, g)
@@ -185,11 +183,11 @@ def run_select_switches(seed=0):
     sc = torch.round(torch.randn(3, 600, generator=g) * 8) / 8  # ties on a 1/8 grid
     lens = torch.tensor([600, 300, 100], dtype=torch.int32)
 
-    def run():
-        return (dsa_indexer_topk(q, w, kc, bt, seq, topk=topk, page_size=ps, select_split=2),
-                topk_from_scores(sc, lens, 32))
+    def run(icfg=K.DEFAULT_INDEXER_CONFIG):
+        return (dsa_indexer_topk(q, w, kc, bt, seq, topk=topk, page_size=ps, select_split=2, indexer_config=icfg),
+                topk_from_scores(sc, lens, 32, indexer_config=icfg))
 
-    default = {k: getattr(K, k) for k in knobs}
+    default = {k: getattr(K.DEFAULT_INDEXER_CONFIG, k.lower()) for k in knobs}
     streamed = []  # the streamed fallback would hide a broken path: on these scores it must never run
     real = K._select_streamed
     K._select_topk_kernel.fn.__globals__["_select_streamed"] = Counting(real, streamed)
@@ -201,13 +199,9 @@ def run_select_switches(seed=0):
     equal = {}
     try:
         for name, flip in [(k, (k,)) for k in knobs] + [("all", knobs)]:
-            for k in knobs:
-                setattr(K, k, default[k] != (k in flip))
-            got = run()
+            got = run(K.IndexerConfig(**{k.lower(): default[k] != (k in flip) for k in knobs}))
             equal[name] = all(torch.equal(x, y) for x, y in zip(got, want))
     finally:
-        for k, v in default.items():
-            setattr(K, k, v)
         K._select_topk_kernel.fn.__globals__["_select_streamed"] = real
     return dict(name="select_switches", bad=bad, defaults=default, equal_when_flipped=equal,
                 streamed_calls=len(streamed))

@@ -257,15 +257,16 @@ SCORE_ALIGNED = ("q_ptr", "w_ptr", "qs_ptr", "kc32_ptr", "k8_ptr", "ks_ptr", "bt
 
 def _compile_scores(cfg, cc, s_p2=1, fp8=False):
     """The score kernel as the launcher builds it on sm_90 / sm_120 (both cc >= 9: with the PDL release when
-    SELECT_PDL is on)."""
-    from pd.kernels.indexer import (GROUP, HIST_BINS, HIST_SHIFT, MIN_TILES, SELECT_PDL, _index_scores_kernel,
-                                    page_vector_consts)
+    select_pdl is on)."""
+    from pd.kernels.indexer import (DEFAULT_INDEXER_CONFIG, GROUP, HIST_BINS, HIST_SHIFT, MIN_TILES,
+                                    _index_scores_kernel, page_vector_consts)
 
     ch, npv, pair = page_vector_consts(cfg["BLOCK_N"], 64, cfg.get("PV", 0))
     const = dict(S=s_p2, S_P2=s_p2, H=64, PAGE=64, BLOCK_N=cfg["BLOCK_N"], G=GROUP, LEN_2D=False, HAS_QS=fp8,
                  Q_FP8=fp8, MIN_TILES=MIN_TILES, DOT_F32=False, TOKENS_M=cfg["TOKENS_M"], PREFETCH=cfg["PREFETCH"],
-                 DOT_PREC="tf32", KEYS=cfg["KEYS"], NB=HIST_BINS, SHIFT=HIST_SHIFT, PROBE=0, PDL=SELECT_PDL,
-                 CH=ch, NPV=max(npv, 2), PAIR=pair, EPI=cfg.get("EPI", 0) if s_p2 == 1 else 0)
+                 DOT_PREC="tf32", KEYS=cfg["KEYS"], NB=HIST_BINS, SHIFT=HIST_SHIFT,
+                 PDL=DEFAULT_INDEXER_CONFIG.select_pdl, CH=ch, NPV=max(npv, 2), PAIR=pair,
+                 EPI=cfg.get("EPI", 0) if s_p2 == 1 else 0)
     sig = dict(SCORE_SIG, q_ptr="*fp8e4nv" if fp8 else "*bf16")
     return compile_for(_index_scores_kernel, sig, const, cc, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                        aligned=SCORE_ALIGNED, maxnreg=cfg.get("MAXNREG"))
@@ -295,9 +296,9 @@ def test_aot_score_config_sm120a_and_sm90a(cfg):
 
 
 def _select_pdl():
-    from pd.kernels.indexer import SELECT_PDL
+    from pd.kernels.indexer import DEFAULT_INDEXER_CONFIG
 
-    return SELECT_PDL
+    return DEFAULT_INDEXER_CONFIG.select_pdl
 
 
 @aot
@@ -320,18 +321,20 @@ def test_aot_default_configs_fp8_query(sm90):
 def test_aot_select_and_group_max(topk):
     """The select kernel has no dot (compares, reductions, scans: no tensor-core work to do), so sm_120a only
     needs no wgmma and <= 99 KiB of shared memory; every select warp count compiles for both targets."""
-    from pd.kernels.indexer import (DEFAULT_SELECT_WARPS, FINE_BINS, FINE_SHIFT, GROUP, HIST_BINS, HIST_SHIFT,
-                                    MIN_TILES, RADIX_BITS, SELECT_FAST_EXACT, SELECT_GATHER2D, SELECT_PDL,
-                                    SELECT_READS_SCORES, SELECT_SPLIT, SELECT_TGS, SELECT_WARPS, _group_max_kernel,
-                                    _select_topk_kernel, candidate_capacity)
+    from pd.kernels.indexer import (DEFAULT_INDEXER_CONFIG, DEFAULT_SELECT_WARPS, FINE_BINS, FINE_SHIFT, GROUP,
+                                    HIST_BINS, HIST_SHIFT, MIN_TILES, RADIX_BITS, SELECT_SPLIT, SELECT_TGS,
+                                    SELECT_WARPS, _group_max_kernel, _select_topk_kernel, candidate_capacity)
 
     sig = {"score_ptr": "*fp32", "gmax_ptr": "*fp32", "hist_ptr": "*i32", "tick_ptr": "*i32", "fine_ptr": "*i32",
            "scr_ptr": "*i32",
            "len_ptr": "*i32", "out_ptr": "*i32", "S": "i32", "max_len": "i32", "stride_row": "i32", "ng_buf": "i32",
            "topk": "i32"}
+    icfg = DEFAULT_INDEXER_CONFIG
+    SELECT_PDL, SELECT_FAST_EXACT = icfg.select_pdl, icfg.select_fast_exact
+    SELECT_READS_SCORES, SELECT_GATHER2D = icfg.select_reads_scores, icfg.select_gather2d
     cap = candidate_capacity(topk)
     const = dict(LEN_2D=False, G=GROUP, NB=HIST_BINS, SHIFT=HIST_SHIFT, NSEL=SELECT_SPLIT, CAP=cap, CAP_P=cap,
-                 TGS=SELECT_TGS, TILE=1024, RADIX=RADIX_BITS, CLEAR_HIST=True, PROBE=0, NBF=FINE_BINS,
+                 TGS=SELECT_TGS, TILE=1024, RADIX=RADIX_BITS, CLEAR_HIST=True, NBF=FINE_BINS,
                  FSHIFT=FINE_SHIFT, DROP_MAX=8, PDL=SELECT_PDL, FAST_EXACT=SELECT_FAST_EXACT,
                  READ_SCORES=SELECT_READS_SCORES)  # as launched on cc >= 9
     # the one-tile candidate read as launched for 16 select programs per row (B = 16), and for 4 (B = 64) with the

@@ -20,7 +20,7 @@
    the median of replays; byte floor = keys read (B * L * 132 B) + logits written and read (B * L * 8 B) at
    4.8 TB/s; the naive numbers are listed next to the anchor's (DESIGN.md, actual length 512);
 3. a sweep at 32K (max 128K): score configs, splits, select warps / programs per row / threshold search, the two
-   kernels timed apart and phase probes of each, the other query dtype, MTP verify (S = 2, 4); with --baseline,
+   kernels timed apart, the other query dtype, MTP verify (S = 2, 4); with --baseline,
    the same main rows for another version of the kernel module (e.g. the committed one) in the same run; with
    --pick-fp8q-config, the named score configs are timed first and the fastest is the fp8-query default of the run,
    and with --pick-select the select switches likewise (SELECT_KNOBS);
@@ -30,6 +30,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.util
 import json
@@ -336,6 +337,8 @@ class Setup:
                 self.base_ws[mod] = mod.indexer_workspace(self.b, self.s, self.max_ctx, TOPK, device=self.out.device)
             kw["workspace"] = self.base_ws[mod]
         kw.setdefault("workspace", self.ws)
+        if mod is K:
+            kw.setdefault("indexer_config", ICFG)
         return [lambda i=i: mod.dsa_indexer_topk(self.qw[i][0], self.qw[i][1], self.kc, self.tabs[i], self.seq,
                                                  topk=TOPK, out=self.out, **kw)
                 for i in range(ROT)]
@@ -380,33 +383,21 @@ def pick_fp8q_config(dev, pool, smoke, names):
         raise SystemExit(f"--pick-fp8q-config: unknown config(s) {unknown}; known: {sorted(by_name)}")
     best, times = _pick_best(dev, pool, smoke, 13, {n: (lambda st, c=by_name[n]: st.ours(config=c)) for n in names},
                              names[0])
-    K.DEFAULT_FP8Q_SCORE_CONFIGS[(True, 1)] = by_name[best]
+    global ICFG
+    ICFG = knobbed(fp8q_score_configs={**ICFG.fp8q_score_configs, (True, 1): by_name[best]})
     print("pick", best, times, flush=True)
     return dict(picked=best, times=times)
 
 
-# select-kernel switches of kernels/indexer.py that --pick-select times against each other (all on first; each one off;
-# all off = the s4 select)
-SELECT_KNOBS = ("SELECT_GATHER2D", "SELECT_FAST_EXACT", "SELECT_READS_SCORES")
+# IndexerConfig select switches that --pick-select times against each other (all on first; each one off; all off)
+SELECT_KNOBS = ("select_gather2d", "select_fast_exact", "select_reads_scores")
+# this run's indexer settings, passed to every call of Setup.ours(): the shipped default until a pick replaces it
+ICFG = K.DEFAULT_INDEXER_CONFIG
 
 
-def with_knobs(calls: list, knobs: dict | None = None, **kw) -> list:
-    """``calls`` with kernels/indexer.py's module-level select knobs set to ``knobs`` (and keyword ones) around
-    each call and restored after; the kernels read them at launch, so at graph capture."""
-    knobs = {**(knobs or {}), **kw}
-
-    def wrap(f):
-        def call():
-            old = {k: getattr(K, k) for k in knobs}
-            for k, v in knobs.items():
-                setattr(K, k, v)
-            try:
-                f()
-            finally:
-                for k, v in old.items():
-                    setattr(K, k, v)
-        return call
-    return [wrap(f) for f in calls]
+def knobbed(**fields):
+    """This run's IndexerConfig with ``fields`` replaced."""
+    return dataclasses.replace(ICFG, **fields)
 
 
 def pick_select(dev, pool, smoke):
@@ -416,10 +407,10 @@ def pick_select(dev, pool, smoke):
     for k in SELECT_KNOBS:
         variants[k.lower() + "_off"] = dict(variants["all_on"], **{k: False})
     variants["all_off"] = {k: False for k in SELECT_KNOBS}
-    best, times = _pick_best(dev, pool, smoke, 17, {n: (lambda st, k=knobs: with_knobs(st.ours(), k))
+    best, times = _pick_best(dev, pool, smoke, 17, {n: (lambda st, k=knobs: st.ours(indexer_config=knobbed(**k)))
                                                     for n, knobs in variants.items()}, "all_off")
-    for k, v in variants[best].items():
-        setattr(K, k, v)
+    global ICFG
+    ICFG = knobbed(**variants[best])
     print("pick select", best, times, flush=True)
     return dict(picked=best, knobs=variants[best], times=times)
 
@@ -427,12 +418,12 @@ def pick_select(dev, pool, smoke):
 def apply_picks(path):
     """Set the score config and select switches an earlier run picked (its indexer_<date>.json) as this process's
     defaults, so a second script (indexer_max_context.py) times what the first one's grid timed."""
+    global ICFG
     res = json.load(open(path))
     if res.get("pick"):
         by_name = {cfg_name(c): c for c in K.SCORE_CONFIGS}
-        K.DEFAULT_FP8Q_SCORE_CONFIGS[(True, 1)] = by_name[res["pick"]["picked"]]
-    for k, v in (res.get("pick_select") or {}).get("knobs", {}).items():
-        setattr(K, k, v)
+        ICFG = knobbed(fp8q_score_configs={**ICFG.fp8q_score_configs, (True, 1): by_name[res["pick"]["picked"]]})
+    ICFG = knobbed(**(res.get("pick_select") or {}).get("knobs", {}))
     return {"score_config": (res.get("pick") or {}).get("picked"), **(res.get("pick_select") or {}).get("knobs", {})}
 
 
@@ -514,28 +505,12 @@ def sweep(dev, pool, smoke, deadline, fp8, base=None, full=False, base_label="ba
             timed(st, pre + "default", st.ours(mod))
             stages(st, pre, mod)
         # the final select step reading the slices' candidate lists as one tile with their counts
-        timed(st, f"select_gather2d_{'off' if K.SELECT_GATHER2D else 'on'}",
-              with_knobs(st.ours(), SELECT_GATHER2D=not K.SELECT_GATHER2D))
+        timed(st, f"select_gather2d_{'off' if ICFG.select_gather2d else 'on'}",
+              st.ours(indexer_config=knobbed(select_gather2d=not ICFG.select_gather2d)))
         # the select slices reading their scores whole instead of gathering through the group maxima
-        timed(st, f"select_reads_scores_{'off' if K.SELECT_READS_SCORES else 'on'}",
-              with_knobs(st.ours(), SELECT_READS_SCORES=not K.SELECT_READS_SCORES))
-        # the select alone, stopped after a phase (wrong output, timing only): 1 = after the histogram bound t0,
-        # 2 = after the candidate lists, the ticket and the counts (total candidates of row 0 kept for the record),
-        # 3 = with the candidates and the fine histogram loaded in the final program; the
-        # scores-only probes below reuse this workspace (its histograms are then stale: timing only)
-        ws_p = K.indexer_workspace(b, 1, max_ctx, TOPK, device=dev)
-        st.ours(stages=("scores",), workspace=ws_p)[0]()
-        for probe in (1, 2, 3):
-            timed(st, f"select_only_probe{probe}",
-                  with_knobs(st.ours(stages=("select",), workspace=ws_p), _SELECT_PROBE=probe))
-            if probe == 2 and not smoke and res and res[-1]["variant"] == "select_only_probe2":
-                res[-1]["candidates_row0"] = int(st.out[0, 0, 0])
-        # the scores kernel alone without its histogram atomics (1), and also without its stores (2)
-        for probe in (1, 2):
-            timed(st, f"scores_only_probe{probe}",
-                  with_knobs(st.ours(stages=("scores",), workspace=ws_p), _SCORES_PROBE=probe))
-        del ws_p
-        cfg = (K.DEFAULT_FP8Q_SCORE_CONFIGS if fp8 else {}).get((True, 1)) or K.DEFAULT_SCORE_CONFIGS[(True, 1)]
+        timed(st, f"select_reads_scores_{'off' if ICFG.select_reads_scores else 'on'}",
+              st.ours(indexer_config=knobbed(select_reads_scores=not ICFG.select_reads_scores)))
+        cfg = ICFG.score_config(True, 1, fp8)
         base_split = K.score_split(b, cfg, K.num_sms(dev))
         # the config's one-wave split also where the default does not use it (B=64)
         one_wave = {max(1, cfg["WAVE"] * K.num_sms(dev) // b)} if cfg.get("WAVE") else set()
@@ -553,8 +528,8 @@ def sweep(dev, pool, smoke, deadline, fp8, base=None, full=False, base_label="ba
         for ns in range(0, 5):
             timed(st, f"select_split_{1 << ns}", st.ours(select_split=1 << ns))
         # the select's alternatives to the default (fine-histogram search, programmatic dependent launch)
-        timed(st, "select_search_radix", with_knobs(st.ours(), SELECT_SEARCH="radix"))
-        timed(st, "select_pdl_off", with_knobs(st.ours(), SELECT_PDL=False))
+        timed(st, "select_search_radix", st.ours(indexer_config=knobbed(select_search="radix")))
+        timed(st, "select_pdl_off", st.ours(indexer_config=knobbed(select_pdl=False)))
         st = Setup(b, 1, live, max_ctx, dev, pool, g, fp8=not fp8)
         for pre, mod in mods:
             timed(st, f"{pre}{other}_query", st.ours(mod))
@@ -618,9 +593,9 @@ def to_markdown(res):
                   f"otherwise; {res.get('baseline_label', 'base')}_*: the --baseline kernel in the same run; "
                   "default score configs, bf16 query: "
                   + ", ".join(f"{'sm90' if k[0] else 'sm120'} S{k[1]} {cfg_name(c)}"
-                              for k, c in K.DEFAULT_SCORE_CONFIGS.items()) + "; fp8 query: "
+                              for k, c in ICFG.score_configs.items()) + "; fp8 query: "
                   + ", ".join(f"{'sm90' if k[0] else 'sm120'} S{k[1]} {cfg_name(c)}"
-                              for k, c in K.DEFAULT_FP8Q_SCORE_CONFIGS.items()) + "):", "",
+                              for k, c in ICFG.fp8q_score_configs.items()) + "):", "",
                   "| B | S | variant | us | floor us |", "|---|---|---|---|---|"]
         for r in res["sweep"]:
             lines.append(f"| {r['B']} | {r['S']} | {r['variant']} | {r['us']:.1f} | {r['floor_us']:.1f} |")

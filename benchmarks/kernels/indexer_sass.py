@@ -51,7 +51,8 @@ def build(cfg: dict):
     ch, npv, pair = K.page_vector_consts(cfg["BLOCK_N"], 64, cfg.get("PV", 0))
     const = dict(S=1, S_P2=1, H=64, PAGE=64, BLOCK_N=cfg["BLOCK_N"], G=K.GROUP, LEN_2D=False, HAS_QS=False,
                  Q_FP8=True, MIN_TILES=K.MIN_TILES, DOT_F32=False, TOKENS_M=cfg["TOKENS_M"], PREFETCH=cfg["PREFETCH"],
-                 DOT_PREC="tf32", KEYS=cfg["KEYS"], NB=K.HIST_BINS, SHIFT=K.HIST_SHIFT, PROBE=0, PDL=K.SELECT_PDL,
+                 DOT_PREC="tf32", KEYS=cfg["KEYS"], NB=K.HIST_BINS, SHIFT=K.HIST_SHIFT,
+                 PDL=K.DEFAULT_INDEXER_CONFIG.select_pdl,
                  CH=ch, NPV=max(npv, 2), PAIR=pair, EPI=cfg.get("EPI", 0))
     fn = K._index_scores_kernel
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED}
@@ -62,7 +63,7 @@ def build(cfg: dict):
 
 
 def measure() -> list[dict]:
-    default = K.DEFAULT_FP8Q_SCORE_CONFIGS[(True, 1)]
+    default = K.DEFAULT_INDEXER_CONFIG.fp8q_score_configs[(True, 1)]
     cfgs = [default] + [c for c in K.SCORE_CONFIGS if c["KEYS"] == "fp8pv" and c != default]
     rows = []
     for c in cfgs:
