@@ -14,10 +14,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # Import package -> source folder (pyproject's package-dir maps pd.kernels, pd.router, pd.monitoring).
 SOURCES = {"pd": ROOT / "pd", "pd.kernels": ROOT / "kernels", "pd.router": ROOT / "router",
-           "pd.monitoring": ROOT / "monitoring"}
+           "pd.monitoring": ROOT / "monitoring", "pd.deploy": ROOT / "deploy"}
 # Layer of each package, lowest first; a module may import its own layer's package and lower layers.
 LAYERS = [
-    {"pd.util"},
+    {"pd.util", "pd.deploy"},
     {"pd.router", "pd.kernels", "pd.monitoring", "pd.engines"},
     {"pd.config"},
     {"pd.commands"},
@@ -36,7 +36,7 @@ def _modules() -> dict[str, Path]:
             rel = path.relative_to(folder).with_suffix("")
             parts = [p for p in rel.parts if p != "__init__"]
             name = ".".join([pkg, *parts])
-            if pkg == "pd" and parts and parts[0] in ("kernels", "router", "monitoring"):
+            if pkg == "pd" and parts and parts[0] in ("kernels", "router", "monitoring", "deploy"):
                 continue
             mods[name] = path
     return mods
@@ -155,3 +155,14 @@ def test_the_rules_see_a_real_upward_import(tmp_path):
     known = set(_modules())
     assert _imports("pd.engines.m", mod, known) == {"pd.cluster.launch", "pd.config", "pd.tools.plan"}
     assert _imports("pd.engines.m", mod, known, runtime_only=True) == {"pd.cluster.launch", "pd.config"}
+
+
+def test_every_package_is_in_pyproject():
+    """pyproject lists packages by name (the package-dir mapping rules out discovery): a package left off
+    that list works in an editable checkout but is missing from a wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {name for name, path in _modules().items() if path.name == "__init__.py"}
+    assert found - listed == set(), "packages missing from pyproject.toml"
+    assert listed - found == set(), "pyproject.toml lists packages that do not exist"
