@@ -24,9 +24,10 @@ import json
 import logging
 from typing import Callable, Optional
 
-import aiohttp
+import httpx
 
 from pd.router.background import TaskSet
+from pd.router.client import fetch
 from pd.router.errors import UPSTREAM_ERRORS
 from pd.router.logprobs import SSE_DATA, SSE_DONE, sse_events
 
@@ -34,7 +35,6 @@ log = logging.getLogger("pd.router")
 
 ABORT_TIMEOUT = 5.0  # seconds for one /abort_request; best effort, it never blocks a reply
 RESEND = (0.05, 0.1, 0.2, 0.4, 0.8)  # seconds between abort resends while the request runs
-_ABORT_CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=ABORT_TIMEOUT)  # one object, not one per abort
 
 
 class Aborter:
@@ -48,7 +48,7 @@ class Aborter:
     def __init__(self, tasks: TaskSet, headers: dict[str, str]):
         self.tasks = tasks
         self.headers = headers
-        self.session: Optional[aiohttp.ClientSession] = None
+        self.client: Optional[httpx.AsyncClient] = None  # pd.router.client, set before the first abort
 
     def abort(self, worker, rids: list[str], request: Optional[asyncio.Future] = None,
               on_done: Optional[Callable[[asyncio.Future], None]] = None) -> None:
@@ -93,10 +93,8 @@ class Aborter:
     async def _post(self, worker, rid: str) -> Optional[BaseException]:
         """One /abort_request; returns the error instead of raising it."""
         try:
-            async with self.session.post(worker.url + "/abort_request", json={"rid": rid}, headers=self.headers,
-                                         timeout=_ABORT_CLIENT_TIMEOUT,
-                                         allow_redirects=False) as r:
-                await r.read()
+            await fetch(self.client, "POST", worker.url + "/abort_request", ABORT_TIMEOUT, json={"rid": rid},
+                          headers=self.headers, follow_redirects=False)
         except UPSTREAM_ERRORS as e:
             return e
         return None

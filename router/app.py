@@ -1,11 +1,12 @@
-"""The router's HTTP application (FastAPI/Starlette): routes, lifespan (the pooled client, health
+"""The router's HTTP application (FastAPI/Starlette): routes, lifespan (the pooled clients, health
 checks).
 
 Routes:
 
 - client routes (``api_key`` when set): POST /generate, /v1/completions, /v1/chat/completions (PD
-  dispatch, pd.router.dispatch, served on bare ASGI in front of FastAPI: pd.router.front); GET /v1/models, /get_model_info (/model_info), /get_server_info
-  (/server_info), proxied to an available decode worker;
+  dispatch, pd.router.dispatch, served on bare ASGI in front of FastAPI: pd.router.front); GET
+  /v1/models, /get_model_info (/model_info), /get_server_info (/server_info), proxied to an
+  available decode worker (pd.router.client);
 - open routes: GET /health (the router is up), /health_generate (every worker can generate),
   /metrics (Prometheus);
 - admin routes (pd.router.admin): /workers, /workers/drain, /workers/activate.
@@ -15,12 +16,11 @@ Unknown routes: 404, wrong methods 405, both with an OpenAI-style error body.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
 
-import aiohttp
+import httpx
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -29,10 +29,10 @@ from starlette.routing import Route
 
 from pd.router.admin import AdminAPI
 from pd.router.auth import Auth
-from pd.router.client import make_session
+from pd.router.client import content_type, fetch, make_client
 from pd.router.config import RouterConfig
 from pd.router.dispatch import PDDispatcher
-from pd.router.errors import UPSTREAM_ERRORS, error_response
+from pd.router.errors import TIMEOUT_ERRORS, UPSTREAM_ERRORS, error_response
 from pd.router.front import GenerationFront
 from pd.router.health import HealthMonitor
 from pd.router.metrics import RouterMetrics
@@ -44,7 +44,6 @@ log = logging.getLogger("pd.router")
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 SHUTDOWN_DRAIN = 5.0  # seconds to let prefill reads and aborts finish at shutdown
 PROXY_TIMEOUT = 30.0  # seconds for a proxied info request
-_PROXY_CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=PROXY_TIMEOUT)
 
 
 class Router:
@@ -62,22 +61,22 @@ class Router:
         self.dispatcher = PDDispatcher(self.pool, self.metrics, config, self.auth)
         self.health = HealthMonitor(self.pool, config.health_check, self.auth.worker_headers())
         self.admin = AdminAPI(self.pool, self.auth, self.health)
-        self.session: aiohttp.ClientSession | None = None
-        self.client: UpstreamClient | None = None
+        self.http: httpx.AsyncClient | None = None  # health checks, aborts, info proxies
+        self.client: UpstreamClient | None = None  # the generation requests
 
     async def start(self) -> None:
         """Open the pooled clients and start health checks (inside the serving event loop)."""
-        self.session = make_session(self.config)
+        self.http = make_client(self.config)
         self.client = UpstreamClient(self.config.max_connections, self.config.timeouts.connect)
-        self.dispatcher.bind(self.session, self.client)
-        self.health.start(self.session)
+        self.dispatcher.bind(self.http, self.client)
+        self.health.start(self.http)
 
     async def stop(self) -> None:
-        """Stop health checks, let in-flight background work drain, close the HTTP sessions."""
+        """Stop health checks, let in-flight background work drain, close the HTTP clients."""
         await self.health.stop()
         await self.dispatcher.tasks.drain(SHUTDOWN_DRAIN)
-        if self.session is not None:
-            await self.session.close()
+        if self.http is not None:
+            await self.http.aclose()
         if self.client is not None:
             await self.client.close()
 
@@ -97,13 +96,12 @@ class Router:
                 resp = error_response(503, self.pool.unavailable_reason("decode"))
             else:
                 try:
-                    async with self.session.get(worker.url + path, headers=self.auth.worker_headers(),
-                                                timeout=_PROXY_CLIENT_TIMEOUT) as r:
-                        data = await r.read()
-                        status, ctype = r.status, r.content_type
-                    resp = Response(data, status_code=status, media_type=ctype)
+                    r = await fetch(self.http, "GET", worker.url + path, PROXY_TIMEOUT,
+                                      headers=self.auth.worker_headers())
+                    status = r.status_code
+                    resp = Response(r.content, status_code=status, media_type=content_type(r))
                 except UPSTREAM_ERRORS as e:
-                    timeout = isinstance(e, asyncio.TimeoutError)
+                    timeout = isinstance(e, TIMEOUT_ERRORS)
                     status, kind = (504, "decode_timeout") if timeout else (502, "decode_connect")
                     resp = error_response(status, f"decode worker {worker.url} "
                                                   f"{'timed out' if timeout else 'is unreachable'} on {path}: {e!r}")

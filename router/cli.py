@@ -208,7 +208,7 @@ async def serve_async(config: RouterConfig) -> None:
 
 # gen0 threshold (allocations of container objects between young collections), gen1, gen2 ratios.
 # CPython's default (700, 10, 10) runs a full collection every ~70,000 net allocations: a few
-# hundred requests, each pause scanning every object of uvicorn, FastAPI, pydantic, aiohttp (ms),
+# hundred requests, each pause scanning every object of uvicorn, FastAPI, pydantic, httpx (ms),
 # which showed as a 4-5x p99 (38 ms vs 8.8 ms at c=32, stub engines, benchmarks/router.py).
 GC_THRESHOLDS = (20_000, 50, 100)
 

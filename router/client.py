@@ -1,30 +1,55 @@
-"""The pooled aiohttp client a router process uses for health checks, aborts and info proxies
-(no connection per request: keep-alive connections are reused across requests). The two
-generation requests of each PD request go through pd.router.upstream instead (CPU per request)."""
+"""The pooled httpx client a router process uses for its secondary traffic: health checks, aborts
+and info proxies (no connection per request: keep-alive connections are reused across requests).
+The two generation requests of each PD request go through pd.router.upstream instead (CPU per
+request); httpx is the project's client everywhere else (the launcher, the admin client)."""
 
 from __future__ import annotations
 
-import aiohttp
+import asyncio
+from typing import Optional
+
+import httpx
 
 from pd.router.config import RouterConfig
 
 JSON_HEADERS = {"Content-Type": "application/json"}
+KEEPALIVE = 60.0  # seconds an idle pooled connection is kept
 
 
-def make_session(config: RouterConfig) -> aiohttp.ClientSession:
-    """An ``aiohttp.ClientSession`` with a bounded connection pool and the config's timeouts
-    (``timeouts.request`` seconds in total per upstream request, ``timeouts.connect`` to connect).
+def make_client(config: RouterConfig) -> httpx.AsyncClient:
+    """An ``httpx.AsyncClient`` with a bounded connection pool (``max_connections`` over all
+    workers, no per-worker limit: one busy decode may need most of it) and the config's timeouts
+    (``timeouts.connect`` seconds to connect, ``timeouts.request`` for each other phase). Each call
+    site bounds its own request in total with ``request``. Redirects are followed as a browser
+    would, except where a call says otherwise.
 
-    Must be called inside a running event loop; close it with ``await session.close()``.
+    Close it with ``await client.aclose()``.
     """
-    connector = aiohttp.TCPConnector(
-        limit=config.max_connections,
-        limit_per_host=0,  # the global limit is the bound; one busy decode may need most of it
-        keepalive_timeout=60,
-        ttl_dns_cache=300,
-        enable_cleanup_closed=False,  # plain HTTP to the workers: no SSL transports to reap
-    )
-    timeout = aiohttp.ClientTimeout(total=config.timeouts.request, connect=config.timeouts.connect)
-    # Bodies are relayed byte for byte: ask for no compression, and never decompress.
-    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
-                                 skip_auto_headers=("User-Agent", "Accept-Encoding"))
+    limits = httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=config.max_connections,
+                          keepalive_expiry=KEEPALIVE)
+    timeout = httpx.Timeout(config.timeouts.request, connect=config.timeouts.connect)
+    client = httpx.AsyncClient(limits=limits, timeout=timeout, follow_redirects=True)
+    # Bodies are relayed byte for byte: ask for no compression, and send no client name.
+    del client.headers["accept-encoding"]
+    del client.headers["user-agent"]
+    return client
+
+
+async def fetch(client: httpx.AsyncClient, method: str, url: str, total: float, *,
+                  headers: Optional[dict] = None, json: object = None,
+                  follow_redirects: bool = True) -> httpx.Response:
+    """``method url`` on ``client`` with its body read, bounded by ``total`` seconds in all (pool
+    wait, connect, send, the whole answer): httpx's own timeouts bound each phase, not the sum.
+
+    Raises:
+        TimeoutError: ``total`` passed (httpx's own phase timeouts raise ``httpx.TimeoutException``).
+        httpx.HTTPError: the request failed (no connection, broken connection, protocol error).
+    """
+    async with asyncio.timeout(total):
+        return await client.request(method, url, headers=headers, json=json, follow_redirects=follow_redirects)
+
+
+def content_type(resp: httpx.Response) -> str:
+    """The media type of ``resp`` without parameters (``application/octet-stream`` when absent)."""
+    value = resp.headers.get("content-type")
+    return value.split(";", 1)[0].strip().lower() if value else "application/octet-stream"

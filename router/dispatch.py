@@ -31,9 +31,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import Optional
-
-import aiohttp
+from typing import TYPE_CHECKING, Optional
 
 from pd.router import jsonio, logprobs
 from pd.router.aborts import Aborter, aborted_indexes
@@ -50,6 +48,9 @@ from pd.router.stream import Relay
 from pd.router.tokens import count as count_tokens, wants_usage_injected
 from pd.router.upstream import Response as UpstreamResponse, UpstreamClient, header_block
 from pd.router.workers import Worker, WorkerPool
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger("pd.router")
 
@@ -149,8 +150,8 @@ class PDDispatcher:
         auth: API keys.
 
     The two generation requests go through the pooled ``UpstreamClient`` (pd.router.upstream),
-    aborts through the shared ``aiohttp.ClientSession``; both must be set with ``bind`` before
-    the first request.
+    aborts through the shared ``httpx.AsyncClient`` (pd.router.client); both must be set with
+    ``bind`` before the first request.
     """
 
     def __init__(self, pool: WorkerPool, metrics: RouterMetrics, settings: RouterSettings, auth: Auth):
@@ -160,7 +161,6 @@ class PDDispatcher:
         self.auth = auth
         self.tasks = TaskSet()
         self.aborter = Aborter(self.tasks, auth.worker_headers())
-        self.session: Optional[aiohttp.ClientSession] = None
         self.client: Optional[UpstreamClient] = None
         t = settings.timeouts
         self.prefill_timeout = t.prefill or t.request  # seconds, the whole prefill request
@@ -172,10 +172,9 @@ class PDDispatcher:
         self.id_headers = [h.lower().encode("latin-1") for h in settings.request_id_headers]
         self.worker_headers = header_block({"Content-Type": "application/json", **auth.worker_headers()})
 
-    def bind(self, session: aiohttp.ClientSession, client: UpstreamClient) -> None:
-        """Attach the HTTP session and upstream client once the event loop runs."""
-        self.session = session
-        self.aborter.session = session
+    def bind(self, http: httpx.AsyncClient, client: UpstreamClient) -> None:
+        """Attach the secondary-traffic client (aborts) and the upstream client once the event loop runs."""
+        self.aborter.client = http
         self.client = client
 
     # ---- the request path --------------------------------------------------------------------

@@ -8,12 +8,14 @@ import asyncio
 import json
 from typing import Optional
 
-import aiohttp
+import httpx
 from starlette.responses import Response
 
-# What a failed exchange with a worker raises: the HTTP client's errors, timeouts and socket errors
-# (pd.router.upstream's UpstreamError is an OSError).
-UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+# What a failed exchange with a worker raises: the httpx client's errors (pd.router.client), timeouts
+# and socket errors (pd.router.upstream's UpstreamError is an OSError).
+UPSTREAM_ERRORS = (httpx.HTTPError, asyncio.TimeoutError, OSError)
+# The ones of them that mean "timed out" (httpx raises its own for a phase's timeout).
+TIMEOUT_ERRORS = (asyncio.TimeoutError, httpx.TimeoutException)
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
           405: "MethodNotAllowedError", 409: "ConflictError", 413: "PayloadTooLargeError",

@@ -12,9 +12,11 @@ import asyncio
 import logging
 from typing import Optional
 
-import aiohttp
+import httpx
 
+from pd.router.client import fetch
 from pd.router.config import HealthCheckConfig
+from pd.router.errors import TIMEOUT_ERRORS, UPSTREAM_ERRORS
 from pd.router.workers import Worker, WorkerPool
 
 log = logging.getLogger("pd.router")
@@ -23,16 +25,16 @@ log = logging.getLogger("pd.router")
 HEALTH_GENERATE_TIMEOUT = 25.0
 
 
-async def probe(session: aiohttp.ClientSession, worker: Worker, path: str, timeout: float,
+async def probe(client: httpx.AsyncClient, worker: Worker, path: str, timeout: float,
                 headers: Optional[dict] = None) -> Optional[str]:
-    """GET ``path`` on ``worker``; None when it answered 200, else what went wrong."""
+    """GET ``path`` on ``worker`` within ``timeout`` seconds in all; None when it answered 200,
+    else what went wrong."""
     try:
-        async with session.get(worker.url + path, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-            await r.read()
-            return None if r.status == 200 else f"HTTP {r.status}"
-    except asyncio.TimeoutError:
+        r = await fetch(client, "GET", worker.url + path, timeout, headers=headers)
+        return None if r.status_code == 200 else f"HTTP {r.status_code}"
+    except TIMEOUT_ERRORS:
         return f"no answer within {timeout:g}s"
-    except (aiohttp.ClientError, OSError) as e:
+    except UPSTREAM_ERRORS as e:
         return str(e) or repr(e)
 
 
@@ -49,7 +51,7 @@ class HealthMonitor:
         self.pool = pool
         self.cfg = config
         self.headers = headers
-        self.session: Optional[aiohttp.ClientSession] = None
+        self.client: Optional[httpx.AsyncClient] = None
         self._task: Optional[asyncio.Task] = None
 
     def record(self, w: Worker, err: Optional[str]) -> None:
@@ -71,7 +73,7 @@ class HealthMonitor:
     async def check_all(self) -> None:
         """One probe round over every worker, concurrently."""
         workers = self.pool.all
-        results = await asyncio.gather(*(probe(self.session, w, self.cfg.endpoint, self.cfg.timeout_secs, self.headers)
+        results = await asyncio.gather(*(probe(self.client, w, self.cfg.endpoint, self.cfg.timeout_secs, self.headers)
                                          for w in workers))
         for w, err in zip(workers, results):
             self.record(w, err)
@@ -80,13 +82,13 @@ class HealthMonitor:
         """GET /health_generate on every worker concurrently; the failures as
         ``[{"worker", "role", "error"}]`` (empty when all answered 200). Does not change routing."""
         workers = self.pool.all
-        results = await asyncio.gather(*(probe(self.session, w, "/health_generate", HEALTH_GENERATE_TIMEOUT,
+        results = await asyncio.gather(*(probe(self.client, w, "/health_generate", HEALTH_GENERATE_TIMEOUT,
                                                self.headers) for w in workers))
         return [{"worker": w.url, "role": w.role, "error": err} for w, err in zip(workers, results) if err is not None]
 
-    def start(self, session: aiohttp.ClientSession) -> None:
-        """Start the periodic health-check loop on ``session`` (none when interval_secs is 0)."""
-        self.session = session
+    def start(self, client: httpx.AsyncClient) -> None:
+        """Start the periodic health-check loop on ``client`` (none when interval_secs is 0)."""
+        self.client = client
         if self.cfg.interval_secs > 0:
             self._task = asyncio.get_running_loop().create_task(self._loop())
 

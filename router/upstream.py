@@ -8,7 +8,7 @@ CPU in the py-spy profiles (benchmarks/results/router_2026-11-30.md). Measured i
 these two requests 355-382 us per non-streaming request and 821-897 us per 64-event stream; with
 this client 151 us and 657 us (the Rust gateway in the same run: 135 us and 664 us). Parsing is httptools' (llhttp, the parser uvicorn and Node.js
 use), connections come from uvloop; this module only pools connections and hands bodies over.
-aiohttp stays for everything else (health checks, aborts, the admin API, info proxies).
+Everything else the router sends (health checks, aborts, info proxies) goes through httpx (pd.router.client).
 
 What it does: POST with a fixed set of headers and a body; keeps connections alive and reuses the
 most recently used one per worker (LIFO); at most ``limit`` connections open over all workers (a
@@ -22,8 +22,8 @@ read-paused above 256 KiB unread (a slow client does not make the router buffer 
 
 Errors: ``UpstreamError`` (an ``OSError``: cannot connect, connection closed or reset before the
 message ended, malformed response) and ``TimeoutError`` (connect: ``connect_timeout`` seconds to
-get a connection, pool wait included; ``timeout``: the whole request, body included, as aiohttp's
-``ClientTimeout.total``). Nothing is retried here: the router retries on a fresh pair with fresh
+get a connection, pool wait included; ``timeout``: the whole request, body included, one deadline
+for all of it). Nothing is retried here: the router retries on a fresh pair with fresh
 rooms (a POST resent on another connection could start a second generation).
 """
 

@@ -293,7 +293,7 @@ async def test_failed_aborts_are_one_warning_per_round_not_one_per_sequence(capl
     import logging
     import socket
 
-    import aiohttp
+    import httpx
 
     from pd.router.aborts import Aborter
     from pd.router.background import TaskSet
@@ -302,7 +302,7 @@ async def test_failed_aborts_are_one_warning_per_round_not_one_per_sequence(capl
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     aborter = Aborter(TaskSet(), {})
-    async with aiohttp.ClientSession() as aborter.session:
+    async with httpx.AsyncClient() as aborter.client:
         worker = SimpleNamespace(url=f"http://127.0.0.1:{port}", role="decode")
         with caplog.at_level(logging.WARNING, logger="pd.router"):
             await aborter.send(worker, [f"pdr-x_{i}" for i in range(300)])
