@@ -276,12 +276,14 @@ def test_run_blocking_drops_queued_work_of_a_cancelled_caller_and_waits_for_runn
     from concurrent.futures import ThreadPoolExecutor
 
     from pd.engines.engine_core import run_blocking
+    from pd.util.wait import async_wait_until
 
     ran = []
-    release = threading.Event()
+    started, release = threading.Event(), threading.Event()
 
     def step(name):
         if name == "running":
+            started.set()
             release.wait(5)
             time.sleep(0.05)
         ran.append(name)
@@ -290,7 +292,7 @@ def test_run_blocking_drops_queued_work_of_a_cancelled_caller_and_waits_for_runn
         with ThreadPoolExecutor(max_workers=1) as ex:
             running = asyncio.ensure_future(run_blocking(ex, step, "running"))
             queued = asyncio.ensure_future(run_blocking(ex, step, "queued"))
-            await asyncio.sleep(0.05)
+            await async_wait_until(started.is_set, 30, interval=0.01, what="the running step started")
             running.cancel()
             queued.cancel()
             with pytest.raises(asyncio.CancelledError):
