@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -17,6 +18,24 @@ commands:
   render-dashboard  the PD overview's latency panels as a PNG from Prometheus
              (`pdserve render-dashboard --prometheus URL --out FILE.png [--range 15m]`)
 """
+
+
+# Subcommands that need an optional extra (pyproject.toml): (module, extra, what to install).
+_NEEDS = {
+    "up": [("ray", "cluster", "'pdserve[cpu]' (or 'pdserve[gpu]' on GPU nodes)")],
+    "engine": [("torch", "engine", "'pdserve[cpu]'"), ("transformers", "engine", "'pdserve[cpu]'")],
+    "render-dashboard": [("matplotlib", "monitoring", "'pdserve[monitoring]'")],
+}
+
+
+def _require_extras(cmd: str) -> None:
+    """Exit with status 2 and the pip command when ``cmd`` needs a package of an extra that is not installed
+    (the base install is the router and the tools only)."""
+    for module, extra, install in _NEEDS.get(cmd, []):
+        if importlib.util.find_spec(module) is None:
+            print(f"pdserve {cmd}: needs the {extra!r} extra ({module} is not installed): pip install {install}",
+                  file=sys.stderr)
+            raise SystemExit(2)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,6 +60,7 @@ def _dispatch(argv: list[str]) -> None:
         print(f"pdserve {version('pdserve')}")
         raise SystemExit(0)
     cmd, rest = argv[0], argv[1:]
+    _require_extras(cmd)
     if cmd == "up":
         from pd.cluster.up import main as up_main
 

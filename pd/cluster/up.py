@@ -27,7 +27,9 @@ from pd.config import DEFAULT_CONFIG, ConfigError, PDConfig, load_config
 from pd.util.ports import free_ports
 from pd.util.wait import wait_until
 
-REPO = Path(__file__).resolve().parents[2]
+# A source checkout pd is imported from (its root holds pyproject.toml), or None for an installed pdserve.
+_ROOT = Path(__file__).resolve().parents[2]
+CHECKOUT = _ROOT if (_ROOT / "pyproject.toml").is_file() and (_ROOT / "deploy" / "local.yaml").is_file() else None
 READY = re.compile(r"pdserve: router ready at (\S+)")
 
 
@@ -139,7 +141,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     checks here (pd.tools.doctor.preflight) and starts nothing if they fail. Returns 0 when the job succeeded or was
     stopped (the head's log is then removed), 1 when it failed, 2 for an invalid config or a failed preflight."""
     p = argparse.ArgumentParser(prog="pdserve up", description=__doc__.split("\n\n")[0])
-    p.add_argument("config", nargs="?", help=f"cluster config YAML (default: {DEFAULT_CONFIG.relative_to(REPO)})")
+    p.add_argument("config", nargs="?", help="cluster config YAML (default: the embedded deploy/local.yaml)")
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "http://127.0.0.1:8265"),
                    help="Ray dashboard (job submission) address; a local head is started if nothing answers there "
                         "(default: $RAY_ADDRESS or http://127.0.0.1:8265)")
@@ -183,10 +185,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     code = 0
     try:
         client = JobSubmissionClient(address)
-        job_id = submit_when_agent_ready(
-            client, entrypoint=f"{sys.executable} -m pd.launch",
-            runtime_env={"working_dir": str(REPO), "env_vars": {CONFIG_ENV: config_text}},
-        )
+        runtime_env = {"env_vars": {CONFIG_ENV: config_text}}
+        if CHECKOUT is not None:  # the job runs this tree's code, whatever pdserve the head's Python has
+            runtime_env["working_dir"] = str(CHECKOUT)
+        job_id = submit_when_agent_ready(client, entrypoint=f"{sys.executable} -m pd.launch", runtime_env=runtime_env)
         say(f"submitted Ray job {job_id} to {address}")
         seen: list = []
         asyncio.run(follow(client, job_id, seen, cfg.served_model_name or cfg.model_path))
