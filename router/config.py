@@ -301,5 +301,6 @@ class RouterConfig(RouterSettings):
         pre = []
         for item in prefill:
             url, bport = (item, None) if isinstance(item, str) else item
-            pre.append(PrefillWorkerConfig(url=url) if bport is None else PrefillWorkerConfig(url=url, bootstrap_port=bport))
+            kw_port = {} if bport is None else {"bootstrap_port": bport}
+            pre.append(PrefillWorkerConfig(url=url, **kw_port))
         return cls(prefill=pre, decode=list(decode), **kw)

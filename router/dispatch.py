@@ -45,8 +45,10 @@ from pd.router.policies import routing_key
 from pd.router.retry import Failure, Retrier, answered, no_answer, no_worker, stream_start
 from pd.router.rooms import assign_rids, new_rid, sequence_count, stamp
 from pd.router.stream import Relay
-from pd.router.tokens import count as count_tokens, wants_usage_injected
-from pd.router.upstream import Response as UpstreamResponse, UpstreamClient, header_block
+from pd.router.tokens import count as count_tokens
+from pd.router.tokens import wants_usage_injected
+from pd.router.upstream import Response as UpstreamResponse
+from pd.router.upstream import UpstreamClient, header_block
 from pd.router.workers import Worker, WorkerPool
 
 if TYPE_CHECKING:
@@ -84,7 +86,8 @@ class PrefillOutcome:
 
     def __init__(self, status: Optional[int], body: bytes = b"", content_type: str = "application/json",
                  failure: Optional[str] = None, detail: str = ""):
-        self.status, self.body, self.content_type, self.failure, self.detail = status, body, content_type, failure, detail
+        self.status, self.body, self.content_type = status, body, content_type
+        self.failure, self.detail = failure, detail
 
     @property
     def ok(self) -> bool:
@@ -256,6 +259,7 @@ class PDDispatcher:
         relay: Optional[Relay] = None
 
         async def attempt(number: int):
+            """Attempt ``number`` (1-based) on a fresh pair with fresh rooms: a Failure or a committed answer."""
             nonlocal ex
             prefill = self.pool.pick_prefill(key)
             decode = self.pool.pick_decode(key) if prefill is not None else None

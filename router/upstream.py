@@ -6,9 +6,10 @@ of router CPU per upstream request on this machine, two per PD request, 40-50% o
 CPU in the py-spy profiles (benchmarks/results/router_2026-11-30.md). Measured in one run
 (benchmarks/router.py, stub engines, c=32, router CPU per request): the router with aiohttp for
 these two requests 355-382 us per non-streaming request and 821-897 us per 64-event stream; with
-this client 151 us and 657 us (the Rust gateway in the same run: 135 us and 664 us). Parsing is httptools' (llhttp, the parser uvicorn and Node.js
-use), connections come from uvloop; this module only pools connections and hands bodies over.
-Everything else the router sends (health checks, aborts, info proxies) goes through httpx (pd.router.client).
+this client 151 us and 657 us (the Rust gateway in the same run: 135 us and 664 us). Parsing is
+httptools' (llhttp, the parser uvicorn and Node.js use), connections come from uvloop; this module
+only pools connections and hands bodies over. Everything else the router sends (health checks,
+aborts, info proxies) goes through httpx (pd.router.client).
 
 What it does: POST with a fixed set of headers and a body; keeps connections alive and reuses the
 most recently used one per worker (LIFO); at most ``limit`` connections open over all workers (a

@@ -7,7 +7,6 @@ import sys
 import time
 
 import httpx
-
 from engines import ManagedProcess, free_port, spawn
 
 

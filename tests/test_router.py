@@ -11,12 +11,13 @@ import time
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from engines import ROOT, free_port, metric
-from pd.router.app import GENERATION_ROUTES
-from pdclient import final_generate_chunks as final_chunks, parse_sse, stream_then_disconnect, strip_volatile
+from pdclient import final_generate_chunks as final_chunks
+from pdclient import parse_sse, stream_then_disconnect, strip_volatile
+from prometheus_client.parser import text_string_to_metric_families
 from routers import pd_router
+
+from pd.router.app import GENERATION_ROUTES
 
 GREEDY = {"temperature": 0}
 PREFILL_HITS = ("sglang:per_stage_req_latency_seconds_count", {"stage": "prefill_forward"})
@@ -310,7 +311,8 @@ async def test_concurrent_streams_abort_no_room(engines, router):
     # 40 at once fit the test engines' 4 s PD timeouts on 2 CPU cores; 200 at once run against
     # stand-in engines in test_router_faults.py.
     aborted = {s: metric(engines[s], "pdserve_engine_aborted_requests_total") for s in ("prefill", "decode")}
-    body = {"text": "many at once", "stream": True, "sampling_params": {"max_new_tokens": 3, "ignore_eos": True, **GREEDY}}
+    body = {"text": "many at once", "stream": True,
+            "sampling_params": {"max_new_tokens": 3, "ignore_eos": True, **GREEDY}}
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=40)) as c:
         rs = await asyncio.gather(*(c.post(router.url + "/generate", json=body) for _ in range(40)))
     assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200][:1]
@@ -340,7 +342,8 @@ async def test_prefill_error_is_returned_promptly_and_decode_holds_nothing(engin
 
 async def test_malformed_json_and_unknown_route(router):
     async with httpx.AsyncClient(timeout=10) as c:
-        r = await c.post(router.url + "/generate", content=b'{"text": "oops"', headers={"content-type": "application/json"})
+        r = await c.post(router.url + "/generate", content=b'{"text": "oops"',
+                         headers={"content-type": "application/json"})
         assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
         r = await c.post(router.url + "/v1/completions", json=["not", "an", "object"])
         assert r.status_code == 400
@@ -396,7 +399,8 @@ async def test_info_routes_are_proxied(router):
 
 
 async def test_metrics_after_traffic(engines, router):
-    await routed_answer(router, "/generate", {"text": "hello", "stream": True, "sampling_params": {"max_new_tokens": 4}})
+    await routed_answer(router, "/generate",
+                        {"text": "hello", "stream": True, "sampling_params": {"max_new_tokens": 4}})
     async with httpx.AsyncClient(timeout=10) as c:
         await c.post(router.url + "/generate", content=b"{", headers={"content-type": "application/json"})
     m = router_metrics(router)

@@ -16,10 +16,9 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from engines import ROOT, ManagedProcess, free_port, spawn
 from pdclient import parse_sse
+from prometheus_client.parser import text_string_to_metric_families
 from routers import RouterProc
 
 CLIENT_KEY, ADMIN_KEY = "client-secret", "admin-secret"
@@ -369,14 +368,16 @@ async def test_retries_give_up_and_client_errors_are_not_retried(si, routers):
     si["p0"].fault("status", status=400, message="bad prompt")
     si["p1"].fault("status", status=400, message="bad prompt")
     resp = await call(r, "/v1/completions", {"prompt": "x", "max_tokens": 2}, AUTH)
-    assert resp.status_code == 400 and metric(r, "pdserve_router_retries_total", endpoint="/v1/completions") - before == 4
+    retries = metric(r, "pdserve_router_retries_total", endpoint="/v1/completions") - before
+    assert resp.status_code == 400 and retries == 4
 
 
 async def test_dropped_decode_connection_is_retried(si, routers):
     r = routers("main")
     si["d0"].fault("drop")
     si["d1"].fault("drop")
-    resp = await call(r, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}, AUTH)
+    resp = await call(r, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+                      AUTH)
     assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == " t t"
     await until(lambda: not si["p0"].state()["live"] and not si["p1"].state()["live"], 1.0, "prefills released")
 
@@ -479,7 +480,8 @@ async def test_api_key_request_id_and_token_metrics(si, routers):
         assert (await c.get(r.url + "/v1/models", headers=AUTH)).json()["data"][0]["id"] == "standin"
         assert (await c.get(r.url + "/health")).status_code == 200
         assert (await c.get(r.url + "/metrics")).status_code == 200
-    prompt, done = (metric(r, f"pdserve_router_{k}_tokens_total", endpoint="/generate") for k in ("prompt", "completion"))
+    prompt, done = (metric(r, f"pdserve_router_{k}_tokens_total", endpoint="/generate")
+                    for k in ("prompt", "completion"))
     resp = await call(r, "/generate", gen(2, tokens=5), AUTH)  # prompts "p0" and "p1x": 2 + 3 tokens
     assert resp.status_code == 200
     rid = resp.headers["x-request-id"]
@@ -565,7 +567,8 @@ async def test_admin_api_lists_adds_drains_and_removes_workers(si, routers):
         for url in (d0, d1):
             assert (await c.post("/workers/activate", json={"url": url}, headers=ADMIN)).status_code == 200
         resp = await c.delete("/workers", params={"url": d1}, headers=ADMIN)
-        assert resp.status_code == 200 and (await c.delete("/workers", params={"url": d1}, headers=ADMIN)).status_code == 404
+        again = await c.delete("/workers", params={"url": d1}, headers=ADMIN)
+        assert resp.status_code == 200 and again.status_code == 404
         assert not any(dict(k[1]).get("worker") == d1 for k in metrics(r))  # its series are gone
         n1 = len(si["d1"].state()["requests"])
         for _ in range(2):
@@ -610,8 +613,8 @@ async def test_policies_least_load_decode_and_cache_aware_prefill(si, routers):
 async def test_launcher_membership_follows_workers_and_drains(si, routers, logs):
     """What pd.launch does through the admin API: swap a worker that came back on other ports,
     drop one that failed for good, put one back after a restart, drain everything on stop."""
-    from pd.router.admin_client import AdminClient
     from pd.cluster.membership import Membership
+    from pd.router.admin_client import AdminClient
 
     r = routers("main")
     admin = AdminClient(r.url, ADMIN_KEY)

@@ -166,7 +166,8 @@ def test_least_load_and_power_of_two():
 
 
 def test_cache_aware_prefers_the_worker_holding_the_prefix_unless_imbalanced():
-    pool = pool_of(prefill=3, policy="cache_aware", cache_aware={"balance_abs_threshold": 4, "balance_rel_threshold": 1.5})
+    pool = pool_of(prefill=3, policy="cache_aware",
+                   cache_aware={"balance_abs_threshold": 4, "balance_rel_threshold": 1.5})
     sys_prompt = "You are a helpful assistant. " * 20
     first = pool.pick_prefill(sys_prompt + "question one")
     assert all(pool.pick_prefill(sys_prompt + f"question {i}") is first for i in range(2, 8))
@@ -189,8 +190,8 @@ def test_routing_key():
     assert routing_key("/generate", {"input_ids": [65, 66]}) == "AB"
     assert routing_key("/generate", {"input_ids": [[65], [66]]}) == "A"
     assert routing_key("/v1/completions", {"prompt": "p"}) == "p"
-    key = routing_key("/v1/chat/completions", {"messages": [{"role": "system", "content": "S"},
-                                                            {"role": "user", "content": [{"type": "text", "text": "U"}]}]})
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": [{"type": "text", "text": "U"}]}]
+    key = routing_key("/v1/chat/completions", {"messages": messages})
     assert key.startswith("system\x00S") and "user\x00U" in key
     assert routing_key("/generate", {"input_ids": [-1]}) is None
     assert routing_key("/v1/completions", {}) is None
@@ -276,7 +277,8 @@ def test_token_counts_and_usage_tap():
     assert count(json.dumps(usage).encode()) == (4, 9)
     tap = UsageTap(generate=True, drop_usage=False)
     assert tap.event(b'data: {"meta_info": {"finish_reason": null, "prompt_tokens": 5, "completion_tokens": 1}}')
-    assert tap.event(b'data: {"meta_info": {"finish_reason": {"type": "length"}, "prompt_tokens": 5, "completion_tokens": 2}}')
+    assert tap.event(b'data: {"meta_info": {"finish_reason": {"type": "length"}, '
+                     b'"prompt_tokens": 5, "completion_tokens": 2}}')
     assert (tap.prompt, tap.completion) == (5, 2)
     tap = UsageTap(generate=False, drop_usage=True)
     assert tap.event(b'data: {"choices": [{"index": 0, "text": "x"}], "usage": null}')
@@ -307,7 +309,8 @@ async def test_failed_aborts_are_one_warning_per_round_not_one_per_sequence(capl
         with caplog.at_level(logging.WARNING, logger="pd.router"):
             await aborter.send(worker, [f"pdr-x_{i}" for i in range(300)])
     (record,) = [r for r in caplog.records if r.name == "pd.router"]
-    assert f"abort of 300 of 300 rid(s) on decode http://127.0.0.1:{port} failed (first: pdr-x_0: " in record.getMessage()
+    assert (f"abort of 300 of 300 rid(s) on decode http://127.0.0.1:{port} failed (first: pdr-x_0: "
+            in record.getMessage())
 
 
 # ---- config, CLI, keys ------------------------------------------------------------------------
@@ -326,7 +329,8 @@ def test_cli_parsing_and_flags_round_trip():
     assert not cfg.circuit_breaker.enabled and cfg.health_check.interval_secs == 0.5
     assert cfg.timeouts.stream_idle == 2 and cfg.max_payload_size == 1000
     assert cfg.request_id_headers == ("x-trace-id", "x-request-id")
-    assert config_from_args(["--disable-retries", "--prefill", "http://a:1", "--decode", "http://d:1"]).retry.max_retries == 1
+    disabled = config_from_args(["--disable-retries", "--prefill", "http://a:1", "--decode", "http://d:1"])
+    assert disabled.retry.max_retries == 1
     # what the launcher hands a router: the settings and workers as JSON, read back unchanged
     assert config_from_args([], {CONFIG_ENV: cfg.model_dump_json()}) == cfg
     with pytest.raises(ValueError):
@@ -423,17 +427,20 @@ def test_metric_series_exist_from_the_start_and_leave_with_their_worker():
 
 
 def test_launcher_router_command_line_and_keys():
-    from pd.config import PDConfig
     from pd.cluster.launch import Launcher
+    from pd.config import PDConfig
     from pd.router.config import ADMIN_KEY_ENV, API_KEY_ENV, CONFIG_ENV
 
     cfg = PDConfig.model_validate({"router": {"port": 8123, "prefill_policy": "cache_aware", "api_key": "ck",
                                               "retry": {"max_retries": 2}, "timeouts": {"first_token": 30}}})
     launcher = Launcher(cfg)
     launcher.workers = [
-        {"name": "prefill-0", "role": "prefill", "state": "ready", "url": "http://10.0.0.1:31000", "bootstrap_port": 31001},
-        {"name": "prefill-1", "role": "prefill", "state": "restarting", "url": "http://10.0.0.2:31000", "bootstrap_port": 31001},
-        {"name": "decode-0", "role": "decode", "state": "ready", "url": "http://10.0.0.3:31000", "bootstrap_port": None},
+        {"name": "prefill-0", "role": "prefill", "state": "ready", "url": "http://10.0.0.1:31000",
+         "bootstrap_port": 31001},
+        {"name": "prefill-1", "role": "prefill", "state": "restarting", "url": "http://10.0.0.2:31000",
+         "bootstrap_port": 31001},
+        {"name": "decode-0", "role": "decode", "state": "ready", "url": "http://10.0.0.3:31000",
+         "bootstrap_port": None},
     ]
     argv = launcher.router_argv()
     assert argv[1:4] == ["-m", "pd.cli", "router"] and "ck" not in argv and launcher.admin_key not in argv

@@ -29,8 +29,8 @@ from typing import Optional
 
 import httpx
 
-from pd.config import ConfigError, PDConfig, load_config, parse_config
 from pd.cluster.procs import popen_group, stop_group
+from pd.config import ConfigError, PDConfig, load_config, parse_config
 
 CONFIG_ENV = "PDSERVE_CONFIG_YAML"  # `pdserve up` ships the config text here (works for any path)
 PG_READY_TIMEOUT = 120.0
@@ -68,8 +68,9 @@ class Launcher:
         have = ray.cluster_resources().get("GPU", 0)
         need = self.cfg.total_gpus()
         if need > have:
-            raise ConfigError(f"the config needs {need} GPUs (prefill {self.cfg.prefill.replicas}x{self.cfg.prefill.tp_size}, "
-                              f"decode {self.cfg.decode.replicas}x{self.cfg.decode.tp_size}); the Ray cluster has {have:g}")
+            pre, dec = self.cfg.prefill, self.cfg.decode
+            raise ConfigError(f"the config needs {need} GPUs (prefill {pre.replicas}x{pre.tp_size}, "
+                              f"decode {dec.replicas}x{dec.tp_size}); the Ray cluster has {have:g}")
 
     def start(self) -> None:
         """Place and start every worker, then the router and the metrics endpoint; returns when the router answers.
@@ -187,7 +188,8 @@ class Launcher:
         deadline = time.monotonic() + 60
         while True:
             if self.router.poll() is not None:
-                raise RuntimeError(f"the router exited with {self.router.returncode} (is port {r.port} free? set router.port)")
+                raise RuntimeError(f"the router exited with {self.router.returncode} "
+                                   f"(is port {r.port} free? set router.port)")
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break
@@ -196,8 +198,8 @@ class Launcher:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the router did not answer {url}/health within 60s")
             time.sleep(0.2)
-        from pd.router.admin_client import AdminClient
         from pd.cluster.membership import Membership
+        from pd.router.admin_client import AdminClient
 
         self.membership = Membership(AdminClient(self.router_admin_url(), self.admin_key), say)
         self.membership.seed(self.router_workers())
@@ -259,7 +261,8 @@ class Launcher:
             for info in infos:
                 key = (info["state"], info["restarts"])
                 if last.get(info["name"]) not in (None, key):
-                    say(f"{info['name']} is {info['state']} (restarts {info['restarts']}, last exit {info['last_exit']})")
+                    say(f"{info['name']} is {info['state']} "
+                        f"(restarts {info['restarts']}, last exit {info['last_exit']})")
                 last[info["name"]] = key
 
     def shutdown(self) -> None:
@@ -276,7 +279,8 @@ class Launcher:
             self.exporter.stop()
         if self.router is not None:
             if self.membership is not None and self.router.poll() is None and self.cfg.router.drain_timeout_secs > 0:
-                say(f"draining the router's workers (up to {self.cfg.router.drain_timeout_secs:g}s for requests in flight)")
+                say(f"draining the router's workers "
+                    f"(up to {self.cfg.router.drain_timeout_secs:g}s for requests in flight)")
                 if not self.membership.drain_all(self.cfg.router.drain_timeout_secs):
                     say("some requests were still in flight; stopping anyway")
             stop_group(self.router.pid)
@@ -303,7 +307,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     Returns 0 on a clean stop, 2 for a bad config, failed preflight or unplaceable layout, 1 when a start fails."""
     p = argparse.ArgumentParser(prog="python -m pd.launch", description="Run a pdserve PD cluster as a Ray job.")
-    p.add_argument("config", nargs="?", help="cluster config YAML (default: $PDSERVE_CONFIG_YAML, else deploy/local.yaml)")
+    p.add_argument("config", nargs="?",
+                   help="cluster config YAML (default: $PDSERVE_CONFIG_YAML, else deploy/local.yaml)")
     args = p.parse_args(argv)
     try:
         if args.config is None and os.environ.get(CONFIG_ENV):
@@ -318,7 +323,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from pd.tools.doctor import preflight
 
     if not preflight(cfg):  # prints warnings and errors; errors stop the launch
-        print("pdserve: the preflight checks failed (see above; `pdserve doctor CONFIG` runs them alone)", file=sys.stderr)
+        print("pdserve: the preflight checks failed (see above; `pdserve doctor CONFIG` runs them alone)",
+              file=sys.stderr)
         return 2
 
     import ray
