@@ -20,7 +20,7 @@ What is measured
 * **Load**: ``wrk`` (C, one thread, closed loop: each of C connections sends its next request when
   the previous answer is complete) POSTs ``/generate`` with ``max_new_tokens`` 64, non-streaming
   (``generate``) and streaming (``stream``; a request is complete at the stream's last byte), at
-  each concurrency in ``--concurrency`` (32 = DESIGN.md's anchor). Latency percentiles are wrk's
+  each concurrency in ``--concurrency`` (32 = the anchor in docs/design.md). Latency percentiles are wrk's
   (microsecond histogram of complete-answer latency).
 * **Interleaving**: contenders are measured round-robin (every (mode, concurrency) cell measures
   all contenders back to back, the order rotating per round); reported numbers are medians over

@@ -227,6 +227,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     """Entry point of ``pdserve router``."""
     config = config_from_args(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO: health probes and per-request peer calls would flood the log.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     log.info("prefill workers: %s; decode workers: %s; policies: prefill %s, decode %s",
              ", ".join(f"{p.url} (bootstrap {p.bootstrap_host}:{p.bootstrap_port})" for p in config.prefill),
              ", ".join(config.decode), config.side_policy("prefill"), config.side_policy("decode"))

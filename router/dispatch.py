@@ -1,7 +1,7 @@
 """PD request handling: one request in, the same body to a prefill and a decode worker, decode's
 answer out.
 
-Per request (DESIGN.md, "The PD wire protocol"):
+Per request (docs/design.md, "The PD wire protocol"):
 
 1. Check the API key, read the body (413 over ``max_payload_size``), parse it (400 if malformed).
 2. Pick a (prefill, decode) pair with the side policies, stamp the bootstrap fields (one fresh

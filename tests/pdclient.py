@@ -1,4 +1,4 @@
-"""A minimal PD client for engine tests: what a router does, per DESIGN.md's wire protocol."""
+"""A minimal PD client for engine tests: what a router does, per the wire protocol of docs/design.md."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ DSV4_CONFIG = {  # the keys doctor reads, shaped like DeepSeek-V4-Flash's config
     "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
                             "activation_scheme": "dynamic", "routed_experts_quant_method": "mxfp4"},
 }
-# The DESIGN.md campaign: NVFP4 main experts, MTP (mtp.*) experts still MXFP4.
+# The campaign in docs/design.md ("Why it exists"): NVFP4 main experts, MTP (mtp.*) experts still MXFP4.
 NVFP4_HYBRID = {**DSV4_CONFIG, "quantization_config": {"quant_method": "fp8", "quant_algo": "MIXED_PRECISION",
                                                        "moe_quant_algo": "NVFP4", "group_size": 16}}
 

@@ -325,6 +325,8 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     args = finalize(build_parser().parse_args(argv))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO: health probes and per-request peer calls would flood the log.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     server = EngineServer(args)
 
     class _Server(uvicorn.Server):
