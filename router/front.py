@@ -3,9 +3,10 @@
 POST /generate, /v1/completions and /v1/chat/completions are the hot path: they go straight to
 the PD dispatcher (pd.router.dispatch), which reads the body and sends its answer with plain ASGI
 messages. FastAPI/Starlette's middleware, routing and Request/Response objects cost about 260 us
-of router CPU per request in the 2026-11-30 profile (benchmarks/results/router_2026-11-30.md),
-several times the PD work itself. Other methods on those paths get 405; every other path
-(admin, health, metrics, info proxies, 404s) and the lifespan go to the FastAPI app as before.
+of router CPU per request in a py-spy profile of the all-FastAPI router, several times the PD work
+itself (the steps since, measured side by side: benchmarks/results/router.md, "What each change
+bought"). Other methods on those paths get 405; every other path (admin, health, metrics, info
+proxies, 404s) and the lifespan go to the FastAPI app as before.
 
 Also here: the few ASGI helpers the dispatcher needs (request headers, body with a size limit,
 a whole response).

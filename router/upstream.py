@@ -3,7 +3,7 @@ the prefill, POST to the decode), on ``asyncio.Protocol`` and httptools' respons
 
 Why not aiohttp here (the project prefers well-kept libraries): aiohttp's client cost about 100 us
 of router CPU per upstream request on this machine, two per PD request, 40-50% of the router's
-CPU in the py-spy profiles (benchmarks/results/router_2026-11-30.md). Measured in one run
+CPU in the py-spy profiles (benchmarks/results/router.md, "What each change bought"). Measured in one run
 (benchmarks/router.py, stub engines, c=32, router CPU per request): the router with aiohttp for
 these two requests 355-382 us per non-streaming request and 821-897 us per 64-event stream; with
 this client 151 us and 657 us (the Rust gateway in the same run: 135 us and 664 us). Parsing is
