@@ -10,11 +10,11 @@ import types
 from pathlib import Path
 
 import pytest
-
 from engines import ROOT
-from pd.tools import doctor as D
-from pd.config import load_config, parse_config
+
 from pd.commands.sglang import SGLangArgError, parse_sglang_args, pinned_sglang_version, server_args_of, sglang_command
+from pd.config import load_config, parse_config
+from pd.tools import doctor as D
 from pd.tools.plan import plan
 
 SGLANG_CONFIGS = [p for p in sorted(glob.glob(os.path.join(ROOT, "deploy", "*.yaml")))
@@ -67,13 +67,15 @@ def test_speculative_and_page_settings_match_between_roles(path):
     cfg = load_config(path)
     pre = vars(server_args_of(sglang_command(cfg, "prefill", "h", 1, 2)))
     dec = vars(server_args_of(sglang_command(cfg, "decode", "h", 3, None)))
-    for key in ("page_size", "model_path", "kv_cache_dtype", "quantization") + tuple(k for k in pre if k.startswith("speculative_")):
+    speculative = tuple(k for k in pre if k.startswith("speculative_"))
+    for key in ("page_size", "model_path", "kv_cache_dtype", "quantization") + speculative:
         assert pre[key] == dec[key], key
 
 
 def test_extra_args_pass_through_and_are_checked():
     base = {"engine": "sglang", "sglang": {"quantization": "fp8"}}
-    ok = parse_config({**base, "decode": {"extra_args": ["--chunked-prefill-size", "2048", "--max-running-requests", "96"]}})
+    extra = ["--chunked-prefill-size", "2048", "--max-running-requests", "96"]
+    ok = parse_config({**base, "decode": {"extra_args": extra}})
     ns = server_args_of(sglang_command(ok, "decode", "h", 1, None))
     assert (ns.chunked_prefill_size, ns.max_running_requests) == (2048, 96)
     with pytest.raises(SGLangArgError, match=r"unknown SGLang flag --max-runing-requests.*--max-running-requests"):
@@ -138,8 +140,9 @@ def dsv4_override(monkeypatch):
             is_hip=False, is_sm90=major == 9, is_sm100=major == 10, is_sm120=major == 12))
         monkeypatch.setattr(O, "model_config_of", lambda _: types.SimpleNamespace(
             nvfp4_moe_meta={"group_size": 16} if experts == "nvfp4" else None, is_fp4_experts=experts == "mxfp4"))
-        sa = types.SimpleNamespace(**{"device": "cuda", "page_size": 64, "moe_runner_backend": "auto", "moe_a2a_backend": "none",
-                                      "swa_full_tokens_ratio": 0.1, "fp8_gemm_runner_backend": "auto", **args})
+        sa = types.SimpleNamespace(**{"device": "cuda", "page_size": 64, "moe_runner_backend": "auto",
+                                      "moe_a2a_backend": "none", "swa_full_tokens_ratio": 0.1,
+                                      "fp8_gemm_runner_backend": "auto", **args})
         hf = types.SimpleNamespace(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4",
                                    quantization_config={"quant_method": "fp8"})
         return sa, O._deepseek_v4_overrides(sa, hf)
