@@ -239,7 +239,8 @@ def sparse_mla(mod, b: Builds):
     SM 16-head config on both), split (releasing the PDL combine) and direct, and the combine kernel."""
     m = mod("sparse_mla_decode")
     per_arch = {120: dict(m.DEFAULT_CONFIG), 90: dict(m.DEFAULT_CONFIG_SM90)}
-    combine_pdl = getattr(m, "COMBINE_PDL", True)
+    # the shipped SparseMLAConfig, or, for kernels trees older than that object, the module switch
+    combine_pdl = m.DEFAULT_SPARSE_MLA_CONFIG.combine_pdl if hasattr(m, "DEFAULT_SPARSE_MLA_CONFIG") else m.COMBINE_PDL
     for cc, table in per_arch.items():
         items = sorted(table.items()) + [("16two", m.TWO_PER_SM_CONFIG_16)]
         for bh, cfg in items:

@@ -10,7 +10,7 @@ pipeline stages, topk splits), the default path of another version of the kernel
 ``git show HEAD:kernels/sparse_mla_decode.py``) and a rewritten kernel dropped in for the pipelined one
 (``--alt-kernel``), with CUDA-graph replay, and checks each output against the fp64 reference
 (||out - ref|| / ||ref||). ``--combine-modes pdl,launch`` times the default path with and without programmatic dependent
-launch of the combine (COMBINE_PDL), ``--graph-check`` checks CUDA-graph replay on fresh inputs against eager calls,
+launch of the combine (``SparseMLAConfig.combine_pdl``), ``--graph-check`` checks CUDA-graph replay on fresh inputs against eager calls,
 ``--correctness`` runs the benchmark's quick correctness cases. ``--profile`` adds the per-tile cost (topk_length 64..512 at one split, KV cold and
 L2-hot). Ends with registers / spills / shared memory / cp.async and async_wait counts of every kernel the
 device compiled. Stops adding variants once --budget-s seconds have passed, so a device call ends inside its
@@ -34,7 +34,8 @@ bm = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bm)
 sparse_mla_decode = bm.sparse_mla_decode
 sparse_mla_decode_ref = bm.sparse_mla_decode_ref
-TWO_PER_SM = sys.modules[sparse_mla_decode.__module__].TWO_PER_SM_CONFIG_16
+TWO_PER_SM = bm.TWO_PER_SM_CONFIG_16
+SparseMLAConfig = bm._smd.SparseMLAConfig
 
 
 def pipelined(bh, bn, w, stages, ns=None, ppsm=None):
@@ -62,38 +63,10 @@ CASES = {
 }
 
 
-def with_combine(mode):
-    """sparse_mla_decode with the module's COMBINE_PDL set to ``mode == "pdl"`` for each call."""
-    mod = sys.modules[sparse_mla_decode.__module__]
-
-    def fn(*a, **kw):
-        orig = mod.COMBINE_PDL
-        mod.COMBINE_PDL = mode == "pdl"
-        try:
-            return sparse_mla_decode(*a, **kw)
-        finally:
-            mod.COMBINE_PDL = orig
-    return fn
-
-
 def load_alt(spec):
     path, name = spec.split(":")
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     return getattr(importlib.import_module(os.path.splitext(os.path.basename(path))[0]), name)
-
-
-def with_kernel(kernel):
-    """sparse_mla_decode with the pipelined kernel replaced by ``kernel`` for the duration of each call."""
-    mod = sys.modules[sparse_mla_decode.__module__]
-
-    def fn(*a, **kw):
-        orig = mod._sparse_mla_fwd_pipelined_kernel
-        mod._sparse_mla_fwd_pipelined_kernel = kernel
-        try:
-            return sparse_mla_decode(*a, **kw)
-        finally:
-            mod._sparse_mla_fwd_pipelined_kernel = orig
-    return fn
 
 
 def per_tile_profile(dev, h, b, kw, hot):
@@ -121,8 +94,7 @@ def check_bits_dequant(dev):
     import triton
     import triton.language as tl
 
-    mod = sys.modules[sparse_mla_decode.__module__]
-    deq = mod._deq_scaled
+    deq = bm._smd._deq_scaled
 
     @triton.jit
     def k(raw_ptr, sc_ptr, out_ptr):
@@ -196,13 +168,15 @@ def main():
             runs.insert(0, ("baseline", base_fn, {}))
         for mode in args.combine_modes.split(","):
             if mode:
-                runs.insert(2, (f"combine_{mode}", with_combine(mode), {}))
+                runs.insert(2, (f"combine_{mode}", sparse_mla_decode,
+                                dict(mla_config=SparseMLAConfig(combine_pdl=mode == "pdl"))))
         if alt is not None:
             for spec in args.alt_configs.split(";"):
                 bh, bn, w, st = map(int, spec.split(","))
                 if h % bh == 0:
                     name, kw = pipelined(bh, bn, w, st)
-                    runs.append(("alt_" + name, with_kernel(alt), kw))
+                    runs.append(("alt_" + name, sparse_mla_decode,
+                                 dict(kw, mla_config=SparseMLAConfig(pipelined_kernel=alt))))
         for name, fn, kw in runs:
             if time.time() - t0 > args.budget_s:
                 row["errors"]["budget"] = "stopped"
