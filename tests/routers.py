@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import httpx
 from engines import ManagedProcess, free_port, spawn
+
+from pd.util.wait import wait_until
 
 
 class RouterProc(ManagedProcess):
@@ -20,17 +21,22 @@ class RouterProc(ManagedProcess):
                           self.log_path)
 
     def wait_ready(self, timeout: float = 60) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
+        """Poll /health until it answers 200.
+
+        Raises:
+            RuntimeError: the router exited. TimeoutError: no 200 within ``timeout`` s.
+            Both messages carry the end of its log.
+        """
+        def ready() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"router not ready in {timeout}s:\n{self.log()[-3000:]}")
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+
+        try:
+            wait_until(ready, timeout, interval=0.2, what=f"router {self.url}/health answering 200",
+                       retry=(httpx.HTTPError,))
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}\n{self.log()[-3000:]}") from e
 
 
 def pd_router(prefill_url: str, bootstrap_port: int, decode_url: str, log_dir: str, *extra: str) -> RouterProc:

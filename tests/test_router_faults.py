@@ -4,7 +4,8 @@ breakers, health checks, timeouts, bad input, keys, request ids, the admin API, 
 
 The stand-ins keep exact records (requests with their rooms and headers, /abort_request calls,
 live and aborted sequences), and their decodes wait 20 s for KV that never comes, so a router
-that forgets an abort is caught by a time bound.
+that forgets an abort is caught by a time bound. The bounds are generous (PROMPT, SOON) and still
+well under those 20 s: a busy 2-core machine does not miss them, a forgotten abort does.
 """
 
 from __future__ import annotations
@@ -21,10 +22,14 @@ from pdclient import parse_sse
 from prometheus_client.parser import text_string_to_metric_families
 from routers import RouterProc
 
+from pd.util.wait import async_wait_until, wait_until
+
 CLIENT_KEY, ADMIN_KEY = "client-secret", "admin-secret"
 AUTH = {"Authorization": f"Bearer {CLIENT_KEY}"}
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 WAIT = 20  # seconds a stand-in waits for its PD peer; every abort below must land well before
+PROMPT = 10  # s: a failure reaches the client within this, not after a stand-in's WAIT
+SOON = 5  # s: an abort or a health verdict lands within this (after the answer: still before WAIT)
 
 
 class StandIn(ManagedProcess):
@@ -53,19 +58,24 @@ class StandIn(ManagedProcess):
 
 
 def wait_up(procs, timeout: float = 30) -> None:
-    deadline = time.time() + timeout
-    for p in procs:
-        while True:
+    """Wait until every stand-in answers /health (200 or 503), all within one ``timeout`` (s)."""
+    pending = list(procs)
+
+    def all_up() -> bool:
+        for p in list(pending):
             if p.proc.poll() is not None:
                 raise RuntimeError(f"{p.log_path} exited:\n{p.log()[-2000:]}")
             try:
                 if httpx.get(p.url + "/health", timeout=1).status_code in (200, 503):
-                    break
+                    pending.remove(p)
             except httpx.HTTPError:
                 pass
-            if time.time() > deadline:
-                raise RuntimeError(f"{p.log_path} not up")
-            time.sleep(0.1)
+        return not pending
+
+    try:
+        wait_until(all_up, timeout, interval=0.1, what="every stand-in answering /health", retry=())
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}: {[p.log_path for p in pending]} not up") from e
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +119,10 @@ ROUTER_FLAGS = {
                                          "--health-check-interval-secs", "0"]),
     # 1 x 1, no retries: failures reach the client as they happened
     "single": (("p0",), ("d0",), ["--disable-retries", "--health-check-interval-secs", "0"]),
+    # stage timeouts long enough that a busy machine's normal requests stay within them
     "timeouts": (("p0",), ("d0",), ["--disable-retries", "--health-check-interval-secs", "0",
-                                    "--prefill-timeout-secs", "0.5", "--first-token-timeout-secs", "1",
-                                    "--stream-idle-timeout-secs", "0.5"]),
+                                    "--prefill-timeout-secs", "1.5", "--first-token-timeout-secs", "3",
+                                    "--stream-idle-timeout-secs", "1"]),
     "breaker": (("p0",), ("d0", "d1"), ["--disable-retries", "--health-check-interval-secs", "0",
                                         "--cb-failure-threshold", "2", "--cb-success-threshold", "1",
                                         "--cb-timeout-duration-secs", "2"]),
@@ -154,13 +165,9 @@ def metric(router, name: str, **labels) -> float:
                                                                                   for k, w in labels.items()))
 
 
-async def until(cond, timeout: float = 2.0, what: str = ""):
-    """Poll ``cond()`` until true; fails after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        await asyncio.sleep(0.05)
+async def until(cond, timeout: float = SOON, what: str = "condition"):
+    """Poll ``cond()`` every 50 ms until true; ``TimeoutError`` naming ``what`` after ``timeout`` s."""
+    return await async_wait_until(cond, timeout, interval=0.05, what=what, retry=())
 
 
 def gen(n_items: int | None = None, tokens: int = 3, **kw) -> dict:
@@ -225,10 +232,10 @@ async def test_prefill_error_reaches_client_and_decode_is_aborted(si, routers, s
     si["p0"].fault("status", status=400, message="The input (9000 tokens) is longer than the model's context length")
     t0 = time.monotonic()
     resp = await call(r, "/generate", gen(stream=stream))
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < PROMPT  # not after the decode's WAIT
     assert resp.status_code == 400 and "longer than the model's context length" in resp.json()["error"]["message"]
     rid = si["d0"].state()["requests"][0]["rid"]
-    await until(lambda: si["d0"].state()["live"] == [], 1.0, "decode released")
+    await until(lambda: si["d0"].state()["live"] == [], what="decode released")
     st = si["d0"].state()
     assert rid in st["aborts"] and rid in st["aborted"]
 
@@ -238,7 +245,7 @@ async def test_prefill_aborting_some_rooms_aborts_just_those_on_decode(si, route
     si["p0"].fault("abort_rooms")
     t0 = time.monotonic()
     resp = await call(r, "/generate", gen(6))
-    assert time.monotonic() - t0 < 2.0  # not the decode's 20 s waiting timeout
+    assert time.monotonic() - t0 < PROMPT  # not the decode's 20 s waiting timeout
     assert resp.status_code == 200
     finish = [i["meta_info"]["finish_reason"]["type"] for i in resp.json()]
     assert finish == ["length", "abort"] * 3
@@ -259,12 +266,12 @@ async def test_decode_aborting_its_room_aborts_the_prefill(si, routers, stream):
     r = routers("single")
     si["d0"].fault("stall")  # the decode never asks for the KV; the prefill waits for it
     held = asyncio.create_task(call(r, "/generate", gen(stream=stream)))
-    await until(lambda: si["p0"].state()["live"] != [] and si["d0"].state()["live"] != [], 2.0, "both busy")
+    await until(lambda: si["p0"].state()["live"] != [] and si["d0"].state()["live"] != [], what="both busy")
     await asyncio.to_thread(httpx.post, si["d0"].url + "/abort_request", json={"abort_all": True})
     resp = await held
     assert resp.status_code == 200
     rid = si["p0"].state()["requests"][0]["rid"]
-    await until(lambda: si["p0"].state()["live"] == [], 1.0, "prefill released, not after its 20 s timeout")
+    await until(lambda: si["p0"].state()["live"] == [], what="prefill released, not after its 20 s timeout")
     assert rid in si["p0"].state()["aborts"]
 
 
@@ -279,20 +286,20 @@ async def test_client_disconnect_mid_stream_aborts_the_decode(si, routers):
                 if seen == 3:
                     break
     rid = si["d0"].state()["requests"][0]["rid"]
-    await until(lambda: si["d0"].state()["live"] == [], 1.0, "decode released")
+    await until(lambda: si["d0"].state()["live"] == [], what="decode released")
     st = si["d0"].state()
     assert rid in st["aborted"] and rid in st["aborts"]
     assert si["p0"].state()["finished"] == 1 and si["p0"].state()["aborted"] == []  # its part was done
-    await until(lambda: metric(r, "pdserve_router_requests_in_flight") == 0, 1.0, "router in-flight 0")
+    await until(lambda: metric(r, "pdserve_router_requests_in_flight") == 0, what="router in-flight 0")
 
 
 async def test_client_disconnect_before_the_answer_aborts_both_sides(si, routers):
     r = routers("single")
     si["p0"].fault("stall")
-    with pytest.raises(httpx.ReadTimeout):
-        await call(r, "/generate", gen(), timeout=0.5)
+    with pytest.raises(httpx.ReadTimeout):  # the client leaves; by then both sides have the request
+        await call(r, "/generate", gen(), timeout=2)
     rid = si["d0"].state()["requests"][0]["rid"]
-    await until(lambda: si["p0"].state()["live"] == [] and si["d0"].state()["live"] == [], 1.5, "both released")
+    await until(lambda: si["p0"].state()["live"] == [] and si["d0"].state()["live"] == [], what="both released")
     assert rid in si["p0"].state()["aborts"] and rid in si["d0"].state()["aborts"]
     assert metric(r, "pdserve_router_errors_total", endpoint="/generate", kind="client_disconnect") >= 1
 
@@ -327,7 +334,7 @@ async def test_retry_on_a_fresh_pair_before_the_first_byte(si, routers):
     ok_rid = resp.json()["meta_info"]["id"]
     aborted = si["d0"].state()["aborts"] + si["d1"].state()["aborts"]
     assert sorted(aborted) == sorted(q["rid"] for q in dec if q["rid"] != ok_rid)
-    await until(lambda: not si["d0"].state()["live"] and not si["d1"].state()["live"], 1.0, "decodes idle")
+    await until(lambda: not si["d0"].state()["live"] and not si["d1"].state()["live"], what="decodes idle")
 
 
 async def test_retry_when_a_stream_starts_with_an_error(si, routers):
@@ -346,7 +353,7 @@ async def test_no_retry_once_the_first_byte_was_sent(si, routers):
     before = metric(r, "pdserve_router_retries_total", endpoint="/generate")
     broken = metric(r, "pdserve_router_errors_total", endpoint="/generate", kind="decode_stream")
     for d in ("d0", "d1"):  # slow events: the first one reaches the client before the drop
-        si[d].control(token_interval=0.1, faults=[{"kind": "drop_mid_stream", "after": 2}])
+        si[d].control(token_interval=0.5, faults=[{"kind": "drop_mid_stream", "after": 2}])
     resp = await call(r, "/generate", gen(tokens=6, stream=True), AUTH)
     chunks = parse_sse(resp.content)
     assert resp.status_code == 200 and chunks[-1] == "[DONE]"
@@ -379,13 +386,14 @@ async def test_dropped_decode_connection_is_retried(si, routers):
     resp = await call(r, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
                       AUTH)
     assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == " t t"
-    await until(lambda: not si["p0"].state()["live"] and not si["p1"].state()["live"], 1.0, "prefills released")
+    await until(lambda: not si["p0"].state()["live"] and not si["p1"].state()["live"], what="prefills released")
 
 
 async def test_circuit_breaker_opens_and_recovers(si, routers):
     r = routers("breaker")
     d0 = si["d0"].url
     si["d0"].fault("status", status=500, count=2)
+    t0 = time.monotonic()  # before the circuit opens
     codes = [(await call(r, "/generate", gen())).status_code for _ in range(4)]  # round-robin d0, d1, d0, d1
     assert sorted(codes) == [200, 200, 500, 500]
     assert metric(r, "pdserve_router_worker_circuit_state", worker=d0) == 2
@@ -394,23 +402,35 @@ async def test_circuit_breaker_opens_and_recovers(si, routers):
     assert len(si["d0"].state()["requests"]) == n0  # no request reached the open circuit
     workers_ = httpx.get(r.url + "/workers", timeout=5).json()["workers"]
     assert {w["url"]: w["circuit"] for w in workers_}[d0] == "open"
-    await asyncio.sleep(2.1)  # the open timeout: trial requests pass, one success closes it
-    for _ in range(2):
+    # The circuit turns half-open only when a request asks for a worker after the open timeout
+    # (2 s), so the router's state shows nothing until then: send requests until one reaches d0.
+    # Until then they all go to d1; that trial request succeeds, which closes the circuit.
+    reached: list[float] = []
+
+    async def trial_reached_d0() -> bool:
         assert (await call(r, "/generate", gen())).status_code == 200
+        reached.append(time.monotonic())  # after the router chose a decode for it
+        return len(si["d0"].state()["requests"]) > n0
+
+    await async_wait_until(trial_reached_d0, 15, interval=0.2, what="a trial request reaching d0", retry=())
+    assert reached[-1] - t0 >= 2.0  # not before the open timeout
     assert len(si["d0"].state()["requests"]) == n0 + 1
     assert metric(r, "pdserve_router_worker_circuit_state", worker=d0) == 0
+    for _ in range(2):  # closed: round-robin over both again
+        assert (await call(r, "/generate", gen())).status_code == 200
+    assert len(si["d0"].state()["requests"]) == n0 + 2
 
 
 async def test_health_checks_take_a_worker_out_and_put_it_back(si, routers):
     r = routers("health")
     d0 = si["d0"].url
     si["d0"].control(health=503)
-    await until(lambda: metric(r, "pdserve_router_worker_healthy", worker=d0) == 0, 2.0, "d0 taken out")
+    await until(lambda: metric(r, "pdserve_router_worker_healthy", worker=d0) == 0, what="d0 taken out")
     n0 = len(si["d0"].state()["requests"])
     assert [(await call(r, "/generate", gen())).status_code for _ in range(4)] == [200] * 4
     assert len(si["d0"].state()["requests"]) == n0
     si["d0"].control(health=200)
-    await until(lambda: metric(r, "pdserve_router_worker_healthy", worker=d0) == 1, 2.0, "d0 back")
+    await until(lambda: metric(r, "pdserve_router_worker_healthy", worker=d0) == 1, what="d0 back")
     for _ in range(4):
         assert (await call(r, "/generate", gen())).status_code == 200
     assert len(si["d0"].state()["requests"]) == n0 + 2
@@ -418,26 +438,28 @@ async def test_health_checks_take_a_worker_out_and_put_it_back(si, routers):
 
 async def test_per_stage_timeouts(si, routers):
     r = routers("timeouts")
-    # prefill: no answer within timeouts.prefill -> 504, decode aborted
+    # prefill: no answer within timeouts.prefill (1.5 s) -> 504, decode aborted; the stall itself
+    # lasts until the client's 30 s timeout
     si["p0"].fault("stall")
     t0 = time.monotonic()
     resp = await call(r, "/generate", gen())
     assert resp.status_code == 504 and "timeouts.prefill" in resp.json()["error"]["message"]
-    assert 0.4 < time.monotonic() - t0 < 1.0
-    await until(lambda: not si["p0"].state()["live"] and not si["d0"].state()["live"], 1.5, "both released")
-    # first token: decode silent past timeouts.first_token -> 504, both sides aborted
-    si["d0"].fault("delay", seconds=5)
+    assert 1.4 < time.monotonic() - t0 < 6
+    await until(lambda: not si["p0"].state()["live"] and not si["d0"].state()["live"], what="both released")
+    # first token: decode silent past timeouts.first_token (3 s) -> 504, both sides aborted; the
+    # delay itself is 30 s
+    si["d0"].fault("delay", seconds=30)
     t0 = time.monotonic()
     resp = await call(r, "/generate", gen())
     assert resp.status_code == 504 and "timeouts.first_token" in resp.json()["error"]["message"]
-    assert 0.9 < time.monotonic() - t0 < 1.6
-    await until(lambda: not si["d0"].state()["live"], 1.5, "decode released")
-    # inside a stream: silence past timeouts.stream_idle -> error chunk and [DONE]
-    si["d0"].control(token_interval=1.0)
+    assert 2.9 < time.monotonic() - t0 < 10
+    await until(lambda: not si["d0"].state()["live"], what="decode released")
+    # inside a stream: silence past timeouts.stream_idle (1 s) -> error chunk and [DONE]
+    si["d0"].control(token_interval=3.0)
     resp = await call(r, "/generate", gen(tokens=5, stream=True))
     chunks = parse_sse(resp.content)
     assert chunks[-1] == "[DONE]" and "timeouts.stream_idle" in chunks[-2]["error"]["message"]
-    await until(lambda: not si["d0"].state()["live"], 1.5, "decode released")
+    await until(lambda: not si["d0"].state()["live"], what="decode released")
     timeouts = sum(metric(r, "pdserve_router_errors_total", endpoint="/generate", kind=k)
                    for k in ("prefill_timeout", "decode_timeout"))
     assert timeouts == 3
@@ -515,13 +537,13 @@ async def test_in_flight_gauge_and_stable_series(si, routers):
         assert ("pdserve_router_policy_decisions_total", (("policy", "round_robin"),) + lab) in m
     si["d0"].fault("stall")
     si["d1"].fault("stall")
-    task = asyncio.create_task(call(r, "/generate", gen(), AUTH, timeout=3))
-    await until(lambda: metric(r, "pdserve_router_requests_in_flight") == 1, 2.0, "one in flight")
+    task = asyncio.create_task(call(r, "/generate", gen(), AUTH, timeout=30))  # cancelled below
+    await until(lambda: metric(r, "pdserve_router_requests_in_flight") == 1, what="one in flight")
     assert sum(metric(r, "pdserve_router_worker_inflight", worker=si[n].url) for n in ("d0", "d1")) == 1
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await until(lambda: metric(r, "pdserve_router_requests_in_flight") == 0, 2.0, "none in flight")
+    await until(lambda: metric(r, "pdserve_router_requests_in_flight") == 0, what="none in flight")
 
 
 # ---- admin API and policies ---------------------------------------------------------------------
@@ -553,8 +575,8 @@ async def test_admin_api_lists_adds_drains_and_removes_workers(si, routers):
         assert si["d0"].state()["requests"] == [] and len(si["d1"].state()["requests"]) == 3
         # draining a busy worker waits for its request, up to timeout_secs
         si["d1"].fault("stall")
-        held = asyncio.create_task(c.post("/generate", json=gen(), headers=AUTH, timeout=5))
-        await until(lambda: si["d1"].state()["live"] != [], 2.0, "d1 busy")
+        held = asyncio.create_task(c.post("/generate", json=gen(), headers=AUTH, timeout=30))  # aborted below
+        await until(lambda: si["d1"].state()["live"] != [], what="d1 busy")
         t0 = time.monotonic()
         resp = await c.post("/workers/drain", json={"url": d1, "timeout_secs": 0.3}, headers=ADMIN)
         assert resp.json()["drained"] is False and resp.json()["worker"]["inflight"] == 1
@@ -588,7 +610,7 @@ async def test_policies_least_load_decode_and_cache_aware_prefill(si, routers):
     si["d0"].fault("stall")
     si["d1"].fault("stall")
     held = asyncio.create_task(call(r, "/generate", gen(), timeout=10))
-    await until(lambda: si["d0"].state()["live"] or si["d1"].state()["live"], 2.0, "one held")
+    await until(lambda: si["d0"].state()["live"] or si["d1"].state()["live"], what="one held")
     busy, free = ("d0", "d1") if si["d0"].state()["live"] else ("d1", "d0")
     si[free].control(clear_faults=True)
     for _ in range(4):
@@ -649,7 +671,7 @@ async def test_launcher_membership_follows_workers_and_drains(si, routers, logs)
         # stop: drain waits for the request in flight, up to the timeout
         si["d0"].fault("stall")
         held = asyncio.create_task(call(r, "/generate", gen(), AUTH, timeout=10))
-        await until(lambda: si["d0"].state()["live"] != [], 2.0, "d0 busy")
+        await until(lambda: si["d0"].state()["live"] != [], what="d0 busy")
         assert await asyncio.to_thread(m.drain_all, 0.3) is False
         resp = await call(r, "/generate", gen(), AUTH)
         assert resp.status_code == 503  # every worker is draining: nothing new starts
