@@ -31,6 +31,7 @@ import httpx
 
 from pd.cluster.procs import popen_group, stop_group
 from pd.config import ConfigError, PDConfig, load_config, parse_config
+from pd.util.wait import wait_until
 
 CONFIG_ENV = "PDSERVE_CONFIG_YAML"  # `pdserve up` ships the config text here (works for any path)
 PG_READY_TIMEOUT = 120.0
@@ -185,19 +186,18 @@ class Launcher:
                                   env=self.router_env())
         threading.Thread(target=self._forward_router_log, args=(self.router,), daemon=True).start()
         url = f"http://{r.host}:{r.port}"
-        deadline = time.monotonic() + 60
-        while True:
+
+        def ready() -> bool:
             if self.router.poll() is not None:
                 raise RuntimeError(f"the router exited with {self.router.returncode} "
                                    f"(is port {r.port} free? set router.port)")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the router did not answer {url}/health within 60s")
-            time.sleep(0.2)
+            return httpx.get(url + "/health", timeout=2).status_code == 200
+
+        try:
+            wait_until(ready, 60, interval=0.2, what=f"the router answering {url}/health",
+                       retry=(httpx.HTTPError,))
+        except TimeoutError as e:
+            raise RuntimeError(f"the router did not answer {url}/health within 60s") from e
         from pd.cluster.membership import Membership
         from pd.router.admin_client import AdminClient
 
