@@ -50,7 +50,6 @@ import os
 import platform
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -59,19 +58,14 @@ import time
 from pathlib import Path
 
 from pd.cluster.procs import LoggedGroup
+from pd.util.ports import free_ports
+from pd.util.wait import async_wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 GOAL = 0.80
 
 
 # ---- helpers -----------------------------------------------------------------------------------
-def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1 (bind to port 0 and read what the kernel gave)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def machine() -> dict:
     cpu = "unknown"
     try:
@@ -181,9 +175,11 @@ def write_model(target: Path, args) -> dict:
 
 
 async def wait_healthy(client, engines: list[tuple[LoggedGroup, str]], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
+    """Wait until every engine's /health answers 200, all within one ``timeout`` (s); RuntimeError
+    with the log tails if one exits or the timeout passes."""
     pending = list(engines)
-    while pending:
+
+    async def all_healthy() -> bool:
         for eng, url in list(pending):
             if not eng.alive():
                 raise RuntimeError(f"{eng.name} engine exited with {eng.proc.returncode}:\n{eng.tail()}")
@@ -193,11 +189,14 @@ async def wait_healthy(client, engines: list[tuple[LoggedGroup, str]], timeout: 
                     pending.remove((eng, url))
             except Exception:
                 pass
-        if pending:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"engines not healthy after {timeout:.0f}s: {[e.name for e, _ in pending]}\n"
-                                   + "\n".join(e.tail() for e, _ in pending))
-            await asyncio.sleep(0.5)
+        return not pending
+
+    try:
+        await async_wait_until(all_healthy, timeout, interval=0.5, what="every engine's /health answering 200",
+                               retry=())
+    except TimeoutError:
+        raise RuntimeError(f"engines not healthy after {timeout:.0f}s: {[e.name for e, _ in pending]}\n"
+                           + "\n".join(e.tail() for e, _ in pending)) from None
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -345,9 +344,7 @@ async def run(args, workdir: Path) -> dict:
     raw = RawMooncake(layout, args.page_size, pool_tokens)
 
     engine_bin = str(Path(sys.executable).parent / "pdserve")
-    p_port, bs_port, d_port = free_port(), free_port(), free_port()
-    while len({p_port, bs_port, d_port}) < 3:
-        bs_port, d_port = free_port(), free_port()
+    p_port, bs_port, d_port = free_ports(3)
     common = ["engine", "--model-path", str(model_dir), "--host", "127.0.0.1", "--page-size", str(args.page_size),
               "--max-total-tokens", str(pool_tokens), "--dtype", args.dtype, "--log-level", "warning"]
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"

@@ -9,11 +9,13 @@ import os
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
-from router_procs import REPO, Proc, free_port, group_cpu_seconds, http, wait_ready
+from router_procs import REPO, Proc, group_cpu_seconds, http, wait_ready
+
+from pd.util.ports import free_port, free_ports
+from pd.util.wait import wait_until
 
 VENV_BIN = Path(sys.executable).parent
 SGLANG_ROUTER_DIR = REPO / ".bench" / "sglang-router"
@@ -45,9 +47,10 @@ class Stubs:
     """The prefill and decode stub engines."""
 
     def __init__(self, tag: str, cpus: set[int], logdir: Path, token_interval: float = 0.0):
-        self.bootstrap_port = free_port()  # nobody listens: the stubs only count the field
-        self.prefill_url = f"http://127.0.0.1:{free_port()}"
-        self.decode_url = f"http://127.0.0.1:{free_port()}"
+        # three distinct ports; nobody listens on the bootstrap port: the stubs only count the field
+        self.bootstrap_port, prefill_port, decode_port = free_ports(3)
+        self.prefill_url = f"http://127.0.0.1:{prefill_port}"
+        self.decode_url = f"http://127.0.0.1:{decode_port}"
         stub = str(REPO / "benchmarks" / "stub_engine.py")
         self.prefill = Proc(f"{tag}stub_prefill", [sys.executable, stub, "--role", "prefill", "--port",
                                                    self.prefill_url.rsplit(":", 1)[1]], cpus, logdir)
@@ -106,7 +109,8 @@ def contender_argv(name: str, stubs: Stubs, port: int, sglang_router_dir: Path,
               stubs.prefill_url, str(stubs.bootstrap_port), "--decode", stubs.decode_url, "--host", "127.0.0.1",
               "--port", str(port)]
     if name == "gateway":
-        return common + ["--policy", "round_robin", "--prometheus-port", str(free_port()), "--log-level", "warn"], env
+        metrics_port = free_port(exclude=(port,))  # not the router's own port, picked just before
+        return common + ["--policy", "round_robin", "--prometheus-port", str(metrics_port), "--log-level", "warn"], env
     if name == "mini_lb":
         return common + ["--mini-lb"], env
     raise ValueError(f"unknown contender {name!r}")
@@ -132,15 +136,22 @@ class Contender:
         if self.proc is not None:
             wait_ready(self.proc, self.url, timeout)
         # The gateway answers /health before its workers are registered: retry the first requests.
-        deadline = time.monotonic() + timeout
-        while True:
+        failed: list[Exception] = []
+
+        def smoke_passes() -> bool:
             try:
                 smoke(self.name, self.url)
-                return
+                return True
             except (RuntimeError, OSError) as e:
-                if time.monotonic() > deadline or (self.proc is not None and not self.proc.alive()):
-                    raise RuntimeError(f"{e}\n{self.proc.tail() if self.proc else ''}") from None
-                time.sleep(0.5)
+                failed[:] = [e]
+                if self.proc is not None and not self.proc.alive():
+                    raise RuntimeError(f"{e}\n{self.proc.tail()}") from None
+                return False
+
+        try:
+            wait_until(smoke_passes, timeout, interval=0.5, what=f"{self.name} answering whole requests", retry=())
+        except TimeoutError:
+            raise RuntimeError(f"{failed[-1]}\n{self.proc.tail() if self.proc else ''}") from None
 
     def cpu_seconds(self) -> float:
         return 0.0 if self.proc is None else group_cpu_seconds(self.proc.pid)

@@ -7,25 +7,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import statistics
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Optional
 
 from pd.cluster.procs import LoggedGroup, die_with_parent
+from pd.util.wait import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_cpus(text: str) -> set[int]:
@@ -147,15 +139,12 @@ def http(method: str, url: str, body: Optional[dict] = None, timeout: float = 10
 def wait_ready(proc: Proc, url: str, timeout: float) -> None:
     """Poll ``url`` + /health until 200; RuntimeError with the log tail if the process exits or
     the timeout passes."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def healthy() -> bool:
         if not proc.alive():
             raise RuntimeError(f"{proc.name} exited with {proc.proc.returncode}:\n{proc.tail()}")
-        try:
-            if http("GET", url + "/health", timeout=2)[0] == 200:
-                return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{proc.name} not healthy at {url} after {timeout:.0f}s:\n{proc.tail()}")
-        time.sleep(0.2)
+        return http("GET", url + "/health", timeout=2)[0] == 200
+
+    try:
+        wait_until(healthy, timeout, interval=0.2, what=f"{proc.name} /health at {url}", retry=(OSError,))
+    except TimeoutError:
+        raise RuntimeError(f"{proc.name} not healthy at {url} after {timeout:.0f}s:\n{proc.tail()}") from None
