@@ -159,8 +159,9 @@ def score_error_bound(q, weights, index_k_cache, block_table, page_size=64, q_sc
 
 
 def dsa_indexer_topk_naive(q, weights, key_buffer, seq_lens, topk=512, page_size=64):
-    """The naive GPU baseline of DESIGN.md's anchor (an indexer that ignores the live length): every query token is
-    scored against one whole key buffer of max-context tokens, then masked past its live length, then torch.topk.
+    """The naive GPU baseline of the anchor in docs/design.md (an indexer that ignores the live length): every query
+    token is scored against one whole key buffer of max-context tokens, then masked past its live length, then
+    torch.topk.
 
     key_buffer: the index-key layout above, [pages, page_size * 132], read as one sequence: position i is token i
     of the buffer (max_len = pages * page_size), shared by all B requests. Per call: the fp8 keys are dequantized to

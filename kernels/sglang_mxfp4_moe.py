@@ -23,10 +23,10 @@ Weights load exactly as SGLang's ``Fp8MoEMethod`` lays them out (its ``create_we
 ``pd.kernels.mxfp4_moe.fused_moe_mxfp4`` reads. After loading, the scales are stored as UE8M0 bytes
 (``mxfp4_moe.as_ue8m0``: ``log2(scale) + 127``, exact for powers of two); on an sm_90 GPU with every scale <= 2 the
 packed weights are also reordered in place into the kernel's ``"sm90_tiled"`` layout, weights and scales in 32-row
-tiles (``mxfp4_moe.prepare_mxfp4_weights_sm90(..., tiled=True)`` and ``tile_mxfp4_scales``; H200 s7: 1.05-1.07x over
-``"sm90_bits"`` at T = 1..128, benchmarks/results/mxfp4_moe_2026-11-30-s7.md), or, when H or I is not a multiple of
-256 (no whole tiles), into ``"sm90_bits"`` (its default plans vs the checkpoint layout's: 1.10x at T = 1, 1.13-1.28x
-at T = 4..128, benchmarks/results/mxfp4_moe_2026-11-30-s5.md). ``apply`` passes the dispatcher's bf16
+tiles (``mxfp4_moe.prepare_mxfp4_weights_sm90(..., tiled=True)`` and ``tile_mxfp4_scales``; faster than
+``"sm90_bits"`` at every T on the H200, benchmarks/results/mxfp4_moe.md), or, when H or I is not a multiple of
+256 (no whole tiles), into ``"sm90_bits"`` (its default plans are faster than the checkpoint layout's at every T
+measured). ``apply`` passes the dispatcher's bf16
 hidden states [T, H] and the top-k weights/ids [T, k] (routed scaling factor already folded in, since the method
 declares ``fuse_routed_scaling_factor_in_topk``) with the layer's SwiGLU clamp (``swiglu_limit``) to
 ``fused_moe_mxfp4`` and returns its [T, H] output; the TP all-reduce stays with ``FusedMoE``.
@@ -107,8 +107,13 @@ class PdserveMxfp4MoEMethod:
         Raises:
             ValueError: a scale that is not a power of two (not an MXFP4 checkpoint).
         """
-        from .mxfp4_moe import (BITS_MAX_SCALE_BYTE, as_ue8m0, mxfp4_max_scale_byte, prepare_mxfp4_weights_sm90,
-                                tile_mxfp4_scales)
+        from .mxfp4_moe import (
+            BITS_MAX_SCALE_BYTE,
+            as_ue8m0,
+            mxfp4_max_scale_byte,
+            prepare_mxfp4_weights_sm90,
+            tile_mxfp4_scales,
+        )
 
         for name in ("w13", "w2"):
             sc = getattr(layer, f"{name}_weight_scale_inv")

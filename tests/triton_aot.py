@@ -1,4 +1,4 @@
-"""Ahead-of-time Triton compiles for GPUs this machine does not have (DESIGN.md, testing tier 3).
+"""Ahead-of-time Triton compiles for GPUs this machine does not have (docs/design.md, testing tier 3).
 
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`` runs the whole NVIDIA pipeline down to
 PTX/cubin on a CPU-only machine, so every kernel config is checked for sm_120a (RTX PRO 6000 Blackwell:
@@ -47,4 +47,5 @@ def assert_sm120_ok(kernel, needs_mma: bool = True) -> None:
     assert "wgmma" not in ptx, "sm_120 has no wgmma"
     if needs_mma:
         assert "mma.sync" in ptx, "expected mma.sync tensor-core ops in the sm_120a PTX"
-    assert kernel.metadata.shared <= SM120_SHARED_LIMIT, f"shared memory {kernel.metadata.shared} > {SM120_SHARED_LIMIT}"
+    shared = kernel.metadata.shared
+    assert shared <= SM120_SHARED_LIMIT, f"shared memory {shared} > {SM120_SHARED_LIMIT}"

@@ -34,7 +34,7 @@ def _cfg(bn, w, tm, keys, stages, pf=False, wave=0, maxnreg=0, pv=0, epi=0):
 # into registers at once (pages of >= BLOCK_N / 2 positions; smaller pages take the "fp8" path). Every config
 # compiles for sm_120a with mma.sync and <= 99 KiB of shared memory, and for sm_90a, for 1, 2 and 4 stacked query
 # tokens (tests/test_indexer.py; fp8pv 128/8 in 3 stages and 128/4 in 4 need > 99 KiB for 4 tokens). The 64-key EPI 1
-# tiles at 72-80 registers fit 6-7 programs per SM instead of 3 (SASS per tile: benchmarks/kernels/indexer_sass.py).
+# tiles at 72-80 registers fit 6-7 programs per SM instead of 3 (SASS per tile of an sm_90a build).
 SCORE_CONFIGS = [
     _cfg(64, 4, True, "packed", 1, pf=True),
     _cfg(64, 8, True, "packed", 1, pf=True),
