@@ -1,4 +1,4 @@
-"""Device correctness of every kernel's shipped default path at real shapes, in one run (tier 5 of DESIGN.md's
+"""Device correctness of every kernel's shipped default path at real shapes, in one run (tier 5 of docs/design.md's
 testing tiers; run on the GPU machine, not in CI). It times nothing: the per-kernel benchmarks do that.
 
   python3 benchmarks/kernels/check_all.py --out DIR [--only mxfp4_moe,indexer,sparse_mla] [--deadline SECONDS]
@@ -13,15 +13,13 @@ testing tiers; run on the GPU machine, not in CI). It times nothing: the per-ker
 - Sparse-MLA decode: ``sparse_mla_decode.correctness`` (every case: topk 512 / 2048, H 16 / 64 / 128, S 1 / 2 / 4,
   page 64 / 256, -1 indices, topk_length, attn sink, extra cache) and its CUDA-graph replay check.
 
-Writes check_all_<date>.json (device, date, versions, command, every case, ok per kernel) and exits 1 when a case
+Writes check_all.json (device, date, commit, versions, command, every case, ok per kernel) and exits 1 when a case
 of a shipped path fails (forced non-default candidates of the sparse-MLA benchmark are reported, not counted).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 import time
@@ -30,6 +28,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results_io import run_info, write_result  # noqa: E402  (this folder, put on the path above)
 
 KERNELS = ("mxfp4_moe", "indexer", "sparse_mla")
 MOE_TS = (1, 4, 8, 16, 64, 128, 256)
@@ -92,12 +91,8 @@ def main() -> int:
         ap.error(f"--only: unknown kernel(s) {sorted(unknown)}; known: {', '.join(KERNELS)}")
     t0 = time.time()
     dev = torch.device("cuda")
-    res = dict(device=torch.cuda.get_device_name(),
-               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-               torch=torch.__version__, triton=triton.__version__,
-               command="python3 benchmarks/kernels/check_all.py " + " ".join(sys.argv[1:]), cases={}, ok={})
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"check_all_{res['date'][:10]}.json")
+    res = dict(run_info(), torch=torch.__version__, triton=triton.__version__, cases={}, ok={})
+    path = ""
     for k in only:
         t = time.time()
         if k == "mxfp4_moe":
@@ -110,8 +105,7 @@ def main() -> int:
         res["ok"][k] = bool(cases) and all(c["ok"] for c in cases if not c.get("candidate"))
         res[f"{k}_s"] = round(time.time() - t, 1)
         res["wall_s"] = round(time.time() - t0, 1)
-        with open(path, "w") as f:  # after each kernel, so a run stopped at its limit keeps what it checked
-            json.dump(res, f, indent=1)
+        path = write_result(args.out, "check_all", res)  # after each kernel: a run stopped at its limit keeps it
         print(f"{k}: {len(cases)} cases, ok={res['ok'][k]}, {res[f'{k}_s']} s", flush=True)
     print("all ok:", all(res["ok"].values()), "wrote", path)
     return 0 if all(res["ok"].values()) else 1

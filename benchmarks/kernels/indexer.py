@@ -13,25 +13,25 @@
    equal an eager call;
 2. decode step time (H = 64, S = 1, topk 512, page 64; query dtype --query, default fp8: what SGLang's DSv4 decode
    passes, see SGLANG_QUERY_NOTE) at actual length 512, 4K, 32K with the block table sized for max context 8K,
-   128K, 1M, B = 16 and 64: ours and the naive torch indexer of DESIGN.md's anchor
+   128K, 1M, B = 16 and 64: ours and the naive torch indexer of the anchor in docs/design.md
    (``indexer_reference.dsa_indexer_topk_naive``: one max-context key buffer dequantized to bf16 per call,
    [B*64, 128] x [128, max] bf16 matmul, head weights by a bf16 bmm, masked, torch.topk), each captured in one
    torch.cuda.CUDAGraph (ours: 4 input sets cycled inside the graph so the keys are not served from L2) and timed as
    the median of replays; byte floor = keys read (B * L * 132 B) + logits written and read (B * L * 8 B) at
-   4.8 TB/s; the naive numbers are listed next to the anchor's (DESIGN.md, actual length 512);
+   4.8 TB/s; the naive numbers are listed next to the anchor's (docs/design.md, actual length 512);
 3. a sweep at 32K (max 128K): score configs, splits, select warps / programs per row / threshold search, the two
    kernels timed apart, the other query dtype, MTP verify (S = 2, 4); with --baseline,
    the same main rows for another version of the kernel module (e.g. the committed one) in the same run; with
    --pick-fp8q-config, the named score configs are timed first and the fastest is the fp8-query default of the run,
    and with --pick-select the select switches likewise (SELECT_KNOBS);
-4. writes indexer_<date>.json (device, date, command, all numbers) and indexer_<date>.md to --out.
+4. writes indexer.json (device, date, commit, command, all numbers) and indexer.md to --out, the names of
+   benchmarks/results/.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import importlib.util
 import json
 import os
@@ -44,6 +44,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernel_modules import kernel_module  # noqa: E402  (pd.kernels installed or not)
+from results_io import md_header, run_info, write_result  # noqa: E402  (this folder, put on the path above)
 
 K = kernel_module("indexer")
 R = kernel_module("indexer_reference")
@@ -59,7 +60,7 @@ SGLANG_QUERY_NOTE = (
     "grid uses an fp8 query (weights carry the scale, no separate q_scale); the bf16 query is a variant row.")
 H, D, PS, TOPK = 64, 128, 64, 512
 ROT = 4
-# DESIGN.md's naive torch indexer anchor on this H200 (actual length 512): (B, max context) -> us
+# docs/design.md's naive torch indexer anchor on this H200 (actual length 512): (B, max context) -> us
 NAIVE_ANCHOR_US = {(64, 8192): 165, (64, 131072): 1743, (64, 1 << 20): 13257,
                    (16, 8192): 92, (16, 131072): 523, (16, 1 << 20): 3461}
 
@@ -416,7 +417,7 @@ def pick_select(dev, pool, smoke):
 
 
 def apply_picks(path):
-    """Set the score config and select switches an earlier run picked (its indexer_<date>.json) as this process's
+    """Set the score config and select switches an earlier run picked (its indexer.json) as this process's
     defaults, so a second script (indexer_max_context.py) times what the first one's grid timed."""
     global ICFG
     res = json.load(open(path))
@@ -546,9 +547,10 @@ def sweep(dev, pool, smoke, deadline, fp8, base=None, full=False, base_label="ba
 # ------------------------------------------------------------------------------------------------ report
 
 def to_markdown(res):
-    lines = [f"# DSA indexer decode step on {res['device']} ({res['date']}, torch {res['torch']}, triton {res['triton']})",
-             "", f"Command: `{res['command']}`. Copy bandwidth measured in this run: {res.get('copy_GBps', 0):.0f} GB/s; "
-             f"byte floor = keys read (132 B/position) + logits written and read (8 B/position) at "
+    lines = md_header("DSA indexer decode step", res)
+    lines += [f"torch {res['torch']}, triton {res['triton']}. Copy bandwidth measured in this run: "
+             f"{res.get('copy_GBps', 0):.0f} GB/s; byte floor = keys read (132 B/position) + logits written and "
+             "read (8 B/position) at "
              f"{HBM_BPS / 1e12:.1f} TB/s. H = 64, S = 1, topk 512, page 64, {res.get('query', 'bf16')} query; each "
              "time is the median of CUDA-graph replays (4 input sets per graph for ours).", "",
              SGLANG_QUERY_NOTE, ""]
@@ -565,7 +567,8 @@ def to_markdown(res):
     naive = [r for r in res.get("timing", []) if "naive_us" in r and (r["B"], r["max_ctx"]) in NAIVE_ANCHOR_US
              and r["live"] == 512]
     if naive:
-        lines += ["", "Naive baseline next to DESIGN.md's anchor (same method, same H200 kind; actual length 512):", "",
+        lines += ["", "Naive baseline next to docs/design.md's anchor (same method, same H200 kind; actual length "
+                  "512):", "",
                   "| B | max context | naive here us | anchor us | here / anchor |", "|---|---|---|---|---|"]
         for r in naive:
             a = NAIVE_ANCHOR_US[(r["B"], r["max_ctx"])]
@@ -579,7 +582,8 @@ def to_markdown(res):
     for (b, live, mc), t in sorted({(r["B"], r["live"], r["max_ctx"]): r for r in res.get("timing", [])}.items()):
         if live == 32768 and mc == 131072:
             lines.append(f"- B={b}, actual 32K: {t['ours_us']:.1f} us = {t['ours_over_floor']:.2f}x the byte floor "
-                         f"(target <= 2x: {2 * t['floor_us']:.1f} us) -> {'met' if t['ours_over_floor'] <= 2 else 'NOT met'}")
+                         f"(target <= 2x: {2 * t['floor_us']:.1f} us) -> "
+                         f"{'met' if t['ours_over_floor'] <= 2 else 'NOT met'}")
     lines += ["", "Max-context independence (ours, equal actual length; target t(1M) / t(8K) <= 1.05):", ""]
     by = {(r["B"], r["live"], r["max_ctx"]): r["ours_us"] for r in res.get("timing", [])}
     for (b, live, mc), t in sorted(by.items()):
@@ -609,22 +613,34 @@ def to_markdown(res):
     if res.get("pick_select"):
         p = res["pick_select"]
         lines += ["", f"Select switches ({', '.join(SELECT_KNOBS)}) picked in this run before the grid (same rule, "
-                      f"against all off = the s4 select): **{p['picked']}**", "", "| variant | B=16 us | B=64 us |",
+                      f"against all off): **{p['picked']}**", "", "| variant | B=16 us | B=64 us |",
                   "|---|---|---|"]
         for name, t in p["times"].items():
             lines.append(f"| {name} | {t['16']:.1f} | {t['64']:.1f} |")
     if res.get("correctness"):
         ok = sum(c["ok"] for c in res["correctness"])
         lines += ["", f"Correctness: {ok}/{len(res['correctness'])} cases exact up to ties (fp64 reference)."]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def copy_gbps(dev) -> float:
+    """Device-to-device copy bandwidth of a 1 GiB buffer, GB/s (read + write)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * src.numel() / (ms * 1e-3) / 1e9
 
 
 def load_baseline(path):
-    """Another version of kernels/indexer.py, loaded as a sibling module of the kernel package (its relative
-    imports resolve to the same package)."""
+    """Another version of kernels/indexer (the package folder, or the single file of older trees), loaded as a
+    sibling of the kernel package (its relative imports resolve to the same package)."""
     pkg = K.__name__.rsplit(".", 1)[0]
     name = pkg + "._indexer_baseline"
-    spec = importlib.util.spec_from_file_location(name, path)
+    if os.path.isdir(path):
+        spec = importlib.util.spec_from_file_location(name, os.path.join(path, "__init__.py"),
+                                                      submodule_search_locations=[path])
+    else:
+        spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
@@ -646,7 +662,8 @@ def main():
     ap.add_argument("--query", choices=("fp8", "bf16"), default="fp8",
                     help="query dtype of the headline grid (fp8: what SGLang's DSv4 decode passes)")
     ap.add_argument("--baseline", default=None,
-                    help="path of another version of kernels/indexer.py (e.g. the committed one) timed side by side")
+                    help="another version of kernels/indexer (the package folder, or the single file of older "
+                         "trees; e.g. the committed one) timed side by side")
     ap.add_argument("--full-sweep", action="store_true", help="every score config, not only the query dtype's kind")
     ap.add_argument("--pick-fp8q-config", default=None,
                     help="comma-separated score config names (cfg_name; the committed default first): time them "
@@ -656,27 +673,17 @@ def main():
     smoke = args.smoke
     dev = torch.device("cpu" if smoke else "cuda")
     t0 = time.time()
-    res = dict(device=torch.cuda.get_device_name() if not smoke else "cpu (interpreter smoke run)",
-               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-               torch=torch.__version__, triton=triton.__version__, hbm_floor_bps=HBM_BPS, query=args.query,
-               command="python benchmarks/kernels/indexer.py " + " ".join(sys.argv[1:]))
+    res = dict(run_info(device=None if not smoke else "cpu (interpreter smoke run)"), torch=torch.__version__,
+               triton=triton.__version__, hbm_floor_bps=HBM_BPS, query=args.query)
     if not smoke:
-        x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-        y = torch.empty_like(x)
-        res["copy_GBps"] = 2 * x.numel() / (triton.testing.do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3) / 1e9
-        del x, y
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"indexer_{res['date'][:10]}")
+        res["copy_GBps"] = copy_gbps(dev)
 
     def save():  # after every section, so a run cut short still returns what it measured
         res["wall_s"] = time.time() - t0
         res["skipped_by_deadline"] = deadline.skipped
         if "correctness" in res:
             res["correct_all_ok"] = all(c["ok"] for c in res["correctness"])
-        with open(stem + ".json", "w") as f:
-            json.dump(res, f, indent=1)
-        with open(stem + ".md", "w") as f:
-            f.write(to_markdown(res))
+        write_result(args.out, "indexer", res, to_markdown(res))
 
     # one pool for all timings: 4 sets x B=64 x 32K live tokens of distinct pages (1.1 GB); the naive baseline reads
     # its first max-context tokens as its key buffer
@@ -714,9 +721,9 @@ def main():
         torch.cuda.empty_cache()
         res["correctness"] += correctness(dev, smoke, "more", deadline)
     save()
-    md = to_markdown(res)
-    print(md)
-    print("correctness ok:", res.get("correct_all_ok"), " wall", round(res["wall_s"]), "s; wrote", stem + ".{json,md}")
+    print("\n".join(to_markdown(res)))
+    print("correctness ok:", res.get("correct_all_ok"), " wall", round(res["wall_s"]), "s; wrote",
+          os.path.join(args.out, "indexer.{json,md}"))
 
 
 if __name__ == "__main__":

@@ -7,13 +7,15 @@ interleaved rounds (every max context once per round, ours and optionally a base
 kernels/indexer.py), and reports per-round and median ratios. fp8 query (SGLang's DSv4 decode path).
 
 Run on the device from the repository root:
-    python3 benchmarks/kernels/indexer_max_context.py [--baseline OLD_indexer.py] [--out DIR] [--picks-from JSON]
+    python3 benchmarks/kernels/indexer_max_context.py [--live 512] [--baseline OLD_INDEXER] [--out DIR]
+        [--picks-from JSON]
+
+Writes indexer_max_context_<live>.json (device, date, commit, command, every number) to --out, the name of
+benchmarks/results/.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -24,6 +26,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import indexer as BI  # noqa: E402  (the main indexer benchmark: inputs, graph timing, baseline loader)
+from results_io import run_info, write_result  # noqa: E402  (this folder, put on the path above)
 
 CONTEXTS = (8192, 131072, 1 << 20)
 
@@ -38,10 +41,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=64, help="calls captured per CUDA graph (cycling the input sets)")
     ap.add_argument("--live", type=int, default=512, help="actual length of every request (tokens)")
-    ap.add_argument("--baseline", default=None, help="another kernels/indexer.py to time side by side")
+    ap.add_argument("--baseline", default=None,
+                    help="another version of kernels/indexer (package folder or single file) to time side by side")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--picks-from", default=None,
-                    help="indexer_<date>.json of an indexer.py run: use the score config and select switches it picked")
+                    help="indexer.json of an indexer.py run: use the score config and select switches it picked")
     args = ap.parse_args()
     picks = BI.apply_picks(args.picks_from) if args.picks_from else None
     dev = torch.device("cuda")
@@ -67,12 +71,9 @@ def main() -> None:
                   + f"; t(1M)/t(8K) median {med[1 << 20] / med[8192]:.3f}, per round "
                   + str([round(r, 3) for r in per_round]), flush=True)
     if args.out:
-        Path(args.out, "indexer_max_context.json").write_text(json.dumps(
-            dict(device=torch.cuda.get_device_name(),
-                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                 torch=torch.__version__, triton=triton.__version__,
-                 command="python3 benchmarks/kernels/indexer_max_context.py " + " ".join(sys.argv[1:]),
-                 rounds=args.rounds, calls_per_graph=args.calls, picks=picks, rows=rows), indent=1))
+        res = dict(run_info(), torch=torch.__version__, triton=triton.__version__, rounds=args.rounds,
+                   calls_per_graph=args.calls, picks=picks, rows=rows)
+        print("wrote", write_result(args.out, f"indexer_max_context_{args.live}", res))
 
 
 if __name__ == "__main__":

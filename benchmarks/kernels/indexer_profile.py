@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--config", default=None, help="score config name (benchmarks/kernels/indexer.py cfg_name); "
                                                    "default: the module's default for the shape")
     ap.add_argument("--picks-from", default=None,
-                    help="indexer_<date>.json of an indexer.py run: use the score config and select switches it picked")
+                    help="indexer.json of an indexer.py run: use the score config and select switches it picked")
     args = ap.parse_args()
     if args.picks_from:
         BI.apply_picks(args.picks_from)

@@ -10,20 +10,19 @@ token (the most distinct experts, i.e. the most weight bytes, a routing can touc
    sorted), -1 slots and int64 ids included: ||out - ref|| / ||ref|| against the torch reference (dequantize,
    fp32 matmuls with TF32 off, the kernel's bf16 rounding points); output buffer NaN-poisoned first;
 2. timing (median of CUDA-graph replays via triton.testing.do_bench_cudagraph; ROT routing/input sets cycled
-   inside the graph so the weights come from HBM, not L2): the default plan (twice: the run-to-run spread), the
-   session-3 default plan, per-stage times of the default plan, a sweep over paths, K splits and tile configs,
+   inside the graph so the weights come from HBM, not L2): the default plan (twice: the run-to-run spread),
+   per-stage times of the default plan, a sweep over paths, K splits and tile configs,
    the sweep's fastest plan timed again on its own, and the dequantize-to-bf16 + torch grouped-matmul baseline
    in the same run (events; it synchronizes for torch.unique);
 3. the weight-bandwidth floor: bytes of the distinct routed experts' weights + scales (+ activations) at
-   4.3 TB/s (DESIGN.md's figure) and at the copy bandwidth measured here; % of floor = floor / time;
-4. writes mxfp4_moe_<date>.json (device, date, versions, command, every number) to --out.
+   4.3 TB/s (docs/design.md's figure) and at the copy bandwidth measured here; % of floor = floor / time;
+4. writes mxfp4_moe.json (device, date, commit, versions, command, every number) and mxfp4_moe.md (the timing
+   table) to --out, the names of benchmarks/results/.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 import time
@@ -33,6 +32,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernel_modules import kernel_module  # noqa: E402  (pd.kernels installed or not)
+from results_io import md_header, run_info, write_result  # noqa: E402  (this folder, put on the path above)
 
 mx = kernel_module("mxfp4_moe")
 fused_moe_mxfp4_reference = kernel_module("mxfp4_moe_reference").fused_moe_mxfp4_reference
@@ -66,22 +66,6 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-# The default plans committed in session 3 (benchmarks/results/mxfp4_moe_2026-11-30-s3.md: the bits dequantization,
-# separate K-split / SwiGLU / sum kernels): the "s3" column of the side-by-side comparison.
-S3_DEFAULTS = [
-    (48, dict(path="pair", BM=16, split_gate_up=4, split_down=2, gate_up_halves=True,
-              gate_up=dict(BN=64, BK=128, num_warps=2, num_stages=3),
-              down=dict(BN=64, BK=128, num_warps=2, num_stages=3))),
-    (1024, dict(path="sorted", BM=16, split_gate_up=1, split_down=1, gate_up_halves=True,
-                gate_up=dict(BN=64, BK=256, num_warps=2, num_stages=3),
-                down=dict(BN=128, BK=128, num_warps=2, num_stages=3))),
-]
-
-
-def s3_default(num_pairs):
-    return next(cfg for bound, cfg in S3_DEFAULTS if num_pairs <= bound)
-
-
 def _tile(bn, bk, w, st, bk_dot=None):
     return dict(BN=bn, BK=bk, num_warps=w, num_stages=st, **({} if bk_dot is None else dict(BK_DOT=bk_dot)))
 
@@ -91,9 +75,9 @@ def _tile_name(c):
 
 
 def variants(t):
-    """(name, config) pairs timed for T tokens: the default, the s3 default, then plans around them: BK per pipeline
-    stage vs BK_DOT per dequantize + dot step (fewer live registers, more blocks per SM), K splits at T = 1."""
-    out = [("default", mx.default_config(t * K)), ("s3_default", s3_default(t * K))]
+    """(name, config) pairs timed for T tokens: the default, then plans around it: BK per pipeline stage vs BK_DOT
+    per dequantize + dot step (fewer live registers, more blocks per SM), K splits at T = 1."""
+    out = [("default", mx.default_config(t * K))]
 
     def add(path, sg, sd, gu, dn, halves=True):
         name = f"{path}_s{sg}x{sd}{'_halves' if halves else ''}_gu{_tile_name(gu)}_dn{_tile_name(dn)}"
@@ -256,8 +240,6 @@ def timing(dev, weights, deadline, sweep, ts, save):
 
         row["default_config"] = mx.default_config(t * K)
         row["ours_us"] = bench_graph(call(None), 60)
-        row["s3_config"] = s3_default(t * K)
-        row["s3_us"] = bench_graph(call(row["s3_config"]), 60)  # the session-3 default, same run
         row["ours_us_again"] = bench_graph(call(None), 60)  # the default timed twice: the run-to-run spread
         # stages of the default plan (each timed alone over the same ROT sets; inputs from a full run)
         plans = [mx._plan(sets[i][0], w13, s13, w2, s2, sets[i][2], sets[i][1], LIMIT, None, False, outs[i], None,
@@ -313,10 +295,28 @@ def _finish(res):
         r["floor_us_copy"] = r["floor_bytes"] / (res["copy_GBps"] * 1e9) * 1e6
         r["pct_floor_4p3"] = 100 * r["floor_us_4p3"] / r["ours_us"]
         r["pct_floor_4p3_best"] = 100 * r["floor_us_4p3"] / r["best_us"]
-        if "s3_us" in r:
-            r["pct_floor_4p3_s3"] = 100 * r["floor_us_4p3"] / r["s3_us"]
-            r["speedup_vs_s3"] = r["s3_us"] / r["ours_us"]
         r["speedup_vs_baseline"] = r["baseline_us"] / r["ours_us"]
+
+
+def copy_gbps(dev) -> float:
+    """Device-to-device copy bandwidth of a 1 GiB buffer, GB/s (read + write)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * src.numel() / (ms * 1e-3) / 1e9
+
+
+def table_md(res) -> list[str]:
+    """The .md of a run: its header and one timing row per T."""
+    lines = md_header("MXFP4 MoE (DeepSeek-V4-Flash draft shapes)", res)
+    lines += [f"Copy bandwidth {res['copy_GBps']:.0f} GB/s; correctness all ok: {res.get('correct_all_ok')}", "",
+              "| T | distinct experts | floor µs (4.3 TB/s) | ours µs | % of floor | best variant µs | best variant | "
+              "dequantize + grouped_mm µs | x |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in res.get("timing", []):
+        lines.append(f"| {r['T']} | {r['distinct_experts']:.1f} | {r['floor_us_4p3']:.1f} | {r['ours_us']:.1f} | "
+                     f"{r['pct_floor_4p3']:.1f} | {r['best_us']:.1f} | {r['best_variant']} | {r['baseline_us']:.1f} | "
+                     f"{r['speedup_vs_baseline']:.1f} |")
+    return lines
 
 
 def main():
@@ -335,25 +335,16 @@ def main():
     t0 = time.time()
     ts = [int(v) for v in args.ts.split(",")]
     dev = torch.device("cuda")
-    res = dict(device=torch.cuda.get_device_name(),
-               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-               torch=torch.__version__, triton=triton.__version__, command=" ".join(["python"] + sys.argv),
+    res = dict(run_info(), torch=torch.__version__, triton=triton.__version__,
                shapes=dict(E=E, H=H, I=I, topk=K, swiglu_limit=LIMIT), expert_bytes=EXPERT_BYTES,
                hbm_floor_bps=HBM_BPS, rot_sets=ROT)
-    xb = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    yb = torch.empty_like(xb)
-    res["copy_GBps"] = 2 * xb.numel() / (triton.testing.do_bench(lambda: yb.copy_(xb), return_mode="median")
-                                         * 1e-3) / 1e9
-    del xb, yb
+    res["copy_GBps"] = copy_gbps(dev)
     weights = make_weights(dev)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"mxfp4_moe_{res['date'][:10]}.json")
 
     def save():  # after every phase, so a run stopped at its time limit still leaves its numbers
         res["wall_s"] = time.time() - t0
         _finish(res)
-        with open(path, "w") as f:
-            json.dump(res, f, indent=1)
+        return write_result(args.out, "mxfp4_moe", res, table_md(res))
 
     if not args.skip_correctness:
         res["correctness"] = correctness(dev, weights, ts)
@@ -361,14 +352,14 @@ def main():
         save()
     res["timing"] = []
     res["timing"] = timing(dev, weights, t0 + args.budget, not args.no_sweep, ts, save)
-    save()
+    path = save()
     print(f"\n{res['device']}  copy {res['copy_GBps']:.0f} GB/s  correctness ok: {res.get('correct_all_ok')}")
-    print(f"{'T':>4} {'experts':>7} {'floor':>7} {'ours':>8} {'%floor':>6} {'s3':>8} {'%s3':>5} {'best':>8} {'%':>5} "
+    print(f"{'T':>4} {'experts':>7} {'floor':>7} {'ours':>8} {'%floor':>6} {'best':>8} {'%':>5} "
           f"{'baseline':>9} {'x':>6}  stages / best variant")
     for r in res["timing"]:
         st = " ".join(f"{k}={v:.1f}" for k, v in r["stages_us"].items())
         print(f"{r['T']:>4} {r['distinct_experts']:7.1f} {r['floor_us_4p3']:7.1f} {r['ours_us']:8.1f} "
-              f"{r['pct_floor_4p3']:6.1f} {r['s3_us']:8.1f} {r['pct_floor_4p3_s3']:5.1f} {r['best_us']:8.1f} "
+              f"{r['pct_floor_4p3']:6.1f} {r['best_us']:8.1f} "
               f"{r['pct_floor_4p3_best']:5.1f} {r['baseline_us']:9.1f} {r['speedup_vs_baseline']:6.1f}  {st} / "
               f"{r['best_variant']}")
     print("wrote", path)

@@ -3,21 +3,17 @@ not in CI): this checkout's default plans on sm90_bits and sm90_tiled, T <= 8 pl
 default, and the anchor, in one run.
 
   python benchmarks/kernels/mxfp4_moe_ab.py --out DIR --head PATH [--budget SECONDS] [--ts 1,4,8,16,64,128]
-      [--rounds 3] [--workers 14] [--baseline] [--ncu-after] [--sweep] [--tag ab] [--plans NAME,...]
-
-(Sessions 5-7 ran this as mxfp4_moe_s5.py / _s5b.py / _s6.py and mxfp4_moe_layout_ab.py, named in their results files;
-those scripts are in the commits that added the results.)
+      [--rounds 3] [--workers 14] [--baseline] [--ncu-after] [--sweep] [--plans NAME,...]
 
 Layouts: "sm90_bits" (``prepare_mxfp4_weights_sm90``) and "sm90_tiled" (``prepare_mxfp4_weights_sm90(...,
 tiled=True)`` and ``tile_mxfp4_scales``: every 32-row x 256-value piece 4 KiB of consecutive bytes, the scales in
-[32 x 8 byte] tiles). In the s7 pick run (benchmarks/results/mxfp4_moe_2026-11-30-s7-ab.json) "sm90_tiled" was named
-"sm90_tiled_scales" (plans "tiled_s*"), beside a weights-only tiling (plan "tiled") that gained nothing and is gone.
+[32 x 8 byte] tiles; a weights-only tiling gained nothing, benchmarks/results/mxfp4_moe_ab.md).
 
 Plans are (layout, config) pairs: "head" (the committed kernel, ``--head``: a kernels/mxfp4_moe package folder of
 another checkout, e.g. ``git worktree add /tmp/head HEAD`` and ``--head /tmp/head/kernels/mxfp4_moe``, or a file of
-the single-module layout, ``git show OLD:kernels/mxfp4_moe.py``; its default plan on the sm90_bits layout), "bits" (this checkout's default plan on
-sm90_bits), "tiled" (its default plan on sm90_tiled), and with ``--sweep`` T <= 8 plan variants on sm90_tiled
-(over its T <= 8 default). In one run:
+the single-module layout, ``git show OLD:kernels/mxfp4_moe.py``; its default plan on the sm90_bits layout), "bits"
+(this checkout's default plan on sm90_bits), "tiled" (its default plan on sm90_tiled), and with ``--sweep`` T <= 8
+plan variants on sm90_tiled (over its T <= 8 default). In one run:
 0. ``--workers`` subprocesses compile every plan's kernels first (Triton's on-disk cache);
 1. ``--sweep``: every plan timed once at T = 1 after a quick correctness check; the fastest ``--top`` variants join
    the rounds (``--plans`` names them instead);
@@ -29,13 +25,13 @@ sm90_bits), "tiled" (its default plan on sm90_tiled), and with ``--sweep`` T <= 
    layout); ``--baseline``: dequantize + torch grouped matmul;
 4. kernel profile of T = 1 (torch.profiler over CUDA-graph replays) of the plans of the rounds;
 5. ``--ncu-after``: Nsight Compute (``--clock-control none``) of the head and the fastest tiled plan at T = 1.
-Writes mxfp4_moe_<tag>.json (device, date, versions, command, every number) and prints a table last.
+Writes mxfp4_moe_ab.json (device, date, commit, versions, command, every number; with ``--ncu-after`` also
+mxfp4_moe_ab_ncu_t1.txt) to --out, the names of benchmarks/results/, and prints a table last.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import glob
 import importlib.util
 import json
@@ -52,6 +48,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mxfp4_moe as bm  # noqa: E402  (weights, routing, baseline, timing helpers of the main benchmark)
+from results_io import run_info, write_result  # noqa: E402  (this folder, put on the path above)
 
 mx = bm.mx
 K = bm.K
@@ -353,7 +350,7 @@ def run_ncu(names, head_path, timeout_s, out_dir):
             text += f"==== {name}\n" + r.stdout + r.stderr
         except Exception as e:  # noqa: BLE001
             text += f"==== {name}\nncu failed: {e!r}\n"
-    with open(os.path.join(out_dir, "ncu_t1.txt"), "w") as f:
+    with open(os.path.join(out_dir, "mxfp4_moe_ab_ncu_t1.txt"), "w") as f:
         f.write(text)
     return text
 
@@ -373,7 +370,6 @@ def main():
     ap.add_argument("--ncu-after", action="store_true")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--plans", default="", help="comma-separated sweep plans that join the rounds without a sweep")
-    ap.add_argument("--tag", default="ab")
     ap.add_argument("--precompile-worker", type=int, default=None)
     ap.add_argument("--jobs-file", default="")
     ap.add_argument("--ncu-target", default="")
@@ -401,17 +397,13 @@ def main():
                    for w in range(args.workers)]
     dev = torch.device("cuda")
     ts = [int(v) for v in args.ts.split(",")]
-    res = dict(device=torch.cuda.get_device_name(),
-               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-               torch=torch.__version__, triton=triton.__version__, command=" ".join(["python"] + sys.argv),
-               expert_bytes=bm.EXPERT_BYTES, hbm_floor_bps=bm.HBM_BPS, rot_sets=bm.ROT, head=args.head,
+    res = dict(run_info(), torch=torch.__version__, triton=triton.__version__, expert_bytes=bm.EXPERT_BYTES,
+               hbm_floor_bps=bm.HBM_BPS, rot_sets=bm.ROT, head=args.head,
                plans={n: dict(layout=LAYOUTS[plans[n][0]], config=plans[n][1], module=plans[n][2]) for n in names})
-    out_path = os.path.join(args.out, f"mxfp4_moe_{args.tag}.json")
 
     def save():
         res["wall_s"] = time.time() - t0
-        with open(out_path, "w") as f:
-            json.dump(res, f, indent=1)
+        return write_result(args.out, "mxfp4_moe_ab", res)
 
     def left():
         return deadline - time.time()
@@ -537,7 +529,7 @@ def main():
             k in ln for k in ("_kernel", "Duration", "DRAM Throughput", "Compute (SM) Throughput", "Achieved Occupancy",
                               "Registers Per", "Warp Cycles Per Issued", "Memory Throughput", "Waves Per SM",
                               "L2 Hit Rate", "Mem Busy", "Max Bandwidth", "Sectors/Req"))]
-    save()
+    out_path = save()
 
     print(f"\n{res['device']} correctness ok: {res['correct_all_ok']}  wall {time.time() - t0:.0f} s  "
           f"rounds {res['round_plans']}")

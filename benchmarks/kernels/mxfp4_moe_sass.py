@@ -4,12 +4,11 @@ dequantization, from an sm_90a ahead-of-time build with whatever Triton is insta
   python benchmarks/kernels/mxfp4_moe_sass.py [--json FILE]
 
 For each default tile config (DeepSeek-V4 shapes: H = 4096, I = 2048, top-6; the plan's rows per block, <= 16):
-compiles
-``_gate_up_kernel`` and ``_down_kernel`` with DEQ = 0 (dot_scaled), 1 (bits) and 1 on the prepared layout
+compiles ``_gate_up_kernel`` and ``_down_kernel`` with DEQ = 0 (dot_scaled), 1 (bits) and 1 on the prepared layout
 (WL = 1, "bits_prepared"; also for the tiles of DEFAULT_CONFIGS_SM90_BITS), disassembles the cubin with the
-cuobjdump that ships with Triton, takes the longest loop (the K loop, ``pd.kernels.sass_stats``) and divides its instruction count by the
-weights one thread handles per iteration (BN x BK x (2 for fused gate/up) / (32 x num_warps)). Also prints the
-registers per thread (cuobjdump -res-usage), which set the blocks per SM.
+cuobjdump that ships with Triton, takes the longest loop (the K loop, ``pd.kernels.sass_stats``) and divides its
+instruction count by the weights one thread handles per iteration (BN x BK x (2 for fused gate/up) / (32 x
+num_warps)). Also prints the registers per thread (cuobjdump -res-usage), which set the blocks per SM.
 """
 
 from __future__ import annotations

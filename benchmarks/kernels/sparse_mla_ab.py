@@ -1,20 +1,21 @@
-"""Same-run A/B of sparse-MLA decode variants on the device (exploration, not the committed results table).
+"""Same-run A/B of sparse-MLA decode variants on the device (benchmarks/results/sparse_mla_ab.md).
 
   python benchmarks/kernels/sparse_mla_ab.py [--out DIR] [--budget-s 200] [--cases h64|h16|all]
-      [--baseline OLD/sparse_mla_decode.py] [--profile] [--alt-kernel FILE.py:NAME]
+      [--baseline OLD_SPARSE_MLA_DECODE] [--profile] [--alt-kernel FILE.py:NAME]
       [--combine-modes pdl,launch] [--graph-check] [--correctness] [--case-list "16,1,64;64,1,16"]
 
 For each case (B, H, S; topk 512, page 64, the input sets of benchmarks/kernels/sparse_mla_decode.py cycled so KV
 is not served from L2) times the default path, every variant of ``variants_for`` (heads per program, tile, warps,
-pipeline stages, topk splits), the default path of another version of the kernel file (``--baseline``, e.g.
-``git show HEAD:kernels/sparse_mla_decode.py``) and a rewritten kernel dropped in for the pipelined one
-(``--alt-kernel``), with CUDA-graph replay, and checks each output against the fp64 reference
-(||out - ref|| / ||ref||). ``--combine-modes pdl,launch`` times the default path with and without programmatic dependent
-launch of the combine (``SparseMLAConfig.combine_pdl``), ``--graph-check`` checks CUDA-graph replay on fresh inputs against eager calls,
-``--correctness`` runs the benchmark's quick correctness cases. ``--profile`` adds the per-tile cost (topk_length 64..512 at one split, KV cold and
-L2-hot). Ends with registers / spills / shared memory / cp.async and async_wait counts of every kernel the
-device compiled. Stops adding variants once --budget-s seconds have passed, so a device call ends inside its
-limit; writes sparse_mla_ab.json to --out after every case.
+pipeline stages, topk splits), the default path of another version of kernels/sparse_mla_decode (``--baseline``:
+the package folder, or the single file of older trees) and a rewritten kernel launched in place of the pipelined
+one (``--alt-kernel``, through ``SparseMLAConfig.pipelined_kernel``), with CUDA-graph replay, and checks each output
+against the fp64 reference (||out - ref|| / ||ref||). ``--combine-modes pdl,launch`` times the default path with and
+without programmatic dependent launch of the combine (``SparseMLAConfig.combine_pdl``), ``--graph-check`` checks
+CUDA-graph replay on fresh inputs against eager calls, ``--correctness`` runs the benchmark's quick correctness
+cases. ``--profile`` adds the per-tile cost (topk_length 64..512 at one split, KV cold and L2-hot). Ends with
+registers / spills / shared memory / cp.async and async_wait counts of every kernel the device compiled. Stops adding
+variants once --budget-s seconds have passed, so a device call ends inside its limit; writes sparse_mla_ab.json
+(device, date, commit, command, every number) to --out after every case.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def pipelined(bh, bn, w, stages, ns=None, ppsm=None):
 
 def variants_for(h, b, s):
     """Variants timed next to the default path (and the --baseline file's default, when given): the default path
-    at other topk split counts (the fold combine makes splits cheaper; s4 measured 2/3/6 with the combine launch)."""
+    at other topk split counts."""
     out = [("default", {})]
     if h == 16 and b * s > 32:
         out += [pipelined(16, 32, 4, 5, ns=ns, ppsm=2) for ns in (2, 3, 8)]
@@ -123,13 +124,15 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--budget-s", type=float, default=200.0)
     ap.add_argument("--cases", default="all", choices=["h64", "h16", "all"])
-    ap.add_argument("--baseline", help="another kernels/sparse_mla_decode.py whose default path is timed too")
+    ap.add_argument("--baseline", help="another version of kernels/sparse_mla_decode (package folder or single file) "
+                    "whose default path is timed too")
     ap.add_argument("--profile", action="store_true", help="per-tile cost (topk_length sweep, cold/hot KV)")
     ap.add_argument("--alt-kernel", help="FILE.py:NAME of a kernel with the pipelined kernel's signature, timed "
                     "in the pipelined configs of --alt-configs in its place (exploring a rewrite)")
     ap.add_argument("--alt-configs", default="64,64,8,3;64,64,8,5;64,32,8,5",
                     help="';'-separated block_h,BLOCK_N,num_warps,loop_stages for --alt-kernel")
-    ap.add_argument("--combine-modes", default="", help="'pdl', 'launch' or both (','-separated): the default path timed with and without PDL combine")
+    ap.add_argument("--combine-modes", default="",
+                    help="'pdl', 'launch' or both (','-separated): the default path timed with and without PDL combine")
     ap.add_argument("--graph-check", action="store_true", help="CUDA-graph replay vs eager on fresh inputs")
     ap.add_argument("--correctness", action="store_true", help="the benchmark's quick correctness cases first")
     ap.add_argument("--case-list", help="';'-separated H,S,B cases instead of --cases")
@@ -142,8 +145,7 @@ def main():
         cases = [c for pair in zip(CASES["h64"], CASES["h16"]) for c in pair] + CASES["h64"][len(CASES["h16"]):]
     if args.case_list:
         cases = [tuple(map(int, c.split(","))) for c in args.case_list.split(";")]
-    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=bm.triton.__version__,
-               date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), cases=[])
+    res = dict(bm.run_info(), torch=torch.__version__, triton=bm.triton.__version__, cases=[])
     try:
         res["bits_dequant_mismatches"] = check_bits_dequant(dev)
     except Exception as e:  # noqa: BLE001  (report, keep timing)
@@ -194,9 +196,7 @@ def main():
               + ", ".join(f"{k} {v:.1f} (rel {row['rel'][k]:.2e})" for v, k in best)
               + (f" | errors {list(row['errors'])}" if row["errors"] else ""), flush=True)
         res["wall_s"] = time.time() - t0
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "sparse_mla_ab.json"), "w") as f:
-            json.dump(res, f, indent=1)
+        bm.write_result(args.out, "sparse_mla_ab", res)
         del q, kc, idx, ref
         if time.time() - t0 > args.budget_s:
             break
@@ -216,8 +216,7 @@ def main():
     for f in res["compiled"]:
         print("compiled", json.dumps(f), flush=True)
     res["wall_s"] = time.time() - t0
-    with open(os.path.join(args.out, "sparse_mla_ab.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    print("wrote", bm.write_result(args.out, "sparse_mla_ab", res))
 
 
 if __name__ == "__main__":

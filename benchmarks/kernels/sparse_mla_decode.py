@@ -1,7 +1,7 @@
 """Device benchmark for pd.kernels.sparse_mla_decode (run on the GPU machine, not in CI).
 
-  python benchmarks/kernels/sparse_mla_decode.py [--out DIR] [--quick] [--full-sweep | --sweep-set s5] [--tag -s3]
-      [--baseline FILE] [--precompile N]
+  python benchmarks/kernels/sparse_mla_decode.py [--out DIR] [--quick] [--full-sweep | --sweep-set sm90_candidates]
+      [--baseline PATH] [--precompile N]
 
 1. correctness at real shapes (topk 512/2048, H 16/64/128, S 1/2/4, page 64/256, -1 slots, topk_length,
    attn_sink, extra cache) against the fp64 torch reference: ||out - ref_bf16|| / ||ref|| and max |lse - ref|;
@@ -15,15 +15,14 @@
    indices at 4.8 TB/s);
    plus CUDA-graph capture safety: a captured call replayed on fresh inputs gives the eager result (bitwise);
    ``--precompile N`` first builds every kernel of the run in N processes (the device has 16 cores);
-3. writes sparse_mla_decode_<date><tag>.json with the device name, date and command to --out.
+3. writes sparse_mla_decode.json (device, date, commit, command, every number) and sparse_mla_decode.md (the
+   timing table) to --out, the names of benchmarks/results/.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
-import json
 import os
 import sys
 import time
@@ -33,6 +32,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernel_modules import kernel_module  # noqa: E402  (pd.kernels installed or not)
+from results_io import md_header, run_info, write_result  # noqa: E402  (this folder, put on the path above)
 
 _smd = kernel_module("sparse_mla_decode")
 _ref = kernel_module("sparse_mla_reference")
@@ -87,11 +87,10 @@ def lse_err(a, b):
     return d if same_inf else float("inf")
 
 
-# sm_90 candidates timed next to the default (``--sweep-set s5``) and checked in ``correctness``, per heads per
-# program: (name, config); "x2" / "x4" = two programs per SM with the split count for two / four, "x1" = one per SM.
-# All lost to the committed defaults on the H200 (benchmarks/results/sparse_mla_decode_2026-11-30-s5.md, where the
-# first one ran as the default path).
-S5_CANDIDATES = {
+# sm_90 candidates timed next to the default (``--sweep-set sm90_candidates``) and checked in ``correctness``, per
+# heads per program: (name, config); "x2" / "x4" = two programs per SM with the split count for two / four, "x1" = one
+# per SM. All lost to the shipped defaults on the H200 (benchmarks/results/sparse_mla_decode.md).
+SM90_CANDIDATES = {
     16: [("pipe3x2_bh16_n64_w8", {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "PIPELINE": 3, "PROGRAMS_PER_SM": 2}),
          ("pipe3x4_bh16_n64_w8", {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "PIPELINE": 3, "PROGRAMS_PER_SM": 4}),
          ("pipe5x2_bh16_n32_w8", {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "PIPELINE": 5, "PROGRAMS_PER_SM": 2}),
@@ -109,13 +108,13 @@ CORRECTNESS_CASES = [
 
 def correctness_variants(h, quick, sm90):
     """(block_h, num_splits, config) of one correctness case: the default path at default / 1 / 4 splits, 64-head
-    programs forced, sm_120's 16-head configs forced, and on sm_90 the s5 16-head candidates forced."""
+    programs forced, sm_120's 16-head configs forced, and on sm_90 the 16-head SM90_CANDIDATES forced."""
     variants = [(None, ns, None) for ns in ((None, 1, 4) if not quick else (None, 4))]
     if h % 64 == 0:
         variants += [(64, None, None), (64, 1, None)]
     variants += [(16, None, TWO_PER_SM_CONFIG_16), (16, None, DEFAULT_CONFIG[16])]
     if sm90:
-        variants += [(bh, None, c) for bh, cands in S5_CANDIDATES.items() if h % bh == 0 and (bh == 64 or h == 16)
+        variants += [(bh, None, c) for bh, cands in SM90_CANDIDATES.items() if h % bh == 0 and (bh == 64 or h == 16)
                      for _, c in cands]
     return variants
 
@@ -127,7 +126,7 @@ def _config_name(cfg):
         return "two_per_sm_16"
     if cfg is DEFAULT_CONFIG[16]:
         return "sm120_16"
-    return next(n for cands in S5_CANDIDATES.values() for n, c in cands if c is cfg)
+    return next(n for cands in SM90_CANDIDATES.values() for n, c in cands if c is cfg)
 
 
 def correctness(dev, fm=None, quick=False, only=None):
@@ -154,7 +153,7 @@ def correctness(dev, fm=None, quick=False, only=None):
             try:
                 out, lse = sparse_mla_decode(q, view4(kc, ps), idx, num_splits=ns, block_h=bh, config=cfg, **kw)
                 torch.cuda.synchronize()
-            except Exception as e:  # noqa: BLE001  (an s5 candidate that does not build is reported, not fatal)
+            except Exception as e:  # noqa: BLE001  (a candidate that does not build is reported, not fatal)
                 if not candidate:
                     raise
                 cases.append(dict(topk=topk, H=h, S=s, config=_config_name(cfg), candidate=True, ok=False,
@@ -255,9 +254,9 @@ def bench(fn, quick):
 
 
 def load_baseline(path):
-    """sparse_mla_decode from another version of kernels/sparse_mla_decode.py (e.g. ``git show
-    HEAD:kernels/sparse_mla_decode.py``), imported as its own package next to this checkout's reference and
-    device_info modules, for same-run side-by-side timing."""
+    """sparse_mla_decode from another version of kernels/sparse_mla_decode (the package folder, e.g. of ``git
+    worktree add /tmp/base HEAD``, or the single file of older trees), imported as its own package next to this
+    checkout's reference and device_info modules, for same-run side-by-side timing."""
     import shutil
     import tempfile
 
@@ -267,7 +266,10 @@ def load_baseline(path):
     kdir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "kernels")
     for f in ("sparse_mla_reference.py", "device_info.py"):
         shutil.copy(os.path.join(kdir, f), pkg)
-    shutil.copy(path, os.path.join(pkg, "sparse_mla_decode.py"))
+    if os.path.isdir(path):
+        shutil.copytree(path, os.path.join(pkg, "sparse_mla_decode"), ignore=shutil.ignore_patterns("__pycache__"))
+    else:
+        shutil.copy(path, os.path.join(pkg, "sparse_mla_decode.py"))
     open(os.path.join(pkg, "__init__.py"), "w").close()
     sys.path.insert(0, d)
     return importlib.import_module("baseline_kernels.sparse_mla_decode").sparse_mla_decode
@@ -276,13 +278,13 @@ def load_baseline(path):
 def sweep_variants(h, b, s, quick, full, sm90, sweep_set="default"):
     """(name, sparse_mla_decode kwargs) timed next to the default path. ``full``: every autotune config of the
     original kernel x topk splits (None, 1, 4) for 16/32/64 heads per program, plus every pipelined and sm_90-only
-    config; ``sweep_set="s5"``: on sm_90 the S5_CANDIDATES configs (16- or 64-head programs for H=16 / H=64 rows)
-    at B=16/64/128 S=1 and B=64 S=2; otherwise the default path's alternatives: each pipelined / sm_90-only config
-    and the original kernel's default config, at the default split count."""
+    config; ``sweep_set="sm90_candidates"``: on sm_90 the SM90_CANDIDATES configs (16- or 64-head programs for
+    H=16 / H=64 rows) at B=16/64/128 S=1 and B=64 S=2; otherwise the default path's alternatives: each pipelined /
+    sm_90-only config and the original kernel's default config, at the default split count."""
     out = []
-    if sweep_set == "s5":
+    if sweep_set == "sm90_candidates":
         if sm90 and (s, b) in ((1, 16), (1, 64), (1, 128), (2, 64)):
-            out = [(name, dict(block_h=h, config=c)) for name, c in S5_CANDIDATES[h]]
+            out = [(name, dict(block_h=h, config=c)) for name, c in SM90_CANDIDATES[h]]
         return out
     splits = (None, 1, 4) if full and not quick else (None,)
     for bh in (16, 32, 64):
@@ -449,31 +451,50 @@ def timing(dev, quick, fm, sgl, full_sweep=False, budget_s=float("inf"), baselin
     return rows
 
 
+def copy_gbps(dev) -> float:
+    """Device-to-device copy bandwidth of a 1 GiB buffer, GB/s (read + write)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * src.numel() / (ms * 1e-3) / 1e9
+
+
+def table_md(res) -> list[str]:
+    """The .md of a run: its header and one timing row per case."""
+    nan = float("nan")
+    lines = md_header("Sparse-MLA decode (DeepSeek-V4 FP8 pages)", res)
+    lines += [f"Copy bandwidth {res['copy_GBps']:.0f} GB/s; correctness all ok: {res.get('correct_all_ok')}; "
+              f"baseline: {res.get('baseline_file')}", "",
+              "| B | H | S | floor µs | ours µs | best µs | best variant | baseline µs | FlashMLA µs | "
+              "SGLang Triton µs |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res.get("timing", []):
+        lines.append(f"| {r['B']} | {r['H']} | {r['S']} | {r['floor_us']:.1f} | {r['ours_default_us']:.2f} | "
+                     f"{r['ours_best_us']:.2f} | {r['ours_best_variant']} | {r.get('baseline_us', nan):.2f} | "
+                     f"{r.get('flashmla_us', nan):.2f} | {r.get('sglang_triton_us', nan):.1f} |")
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--full-sweep", action="store_true",
-                    help="time every autotune config x topk splits too (r2's sweep; ~5 min on an H200)")
+                    help="time every autotune config x topk splits too (~5 min on an H200)")
     ap.add_argument("--sweep-budget-s", type=float, default=float("inf"),
                     help="stop adding sweep variants once the timing part has run this long")
-    ap.add_argument("--tag", default="", help="suffix of the JSON file name (sparse_mla_decode_<date><tag>.json)")
-    ap.add_argument("--baseline", help="another kernels/sparse_mla_decode.py whose default path is timed in the "
-                    "same run (e.g. the committed one: git show HEAD:kernels/sparse_mla_decode.py > FILE)")
-    ap.add_argument("--sweep-set", default="default", choices=["default", "s5"],
-                    help="s5: the S5_CANDIDATES configs (sm_90) as the sweep")
+    ap.add_argument("--baseline", help="another version of kernels/sparse_mla_decode (the package folder, or the "
+                    "single file of older trees) whose default path is timed in the same run")
+    ap.add_argument("--sweep-set", default="default", choices=["default", "sm90_candidates"],
+                    help="sm90_candidates: the SM90_CANDIDATES configs (sm_90) as the sweep")
     ap.add_argument("--precompile", type=int, default=0,
                     help="compile every kernel of the run in this many processes first (device: 16 cores)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     t0 = time.time()
-    res = dict(device=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-               torch=torch.__version__, triton=triton.__version__, hbm_floor_bps=HBM_BPS)
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    y = torch.empty_like(x)
-    res["copy_GBps"] = 2 * x.numel() / (triton.testing.do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3) / 1e9
-    del x, y
+    res = dict(run_info(), torch=torch.__version__, triton=triton.__version__, hbm_floor_bps=HBM_BPS)
+    res["copy_GBps"] = copy_gbps(dev)
     fm = load_flashmla()
     if args.precompile:
         res["precompile_s"], res["precompile_errors"] = precompile(
@@ -482,21 +503,17 @@ def main():
     if not args.skip_correctness:
         res["correctness"] = correctness(dev, fm, args.quick)
         res["graph_replay"] = graph_replay_check(dev)
-        # the default path and its forced configs; the s5 candidates are reported per config
+        # the default path and its forced configs; the candidates are reported per config
         res["correct_all_ok"] = all(c["ok"] for c in res["correctness"] + res["graph_replay"] if not c.get("candidate"))
         res["candidates_ok"] = {n: all(c["ok"] for c in res["correctness"] if c.get("config") == n)
                                 for n in {c["config"] for c in res["correctness"] if c.get("candidate")}}
-    res["command"] = " ".join(sys.argv)
     res["baseline_file"] = args.baseline
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"sparse_mla_decode_{res['date'][:10]}{args.tag}.json")
 
     def save(rows=None):
         if rows is not None:
             res["timing"] = rows
         res["wall_s"] = time.time() - t0
-        with open(path, "w") as f:
-            json.dump(res, f, indent=1)
+        return write_result(args.out, "sparse_mla_decode", res, table_md(res))
 
     save()
     res["t_before_timing_s"] = time.time() - t0
@@ -507,7 +524,7 @@ def main():
         res["compiled"] = compiled_facts()
     except Exception as e:  # noqa: BLE001  (diagnostics only: never lose the timing table to them)
         res["compiled_error"] = repr(e)[:300]
-    save()
+    path = save()
     print(f"\n{res['device']}  copy {res['copy_GBps']:.0f} GB/s  correctness ok: {res.get('correct_all_ok')}")
     print(f"{'B':>4} {'H':>3} {'S':>2} {'floor':>7} {'ours':>8} {'best':>8} {'baseline':>9} {'flashmla':>9} "
           f"{'sglang':>9}  best variant")
