@@ -61,7 +61,8 @@ def quantize_kv(kv: torch.Tensor, page_size: int) -> torch.Tensor:
     scale = torch.pow(2.0, exp)
     q8 = (nope / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).view(torch.uint8)
     data[..., :D_NOPE] = q8.view(pages, page_size, D_NOPE)
-    data[..., D_NOPE:] = kvf[..., D_NOPE:].to(torch.bfloat16).contiguous().view(torch.uint8).view(pages, page_size, 2 * D_ROPE)
+    rope = kvf[..., D_NOPE:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    data[..., D_NOPE:] = rope.view(pages, page_size, 2 * D_ROPE)
     scales[..., :N_SCALES] = (exp + 127).to(torch.uint8)
     return out
 

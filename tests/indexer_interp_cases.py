@@ -14,7 +14,12 @@ import torch  # noqa: E402
 
 from pd.kernels.indexer import dsa_indexer_topk, indexer_workspace, topk_from_scores  # noqa: E402
 from pd.kernels.indexer_reference import (  # noqa: E402
-    index_scores_ref, live_lengths, quantize_index_k, score_error_bound, topk_from_scores_ref)
+    index_scores_ref,
+    live_lengths,
+    quantize_index_k,
+    score_error_bound,
+    topk_from_scores_ref,
+)
 
 
 def check_rows(out, ref_scores, lengths, topk, bound=None):
@@ -122,7 +127,8 @@ def run_select(name, rows, width, topk, lens, kind, seed=0, search=None):
     elif kind == "constant":
         sc = torch.full((rows, width), 3.0)
     elif kind == "wide_range":  # magnitudes over 60 binades, both signs
-        sc = torch.randn(rows, width, generator=g) * torch.pow(2.0, torch.randint(-30, 30, (rows, width), generator=g).float())
+        exps = torch.randint(-30, 30, (rows, width), generator=g).float()
+        sc = torch.randn(rows, width, generator=g) * torch.pow(2.0, exps)
     else:
         raise ValueError(kind)
     lengths = torch.tensor(lens, dtype=torch.int32)
@@ -246,7 +252,8 @@ def run_workspace_state(seed=0):
     finally:
         del os.environ["PD_INDEXER_INTERP_TILE_P"]
     check("streamed", out_streamed)
-    return dict(name="workspace_state", bad=bad, hist_cleared=cleared, split_stages_equal=torch.equal(out_split, out_clean),
+    return dict(name="workspace_state", bad=bad, hist_cleared=cleared,
+                split_stages_equal=torch.equal(out_split, out_clean),
                 select_only_keeps_hist=kept, stale_equal=torch.equal(out_stale, out_clean),
                 streamed_equal=torch.equal(out_streamed, out_clean))
 

@@ -33,8 +33,14 @@ def run_case(name, t, h, inter, e, k, *, path, bm=16, splits=(1, 1), halves=Fals
              dequant="dot_scaled", tiles=None, layout="sglang", extra=None, calls=1, workspace=False):
     import torch
 
-    from pd.kernels.mxfp4_moe import (default_config, fused_moe_mxfp4, mxfp4_max_scale_byte, mxfp4_moe_workspace,
-                                      prepare_mxfp4_weights_sm90, tile_mxfp4_scales)
+    from pd.kernels.mxfp4_moe import (
+        default_config,
+        fused_moe_mxfp4,
+        mxfp4_max_scale_byte,
+        mxfp4_moe_workspace,
+        prepare_mxfp4_weights_sm90,
+        tile_mxfp4_scales,
+    )
     from pd.kernels.mxfp4_moe_reference import fused_moe_mxfp4_reference
 
     g = torch.Generator().manual_seed(seed)

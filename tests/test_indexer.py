@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-
 from triton_aot import aot, assert_sm120_ok, compile_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -33,7 +32,8 @@ INDEXER_CASES = ["decode_h64_p64", "mtp3_h16_p16_view4_out", "len2d_h32_p32_ws",
                  "fp8_page_vector_p64_epi1_fp8q"]
 SELECT_CASES = ["select_randn", "select_few_values", "select_grid_ties", "select_constant", "select_wide_range",
                 "select_grid_ties_radix", "select_wide_range_radix"]
-DISTINCT_VALUES = {"select_randn", "select_wide_range", "select_wide_range_radix"}  # a unique answer: must equal torch.topk's set
+# a unique answer: must equal torch.topk's set
+DISTINCT_VALUES = {"select_randn", "select_wide_range", "select_wide_range_radix"}
 
 
 @pytest.mark.parametrize("name", INDEXER_CASES + SELECT_CASES)
@@ -95,8 +95,7 @@ def test_layout_matches_sglang_writer(interp_results):
 # ---------------------------------------------------------------- reference
 
 def test_reference_layout_and_causal_lengths():
-    from pd.kernels.indexer_reference import (cache_fp8_and_scales, dsa_indexer_topk_ref, live_lengths,
-                                              quantize_index_k)
+    from pd.kernels.indexer_reference import cache_fp8_and_scales, dsa_indexer_topk_ref, live_lengths, quantize_index_k
 
     g = torch.Generator().manual_seed(0)
     k = torch.randn(128, 128, generator=g)
@@ -219,8 +218,13 @@ def test_score_split_one_wave_at_small_batch():
     """A WAVE config launches at most WAVE programs per SM in all (WAVE 3, B=16 on 132 SMs: 24 per request,
     384 <= 396; WAVE 6, the sm_90 fp8-query default: 49, 784 <= 792), unless that leaves fewer than MIN_WAVE_SPLIT per
     request (WAVE 3 at B=64: 6), where the oversubscribed split applies, as for configs without WAVE."""
-    from pd.kernels.indexer import (DEFAULT_FP8Q_SCORE_CONFIGS, MIN_WAVE_SPLIT, PROGRAMS_PER_SM, SCORE_CONFIGS,
-                                    score_split)
+    from pd.kernels.indexer import (
+        DEFAULT_FP8Q_SCORE_CONFIGS,
+        MIN_WAVE_SPLIT,
+        PROGRAMS_PER_SM,
+        SCORE_CONFIGS,
+        score_split,
+    )
 
     wave6 = DEFAULT_FP8Q_SCORE_CONFIGS[(True, 1)]
     wave3 = next(c for c in SCORE_CONFIGS if c.get("WAVE") == 3)
@@ -258,8 +262,15 @@ SCORE_ALIGNED = ("q_ptr", "w_ptr", "qs_ptr", "kc32_ptr", "k8_ptr", "ks_ptr", "bt
 def _compile_scores(cfg, cc, s_p2=1, fp8=False):
     """The score kernel as the launcher builds it on sm_90 / sm_120 (both cc >= 9: with the PDL release when
     select_pdl is on)."""
-    from pd.kernels.indexer import (DEFAULT_INDEXER_CONFIG, GROUP, HIST_BINS, HIST_SHIFT, MIN_TILES,
-                                    _index_scores_kernel, page_vector_consts)
+    from pd.kernels.indexer import (
+        DEFAULT_INDEXER_CONFIG,
+        GROUP,
+        HIST_BINS,
+        HIST_SHIFT,
+        MIN_TILES,
+        _index_scores_kernel,
+        page_vector_consts,
+    )
 
     ch, npv, pair = page_vector_consts(cfg["BLOCK_N"], 64, cfg.get("PV", 0))
     const = dict(S=s_p2, S_P2=s_p2, H=64, PAGE=64, BLOCK_N=cfg["BLOCK_N"], G=GROUP, LEN_2D=False, HAS_QS=fp8,
@@ -321,9 +332,23 @@ def test_aot_default_configs_fp8_query(sm90):
 def test_aot_select_and_group_max(topk):
     """The select kernel has no dot (compares, reductions, scans: no tensor-core work to do), so sm_120a only
     needs no wgmma and <= 99 KiB of shared memory; every select warp count compiles for both targets."""
-    from pd.kernels.indexer import (DEFAULT_INDEXER_CONFIG, DEFAULT_SELECT_WARPS, FINE_BINS, FINE_SHIFT, GROUP,
-                                    HIST_BINS, HIST_SHIFT, MIN_TILES, RADIX_BITS, SELECT_SPLIT, SELECT_TGS,
-                                    SELECT_WARPS, _group_max_kernel, _select_topk_kernel, candidate_capacity)
+    from pd.kernels.indexer import (
+        DEFAULT_INDEXER_CONFIG,
+        DEFAULT_SELECT_WARPS,
+        FINE_BINS,
+        FINE_SHIFT,
+        GROUP,
+        HIST_BINS,
+        HIST_SHIFT,
+        MIN_TILES,
+        RADIX_BITS,
+        SELECT_SPLIT,
+        SELECT_TGS,
+        SELECT_WARPS,
+        _group_max_kernel,
+        _select_topk_kernel,
+        candidate_capacity,
+    )
 
     sig = {"score_ptr": "*fp32", "gmax_ptr": "*fp32", "hist_ptr": "*i32", "tick_ptr": "*i32", "fine_ptr": "*i32",
            "scr_ptr": "*i32",

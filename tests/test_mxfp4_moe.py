@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-
 from triton_aot import aot, assert_sm120_ok, compile_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -133,8 +132,13 @@ def test_max_sorted_blocks_bounds_any_routing():
 
 
 def test_default_configs_are_valid_and_cover_all_sizes():
-    from pd.kernels.mxfp4_moe import (DEFAULT_CONFIGS, DEFAULT_CONFIGS_SM90_BITS, TILE_CONFIGS, _check_config,
-                                      default_config)
+    from pd.kernels.mxfp4_moe import (
+        DEFAULT_CONFIGS,
+        DEFAULT_CONFIGS_SM90_BITS,
+        TILE_CONFIGS,
+        _check_config,
+        default_config,
+    )
 
     for _, cfg in DEFAULT_CONFIGS + DEFAULT_CONFIGS_SM90_BITS:
         _check_config(cfg, 4096, 2048)
@@ -260,8 +264,12 @@ def _tile_configs():
     return TILE_CONFIGS
 
 
+def _tile_id(c):
+    return f"n{c['BN']}k{c['BK']}w{c['num_warps']}s{c['num_stages']}"
+
+
 @aot
-@pytest.mark.parametrize("cfg", _tile_configs(), ids=lambda c: f"n{c['BN']}k{c['BK']}w{c['num_warps']}s{c['num_stages']}")
+@pytest.mark.parametrize("cfg", _tile_configs(), ids=_tile_id)
 def test_aot_sm120a_every_tile_config(cfg):
     """Both GEMM kernels, 16-row blocks (draft) and 64-row blocks (the sorted path's largest), for sm_120a."""
     assert_sm120_ok(_gate_up(cfg, 120))
@@ -317,7 +325,7 @@ def test_aot_sm90a_default_configs():
 
 
 @aot
-@pytest.mark.parametrize("cfg", _tile_configs(), ids=lambda c: f"n{c['BN']}k{c['BK']}w{c['num_warps']}s{c['num_stages']}")
+@pytest.mark.parametrize("cfg", _tile_configs(), ids=_tile_id)
 def test_aot_sm90a_bits_every_tile_config(cfg):
     """The bits dequantization (the H200 path) for every tile config: the inline PTX is in, tensor-core ops, and
     16-row blocks stay on mma.sync (wgmma would need the converted weights in shared memory)."""

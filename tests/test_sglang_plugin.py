@@ -25,12 +25,12 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
-import torch
-
 import sglang
+import torch
 from engines import ROOT
-from pd.config import load_config, parse_config
+
 from pd.commands.sglang import sglang_command
+from pd.config import load_config, parse_config
 from pd.kernels import sglang_indexer as SI
 from pd.kernels import sglang_mxfp4_moe as SX
 from pd.kernels import sglang_plugin as P
@@ -379,14 +379,16 @@ def test_config_switches_reach_the_worker_env():
     base = {"engine": "sglang", "sglang": {"quantization": "fp8"}}
     off = sglang_command(parse_config(base), "decode", "h", 1, None).env
     assert not P.enabled_kernels(off) and "SGLANG_PLUGINS" not in off
-    cfg = parse_config({**base, "sglang": {"quantization": "fp8", "pdserve_kernels": {"mxfp4_moe": False, "force": True}},
+    cfg = parse_config({**base, "sglang": {"quantization": "fp8",
+                                           "pdserve_kernels": {"mxfp4_moe": False, "force": True}},
                         "decode": {"env": {"SGLANG_PLUGINS": "other", "PDSERVE_SPARSE_MLA": "0"}}})
     dec = sglang_command(cfg, "decode", "h", 1, None).env
     pre = sglang_command(cfg, "prefill", "h", 2, 3).env
     assert dec["SGLANG_PLUGINS"] == "other,pdserve" and pre["SGLANG_PLUGINS"] == "pdserve"
     assert P.enabled_kernels(dec) == {"indexer"}  # the group's own switch wins
     assert P.enabled_kernels(pre) == {"sparse_mla", "indexer"} and pre[P.FORCE_FLAG] == "1"
-    assert parse_config({**base, "sglang": {"quantization": "fp8", "pdserve_kernels": True}}).sglang.pdserve_kernels.enabled
+    on = parse_config({**base, "sglang": {"quantization": "fp8", "pdserve_kernels": True}})
+    assert on.sglang.pdserve_kernels.enabled
 
 
 # ---- 4. sparse-MLA adapter ----------------------------------------------------------------------------------
@@ -606,7 +608,8 @@ def test_indexer_adapter_writes_the_top_k_slots_sglang_would(forced, indexer_ker
     stock = lambda *a, **k: pytest.fail("a decode step went to SGLang")  # noqa: E731
     assert SI.forward_c4_indexer(stock, backend, x, q_lora, layer, batch, skip_compressor=True) is None
     (p,) = prepared
-    assert p["skip_compressor"] is True and p["c4_indexer"] is layer and torch.equal(p["positions"], torch.arange(3) + 900)
+    assert p["skip_compressor"] is True and p["c4_indexer"] is layer
+    assert torch.equal(p["positions"], torch.arange(3) + 900)
     ((args, kw),) = indexer_kernel
     assert args[0].shape == (3, 1, 64, 128) and args[0].dtype == torch.float8_e4m3fn
     assert args[1].shape == (3, 1, 64) and args[1].dtype == torch.float32 and args[2] is cache
@@ -723,7 +726,8 @@ def test_our_moe_method_loads_like_sglang_and_calls_the_kernel(moe_world):
     # what Fp8MoEMethod registers for MXFP4 experts (E=4, H=256, I=64), scales loaded as powers of two
     g = torch.Generator().manual_seed(0)
     exps13 = torch.randint(-20, 5, (4, 128, 8), generator=g)
-    layer.w13_weight = torch.nn.Parameter(torch.randint(-128, 127, (4, 128, 128), dtype=torch.int8), requires_grad=False)
+    layer.w13_weight = torch.nn.Parameter(torch.randint(-128, 127, (4, 128, 128), dtype=torch.int8),
+                                          requires_grad=False)
     layer.w2_weight = torch.nn.Parameter(torch.randint(-128, 127, (4, 256, 32), dtype=torch.int8), requires_grad=False)
     layer.w13_weight_scale_inv = torch.nn.Parameter(torch.pow(2.0, exps13.float()), requires_grad=False)
     layer.w2_weight_scale_inv = torch.nn.Parameter(torch.full((4, 256, 2), 0.5), requires_grad=False)
@@ -738,7 +742,8 @@ def test_our_moe_method_loads_like_sglang_and_calls_the_kernel(moe_world):
     dispatch = types.SimpleNamespace(hidden_states=hs, topk_output=(tw, ti, None))
     out = m.apply(layer, dispatch)
     ((args, kw),) = moe_world.seen
-    assert args == (hs, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv, tw, ti)
+    assert args == (hs, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv,
+                    tw, ti)
     assert kw == {"swiglu_limit": 10.0, "max_scale_byte": int(exps13.max()) + 127, "weight_layout": "sglang"}
     assert torch.equal(out.hidden_states, hs * 2)
 

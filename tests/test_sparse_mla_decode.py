@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-
 from triton_aot import aot, assert_sm120_ok, compile_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -140,8 +139,11 @@ SM90_SHARED_PER_SM = 233472  # bytes of shared memory per SM on sm_90 (228 KiB; 
 
 
 def _compile(bh, cfg, cc, direct=False, chunked=False, pipeline=None):
-    from pd.kernels.sparse_mla_decode import (_sparse_mla_fwd_chunked_kernel, _sparse_mla_fwd_kernel,
-                                              _sparse_mla_fwd_pipelined_kernel)
+    from pd.kernels.sparse_mla_decode import (
+        _sparse_mla_fwd_chunked_kernel,
+        _sparse_mla_fwd_kernel,
+        _sparse_mla_fwd_pipelined_kernel,
+    )
 
     const = dict(HAS_LEN=True, HAS_SINK=True, DIRECT=direct, PAGE_SIZE=64, BLOCK_H=bh, DOT_F32=False,
                  DOT_PREC="tf32", BLOCK_N=cfg.kwargs["BLOCK_N"])
@@ -229,12 +231,18 @@ def test_aot_pipelined_configs_sm120a_and_sm90a(i):
         if cc == 120:
             assert_sm120_ok(k)
         else:  # the programs per SM its default split count assumes fit the SM's shared memory
-            assert c.get("PROGRAMS_PER_SM", 1) * (k.metadata.shared + 1024) <= SM90_SHARED_PER_SM, (c, k.metadata.shared)
+            need = c.get("PROGRAMS_PER_SM", 1) * (k.metadata.shared + 1024)
+            assert need <= SM90_SHARED_PER_SM, (c, k.metadata.shared)
 
 
 def test_sm120_defaults_are_unchunked_and_sm90_only_picks_64():
-    from pd.kernels.sparse_mla_decode import (DEFAULT_CONFIG, DEFAULT_CONFIG_SM90, TWO_PER_SM_CONFIG_16,
-                                              _default_config, _pick_block_h)
+    from pd.kernels.sparse_mla_decode import (
+        DEFAULT_CONFIG,
+        DEFAULT_CONFIG_SM90,
+        TWO_PER_SM_CONFIG_16,
+        _default_config,
+        _pick_block_h,
+    )
 
     assert not any(c.get("CHUNKED") for c in DEFAULT_CONFIG.values())
     assert _pick_block_h(16, 1, 64) == 32 and _pick_block_h(16, 1, 64, sm90=True) == 64
@@ -253,9 +261,9 @@ def test_e4m3_bits_asm_is_exact_for_every_code_and_scale():
     but the NaNs, in each byte position of a word, times every UE8M0 scale byte, equals the exact product rounded
     once to bf16 (subnormal codes, bf16-subnormal results and scale bytes > 134 included)."""
     import numpy as np
+    from ptx_emu import run_ptx
 
     from pd.kernels.sparse_mla_decode import _E4M3_BITS_ASM
-    from ptx_emu import run_ptx
 
     codes = np.array([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=np.uint32)
     vals = np.stack([np.roll(codes, k) for k in range(4)], 1)  # each code in each byte position
@@ -275,8 +283,14 @@ def test_e4m3_bits_asm_is_exact_for_every_code_and_scale():
 
 def test_default_configs_are_compile_tested_configs():
     """Every config the default path can launch is in a list the AOT tests compile."""
-    from pd.kernels.sparse_mla_decode import (CONFIGS, CONFIGS_PIPELINED, CONFIGS_SM90, DEFAULT_CONFIG,
-                                              DEFAULT_CONFIG_SM90, TWO_PER_SM_CONFIG_16)
+    from pd.kernels.sparse_mla_decode import (
+        CONFIGS,
+        CONFIGS_PIPELINED,
+        CONFIGS_SM90,
+        DEFAULT_CONFIG,
+        DEFAULT_CONFIG_SM90,
+        TWO_PER_SM_CONFIG_16,
+    )
 
     defaults = [(bh, d) for bh, d in DEFAULT_CONFIG.items()] + [(bh, d) for bh, d in DEFAULT_CONFIG_SM90.items()]
     defaults.append((16, TWO_PER_SM_CONFIG_16))

@@ -1,6 +1,5 @@
 """The ``@triton.jit`` kernels of the MXFP4 MoE (see the package docstring) and the Triton types of the GEMM kernels'
 runtime arguments."""
-# ruff: noqa: E741  (I, the intermediate size, is the constexpr name the launcher and tests pass)
 
 from __future__ import annotations
 
