@@ -6,7 +6,7 @@ PIP    := $(VENV)/bin/pip
 # torch 2.13.0 (CPU build) is what this machine's pip serves from disk; a bare `torch` would pull CUDA.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install serve test bench-kv bench-router clean
+.PHONY: install serve lint test bench-kv bench-router clean
 
 install: $(VENV)/.installed
 
@@ -30,7 +30,11 @@ $(VENV)/.installed: pyproject.toml
 serve: install
 	$(VENV)/bin/pdserve up $(CONFIG)
 
-test: install
+# ruff's config is pyproject's [tool.ruff]; `make test` lints first.
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: lint
 	$(PY) -m pytest -q tests
 
 bench-kv: install

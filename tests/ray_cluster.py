@@ -11,8 +11,8 @@ import sys
 import tempfile
 
 import httpx
-from engines import ROOT, free_port
 
+from engines import ROOT, free_port
 from pd.util.wait import wait_until
 
 BIN = os.path.dirname(sys.executable)

@@ -6,8 +6,8 @@ import os
 import sys
 
 import httpx
-from engines import ManagedProcess, free_port, spawn
 
+from engines import ManagedProcess, free_port, spawn
 from pd.util.wait import wait_until
 
 

@@ -12,11 +12,11 @@ import httpx
 import openai
 import pytest
 import yaml
-from engines import ROOT, free_port
 from prometheus_client.parser import text_string_to_metric_families
-from ray_cluster import RayHead, wait_pids_gone
 
+from engines import ROOT, free_port
 from pd.util.wait import async_wait_until, wait_until
+from ray_cluster import RayHead, wait_pids_gone
 
 GEN = {"temperature": 0, "max_new_tokens": 12}
 

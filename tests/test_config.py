@@ -4,8 +4,8 @@ import glob
 import os
 
 import pytest
-from engines import ROOT
 
+from engines import ROOT
 from pd.commands.build import engine_command
 from pd.config import ConfigError, load_config, parse_config
 

@@ -9,8 +9,8 @@ import stat
 
 import pytest
 import yaml
-from engines import ROOT, free_port
 
+from engines import ROOT, free_port
 from pd.config import parse_config
 from pd.tools import doctor as D
 from pd.tools.doctor import hardware

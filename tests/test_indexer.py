@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+
 from triton_aot import aot, assert_sm120_ok, compile_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from engines import ROOT, ManagedProcess, free_port, spawn, wait_until_ready
 from prometheus_client.parser import text_string_to_metric_families
 
+from engines import ROOT, ManagedProcess, free_port, spawn, wait_until_ready
 from pd.cluster.prom_targets import TargetsFile, build_targets
 from pd.cluster.worker_metrics import WorkerStateExporter
 from pd.monitoring import grafana as g

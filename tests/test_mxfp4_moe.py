@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+
 from triton_aot import aot, assert_sm120_ok, compile_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -385,6 +386,7 @@ def test_ue8m0_factor_asm_is_two_to_the_s_minus_1_and_inf_past_128():
     """The PTX that turns 4 scale bytes into bf16 factors 2**(s - 1), run by tests/ptx_emu.py on every byte in every
     lane position; bytes > 128 (2**(s - 1) not a normal bf16) give +inf."""
     import numpy as np
+
     from ptx_emu import run_ptx
 
     s = np.arange(256, dtype=np.uint32)
@@ -406,9 +408,9 @@ def test_e2m1_bits_asm_matches_the_reference_dequantization(scales):
     on all 65536 (b0, b1) pairs in both byte halves of the word, against dequantize_mxfp4: exact, subnormal
     results (scale bytes 0, 1) included; the sign of -0 kept."""
     import numpy as np
-    from ptx_emu import run_ptx
 
     from pd.kernels.mxfp4_moe_reference import dequantize_mxfp4
+    from ptx_emu import run_ptx
 
     b = np.arange(65536, dtype=np.uint32)
     byte = [b & 0xFF, b >> 8, b >> 8, b & 0xFF]
@@ -431,6 +433,7 @@ def test_e2m1_bits_asm_matches_the_reference_dequantization(scales):
 
 def test_e2m1_bits_asm_with_a_scale_past_128_is_never_finite():
     import numpy as np
+
     from ptx_emu import run_ptx
 
     b = np.arange(256, dtype=np.uint32)
@@ -442,6 +445,7 @@ def test_e2m1_bits_asm_with_a_scale_past_128_is_never_finite():
 
 def test_ptx_emulator_refuses_unknown_instructions():
     import numpy as np
+
     from ptx_emu import run_ptx
 
     with pytest.raises(ValueError, match="not emulated"):
@@ -518,9 +522,9 @@ def test_e2m1_prep_asm_matches_the_reference_dequantization(scale):
     factor), run by tests/ptx_emu.py on all 65536 elements in both lanes, against dequantize_mxfp4 of the codes the
     documented layout puts there: exact, subnormal results (scale bytes 0, 1) and the sign of -0 included."""
     import numpy as np
-    from ptx_emu import run_ptx
 
     from pd.kernels.mxfp4_moe_reference import dequantize_mxfp4
+    from ptx_emu import run_ptx
 
     e = np.arange(65536, dtype=np.uint32)
     lanes = [e, (e * 40503 + 17) & 0xFFFF]  # every element in both lanes, paired with varied neighbours
@@ -539,6 +543,7 @@ def test_e2m1_prep_asm_matches_the_reference_dequantization(scale):
 
 def test_e2m1_prep_asm_with_a_scale_past_128_is_never_finite():
     import numpy as np
+
     from ptx_emu import run_ptx
 
     e = np.arange(65536, dtype=np.uint32)

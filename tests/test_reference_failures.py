@@ -10,10 +10,10 @@ import uuid
 
 import httpx
 import pytest
-from engines import async_metric, free_port, metric
-from pdclient import add_rooms, pd_post, stream_then_disconnect
 
+from engines import async_metric, free_port, metric
 from pd.util.wait import async_wait_until
+from pdclient import add_rooms, pd_post, stream_then_disconnect
 
 GOOD = {"text": "still alive", "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
 

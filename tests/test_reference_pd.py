@@ -4,6 +4,7 @@ import asyncio
 
 import httpx
 import pytest
+
 from engines import metric
 from pdclient import final_generate_chunks, merge_logprobs, parse_sse, pd_post, strip_volatile
 

@@ -11,14 +11,14 @@ import time
 import httpx
 import openai
 import pytest
-from engines import ROOT, free_port, metric
-from pdclient import final_generate_chunks as final_chunks
-from pdclient import parse_sse, stream_then_disconnect, strip_volatile
 from prometheus_client.parser import text_string_to_metric_families
-from routers import pd_router
 
+from engines import ROOT, free_port, metric
 from pd.router.app import GENERATION_ROUTES
 from pd.util.wait import async_wait_until
+from pdclient import final_generate_chunks as final_chunks
+from pdclient import parse_sse, stream_then_disconnect, strip_volatile
+from routers import pd_router
 
 GREEDY = {"temperature": 0}
 # s: a failure reaches the client, and both engines are idle again, within this of the request;

@@ -17,12 +17,12 @@ import time
 
 import httpx
 import pytest
-from engines import ROOT, ManagedProcess, free_port, spawn
-from pdclient import parse_sse
 from prometheus_client.parser import text_string_to_metric_families
-from routers import RouterProc
 
+from engines import ROOT, ManagedProcess, free_port, spawn
 from pd.util.wait import async_wait_until, wait_until
+from pdclient import parse_sse
+from routers import RouterProc
 
 CLIENT_KEY, ADMIN_KEY = "client-secret", "admin-secret"
 AUTH = {"Authorization": f"Bearer {CLIENT_KEY}"}

@@ -10,8 +10,8 @@ import types
 from pathlib import Path
 
 import pytest
-from engines import ROOT
 
+from engines import ROOT
 from pd.commands.sglang import SGLangArgError, parse_sglang_args, pinned_sglang_version, server_args_of, sglang_command
 from pd.config import load_config, parse_config
 from pd.tools import doctor as D

@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import sglang
 import torch
-from engines import ROOT
 
+from engines import ROOT
 from pd.commands.sglang import sglang_command
 from pd.config import load_config, parse_config
 from pd.kernels import sglang_indexer as SI

@@ -5,8 +5,8 @@ import os
 import sys
 
 import pytest
-from engines import ROOT
 
+from engines import ROOT
 from pd.util.wait import wait_until
 
 FAKE = [sys.executable, os.path.join(ROOT, "tests", "fake_sglang", "launch_server.py")]

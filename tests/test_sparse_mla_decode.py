@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+
 from triton_aot import aot, assert_sm120_ok, compile_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -261,9 +262,9 @@ def test_e4m3_bits_asm_is_exact_for_every_code_and_scale():
     but the NaNs, in each byte position of a word, times every UE8M0 scale byte, equals the exact product rounded
     once to bf16 (subnormal codes, bf16-subnormal results and scale bytes > 134 included)."""
     import numpy as np
-    from ptx_emu import run_ptx
 
     from pd.kernels.sparse_mla_decode import _E4M3_BITS_ASM
+    from ptx_emu import run_ptx
 
     codes = np.array([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=np.uint32)
     vals = np.stack([np.roll(codes, k) for k in range(4)], 1)  # each code in each byte position

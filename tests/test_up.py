@@ -11,10 +11,10 @@ import threading
 import httpx
 import pytest
 import yaml
-from engines import ROOT, free_port
-from ray_cluster import wait_pids_gone
 
+from engines import ROOT, free_port
 from pd.util.wait import wait_until
+from ray_cluster import wait_pids_gone
 
 
 def test_pdserve_up_serves_and_ctrl_c_stops_everything(model_cache, tmp_path):
