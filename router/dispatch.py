@@ -245,7 +245,6 @@ class PDDispatcher:
                                       "the request body must be a JSON object", rid_header)
 
         count, batch, n = sequence_count(route, body)
-        client_rid = body.get("rid")
         key = routing_key(route, body) if self.pool.needs_key else None
         stream = _truthy(body.get("stream", False))
         merge = logprobs.wants_input_logprobs(route, body)
@@ -265,7 +264,7 @@ class PDDispatcher:
             decode = self.pool.pick_decode(key) if prefill is not None else None
             if prefill is None or decode is None:
                 return no_worker(self.pool.unavailable_reason("prefill" if prefill is None else "decode"))
-            rids = assign_rids(body, count, batch, n, client_rid)
+            rids = assign_rids(body, count, batch, n)
             stamp(body, count, batch, prefill)
             payload = jsonio.encode(body, fast_json)
             ex = Exchange(route, em, prefill, decode, rids, count, stream, merge, drop_usage, payload,

@@ -13,15 +13,18 @@ P prompts x ``n`` samples, prompt-major, lists of length P*n indexed by ``p * n 
 A single sequence of a non-batch request gets scalar fields; anything else gets lists of length
 P*n. Client-supplied bootstrap fields are always replaced (a client must not pick rooms).
 
-Request ids: SGLang's /abort_request finds a request by its exact id first (tokenizer manager),
-so the router must know every sequence's id. Without a client ``rid`` the router sends one per
-sequence: ``pdr-<hex>`` for a single sequence, a list ``pdr-<hex>-<i>`` for a batch with ``n`` 1
-(``i`` zero-padded to one width: no id is a prefix of another, so a prefix-matching abort of one
-never hits a sibling). With ``n > 1`` a list is not portable (SGLang wants one id per prompt, the
-reference engine one per sequence), so the router sends a scalar ``pdr-<hex>``, which both expand to
-``pdr-<hex>_<i>`` (SGLang then replaces the ids of parallel samples by random ones: those can only
-be aborted by closing the connection). A client's scalar ``rid`` on a batch becomes ``rid_i`` in
-the engines (SGLang's rule); a client's list is used as is.
+Request ids: the router owns them. SGLang's /abort_request finds a request by its exact id first
+(tokenizer manager), so the router must know every sequence's id, and it also aborts every request
+whose id starts with the given one, so a client that picked its own ``rid`` could name a prefix of
+other clients' ids (``"p"`` matches every ``pdr-...``) and have the router abort them all when it
+disconnects. So a client's ``rid`` is replaced like its bootstrap fields, and the router sends one id
+per sequence: ``pdr-<hex>`` (128 random bits) for a single sequence, a list ``pdr-<hex>-<i>`` for a
+batch with ``n`` 1 (``i`` zero-padded to one width: no id is a prefix of another, so a
+prefix-matching abort of one never hits a sibling). With ``n > 1`` a list is not portable (SGLang
+wants one id per prompt, the reference engine one per sequence), so the router sends a scalar
+``pdr-<hex>``, which both expand to ``pdr-<hex>_<i>`` (SGLang then replaces the ids of parallel
+samples by random ones: those can only be aborted by closing the connection). The client's
+request id is the ``X-Request-Id`` header (``--request-id-headers``), which reaches both workers.
 """
 
 from __future__ import annotations
@@ -101,30 +104,20 @@ def sequence_count(route: str, body: dict) -> tuple[int, bool, int]:
     return SHAPES[route](body)
 
 
-def assign_rids(body: dict, count: int, batch: bool, n: int, client_rid) -> list[str]:
-    """Set ``body["rid"]`` for one attempt and return every sequence's id, in sequence order.
-
-    ``client_rid`` is the client's original ``rid`` (None when it sent none): kept as is. An empty
-    list means the ids are unknown (a client list of the wrong length: the engine rejects it).
-    """
-    if client_rid is None:
-        base = new_rid()
-        if count == 1 and not batch:
-            body["rid"] = base
-            return [base]
-        if n > 1:
-            body["rid"] = base
-            return [f"{base}_{i}" for i in range(count)]
-        width = len(str(count - 1))
-        rids = [f"{base}-{i:0{width}d}" for i in range(count)]
-        body["rid"] = rids
-        return rids
-    body["rid"] = client_rid
-    if isinstance(client_rid, str):
-        return [client_rid] if count == 1 and not batch else [f"{client_rid}_{i}" for i in range(count)]
-    if isinstance(client_rid, list) and len(client_rid) == count and all(isinstance(r, str) for r in client_rid):
-        return list(client_rid)
-    return []
+def assign_rids(body: dict, count: int, batch: bool, n: int) -> list[str]:
+    """Set ``body["rid"]`` to fresh router ids for one attempt, replacing any client ``rid``, and return
+    every sequence's id, in sequence order."""
+    base = new_rid()
+    if count == 1 and not batch:
+        body["rid"] = base
+        return [base]
+    if n > 1:
+        body["rid"] = base
+        return [f"{base}_{i}" for i in range(count)]
+    width = len(str(count - 1))
+    rids = [f"{base}-{i:0{width}d}" for i in range(count)]
+    body["rid"] = rids
+    return rids
 
 
 def stamp(body: dict, count: int, batch: bool, prefill: Worker) -> None:

@@ -265,6 +265,26 @@ async def test_abort_all(engines):
     await assert_idle(engines)
 
 
+async def test_abort_names_one_exact_id_and_abort_all_is_a_boolean(engines):
+    """An id names one sequence: aborting "p" aborts the request "p" only, not "pdr-..." or "p_0" (SGLang's
+    prefix match would take all three); those two end at their waiting timeout instead. abort_all "false"
+    (a string, truthy) is a 400 that aborts nothing."""
+    rids = ["p", "pdr-" + uuid.uuid4().hex, "p_0"]
+    url = engines["decode"].url
+    async with httpx.AsyncClient(timeout=30) as c:
+        bodies = [add_rooms({"text": f"w{i}", "rid": rid, "sampling_params": {"max_new_tokens": 4}}, "127.0.0.1",
+                            engines["prefill"].bootstrap_port, None) for i, rid in enumerate(rids)]
+        tasks = [asyncio.create_task(c.post(url + "/generate", json=b)) for b in bodies]
+        await waiting_for_kv(engines, 3)
+        assert_error(await c.post(url + "/abort_request", json={"abort_all": "false"}), 400, "abort_all")
+        assert (await c.post(url + "/abort_request", json={"rid": "p"})).status_code == 200
+        aborted, *others = await asyncio.gather(*tasks)
+    assert aborted.json()["meta_info"]["finish_reason"]["type"] == "abort", aborted.text
+    for r, body in zip(others, bodies[1:]):
+        assert_error(r, 500, str(body["bootstrap_room"]))  # the waiting timeout, not an abort
+    await assert_idle(engines)
+
+
 async def test_info_endpoints(engines):
     async with httpx.AsyncClient(timeout=30) as c:
         assert (await c.post(engines["null"].url + "/generate", json=GOOD)).status_code == 200

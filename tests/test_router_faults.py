@@ -293,6 +293,32 @@ async def test_client_disconnect_mid_stream_aborts_the_decode(si, routers):
     await until(lambda: metric(r, "pdserve_router_requests_in_flight") == 0, what="router in-flight 0")
 
 
+async def test_a_client_rid_cannot_abort_other_clients(si, routers):
+    """Two clients send ``"rid": "p"`` and disconnect after one chunk; the stand-in aborts by SGLang's rule (exact
+    id, then every id with that prefix, and every router id starts with "p"). The router owns the engine-side
+    ids, so the disconnects abort the two attackers' own sequences and none of the five other streams."""
+    r = routers("single")
+    si["d0"].control(token_interval=0.05)
+    async with httpx.AsyncClient(timeout=30) as c:
+        victims = [asyncio.create_task(c.post(r.url + "/generate", json=gen(tokens=40, stream=True)))
+                   for _ in range(5)]
+        await until(lambda: len(si["d0"].state()["live"]) == 5, what="five streams live on the decode")
+        for _ in range(2):
+            async with c.stream("POST", r.url + "/generate", json=gen(tokens=400, stream=True, rid="p")) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: {"):
+                        break
+        await until(lambda: len(si["d0"].state()["aborts"]) >= 2, what="the attackers' aborts")
+        done = await asyncio.gather(*victims)
+    st = si["d0"].state()
+    assert "p" not in st["aborts"] and all(a.startswith("pdr-") for a in st["aborts"]), st["aborts"]
+    for resp in done:
+        final = [e for e in parse_sse(resp.content) if isinstance(e, dict)][-1]
+        assert final["meta_info"]["finish_reason"]["type"] == "length", final
+        assert final["meta_info"]["completion_tokens"] == 40
+    assert len(st["aborted"]) == 2  # the attackers' own sequences only
+
+
 async def test_client_disconnect_before_the_answer_aborts_both_sides(si, routers):
     r = routers("single")
     si["p0"].fault("stall")

@@ -58,23 +58,19 @@ def test_stamp_replaces_client_fields_with_fresh_rooms():
 
 
 def test_assign_rids_per_sequence():
-    body = {}
-    (rid,) = assign_rids(body, 1, False, 1, None)
-    assert body["rid"] == rid and rid.startswith("pdr-")
-    rids = assign_rids(body, 33, True, 1, None)
+    body = {"rid": "p"}
+    (rid,) = assign_rids(body, 1, False, 1)
+    assert body["rid"] == rid and rid.startswith("pdr-")  # a client's rid is replaced: the router owns ids
+    rids = assign_rids(body, 33, True, 1)
     assert body["rid"] == rids and len(set(rids)) == 33
     # fixed width: no id is a prefix of another (a prefix-matching abort of one hits no sibling)
     assert not any(a != b and b.startswith(a) for a in rids for b in rids)
-    again = assign_rids(body, 33, True, 1, None)
+    again = assign_rids(body, 33, True, 1)
     assert not set(again) & set(rids)  # fresh ids per attempt
     # n > 1: a scalar both engines expand to rid_i
-    rids = assign_rids(body, 6, True, 3, None)
+    body["rid"] = ["x", "y"]
+    rids = assign_rids(body, 6, True, 3)
     assert isinstance(body["rid"], str) and rids == [f"{body['rid']}_{i}" for i in range(6)]
-    # client ids are kept
-    assert assign_rids(body, 1, False, 1, "mine") == ["mine"] and body["rid"] == "mine"
-    assert assign_rids(body, 3, True, 1, "mine") == ["mine_0", "mine_1", "mine_2"]
-    assert assign_rids(body, 2, True, 1, ["x", "y"]) == ["x", "y"]
-    assert assign_rids(body, 3, True, 1, ["x", "y"]) == []  # wrong length: the engine rejects it
 
 
 # ---- logprobs -------------------------------------------------------------------------------

@@ -233,9 +233,12 @@ class EngineCore:
         seq.task.cancel()
 
     def abort(self, rid: str = "", abort_all: bool = False) -> int:
-        """SGLang's /abort_request: abort sequences whose rid starts with ``rid`` (or all).
-        Returns how many were aborted."""
-        hits = [s for s in self.sequences if abort_all or (rid and s.spec.rid.startswith(rid))]
+        """/abort_request: abort the sequence whose rid is exactly ``rid`` (or all of them).
+
+        SGLang also aborts every request whose id starts with ``rid``; that lets any client that can name
+        a prefix (``"p"`` matches the router's ``pdr-...`` ids) abort other clients' requests, so here an
+        id names one sequence only. Returns how many were aborted."""
+        hits = [s for s in self.sequences if abort_all or (rid and s.spec.rid == rid)]
         for s in hits:
             self.cancel(s, USER_ABORT)
         return len(hits)

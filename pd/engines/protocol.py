@@ -242,7 +242,7 @@ def expand(
     Bootstrap rooms: one per generated sequence. A list must have ``P * n`` entries indexed by
     ``i`` (SGLang itself would hand all samples of a prompt the same room, which a decode must
     refuse); a scalar room ``r`` gives item ``i`` the room ``r + i``. ``rid``: a string becomes
-    ``f"{rid}_{i}"`` for batches (so /abort_request by prefix reaches every item).
+    ``f"{rid}_{i}"`` for batches (SGLang's naming; /abort_request names each item by its own id).
 
     Raises:
         EngineError: 400 for list lengths that do not match, or n < 1.

@@ -241,9 +241,11 @@ class EngineServer:
             body = await read_json(request, limit)
             if not isinstance(body, dict):
                 raise bad_request("the request body must be a JSON object")
-            rid, abort_all = body.get("rid", ""), bool(body.get("abort_all", False))
+            rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
             if not isinstance(rid, str):
                 raise bad_request("rid must be a string", "rid")
+            if not isinstance(abort_all, bool):  # "false" is a string, and truthy: it must not abort everything
+                raise bad_request("abort_all must be a JSON boolean", "abort_all")
             self.core.abort(rid, abort_all)
             return Response(status_code=200)
 
