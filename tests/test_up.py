@@ -17,14 +17,12 @@ from pd.util.wait import wait_until
 from ray_cluster import wait_pids_gone
 
 
-def test_pdserve_up_serves_and_ctrl_c_stops_everything(model_cache, tmp_path):
+def test_pdserve_up_serves_and_ctrl_c_stops_everything(model_cache):
+    """The embedded default, with the router moved by --port (the job gets the config text with the override)."""
     router_port, dashboard_port = free_port(), free_port()
-    cfg = yaml.safe_load(open(os.path.join(ROOT, "deploy", "local.yaml")))
-    cfg["router"]["port"] = router_port
-    config = tmp_path / "up.yaml"  # outside the repo: `up` ships the config text with the job
-    config.write_text(yaml.safe_dump(cfg))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pd.cli", "up", str(config), "--address", f"http://127.0.0.1:{dashboard_port}"],
+        [sys.executable, "-m", "pd.cli", "up", "--port", str(router_port),
+         "--address", f"http://127.0.0.1:{dashboard_port}"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
@@ -101,6 +99,26 @@ def test_pdserve_up_runs_the_preflight_before_starting_a_head(tmp_path):
     assert r.returncode == 2, out
     assert str(cfg["router"]["port"]) in out and "nothing started" in out, out
     assert "starting a local head" not in out
+
+
+def test_pdserve_up_names_a_taken_dashboard_port_at_once():
+    """A program that is not Ray holds the dashboard port: `up` says so and how to pick another, before starting
+    anything (a head there would wait two minutes for a dashboard it cannot bind)."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        r = subprocess.run([sys.executable, "-m", "pd.cli", "up", "--address", f"http://127.0.0.1:{port}"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    finally:
+        taken.close()
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out
+    assert f"port {port}" in out and f"pid {os.getpid()}" in out and "--address" in out, out
+    assert "nothing started" in out and "starting a local head" not in out, out
 
 
 def test_submission_waits_for_the_heads_job_agent(monkeypatch):

@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Optional
 
 import httpx
+import yaml
 
 from pd.cluster.launch import CONFIG_ENV
 from pd.cluster.procs import popen_group, stop_group
-from pd.config import DEFAULT_CONFIG, ConfigError, PDConfig, load_config
-from pd.util.ports import free_ports
+from pd.config import DEFAULT_CONFIG, ConfigError, PDConfig, load_config, parse_config
+from pd.util.ports import free_ports, port_holder
 from pd.util.wait import wait_until
 
 # A source checkout pd is imported from (its root holds pyproject.toml), or None for an installed pdserve.
@@ -145,24 +146,38 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "http://127.0.0.1:8265"),
                    help="Ray dashboard (job submission) address; a local head is started if nothing answers there "
                         "(default: $RAY_ADDRESS or http://127.0.0.1:8265)")
+    p.add_argument("--port", type=int, help="the router's port (default: the config's router.port)")
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config)
+        config_text = Path(args.config).read_text() if args.config else DEFAULT_CONFIG.read_text()
+        if args.port is not None:  # the job gets the config as text: it carries the override too
+            data = yaml.safe_load(config_text) or {}
+            data.setdefault("router", {})["port"] = args.port
+            config_text = yaml.safe_dump(data, sort_keys=False)
+            cfg = parse_config(data, f"{args.config or DEFAULT_CONFIG} with --port {args.port}")
     except ConfigError as e:
         print(f"pdserve up: invalid config:\n{e}", file=sys.stderr)
         return 2
-    config_text = Path(args.config).read_text() if args.config else DEFAULT_CONFIG.read_text()
 
     head = None
     address = args.address if "://" in args.address else f"http://{args.address}"
-    if not dashboard_up(address):
+    if dashboard_up(address):
+        say(f"found a Ray cluster at {address}: the job goes there (pdserve up did not start that cluster, so "
+            "Ctrl-C stops the job only, never the cluster)")
+    else:
+        port = int(address.rsplit(":", 1)[1]) if re.search(r":\d+$", address) else 8265
+        holder = port_holder(port)
+        if holder is not None:  # a head there would wait 2 minutes for a dashboard it cannot bind
+            say(f"port {port}, where the local Ray head's dashboard would listen, is in use by {holder} (not a "
+                f"Ray dashboard); pick another with --address http://127.0.0.1:PORT or RAY_ADDRESS; nothing started")
+            return 2
         # The job would run the same checks on this machine after the head started and the job was submitted.
         from pd.tools.doctor import preflight
 
         if not preflight(cfg):
             say("the preflight checks failed (see above; `pdserve doctor CONFIG` runs them alone); nothing started")
             return 2
-        port = int(address.rsplit(":", 1)[1]) if re.search(r":\d+$", address) else 8265
         log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-ray-head-{os.getpid()}.log"
         say(f"no Ray cluster at {address}; starting a local head with {cfg.cluster.num_gpus} logical GPUs "
             f"(log: {log_path})")

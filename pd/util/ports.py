@@ -46,3 +46,28 @@ def free_ports(count: int, host: str = "127.0.0.1", exclude: Iterable[int] = ())
         out.append(free_port(host, taken))
         taken.add(out[-1])
     return out
+
+
+def port_holder(port: int, host: str = "127.0.0.1") -> str | None:
+    """None when a server could bind ``host:port`` now; else who holds it, as far as this process can see:
+    ``"pid 123 (nginx)"`` when psutil is installed and may read that process, else ``"another program"``.
+
+    Raises:
+        OSError: ``host`` cannot be resolved.
+    """
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+            return None
+        except OSError:
+            pass
+    try:
+        import psutil  # optional here (Ray brings it): only names the holder
+
+        for c in psutil.net_connections(kind="tcp"):
+            if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
+                return f"pid {c.pid} ({psutil.Process(c.pid).name()})"
+    except Exception:  # no psutil, or no permission to see the holder: the port is still taken
+        pass
+    return "another program"
