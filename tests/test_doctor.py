@@ -502,6 +502,23 @@ def test_router_port_in_use_is_refused():
     assert "not an address of this machine" in of(run(d, check_ports=True), "router-port")[0].message
 
 
+def test_router_port_of_a_running_pdserve_router_is_a_warning(tmp_path):
+    """The config's cluster already up: its router holds the port. That is a warning naming it, not an error."""
+    from routers import RouterProc
+
+    router = RouterProc(["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:10",
+                         "--health-check-interval-secs", "0"], str(tmp_path))
+    try:
+        router.wait_ready()
+        d = profile()
+        d["router"].update(host="127.0.0.1", port=router.port)
+        f = of(run(d, check_ports=True), "router-port")
+    finally:
+        router.stop()
+    assert len(f) == 1 and f[0].level == "warning", f
+    assert f"router.port {router.port}" in f[0].message and "running pdserve router" in f[0].message
+
+
 def test_launch_stops_on_errors_before_ray(tmp_path, capsys, monkeypatch):
     import sys
     import types

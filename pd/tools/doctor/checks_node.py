@@ -7,6 +7,8 @@ import errno
 import socket
 import sys
 
+import httpx
+
 from . import hardware
 from .context import Context
 from .findings import Finding
@@ -70,6 +72,11 @@ def check_router_port(ctx: Context) -> list[Finding]:
         s.bind(addr)
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
+            if _pdserve_router_at(r.host, r.port):
+                return [Finding("warning", "router-port", f"router.port {r.port} on {r.host} is in use by a running "
+                                "pdserve router (this config's cluster, if it is already up)",
+                                "a second cluster needs another router.port (pdserve up --port N); this one stops "
+                                "with `ray job stop JOB_ID` (or Ctrl-C in its pdserve up)")]
             return [Finding("error", "router-port", f"router.port {r.port} on {r.host} is already in use",
                             f"stop what listens there (ss -ltnp 'sport = :{r.port}') or set router.port to a free "
                             "port")]
@@ -81,6 +88,16 @@ def check_router_port(ctx: Context) -> list[Finding]:
     finally:
         s.close()
     return [Finding("ok", "router-port", f"router {r.host}:{r.port} is free")]
+
+
+def _pdserve_router_at(host: str, port: int) -> bool:
+    """Whether what listens on host:port answers /metrics as a pdserve router does (2 s at most)."""
+    probe = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+    try:
+        r = httpx.get(f"http://{probe}:{port}/metrics", timeout=2, trust_env=False)
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200 and "pdserve_router_requests_total" in r.text
 
 
 def check_pdserve_plugin(ctx: Context) -> list[Finding]:

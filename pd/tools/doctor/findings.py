@@ -16,7 +16,8 @@ class Finding:
     """One preflight result.
 
     Attributes:
-        level: ``error`` (known to fail), ``warning`` or ``ok`` (passed or skipped, see message).
+        level: ``error`` (known to fail), ``warning`` or ``ok`` (passed or skipped, see message); anything
+            else raises ValueError.
         check: the check's id, e.g. ``quantization``.
         message: what was found, naming the config field and SGLang flag.
         fix: what to try (empty for ``ok``).
@@ -26,6 +27,10 @@ class Finding:
     check: str
     message: str
     fix: str = ""
+
+    def __post_init__(self):
+        if self.level not in LEVELS:  # a misspelt level would render and count as nothing
+            raise ValueError(f"Finding level {self.level!r} is not one of {LEVELS}")
 
 
 def exit_code(findings: list[Finding]) -> int:
