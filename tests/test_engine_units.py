@@ -305,3 +305,41 @@ def test_run_blocking_drops_queued_work_of_a_cancelled_caller_and_waits_for_runn
         assert ran == ["running"]  # the queued step never ran
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("cores, threads", [(1, 1), (2, 1), (8, 7)])
+def test_cpu_threads_default_leaves_a_core_to_the_server_thread(cores, threads, monkeypatch):
+    from pd.engines.args import default_cpu_threads, finalize
+    from pd.engines.server import build_parser
+
+    assert default_cpu_threads(cores) == threads
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(cores)), raising=False)
+    assert finalize(build_parser().parse_args([])).cpu_threads == threads
+    assert finalize(build_parser().parse_args(["--cpu-threads", "5"])).cpu_threads == 5
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_cpu_threads_must_be_positive(value):
+    from pd.engines.args import finalize
+    from pd.engines.server import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        finalize(build_parser().parse_args(["--cpu-threads", value]))
+    assert str(e.value) == f"--cpu-threads must be a positive integer, got {value}"
+
+
+def test_engine_applies_and_reports_cpu_threads(model_cache, tmp_path):
+    import httpx
+
+    from engines import start_engine, wait_ready
+
+    e = start_engine("null", str(tmp_path), "--cpu-threads", "1")
+    try:
+        wait_ready([e])
+        info = httpx.get(e.url + "/get_server_info", timeout=10).json()
+        assert (info["cpu_threads"], info["torch_num_threads"], info["torch_num_interop_threads"]) == (1, 1, 1)
+        r = httpx.post(e.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert "torch threads: 1 intra-op, 1 inter-op" in e.log()
+    finally:
+        e.stop()

@@ -4,7 +4,8 @@ Flags shared with SGLang keep SGLang's names and defaults (sglang/srt/server_arg
 ``--model-path``, ``--host``, ``--port``, ``--disaggregation-mode``,
 ``--disaggregation-bootstrap-port`` (8998), ``--disaggregation-transfer-backend``,
 ``--disaggregation-ib-device``, ``--page-size``, ``--max-total-tokens``, ``--served-model-name``,
-``--dtype``. The PD timeouts default to SGLang's environment variables
+``--dtype``. ``--cpu-threads`` is the reference engine's own (SGLang has no such flag for a CPU engine).
+The PD timeouts default to SGLang's environment variables
 ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` and ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` (300 s).
 """
 
@@ -22,6 +23,23 @@ def _env_float(name: str, default: float) -> float:
         return float(os.environ.get(name, default))
     except ValueError:
         raise SystemExit(f"environment variable {name} must be a number of seconds, got {os.environ[name]!r}")
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask; ``os.cpu_count()`` where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def default_cpu_threads(cores: int) -> int:
+    """Torch threads for an engine given ``cores`` cores: one core is left to the HTTP server thread, at least 1.
+
+    With every core given to torch, its intra-op threads fight the server thread (the event loop that
+    parses requests and streams tokens) and throughput collapses under load.
+    """
+    return max(1, cores - 1)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -64,6 +82,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV pool capacity in tokens (prefill and decode). Default: 65536.")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="Model and KV dtype. Default: float32 (exact on CPU).")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="Torch intra-op (and inter-op) threads for the model, set before it loads. Default: the "
+                        "cores this process may run on (its CPU affinity) minus one for the HTTP server thread, "
+                        "at least 1.")
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
                    help="Largest request body accepted, in bytes (larger gets HTTP 413). Default: 32 MiB.")
     p.add_argument("--log-level", default="info", help="Log level. Default: info.")
@@ -94,6 +116,10 @@ def finalize(args: argparse.Namespace) -> argparse.Namespace:
     for flag in ("page_size", "max_total_tokens"):
         if getattr(args, flag) <= 0:
             raise SystemExit(f"--{flag.replace('_', '-')} must be positive")
+    if args.cpu_threads is None:
+        args.cpu_threads = default_cpu_threads(available_cores())
+    elif args.cpu_threads <= 0:
+        raise SystemExit(f"--cpu-threads must be a positive integer, got {args.cpu_threads}")
     for flag in ("disaggregation_bootstrap_timeout", "disaggregation_waiting_timeout"):
         if getattr(args, flag) <= 0:
             raise SystemExit(f"--{flag.replace('_', '-')} must be positive")

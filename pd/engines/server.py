@@ -18,6 +18,7 @@ import time
 from typing import AsyncIterator, Callable, Optional
 
 import pydantic
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -221,6 +222,8 @@ class EngineServer:
                 "kv_pages_held": pool.held if pool else 0,
                 "kv_pages_total": pool.num_pages if pool else 0,
                 "transfer_session_id": self.core.transfer.session_id if self.core.transfer else None,
+                "torch_num_threads": torch.get_num_threads(),
+                "torch_num_interop_threads": torch.get_num_interop_threads(),
             })
             return info
 
@@ -321,6 +324,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def set_cpu_threads(n: int) -> None:
+    """Give torch ``n`` intra-op and inter-op threads; call before any torch work (the model load)."""
+    torch.set_num_threads(n)
+    try:
+        torch.set_num_interop_threads(n)
+    except RuntimeError:  # the inter-op pool already started (torch allows setting it once, before use)
+        log.warning("torch inter-op threads already started; left at %d", torch.get_num_interop_threads())
+    log.info("torch threads: %d intra-op, %d inter-op", torch.get_num_threads(), torch.get_num_interop_threads())
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point of ``pdserve engine``."""
     import uvicorn
@@ -329,6 +342,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # httpx logs every request at INFO: health probes and per-request peer calls would flood the log.
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    set_cpu_threads(args.cpu_threads)
     server = EngineServer(args)
 
     class _Server(uvicorn.Server):
