@@ -176,7 +176,8 @@ class Router(RouterSettings):
     (round_robin, random, least_load, power_of_two, cache_aware), ``cache_aware``
     ({cache_threshold, balance_abs_threshold, ...}), ``retry`` ({max_retries, initial_backoff_ms,
     ...}), ``circuit_breaker``, ``health_check``, ``timeouts`` ({connect, prefill, first_token,
-    stream_idle, request} seconds), ``max_payload_size``, ``max_connections``, ``api_key``,
+    stream_idle, request} seconds), ``max_payload_size``, ``max_n``, ``max_batch_size``,
+    ``max_sequences_per_request``, ``max_connections``, ``api_key``,
     ``admin_api_key``, ``request_id_headers``, ``log_level``.
 
     Attributes:

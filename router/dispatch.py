@@ -3,7 +3,9 @@ answer out.
 
 Per request (docs/design.md, "The PD wire protocol"):
 
-1. Check the API key, read the body (413 over ``max_payload_size``), parse it (400 if malformed).
+1. Check the API key, read the body (413 over ``max_payload_size``), parse it (400 if malformed),
+   check the admission caps (400 over ``max_n``, ``max_batch_size`` or ``max_sequences_per_request``:
+   pd.router.admission).
 2. Pick a (prefill, decode) pair with the side policies, stamp the bootstrap fields (one fresh
    room per generated sequence) and request ids (pd.router.rooms).
 3. POST the same bytes to the same route on both workers concurrently, over the pooled client,
@@ -33,7 +35,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Optional
 
-from pd.router import jsonio, logprobs
+from pd.router import admission, jsonio, logprobs
 from pd.router.aborts import Aborter, aborted_indexes
 from pd.router.auth import Auth
 from pd.router.background import TaskSet
@@ -43,7 +45,7 @@ from pd.router.front import ClientGone, Receive, Scope, Send, read_body, request
 from pd.router.metrics import EndpointMetrics, RouterMetrics
 from pd.router.policies import routing_key
 from pd.router.retry import Failure, Retrier, answered, no_answer, no_worker, stream_start
-from pd.router.rooms import assign_rids, new_rid, sequence_count, stamp
+from pd.router.rooms import assign_rids, new_rid, request_shape, stamp
 from pd.router.stream import Relay
 from pd.router.tokens import count as count_tokens
 from pd.router.tokens import wants_usage_injected
@@ -183,7 +185,7 @@ class PDDispatcher:
     # ---- the request path --------------------------------------------------------------------
     async def handle(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
         """Serve one generation request (an ASGI ``http`` scope) in PD mode: decode's answer
-        (streamed for ``stream: true``), a worker's own error, or a router error (400 malformed,
+        (streamed for ``stream: true``), a worker's own error, or a router error (400 malformed or over a cap,
         401 key, 413 too large, 502 unreachable, 503 no worker, 504 timed out), always with
         ``X-Request-Id``. A client that left gets nothing (recorded as 499)."""
         arrival = time.perf_counter()
@@ -203,9 +205,9 @@ class PDDispatcher:
             em.error(kind)
 
     async def _reject(self, send: Send, em: EndpointMetrics, arrival: float, status: int, kind: str, msg: str,
-                      rid_header: tuple[bytes, bytes]) -> None:
+                      rid_header: tuple[bytes, bytes], param: Optional[str] = None) -> None:
         self.record(em, arrival, status, kind)
-        await send_whole(send, status, error_json(status, msg), extra=(rid_header,))
+        await send_whole(send, status, error_json(status, msg, param), extra=(rid_header,))
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, route: str, em: EndpointMetrics,
                      arrival: float) -> None:
@@ -244,7 +246,11 @@ class PDDispatcher:
             return await self._reject(send, em, arrival, 400, "invalid_request",
                                       "the request body must be a JSON object", rid_header)
 
-        count, batch, n = sequence_count(route, body)
+        shape = request_shape(route, body)
+        over = admission.check(route, shape, self.settings)
+        if over is not None:  # before any worker is touched, and never retried
+            return await self._reject(send, em, arrival, 400, "over_limit", over.message, rid_header, over.param)
+        count, batch, n = shape.sequences, shape.batch, shape.n
         key = routing_key(route, body) if self.pool.needs_key else None
         stream = _truthy(body.get("stream", False))
         merge = logprobs.wants_input_logprobs(route, body)

@@ -51,6 +51,7 @@ E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20
 # Values of the ``kind`` label of pdserve_router_errors_total.
 ERROR_KINDS = (
     "invalid_request",      # malformed body (400)
+    "over_limit",           # over --max-n, --max-batch-size or --max-sequences-per-request (400)
     "payload_too_large",    # body over --max-payload-size (413)
     "unauthorized",         # missing or wrong API key (401)
     "no_worker",            # no available prefill or decode worker (503)

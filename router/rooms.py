@@ -10,6 +10,8 @@ P prompts x ``n`` samples, prompt-major, lists of length P*n indexed by ``p * n 
   flat list of ints is one prompt (not a batch); times ``n``.
 - ``/v1/chat/completions``: one prompt, ``n`` samples.
 
+The same shape is what the router's admission caps check (pd.router.admission).
+
 A single sequence of a non-batch request gets scalar fields; anything else gets lists of length
 P*n. Client-supplied bootstrap fields are always replaced (a client must not pick rooms).
 
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from pd.router.workers import Worker
 
@@ -55,11 +57,38 @@ def new_rid() -> str:
 
 
 def _as_n(value) -> Optional[int]:
-    # Anything odd (a string, a bool) is left for the engine to reject with a proper 400.
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+    """``n`` as an int when it is one the engines take as one: an int, an integral float or a string of
+    digits (the OpenAI routes' pydantic models coerce those), else None (a bool, ``"three"``, ``0``: left
+    for the engine to reject with a proper 400)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    elif isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    return value if isinstance(value, int) and value >= 1 else None
 
 
-def _generate_shape(body: dict) -> tuple[int, bool, int]:
+class Shape(NamedTuple):
+    """What a generation body asks for.
+
+    Attributes:
+        prompts: prompts in the request (1 unless it is a batch).
+        n: samples per prompt.
+        batch: whether the request is a batch (list-valued fields), even of one prompt.
+    """
+
+    prompts: int
+    n: int
+    batch: bool
+
+    @property
+    def sequences(self) -> int:
+        """Sequences generated: prompts x n."""
+        return self.prompts * self.n
+
+
+def _generate_shape(body: dict) -> Shape:
     text, ids = body.get("text"), body.get("input_ids")
     if isinstance(text, list):
         prompts, batch = len(text), True
@@ -68,23 +97,22 @@ def _generate_shape(body: dict) -> tuple[int, bool, int]:
     else:
         prompts, batch = 1, False
     sp = body.get("sampling_params")
-    if isinstance(sp, list):
-        sp = sp[0] if sp else None
-    n = (_as_n(sp.get("n", 1)) if isinstance(sp, dict) else 1) or 1
-    return prompts * n, batch, n
+    # A list must agree on n (the engines reject one that does not); the largest is what a cap must see.
+    params = sp if isinstance(sp, list) else [sp]
+    n = max(((_as_n(p.get("n", 1)) if isinstance(p, dict) else 1) or 1 for p in params), default=1)
+    return Shape(prompts, n, batch)
 
 
-def _completion_shape(body: dict) -> tuple[int, bool, int]:
+def _completion_shape(body: dict) -> Shape:
     prompt = body.get("prompt")
     n = _as_n(body.get("n", 1)) or 1
     if isinstance(prompt, list) and prompt and not all(isinstance(x, int) for x in prompt):
-        return len(prompt) * n, True, n  # list of strings or of token-id lists
-    return n, False, n
+        return Shape(len(prompt), n, True)  # list of strings or of token-id lists
+    return Shape(1, n, False)
 
 
-def _chat_shape(body: dict) -> tuple[int, bool, int]:
-    n = _as_n(body.get("n", 1)) or 1
-    return n, False, n
+def _chat_shape(body: dict) -> Shape:
+    return Shape(1, _as_n(body.get("n", 1)) or 1, False)
 
 
 SHAPES = {
@@ -94,6 +122,15 @@ SHAPES = {
 }
 
 
+def request_shape(route: str, body: dict) -> Shape:
+    """The prompts, samples per prompt and batchness of a body sent to ``route``.
+
+    Raises:
+        KeyError: ``route`` is not a generation route.
+    """
+    return SHAPES[route](body)
+
+
 def sequence_count(route: str, body: dict) -> tuple[int, bool, int]:
     """(number of generated sequences, is the request a batch, samples per prompt ``n``) for a
     body sent to ``route``.
@@ -101,7 +138,8 @@ def sequence_count(route: str, body: dict) -> tuple[int, bool, int]:
     Raises:
         KeyError: ``route`` is not a generation route.
     """
-    return SHAPES[route](body)
+    shape = SHAPES[route](body)
+    return shape.sequences, shape.batch, shape.n
 
 
 def assign_rids(body: dict, count: int, batch: bool, n: int) -> list[str]:

@@ -131,6 +131,9 @@ ROUTER_FLAGS = {
                                        "--health-check-timeout-secs", "1"]),
     "policies": (("p0", "p1"), ("d0", "d1"), ["--disable-retries", "--health-check-interval-secs", "0",
                                               "--prefill-policy", "cache_aware", "--decode-policy", "least_load"]),
+    # small admission caps; default retries, so a refusal that reached a worker would show as retries
+    "caps": (("p0",), ("d0",), ["--health-check-interval-secs", "0", "--retry-initial-backoff-ms", "10",
+                                "--max-n", "4", "--max-batch-size", "8", "--max-sequences-per-request", "16"]),
 }
 
 
@@ -517,6 +520,37 @@ async def test_bad_input_gets_4xx_and_the_router_keeps_serving(si, routers):
     assert sum(len(p.state()["requests"]) for p in si.values()) == 2  # only the good one reached workers
     assert metric(r, "pdserve_router_errors_total", endpoint="/generate", kind="payload_too_large") >= 2
     assert metric(r, "pdserve_router_errors_total", endpoint="/generate", kind="invalid_request") >= 1
+
+
+async def test_requests_over_the_caps_get_400_and_touch_no_engine(si, routers):
+    r = routers("caps")
+    over = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 10000, "max_tokens": 2},
+         "n = 10000 is over the router's limit of 4 (--max-n)", "n"),
+        ("/generate", {"text": "hi", "sampling_params": [{"max_new_tokens": 2, "n": 5}]},
+         "sampling_params.n = 5 is over the router's limit of 4 (--max-n)", "sampling_params.n"),
+        ("/v1/completions", {"prompt": ["a"] * 9, "max_tokens": 2},
+         "a batch of 9 prompts is over the router's limit of 8 (--max-batch-size)", None),
+        ("/generate", {"text": ["a"] * 5, "sampling_params": {"max_new_tokens": 2, "n": 4}, "stream": True},
+         "over the router's limit of 16 (--max-sequences-per-request)", None),
+    ]
+    before = metric(r, "pdserve_router_errors_total", kind="over_limit")
+    for route, body, message, param in over:
+        resp = await call(r, route, body, {"X-Request-Id": "caps-1"})
+        assert resp.status_code == 400, (route, resp.text)
+        assert resp.headers["x-request-id"] == "caps-1"
+        error = resp.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert message in error["message"] and error["param"] == param
+        assert error["type"] == "BadRequestError" and error["code"] == 400
+    assert metric(r, "pdserve_router_errors_total", kind="over_limit") - before == len(over)
+    assert metric(r, "pdserve_router_requests_total", endpoint="/generate", status="400") >= 2
+    for p in si.values():  # not one request or abort reached a stand-in, on any attempt
+        assert p.state()["requests"] == [] and p.state()["aborts"] == []
+    # at the caps: served
+    resp = await call(r, "/generate", {"text": ["a"] * 4, "sampling_params": {"max_new_tokens": 2, "n": 4}})
+    assert resp.status_code == 200 and len(resp.json()) == 16
+    assert [len(q["rooms"]) for q in si["d0"].state()["requests"]] == [16]
 
 
 async def test_api_key_request_id_and_token_metrics(si, routers):

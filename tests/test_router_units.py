@@ -9,15 +9,16 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pd.router.aborts import aborted_indexes
+from pd.router.admission import check
 from pd.router.auth import Auth, key_matches
 from pd.router.circuit import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from pd.router.cli import config_from_args, parse_prefill
-from pd.router.config import CONFIG_ENV, CircuitBreakerConfig, RouterConfig
+from pd.router.config import CONFIG_ENV, CircuitBreakerConfig, RouterConfig, RouterSettings
 from pd.router.logprobs import merge_event, merge_full, prefill_inputs, wants_input_logprobs
 from pd.router.metrics import ERROR_KINDS, RouterMetrics
 from pd.router.policies import POLICIES, routing_key
 from pd.router.radix import RadixTree
-from pd.router.rooms import ROOM_LIMIT, assign_rids, sequence_count, stamp
+from pd.router.rooms import ROOM_LIMIT, Shape, assign_rids, request_shape, sequence_count, stamp
 from pd.router.tokens import UsageTap, count, wants_usage_injected
 from pd.router.workers import Worker, WorkerPool
 
@@ -43,6 +44,63 @@ ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 ])
 def test_sequence_count(route, body, expected):
     assert sequence_count(route, body) == expected
+
+
+@pytest.mark.parametrize("route,body,expected", [
+    ("/generate", {"text": ["a", "b", "c"], "sampling_params": {"n": 2}}, Shape(3, 2, True)),
+    ("/generate", {"input_ids": [[1], [2]], "sampling_params": [{"n": 5}, {"n": 5}]}, Shape(2, 5, True)),
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{"n": 1}, {"n": 9}]}, Shape(2, 9, True)),  # the largest
+    ("/generate", {"text": "hi", "sampling_params": []}, Shape(1, 1, False)),
+    ("/generate", {"text": "hi", "n": 7}, Shape(1, 1, False)),  # /generate's n is in sampling_params only
+    ("/v1/completions", {"prompt": ["a"] * 4, "n": 3}, Shape(4, 3, True)),
+    ("/v1/completions", {"prompt": "a", "n": 3, "sampling_params": {"n": 9}}, Shape(1, 3, False)),
+    ("/v1/chat/completions", {"messages": [], "n": 10000}, Shape(1, 10000, False)),
+    ("/v1/chat/completions", {"messages": [], "n": "12"}, Shape(1, 12, False)),  # pydantic coerces it
+    ("/v1/chat/completions", {"messages": [], "n": 12.0}, Shape(1, 12, False)),
+    ("/v1/chat/completions", {"messages": [], "n": True}, Shape(1, 1, False)),
+])
+def test_request_shape_prompts_and_n(route, body, expected):
+    shape = request_shape(route, body)
+    assert shape == expected and shape.sequences == expected.prompts * expected.n
+
+
+CAPS = RouterSettings(max_n=4, max_batch_size=8, max_sequences_per_request=16)
+
+
+def _over(route: str, body: dict):
+    return check(route, request_shape(route, body), CAPS)
+
+
+def test_admission_caps_pass_at_the_limit():
+    assert _over("/generate", {"text": "a", "sampling_params": {"n": 4}}) is None
+    assert _over("/generate", {"text": ["a"] * 4, "sampling_params": [{"n": 4}] * 4}) is None  # 16 sequences
+    assert _over("/generate", {"input_ids": [[1]] * 8}) is None
+    assert _over("/v1/completions", {"prompt": ["a"] * 8, "n": 2}) is None
+    assert _over("/v1/chat/completions", {"messages": [], "n": 4}) is None
+    defaults = RouterSettings()
+    assert (defaults.max_n, defaults.max_batch_size, defaults.max_sequences_per_request) == (16, 256, 512)
+    assert check("/v1/completions", Shape(256, 2, True), defaults) is None
+    assert check("/v1/chat/completions", Shape(1, 16, False), defaults) is None
+
+
+@pytest.mark.parametrize("route,body,message,param", [
+    ("/generate", {"text": "a", "sampling_params": {"n": 5}},
+     "sampling_params.n = 5 is over the router's limit of 4 (--max-n)", "sampling_params.n"),
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{"n": 1}, {"n": 5}]},
+     "sampling_params.n = 5 is over the router's limit of 4 (--max-n)", "sampling_params.n"),
+    ("/v1/chat/completions", {"messages": [], "n": 10000},
+     "n = 10000 is over the router's limit of 4 (--max-n)", "n"),
+    ("/v1/completions", {"prompt": "a", "n": "5"}, "n = 5 is over the router's limit of 4 (--max-n)", "n"),
+    ("/generate", {"text": ["a"] * 9}, "a batch of 9 prompts is over the router's limit of 8 (--max-batch-size)", None),
+    ("/generate", {"input_ids": [[1]] * 9}, "(--max-batch-size)", None),
+    ("/v1/completions", {"prompt": [[1]] * 9}, "(--max-batch-size)", None),
+    ("/generate", {"text": ["a"] * 5, "sampling_params": {"n": 4}},
+     "5 prompts x n = 4 make 20 sequences, over the router's limit of 16 (--max-sequences-per-request)", None),
+    ("/v1/completions", {"prompt": ["a"] * 6, "n": 3}, "(--max-sequences-per-request)", None),
+])
+def test_admission_caps_refuse_one_over_naming_the_flag(route, body, message, param):
+    over = _over(route, body)
+    assert over is not None and message in over.message and over.param == param
 
 
 def test_stamp_replaces_client_fields_with_fresh_rooms():
