@@ -68,7 +68,9 @@ class AdminAPI:
         async def guarded(request: Request) -> Response:
             if not self.auth.admin_ok(request):
                 if self.auth.admin_api_key or self.auth.api_key:
-                    return error_response(401, "the admin API needs 'Authorization: Bearer ADMIN_KEY'")
+                    return error_response(401, "the admin API needs 'Authorization: Bearer ADMIN_KEY' (a cluster "
+                                          "pdserve launched: the config's router.admin_api_key, else the key file "
+                                          "its log names, pdserve_admin_key_<router port> in the Ray session dir)")
                 return error_response(403, "the admin API without an admin key is only open to loopback clients "
                                            "(start the router with --admin-api-key)")
             return await handler(request)

@@ -76,6 +76,13 @@ def test_local_yaml_job(ray_head, engines):
             labels = {"component": "engine", "role": w["role"], "worker_name": w["name"]}
             assert targets[w["name"]] == {"targets": [w["url"].removeprefix("http://")], "labels": labels}
         assert launcher_restarts(targets) == {"prefill-0": 0, "decode-0": 0}
+        # The admin API: the log names the generated key's owner-only file, never the key.
+        admin, key_file = ray_head.wait_log(job, r"admin API at (\S+)/workers; its key is in (\S+) ").groups()
+        assert os.stat(key_file).st_mode & 0o777 == 0o600
+        key = open(key_file).read().strip()
+        assert key and key not in ray_head.logs(job)
+        listed = httpx.get(admin + "/workers", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        assert listed.status_code == 200 and len(listed.json()["workers"]) == 2, listed.text
 
         # OpenAI client, not streaming and streaming, equals the null-mode engine.
         client = openai.OpenAI(base_url=url + "/v1", api_key="none")
@@ -150,6 +157,7 @@ def test_local_yaml_job(ray_head, engines):
         ray_head.stop_job(job)
     assert not wait_pids_gone(pids, 30), "engine processes left behind"
     assert not os.path.exists(targets_path(ray_head)), "a stopped cluster must leave no scrape targets"
+    assert not os.path.exists(key_file), "a stopped cluster must leave no admin key behind"
     with pytest.raises(httpx.HTTPError):
         httpx.get("http://127.0.0.1:8000/health", timeout=2)
 

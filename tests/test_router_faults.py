@@ -611,7 +611,9 @@ async def test_admin_api_lists_adds_drains_and_removes_workers(si, routers):
     r = routers("main")
     d0, d1 = si["d0"].url, si["d1"].url
     async with httpx.AsyncClient(timeout=10, base_url=r.url) as c:
-        assert (await c.get("/workers")).status_code == 401
+        unauthorized = await c.get("/workers")
+        assert unauthorized.status_code == 401
+        assert "pdserve_admin_key_<router port>" in unauthorized.json()["error"]["message"]  # where the key is
         assert (await c.get("/workers", headers=AUTH)).status_code == 401  # the client key is not the admin key
         listed = (await c.get("/workers", headers=ADMIN)).json()
         assert listed["total"] == 4 and listed["stats"] == {"prefill_count": 2, "decode_count": 2}

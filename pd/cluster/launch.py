@@ -35,6 +35,7 @@ from pd.util.wait import wait_until
 
 CONFIG_ENV = "PDSERVE_CONFIG_YAML"  # `pdserve up` ships the config text here (works for any path)
 PG_READY_TIMEOUT = 120.0
+ADMIN_KEY_FILE_PREFIX = "pdserve_admin_key"  # + _<router port>, in the Ray session dir (see announce_admin_api)
 
 
 class Shutdown(Exception):
@@ -61,6 +62,7 @@ class Launcher:
         self.membership = None  # pd.cluster.membership.Membership, once the router answers
         self.exporter = None  # pd.cluster.worker_metrics.WorkerStateExporter
         self.targets = None  # pd.cluster.prom_targets.TargetsFile
+        self.admin_key_file = None  # where announce_admin_api wrote a generated admin key
 
     def check_resources(self) -> None:
         """Raises ConfigError when the cluster cannot hold the config."""
@@ -204,6 +206,31 @@ class Launcher:
         self.membership = Membership(AdminClient(self.router_admin_url(), self.admin_key), say)
         self.membership.seed(self.router_workers())
         say(f"router ready at {url}")
+        self.announce_admin_api()
+
+    def announce_admin_api(self) -> None:
+        """Say where the router's admin API is and where its key is, never the key itself: a generated key
+        goes to an owner-only file in the Ray session dir (``pdserve_admin_key_<router port>``, removed on
+        stop); a configured one is the config's ``router.admin_api_key``."""
+        admin = self.router_admin_url()
+        if self.cfg.router.admin_api_key:
+            say(f"admin API at {admin}/workers (key: the config's router.admin_api_key)")
+            return
+        from pd.cluster.prom_targets import ray_session_dir
+
+        path = ray_session_dir() / f"{ADMIN_KEY_FILE_PREFIX}_{self.cfg.router.port}"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self.admin_key + "\n")
+        except OSError as e:
+            say(f"admin API at {admin}/workers; could not write its key file {path}: {e.strerror} "
+                "(set router.admin_api_key to use the admin API)")
+            return
+        self.admin_key_file = path
+        say(f"admin API at {admin}/workers; its key is in {path} on this node: "
+            f"curl -H \"Authorization: Bearer $(cat {path})\" {admin}/workers")
 
     def start_monitoring(self) -> None:
         """Serve worker state and engine restarts (pd.cluster.worker_metrics) and write the Prometheus
@@ -275,6 +302,8 @@ class Launcher:
                 self.targets.remove()
             except OSError:
                 pass
+        if self.admin_key_file is not None:
+            self.admin_key_file.unlink(missing_ok=True)
         if self.exporter is not None:
             self.exporter.stop()
         if self.router is not None:

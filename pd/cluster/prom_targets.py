@@ -24,19 +24,23 @@ TARGETS_FILE_PREFIX = "pdserve_prometheus_targets"
 RAY_DEFAULT_SESSION = Path("/tmp/ray/session_latest")
 
 
-def default_targets_path(router_port: int) -> Path:
-    """``<session dir of the connected Ray cluster>/pdserve_prometheus_targets_<router_port>.json``, or
-    under /tmp/ray/session_latest when this process is not connected to Ray."""
-    session = RAY_DEFAULT_SESSION
+def ray_session_dir() -> Path:
+    """The session dir of the connected Ray cluster, or /tmp/ray/session_latest when this process is not
+    connected to Ray (the head's own session dir for Ray's default temp dir)."""
     try:  # Ray has no public API for the session dir; its metrics agent writes its own file there
         import ray._private.worker as ray_worker
 
         node = ray_worker._global_node
         if node is not None:
-            session = Path(node.get_session_dir_path())
+            return Path(node.get_session_dir_path())
     except (ImportError, AttributeError):
         pass
-    return session / f"{TARGETS_FILE_PREFIX}_{router_port}.json"
+    return RAY_DEFAULT_SESSION
+
+
+def default_targets_path(router_port: int) -> Path:
+    """``<ray_session_dir()>/pdserve_prometheus_targets_<router_port>.json``."""
+    return ray_session_dir() / f"{TARGETS_FILE_PREFIX}_{router_port}.json"
 
 
 def scrape_address(host: str, port: int, node_ip: Optional[str] = None) -> str:
