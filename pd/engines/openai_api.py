@@ -3,7 +3,8 @@
 Shapes follow the OpenAI API reference and SGLang's serving_completions.py / serving_chat.py:
 choices are prompt-major (``index = prompt * n + sample``), finish reasons ``stop`` / ``length``
 / ``abort`` with SGLang's ``matched_stop``; streams send text deltas, one final chunk per choice
-with its finish reason, an optional usage chunk (``choices: []``) and ``data: [DONE]``.
+with its finish reason, an optional usage chunk (``choices: []``) and ``data: [DONE]``. With
+``stream_options.include_usage`` every chunk before the usage chunk carries ``"usage": null``, as OpenAI's do.
 """
 
 from __future__ import annotations
@@ -168,10 +169,14 @@ class OpenAIResponder:
         n: samples per prompt (for usage).
         echo: completions with ``echo``: the prompt text each choice starts with, by prompt index
             (``echo_texts``); None otherwise.
+        include_usage: the stream ends with a usage chunk (``stream_options.include_usage``), so every
+            chunk before it carries ``"usage": null``.
     """
 
-    def __init__(self, kind: str, model: str, runner: ModelRunner, n: int, echo: Optional[list[str]] = None):
+    def __init__(self, kind: str, model: str, runner: ModelRunner, n: int, echo: Optional[list[str]] = None,
+                 include_usage: bool = False):
         self.kind = kind
+        self.include_usage = include_usage
         self.echo = echo
         self.model = model
         self.runner = runner
@@ -200,10 +205,11 @@ class OpenAIResponder:
         return self.echo[seq.spec.prompt_index] if self.echo else ""
 
     def chunk(self, choices: list[dict], usage_info: Optional[dict] = None) -> dict:
-        """One streaming chunk object with ``choices`` (and ``usage`` when given)."""
+        """One streaming chunk object with ``choices`` and ``usage``: ``usage_info`` when given, else null
+        when the stream includes usage, else no ``usage`` key."""
         obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
-        if usage_info is not None:
+        if usage_info is not None or self.include_usage:
             out["usage"] = usage_info
         return out
 

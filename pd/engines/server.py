@@ -286,8 +286,9 @@ class EngineServer:
 
     def _openai_renderers(self, kind: str, req):
         echo = openai_api.echo_texts(req, self.runner) if kind == "completion" else None
-        responder = openai_api.OpenAIResponder(kind, req.model or self.served_name, self.runner, req.n, echo)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        responder = openai_api.OpenAIResponder(kind, req.model or self.served_name, self.runner, req.n, echo,
+                                               include_usage)
         state: dict[int, dict] = {}
         done_seqs: dict[int, Sequence] = {}
 
