@@ -3,7 +3,8 @@ then a few trial requests decide whether it is back.
 
 States (the value of ``pdserve_router_worker_circuit_state``): 0 closed (normal), 1 half-open
 (trial requests pass; one failure re-opens, ``success_threshold`` successes in a row close it),
-2 open (no requests until ``timeout_duration_secs`` have passed since it opened).
+2 open (no requests until ``timeout_duration_secs`` have passed since it opened, or until a health
+probe passes: pd.router.health).
 """
 
 from __future__ import annotations
@@ -76,6 +77,14 @@ class CircuitBreaker:
         self._failures += 1
         if self._failures >= self.cfg.failure_threshold:
             self._open(now)
+
+    def probe_passed(self) -> None:
+        """A health probe of the worker passed: an open circuit turns half-open now, so trial requests
+        decide at once whether the worker is back (a worker that came back would otherwise stay out for
+        the rest of ``timeout_duration_secs`` while it already answers its health checks)."""
+        if self.state == OPEN:
+            self._set(HALF_OPEN)
+            self._successes = 0
 
     def reset(self) -> None:
         """Close the circuit (e.g. an operator put the worker back)."""

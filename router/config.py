@@ -172,7 +172,8 @@ class HealthCheckConfig(_Strict):
 
 
 class TimeoutConfig(_Strict):
-    """Per-stage timeouts in seconds (None = bounded only by ``request``)."""
+    """Per-stage timeouts in seconds (None = bounded only by ``request``). Every stage of a request is
+    bounded by default: a hung engine ends its requests instead of holding them and their KV pages."""
 
     FLAG: ClassVar[str] = "--{}-timeout-secs"
 
@@ -180,11 +181,13 @@ class TimeoutConfig(_Strict):
     """to open a connection to a worker."""
     prefill: Optional[float] = Field(None, gt=0)
     """dispatch -> the prefill's response fully read."""
-    first_token: Optional[float] = Field(None, gt=0)
+    first_token: Optional[float] = Field(300.0, gt=0)
     """dispatch -> the first byte of decode's body for streams, its whole answer otherwise (the
-    part of a request that may be retried)."""
-    stream_idle: Optional[float] = Field(None, gt=0)
-    """longest silence between two chunks of a decode stream."""
+    part of a request that may be retried). The default is SGLang's PD waiting timeout
+    (SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s): a decode that has not started by then has failed."""
+    stream_idle: Optional[float] = Field(60.0, gt=0)
+    """longest silence between two chunks of a decode stream (a healthy stream's longest gap is one
+    decode step under load: well under a second)."""
     request: float = Field(1800.0, gt=0, json_schema_extra=flag("--request-timeout-secs", "--request-timeout"))
     """one upstream request in total, streams included."""
 

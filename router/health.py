@@ -59,6 +59,7 @@ class HealthMonitor:
         if err is None:
             w.health_failures = 0
             w.health_successes += 1
+            w.breaker.probe_passed()
             if not w.healthy and w.health_successes >= self.cfg.success_threshold:
                 log.warning("%s worker %s passes its health checks again: back in routing", w.role, w.url)
                 w.set_healthy(True)

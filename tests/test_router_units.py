@@ -13,7 +13,8 @@ from pd.router.admission import check
 from pd.router.auth import Auth, key_matches
 from pd.router.circuit import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from pd.router.cli import config_from_args, parse_prefill
-from pd.router.config import CONFIG_ENV, CircuitBreakerConfig, RouterConfig, RouterSettings
+from pd.router.config import CONFIG_ENV, CircuitBreakerConfig, HealthCheckConfig, RouterConfig, RouterSettings
+from pd.router.health import HealthMonitor
 from pd.router.logprobs import merge_event, merge_full, prefill_inputs, wants_input_logprobs
 from pd.router.metrics import ERROR_KINDS, RouterMetrics
 from pd.router.policies import POLICIES, routing_key
@@ -305,6 +306,28 @@ def test_circuit_breaker_states():
     off = CircuitBreaker(CircuitBreakerConfig(enabled=False, failure_threshold=1))
     off.record_failure()
     assert off.state == CLOSED and off.allows()
+
+
+def test_a_passing_health_probe_turns_an_open_circuit_half_open():
+    """A worker back up is tried at its next passing probe, not after the rest of the open timeout."""
+    now = [0.0]
+    cb = CircuitBreaker(CircuitBreakerConfig(failure_threshold=1, success_threshold=1, timeout_duration_secs=60),
+                        clock=lambda: now[0])
+    cb.probe_passed()
+    assert cb.state == CLOSED  # nothing to do for a closed circuit
+    cb.record_failure()
+    assert cb.state == OPEN and not cb.allows()
+    now[0] = 1.0  # 59 s before the timeout
+    cb.probe_passed()
+    assert cb.state == HALF_OPEN and cb.allows()
+    cb.record_success()
+    assert cb.state == CLOSED
+    # through the health monitor: a passing probe of a worker whose circuit is open
+    w = Worker("http://127.0.0.1:1", "decode", breaker=CircuitBreakerConfig(failure_threshold=1))
+    w.breaker.record_failure()
+    assert w.breaker.state == OPEN
+    HealthMonitor(SimpleNamespace(all=[w]), HealthCheckConfig()).record(w, None)
+    assert w.breaker.state == HALF_OPEN and w.available()
 
 
 # ---- aborts and tokens ------------------------------------------------------------------------
