@@ -343,3 +343,29 @@ def test_engine_applies_and_reports_cpu_threads(model_cache, tmp_path):
         assert "torch threads: 1 intra-op, 1 inter-op" in e.log()
     finally:
         e.stop()
+
+
+def test_piece_bytes_reads_byte_level_pieces():
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from pd.engines.model_runner import _byte_level_bpe_decoder, piece_bytes, undecodable_token_string
+
+    assert _byte_level_bpe_decoder() == {c: b for b, c in bytes_to_unicode().items()}
+    assert piece_bytes("\x80") == b"\x80"  # ByT5: one char per byte
+    assert piece_bytes("<0xE2>") == b"\xe2"  # SentencePiece byte fallback
+    assert piece_bytes("âĢ") == b"\xe2\x80"  # byte-level BPE: the first two bytes of U+2014
+    assert piece_bytes("▁the") is None and piece_bytes("") is None
+    assert undecodable_token_string(b"\xe2\x80") == "bytes:\\xe2\\x80"
+
+
+def test_logprob_token_of_the_builtin_models_bytes(model_cache):
+    from pd.engines.model_runner import ModelRunner
+
+    runner = ModelRunner("builtin:tiny")
+    byte = runner.tokenizer.convert_tokens_to_ids
+    assert runner.logprob_token(byte("A")) == ("A", b"A")
+    assert runner.logprob_token(byte("\x80")) == ("bytes:\\x80", b"\x80")
+    assert runner.logprob_token(byte("\xff")) == ("bytes:\\xff", b"\xff")
+    assert runner.logprob_token(runner.tokenizer.eos_token_id) == ("</s>", b"</s>")
+    strings = {runner.logprob_token(i)[0] for i in range(runner.vocab_size)}
+    assert len(strings) == runner.vocab_size  # one distinct string per token id

@@ -7,12 +7,62 @@ for the same request (the property the PD tests check token for token).
 
 from __future__ import annotations
 
+import functools
 import inspect
+import re
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from pd.engines.builtin_model import resolve_model_path
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_bpe_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, char -> byte: printable Latin-1 bytes stand for themselves,
+    the other bytes for chr(256 + k) in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars = list(keep)
+    k = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + k)
+            k += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
+
+
+def piece_bytes(piece: Optional[str]) -> Optional[bytes]:
+    """The raw bytes a vocabulary piece stands for, or None when it is not a byte-level piece.
+
+    ``<0xHH>`` is a SentencePiece byte piece; otherwise each char is one byte: a char below 256 is
+    that byte (ByT5, and the printable bytes of byte-level BPE), a higher one a byte through GPT-2's
+    byte-level alphabet.
+    """
+    if not piece:
+        return None
+    m = _BYTE_PIECE.fullmatch(piece)
+    if m:
+        return bytes([int(m.group(1), 16)])
+    table = _byte_level_bpe_decoder()
+    out = bytearray()
+    for ch in piece:
+        if ord(ch) < 256:
+            out.append(ord(ch))
+        elif ch in table:
+            out.append(table[ch])
+        else:
+            return None
+    return bytes(out)
+
+
+def undecodable_token_string(raw: bytes) -> str:
+    """``bytes:\\xHH...``: the logprob token string of bytes that are not UTF-8 text on their own."""
+    return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -96,8 +146,25 @@ class ModelRunner:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
-        """Text of one token id, special tokens kept (for logprob entries)."""
+        """Text of one token id, special tokens kept (for /generate's logprob entries, as SGLang's)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def logprob_token(self, token_id: int) -> tuple[str, bytes]:
+        """The token string and bytes of one token id in an OpenAI logprob entry.
+
+        A token that decodes to text alone is that text and its UTF-8 bytes. A token that is only
+        part of a UTF-8 character (ByT5's bytes 0x80-0xFF, a SentencePiece ``<0x80>`` byte piece, a
+        byte-level BPE fragment) decodes to nothing or U+FFFD; it is ``bytes:`` followed by its bytes
+        as ``\\xHH`` escapes (``bytes:\\x80``, OpenAI's spelling), with its real bytes, so every
+        token id has a distinct, stable string.
+        """
+        text = self.token_text(token_id)
+        if text and "\ufffd" not in text:
+            return text, text.encode("utf-8")
+        raw = piece_bytes(self.tokenizer.convert_ids_to_tokens(token_id))
+        if raw is None:
+            return text, text.encode("utf-8")
+        return undecodable_token_string(raw), raw
 
     # ---- forward ------------------------------------------------------------------------
     def new_cache(self):

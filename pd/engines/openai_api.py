@@ -138,23 +138,22 @@ def completion_logprobs(seq: Sequence, runner: ModelRunner, start: int) -> dict:
     tokens, lps, tops, offsets = [], [], [], []
     skip = seq.spec.params.skip_special_tokens
     for k, ((lp, tid), top) in enumerate(zip(seq.output_logprobs[start:], seq.output_top[start:])):
-        tokens.append(runner.token_text(tid))
+        tokens.append(runner.logprob_token(tid)[0])
         lps.append(lp)
-        tops.append({runner.token_text(i): v for v, i in top} if seq.spec.top_logprobs_num else None)
+        tops.append({runner.logprob_token(i)[0]: v for v, i in top} if seq.spec.top_logprobs_num else None)
         offsets.append(len(runner.decode(seq.output_ids[:start + k], skip_special_tokens=skip)))
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 def chat_logprobs(seq: Sequence, runner: ModelRunner, start: int) -> dict:
     """OpenAI chat ``logprobs`` (``{"content": [...]}``) for output tokens [start:]."""
+    def entry(tid: int, lp: float) -> dict:
+        token, raw = runner.logprob_token(tid)
+        return {"token": token, "logprob": lp, "bytes": list(raw)}
+
     content = []
     for (lp, tid), top in zip(seq.output_logprobs[start:], seq.output_top[start:]):
-        t = runner.token_text(tid)
-        content.append({
-            "token": t, "logprob": lp, "bytes": list(t.encode("utf-8")),
-            "top_logprobs": [{"token": runner.token_text(i), "logprob": v,
-                              "bytes": list(runner.token_text(i).encode("utf-8"))} for v, i in top],
-        })
+        content.append({**entry(tid, lp), "top_logprobs": [entry(i, v) for v, i in top]})
     return {"content": content}
 
 
