@@ -18,9 +18,11 @@ Routes (JSON bodies; ``Authorization: Bearer ADMIN_KEY``, see pd.router.auth):
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 from typing import Optional
+from urllib.parse import urlsplit
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -34,6 +36,20 @@ from pd.router.workers import WorkerPool
 log = logging.getLogger("pd.router")
 
 DEFAULT_DRAIN_TIMEOUT = 30.0  # seconds
+
+
+def _unroutable_host(url: str) -> Optional[str]:
+    """Why the admin API refuses a worker at ``url``'s host, or None: an IP literal that is link-local (the
+    cloud metadata service at 169.254.169.254), multicast or unspecified is never a worker, and a worker
+    receives the client API key."""
+    try:
+        host = urlsplit(url if "://" in url else "http://" + url).hostname or ""
+        ip = ipaddress.ip_address(host)
+    except ValueError:  # a name (resolved when the router connects) or a malformed URL (the pool says why)
+        return None
+    if ip.is_link_local or ip.is_multicast or ip.is_unspecified:
+        return f"worker URL {url!r}: {ip} is a link-local, multicast or unspecified address, not a worker's"
+    return None
 
 
 def _json(obj, status: int = 200) -> Response:
@@ -120,6 +136,9 @@ class AdminAPI:
         url, role = body.get("url"), body.get("worker_type", body.get("role"))
         if not isinstance(url, str) or not url:
             return error_response(400, "url is required", "url")
+        refused = _unroutable_host(url)
+        if refused:
+            return error_response(400, refused, "url")
         try:
             w = self.pool.add(url, role, body.get("bootstrap_port"))
         except ValueError as e:

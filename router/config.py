@@ -36,8 +36,13 @@ POLICY_NAMES: tuple[str, ...] = PolicyName.__args__
 def normalize_url(url: str) -> str:
     """``http://host:port`` without a trailing slash.
 
+    A worker URL is only a scheme, a host and a port: the router appends the routes itself, and it sends
+    the client API key to every worker, so credentials, paths, queries and fragments are refused rather than
+    carried along.
+
     Raises:
-        ValueError: not an http(s) URL with a host, or a port that is not a number in 1-65535.
+        ValueError: not an http(s) URL with a host; user info, a path, a query or a fragment; a port that is
+            not a number in 1-65535.
     """
     url = url.strip().rstrip("/")
     if "://" not in url:
@@ -45,6 +50,10 @@ def normalize_url(url: str) -> str:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"worker URL {url!r} is not an http(s) URL with a host")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(f"worker URL {url!r} carries credentials: give only http(s)://host:port")
+    if parts.path or parts.query or parts.fragment:
+        raise ValueError(f"worker URL {url!r} has a path, query or fragment: give only http(s)://host:port")
     try:
         port = parts.port  # urlsplit checks the port only when asked
     except ValueError:

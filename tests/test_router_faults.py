@@ -619,6 +619,11 @@ async def test_admin_api_lists_adds_drains_and_removes_workers(si, routers):
         assert listed["total"] == 4 and listed["stats"] == {"prefill_count": 2, "decode_count": 2}
         resp = await c.post("/workers", json={"url": d0, "worker_type": "decode"}, headers=ADMIN)
         assert resp.status_code == 409
+        for bad, why in (("http://user:pw@127.0.0.1:1", "credentials"), ("http://127.0.0.1:1/v1?x=1", "path"),
+                         ("http://169.254.169.254:80", "link-local"), ("http://[fe80::1]:80", "link-local"),
+                         ("http://0.0.0.0:1", "unspecified")):
+            resp = await c.post("/workers", json={"url": bad, "worker_type": "decode"}, headers=ADMIN)
+            assert resp.status_code == 400 and why in resp.json()["error"]["message"], (bad, resp.text)
         resp = await c.post("/workers", json={"url": "http://127.0.0.1:1", "worker_type": "router"}, headers=ADMIN)
         assert resp.status_code == 400
         resp = await c.post("/workers", json={"url": "http://127.0.0.1:1", "worker_type": "prefill"}, headers=ADMIN)
