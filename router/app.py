@@ -16,6 +16,7 @@ Unknown routes: 404, wrong methods 405, both with an OpenAI-style error body.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -113,6 +114,38 @@ class Router:
         return resp
 
 
+    async def flush_cache(self, request: Request) -> Response:
+        """GET/POST /flush_cache: SGLang's route, sent to every worker (prefill and decode) concurrently with
+        the client's ``timeout`` (seconds a worker waits to go idle), as sgl-model-gateway does. 200 when every
+        worker flushed; else 502 with each worker's answer (``{"workers": [{"url", "role", "status",
+        "message"}]}``); 400 for a ``timeout`` that is not a number of seconds >= 0."""
+        if not self.auth.client_ok(request):
+            return error_response(401, "missing or invalid API key (send 'Authorization: Bearer KEY')")
+        raw = request.query_params.get("timeout", "0")
+        try:
+            wait = float(raw)
+        except ValueError:
+            wait = -1.0
+        if not 0 <= wait <= 3600:  # NaN fails too
+            return error_response(400, f"timeout must be seconds in [0, 3600], got {raw!r}", "timeout")
+        query = f"/flush_cache?timeout={wait:g}"
+
+        async def one(w):
+            try:
+                r = await fetch(self.http, "POST", w.url + query, PROXY_TIMEOUT + wait,
+                                headers=self.auth.worker_headers())
+                return {"url": w.url, "role": w.role, "status": r.status_code, "message": r.text.strip()}
+            except UPSTREAM_ERRORS as e:
+                return {"url": w.url, "role": w.role, "status": None, "message": repr(e)}
+
+        results = await asyncio.gather(*(one(w) for w in self.pool.all))
+        if results and all(r["status"] == 200 for r in results):
+            return Response(f"Cache flushed on {len(results)} workers.\n", status_code=200)
+        failed = sum(r["status"] != 200 for r in results)
+        return error_response(502, f"{failed} of {len(results)} workers did not flush their cache",
+                              extra={"workers": results})
+
+
 def create_app(config: RouterConfig) -> GenerationFront:
     """The router as an ASGI app; serve it with uvicorn (see ``pd.router.cli.serve``): the
     generation routes on bare ASGI, the rest on FastAPI (``.app``).
@@ -141,6 +174,7 @@ def create_app(config: RouterConfig) -> GenerationFront:
     for path in ("/v1/models", "/get_model_info", "/model_info", "/get_server_info", "/server_info"):
         routes.append(Route(path, router.proxy_get, methods=["GET"]))
     routes.extend(router.admin.routes())
+    routes.append(Route("/flush_cache", router.flush_cache, methods=["GET", "POST"]))
 
     @app.get("/health")
     async def health():

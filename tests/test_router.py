@@ -13,11 +13,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines import ROOT, free_port, metric
+from engines import ROOT, async_metric, free_port, metric
 from pd.router.app import GENERATION_ROUTES
 from pd.util.wait import async_wait_until
+from pdclient import add_rooms, parse_sse, stream_then_disconnect, strip_volatile
 from pdclient import final_generate_chunks as final_chunks
-from pdclient import parse_sse, stream_then_disconnect, strip_volatile
 from routers import pd_router
 
 GREEDY = {"temperature": 0}
@@ -432,3 +432,29 @@ def test_cli_rejects_missing_workers():
     r = subprocess.run([sys.executable, "-m", "pd.cli", "router", "--port", "1"], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "--prefill" in r.stderr
+
+
+async def test_flush_cache_reaches_every_worker(routers, engines):
+    """sglang.bench_serving's --flush-cache: POST /flush_cache through the router flushes both engines (and the
+    engine refuses while requests run, as SGLang does); a worker that cannot be reached makes it a 502 naming
+    that worker; a bad timeout is a 400."""
+    async with httpx.AsyncClient(timeout=60) as c:
+        ok = await c.post(routers["good"].url + "/flush_cache", params={"timeout": 5})
+        assert ok.status_code == 200 and "on 2 workers" in ok.text, ok.text
+        dead = await c.post(routers["dead"].url + "/flush_cache")
+        assert dead.status_code == 502, dead.text
+        by_role = {w["role"]: w for w in dead.json()["workers"]}
+        assert by_role["prefill"]["status"] == 200 and by_role["decode"]["status"] is None
+        bad = await c.post(routers["good"].url + "/flush_cache", params={"timeout": "soon"})
+        assert bad.status_code == 400 and "timeout" in bad.json()["error"]["message"]
+        # the engine itself: busy while a decode waits for KV that never comes, idle again after its timeout
+        body = add_rooms({"text": "wait", "sampling_params": {"max_new_tokens": 2}}, "127.0.0.1",
+                         engines["prefill"].bootstrap_port, None)
+        waiting = asyncio.create_task(c.post(engines["decode"].url + "/generate", json=body))
+        await async_wait_until(lambda: async_metric(engines["decode"], "sglang:num_decode_transfer_queue_reqs"),
+                               30, interval=0.05, what="the decode waiting for its KV")
+        busy = await c.post(engines["decode"].url + "/flush_cache")
+        assert busy.status_code == 400 and "running" in busy.text, busy.text
+        await waiting
+        assert (await c.get(engines["decode"].url + "/flush_cache", params={"timeout": 30})).status_code == 200
+        assert (await c.post(engines["null"].url + "/flush_cache", params={"timeout": -1})).status_code == 400

@@ -196,6 +196,21 @@ class EngineServer:
         async def health():
             return Response(status_code=200)
 
+        @app.api_route("/flush_cache", methods=["GET", "POST"])
+        async def flush_cache(timeout: float = 0.0):
+            """SGLang's /flush_cache (``?timeout=`` seconds to wait for the engine to go idle). This engine
+            keeps no prefix cache, so there is nothing to drop; like SGLang, it refuses (400) while requests
+            run, so a benchmark's flush after its warm-up means the same thing on both engines."""
+            if not timeout >= 0:  # NaN too
+                raise bad_request("timeout must be a number of seconds >= 0", "timeout")
+            deadline = time.monotonic() + min(timeout, 600.0)
+            while self.core.sequences and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if self.core.sequences:
+                return Response(f"Flush cache failed: {len(self.core.sequences)} requests are running.\n",
+                                status_code=400)
+            return Response("Cache flushed.\n", status_code=200)
+
         @app.get("/health_generate")
         async def health_generate():
             try:
