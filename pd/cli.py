@@ -15,6 +15,8 @@ commands:
   engine     run the reference engine alone (SGLang's flags; see `pdserve engine --help`)
   router     run the PD router alone, for engines started by hand (see `pdserve router --help`)
   diagnose   root cause of a failed engine start or crash from its logs (`pdserve diagnose LOG [LOG...]`)
+  model-path the local checkpoint directory of a model path, e.g. builtin:tiny's (written on first use), for
+             clients that load its tokenizer (`pdserve model-path builtin:tiny`)
   render-dashboard  the PD overview's latency panels as a PNG from Prometheus
              (`pdserve render-dashboard --prometheus URL --out FILE.png [--range 15m]`)
 """
@@ -24,6 +26,7 @@ commands:
 _NEEDS = {
     "up": [("ray", "cluster", "'pdserve[cpu]' (or 'pdserve[gpu]' on GPU nodes)")],
     "engine": [("torch", "engine", "'pdserve[cpu]'"), ("transformers", "engine", "'pdserve[cpu]'")],
+    "model-path": [("torch", "engine", "'pdserve[cpu]'"), ("transformers", "engine", "'pdserve[cpu]'")],
     "render-dashboard": [("matplotlib", "monitoring", "'pdserve[monitoring]'")],
 }
 
@@ -81,6 +84,18 @@ def _dispatch(argv: list[str]) -> None:
         from pd.monitoring.render import main as render_main
 
         raise SystemExit(render_main(rest))
+    if cmd == "model-path":
+        if len(rest) != 1 or rest[0].startswith("-"):
+            print("usage: pdserve model-path MODEL_PATH   (e.g. builtin:tiny)", file=sys.stderr)
+            raise SystemExit(0 if rest[:1] in (["-h"], ["--help"]) else 2)
+        from pd.engines.builtin_model import resolve_model_path
+
+        try:
+            print(resolve_model_path(rest[0]))
+        except ValueError as e:
+            print(f"pdserve model-path: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        raise SystemExit(0)
     if cmd == "engine":
         from pd.engines.server import main as engine_main
 

@@ -5,6 +5,8 @@ Every case ends with nothing held: no KV pages, no running request, and the engi
 
 import asyncio
 import random
+import subprocess
+import sys
 import time
 import uuid
 
@@ -295,6 +297,16 @@ async def test_info_endpoints(engines):
         assert info["kv_pages_held"] == 0
         minfo = (await c.get(engines["prefill"].url + "/get_model_info")).json()
         assert minfo["disaggregation_mode"] == "prefill" and minfo["architectures"] == ["LlamaForCausalLM"]
+        # a benchmark client finds the tokenizer of builtin:tiny there, and from `pdserve model-path`
+        from transformers import AutoTokenizer
+
+        assert AutoTokenizer.from_pretrained(minfo["tokenizer_path"]).encode("hi") == [107, 108, 1]
+        cli = subprocess.run([sys.executable, "-m", "pd.cli", "model-path", "builtin:tiny"], capture_output=True,
+                             text=True, timeout=120)
+        assert cli.returncode == 0 and cli.stdout.strip() == minfo["tokenizer_path"], cli.stdout + cli.stderr
+        bad = subprocess.run([sys.executable, "-m", "pd.cli", "model-path", "builtin:huge"], capture_output=True,
+                             text=True, timeout=120)
+        assert bad.returncode == 2 and "builtin:huge" in bad.stderr
         assert (await c.get(engines["prefill"].url + "/health_generate")).status_code == 200
         metrics = (await c.get(engines["null"].url + "/metrics")).text
         for name in ("sglang:time_to_first_token_seconds_bucket", "sglang:inter_token_latency_seconds_bucket",

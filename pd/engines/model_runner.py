@@ -109,6 +109,7 @@ class ModelRunner:
             raise ValueError(f"--dtype: {dtype!r} is not one of {sorted(DTYPES)}")
         self.model_path = model_path
         local = resolve_model_path(model_path)
+        self.local_path = local  # the checkpoint directory (a client loads the tokenizer from it)
         self.tokenizer = AutoTokenizer.from_pretrained(local)
         self.model = AutoModelForCausalLM.from_pretrained(local, dtype=DTYPES[dtype]).eval()
         cfg = self.model.config

@@ -248,7 +248,8 @@ class EngineServer:
             cfg = self.runner.config
             return {
                 "model_path": self.args.model_path, "served_model_name": self.served_name,
-                "tokenizer_path": self.args.model_path, "is_generation": True,
+                # a directory a client's AutoTokenizer loads (builtin:* names resolve to their checkpoint)
+                "tokenizer_path": self.runner.local_path, "is_generation": True,
                 "preferred_sampling_params": None, "weight_version": "default",
                 "disaggregation_mode": self.args.disaggregation_mode,
                 "model_type": getattr(cfg, "model_type", None), "architectures": getattr(cfg, "architectures", None),
