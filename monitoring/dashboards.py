@@ -125,8 +125,8 @@ def overview(slo: SLO) -> dict:
                                f"(rate({sel('pdserve_router_errors_total', ROUTER_FILTER)}[{RATE}]))",
                                "{{endpoint}} {{kind}}")], unit="reqps", w=8,
                      description="Failed requests per second: invalid_request, over_limit, payload_too_large, "
-                     "unauthorized, no_worker, {prefill,decode}_{status,connect,timeout}, decode_stream, "
-                     "client_disconnect."),
+                     "body_timeout, unauthorized, no_worker, {prefill,decode}_{status,connect,timeout}, "
+                     "decode_stream, client_disconnect."),
         g.timeseries("Error ratio (5xx)",
                      [g.target(f"(sum(rate({requests_5xx}[{RATE}])) or vector(0)) / sum(rate({requests}[{RATE}]))",
                                "5xx ratio")],

@@ -188,6 +188,9 @@ class TimeoutConfig(_Strict):
 
     connect: float = Field(10.0, gt=0, json_schema_extra=flag("--connect-timeout-secs", "--connect-timeout"))
     """to open a connection to a worker."""
+    body_read: float = Field(30.0, gt=0)
+    """to receive a client's whole request body (a client that declares more than it sends, or sends
+    it byte by byte, gets a 408 instead of holding a connection)."""
     prefill: Optional[float] = Field(None, gt=0)
     """dispatch -> the prefill's response fully read."""
     first_token: Optional[float] = Field(300.0, gt=0)

@@ -174,6 +174,7 @@ class PDDispatcher:
         self.stream_idle_timeout = t.stream_idle
         self.retrier = Retrier(settings.retry)
         self.limit = settings.max_payload_size
+        self.body_timeout = settings.timeouts.body_read
         self.id_headers = [h.lower().encode("latin-1") for h in settings.request_id_headers]
         self.worker_headers = header_block({"Content-Type": "application/json", **auth.worker_headers()})
 
@@ -230,10 +231,14 @@ class PDDispatcher:
                                       f"request body of {declared.decode()} bytes exceeds the limit of {self.limit} "
                                       f"bytes (--max-payload-size)", rid_header)
         try:
-            raw = await read_body(receive, self.limit)
+            async with asyncio.timeout(self.body_timeout):
+                raw = await read_body(receive, self.limit)
         except ClientGone:
             self.record(em, arrival, CLIENT_CLOSED, "client_disconnect")
             return
+        except TimeoutError:
+            return await self._reject(send, em, arrival, 408, "body_timeout", f"the request body did not arrive "
+                                      f"within {self.body_timeout:g} s (--body-read-timeout-secs)", rid_header)
         if raw is None:
             return await self._reject(send, em, arrival, 413, "payload_too_large", f"request body exceeds the limit "
                                       f"of {self.limit} bytes (--max-payload-size)", rid_header)

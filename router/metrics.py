@@ -53,6 +53,7 @@ ERROR_KINDS = (
     "invalid_request",      # malformed body (400)
     "over_limit",           # over --max-n, --max-batch-size or --max-sequences-per-request (400)
     "payload_too_large",    # body over --max-payload-size (413)
+    "body_timeout",         # the body did not arrive within --body-read-timeout-secs (408)
     "unauthorized",         # missing or wrong API key (401)
     "no_worker",            # no available prefill or decode worker (503)
     "prefill_status", "decode_status",    # the worker answered non-2xx

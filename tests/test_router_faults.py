@@ -123,6 +123,9 @@ ROUTER_FLAGS = {
     "timeouts": (("p0",), ("d0",), ["--disable-retries", "--health-check-interval-secs", "0",
                                     "--prefill-timeout-secs", "1.5", "--first-token-timeout-secs", "3",
                                     "--stream-idle-timeout-secs", "1"]),
+    # a short body-read timeout
+    "slow_body": (("p0",), ("d0",), ["--disable-retries", "--health-check-interval-secs", "0",
+                                     "--body-read-timeout-secs", "1"]),
     "breaker": (("p0",), ("d0", "d1"), ["--disable-retries", "--health-check-interval-secs", "0",
                                         "--cb-failure-threshold", "2", "--cb-success-threshold", "1",
                                         "--cb-timeout-duration-secs", "2"]),
@@ -320,6 +323,27 @@ async def test_a_client_rid_cannot_abort_other_clients(si, routers):
         assert final["meta_info"]["finish_reason"]["type"] == "length", final
         assert final["meta_info"]["completion_tokens"] == 40
     assert len(st["aborted"]) == 2  # the attackers' own sequences only
+
+
+async def test_an_incomplete_body_gets_408_at_the_body_timeout(si, routers):
+    """A client that declares 100 bytes and sends 9 holds nothing past --body-read-timeout-secs: a 408 with the
+    request id, counted, and no engine touched."""
+    r = routers("slow_body")
+    reader, writer = await asyncio.open_connection("127.0.0.1", r.port)
+    try:
+        writer.write(b"POST /generate HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"text\": ")
+        await writer.drain()
+        t0 = time.monotonic()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
+        elapsed = time.monotonic() - t0
+    finally:
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 408"), head
+    assert b"x-request-id: " in head.lower()
+    assert 0.9 <= elapsed < 30, elapsed  # the 1 s timeout, not the client's patience
+    assert si["p0"].state()["requests"] == [] and si["d0"].state()["requests"] == []
+    assert metric(r, "pdserve_router_errors_total", endpoint="/generate", kind="body_timeout") == 1
 
 
 async def test_client_disconnect_before_the_answer_aborts_both_sides(si, routers):
