@@ -39,10 +39,14 @@ class ManagedProcess:
 
 
 def spawn(args: list[str], log_path: str) -> subprocess.Popen:
-    """Start ``args`` from the repo root in a new process group, output to ``log_path``."""
+    """Start ``args`` from the repo root in a new process group, output to ``log_path``; the child gets SIGTERM
+    when the test process dies (a killed test run leaves no engine, router or Prometheus behind)."""
+    from pd.cluster.procs import die_with_parent
+
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log_path, "wb") as logf:
-        return subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+        return subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True,
+                                preexec_fn=die_with_parent)
 
 
 @dataclass

@@ -174,8 +174,12 @@ class Stack:
                                      self.prometheus.log_path)
         self.started.append(self.prometheus)
         self.prom = Prometheus(self.prometheus.url)
-        self.wait(self.router, "/health")
-        self.wait(self.prometheus, "/-/ready")
+        try:
+            self.wait(self.router, "/health")
+            self.wait(self.prometheus, "/-/ready")
+        except BaseException:  # the fixture never gets a Stack to stop: stop what started here
+            self.stop()
+            raise
 
     def write_config(self) -> Path:
         """The committed prometheus.yml with this test's files and a 1 s scrape/evaluation interval."""
@@ -210,10 +214,14 @@ class Stack:
         return sum(vals) if vals else float("nan")
 
     def stop(self) -> None:
-        self.prom.close()
-        self.exporter.stop()
-        for p in reversed(self.started):
-            p.stop()
+        """Stop the processes first: a Prometheus left running after its directory is removed writes
+        errors to its (deleted) log without end."""
+        try:
+            for p in reversed(self.started):
+                p.stop()
+        finally:
+            self.exporter.stop()
+            self.prom.close()
 
 
 @pytest.fixture(scope="module")
