@@ -181,9 +181,21 @@ class ModelRunner:
         Returns:
             [len(ids), vocab] float32 logits.
         """
+        return self.forward_hidden(ids, cache)[0]
+
+    @torch.inference_mode()
+    def forward_hidden(self, ids: list[int], cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` that also returns the hidden states an MTP/EAGLE draft reads.
+
+        Returns:
+            (logits [len(ids), vocab] float32, hidden [len(ids), hidden_size] float32): the hidden state is
+            the last decoder layer's output after the final RMSNorm, the LM head's input (what SGLang's
+            LogitsProcessor captures for the draft, ``CaptureHiddenMode``).
+        """
         input_ids = torch.tensor([ids], dtype=torch.long)
-        out = self.model(input_ids=input_ids, use_cache=True, **{self._cache_kw: cache})
-        return out.logits[0].float()
+        out = self.model.model(input_ids=input_ids, use_cache=True, **{self._cache_kw: cache})
+        hidden = out.last_hidden_state
+        return self.model.lm_head(hidden)[0].float(), hidden[0].float()
 
     # ---- KV <-> pages -------------------------------------------------------------------
     @staticmethod
