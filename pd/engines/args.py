@@ -4,7 +4,7 @@ Flags shared with SGLang keep SGLang's names and defaults (sglang/srt/server_arg
 ``--model-path``, ``--host``, ``--port``, ``--disaggregation-mode``,
 ``--disaggregation-bootstrap-port`` (8998), ``--disaggregation-transfer-backend``,
 ``--disaggregation-ib-device``, ``--page-size``, ``--max-total-tokens``, ``--served-model-name``,
-``--dtype``. ``--cpu-threads`` is the reference engine's own (SGLang has no such flag for a CPU engine).
+``--dtype``, ``--api-key``. ``--cpu-threads`` is the reference engine's own (SGLang has no such flag for a CPU engine).
 The PD timeouts default to SGLang's environment variables
 ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` and ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` (300 s).
 """
@@ -15,6 +15,7 @@ import argparse
 import os
 import socket
 
+from pd.engines.auth import API_KEY_ENV
 from pd.engines.builtin_model import BUILTIN_MODELS, BUILTIN_PREFIX
 
 
@@ -88,6 +89,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "at least 1.")
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
                    help="Largest request body accepted, in bytes (larger gets HTTP 413). Default: 32 MiB.")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help="Key every request must carry as 'Authorization: Bearer KEY' (SGLang's flag; /health*, "
+                        "/ready* and /metrics stay open), on the HTTP and the bootstrap server; a decode sends it "
+                        f"to its prefills. Default: ${API_KEY_ENV} (keeps it off the command line), else none.")
     p.add_argument("--log-level", default="info", help="Log level. Default: info.")
 
 

@@ -14,6 +14,10 @@ sglang/srt/disaggregation/mooncake/conn.py, we do it over one HTTP server on the
   the decode may then reuse them.
 - ``GET /health``.
 
+With the engine's ``--api-key``, ``/pd/register`` and ``/pd/abort`` need ``Authorization: Bearer KEY``
+(pd.engines.auth; 401 ``{"error": "Unauthorized"}`` otherwise, /health stays open), and the decode's
+client sends it: whoever reaches the port could otherwise name where a prefill writes KV or abort its rooms.
+
 A room aborted on either side is remembered for ``tombstone_ttl`` seconds, so the other side's
 late arrival fails at once instead of waiting for its timeout.
 
@@ -41,6 +45,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from pd.engines.auth import ApiKeyMiddleware, auth_headers
 from pd.engines.errors import EngineError
 from pd.util.wait import async_wait_until
 
@@ -90,10 +95,13 @@ class BootstrapServer:
         host, port: where to listen (``--host`` and ``--disaggregation-bootstrap-port``).
         waiting_timeout: seconds a registration may wait for the prefill request (s).
         tombstone_ttl: seconds an aborted room is remembered.
+        api_key: the engine's ``--api-key`` (None = open).
     """
 
-    def __init__(self, host: str, port: int, waiting_timeout: float, tombstone_ttl: float):
+    def __init__(self, host: str, port: int, waiting_timeout: float, tombstone_ttl: float,
+                 api_key: Optional[str] = None):
         self.host = host
+        self.api_key = api_key
         self.port = port
         self.waiting_timeout = waiting_timeout
         self.tombstone_ttl = tombstone_ttl
@@ -116,8 +124,8 @@ class BootstrapServer:
             Route("/health", self._handle_health, methods=["GET"]),
         ])
         sockets = _listen(self.host, self.port)  # bound here, so a taken port raises instead of exiting
-        config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False,
-                                timeout_graceful_shutdown=SHUTDOWN_GRACE)
+        config = uvicorn.Config(ApiKeyMiddleware(app, self.api_key), lifespan="off", log_config=None,
+                                access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE)
         self._server = _EmbeddedServer(config)
         self._serving = asyncio.get_running_loop().create_task(self._server.serve(sockets=sockets))
 
@@ -321,11 +329,13 @@ def _json(obj, status: int = 200) -> Response:
 
 
 # ---- decode side --------------------------------------------------------------------------
-def make_client() -> httpx.AsyncClient:
+def make_client(api_key: Optional[str] = None) -> httpx.AsyncClient:
     """The engine's client for its peers: no connection limit (one long poll per room in flight),
-    every call with its own timeout, no proxies from the environment (peers are direct)."""
+    every call with its own timeout, no proxies from the environment (peers are direct), and the
+    cluster's ``api_key`` on every call (the peers' bootstrap servers check it)."""
     return httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-                             timeout=httpx.Timeout(300.0, connect=30.0), trust_env=False)
+                             timeout=httpx.Timeout(300.0, connect=30.0), trust_env=False,
+                             headers=auth_headers(api_key))
 
 
 async def register_with_prefill(

@@ -117,11 +117,11 @@ class EngineCore:
                                          a.disaggregation_ib_device or "")
         self.transfer.register(self.pool.base_addr, self.pool.total_bytes)
         self._update_pool_metrics()
-        self.http = make_client()
+        self.http = make_client(a.api_key)
         if self.mode == "prefill":
             self.bootstrap = BootstrapServer(
                 a.host, a.disaggregation_bootstrap_port, a.waiting_timeout,
-                tombstone_ttl=max(60.0, 2 * a.waiting_timeout)
+                tombstone_ttl=max(60.0, 2 * a.waiting_timeout), api_key=a.api_key
             )
             await self.bootstrap.start()
         log.info("%s engine: KV pool %d pages x %d tokens (%.1f MB), transfer session %s",

@@ -2,9 +2,10 @@
 
 Routes: POST /generate, /v1/completions, /v1/chat/completions, /abort_request; GET /v1/models,
 /health, /health_generate, /get_server_info (/server_info), /get_model_info (/model_info),
-/metrics. Errors are HTTP 4xx/5xx with ``{"error": {"message", "type", "param", "code"}}``;
-inside a stream (after HTTP 200 was sent) as a ``data: {"error": ...}`` chunk before
-``data: [DONE]``.
+/metrics. With ``--api-key`` every route but /health*, /ready* and /metrics needs the key
+(pd.engines.auth: 401 ``{"error": "Unauthorized"}`` without it, as SGLang's). Errors are HTTP 4xx/5xx
+with ``{"error": {"message", "type", "param", "code"}}``; inside a stream (after HTTP 200 was sent) as
+a ``data: {"error": ...}`` chunk before ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import pd
 from pd.engines import generate_api, openai_api
 from pd.engines.args import add_engine_args, finalize
+from pd.engines.auth import ApiKeyMiddleware
 from pd.engines.engine_core import EngineCore
 from pd.engines.errors import EngineError, bad_request
 from pd.engines.metrics import EngineMetrics
@@ -96,6 +98,7 @@ class EngineServer:
         self.started = time.time()
         self.app = FastAPI(title="pdserve reference engine", lifespan=self._lifespan)
         self.app.add_exception_handler(EngineError, lambda _r, e: error_response(e))
+        self.app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)  # SGLang's --api-key (pd.engines.auth)
         self._routes()
 
     @contextlib.asynccontextmanager
@@ -222,7 +225,8 @@ class EngineServer:
         @app.get("/get_server_info")
         @app.get("/server_info")
         async def server_info():
-            info = {k: v for k, v in vars(self.args).items() if isinstance(v, (str, int, float, bool, type(None)))}
+            info = {k: v for k, v in vars(self.args).items()
+                    if isinstance(v, (str, int, float, bool, type(None))) and k != "api_key"}  # never the key
             pool = self.core.pool
             info.update({
                 "version": pd.__version__,
