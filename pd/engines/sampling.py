@@ -110,24 +110,19 @@ class SamplingParams(BaseModel):
                 raise bad_request(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})", "stop_token_ids")
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int, banned: list[int],
-           output_ids: Sequence[int] = ()) -> int:
-    """Pick the next token.
+def processed_logits(logits: torch.Tensor, params: SamplingParams, banned: list[int],
+                     output_ids: Sequence[int] = ()) -> torch.Tensor:
+    """The logits after the request's logit processors, as SGLang applies them in order: penalties
+    (frequency: minus penalty x count; presence: minus penalty if present; repetition: logit / penalty if
+    positive, x penalty if negative), then ``logit_bias``, then ``-inf`` on ``banned``.
 
     Args:
-        logits: [vocab] float32 logits of the last position.
-        params: the request's sampling parameters.
-        seed: the request's sampling seed (any int).
-        step: index of the output token being sampled (0 = first token).
+        logits: [vocab] logits of one position.
         banned: token ids that must not be produced now (EOS and stop ids before min_new_tokens).
         output_ids: the tokens this request has generated so far (the penalties count them).
 
     Returns:
-        The token id. Order, as SGLang applies them: penalties on the logits (frequency: minus
-        penalty x count; presence: minus penalty if present; repetition: logit / penalty if positive,
-        x penalty if negative), then ``logit_bias``, then greedy argmax (``temperature == 0`` or
-        ``top_k == 1``; ties break to the lowest id, as ``torch.argmax`` does) or temperature, top-k,
-        top-p and min-p (probabilities below min_p x the largest dropped) and a seeded draw.
+        [vocab] float32, a new tensor.
     """
     logits = logits.float().clone()
     if output_ids and (params.frequency_penalty or params.presence_penalty or params.repetition_penalty != 1):
@@ -141,8 +136,19 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int, b
         logits[int(key)] += bias
     if banned:
         logits[banned] = float("-inf")
-    if params.temperature == 0 or params.top_k == 1:
-        return int(torch.argmax(logits))
+    return logits
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    """True when sampling is an argmax (``temperature == 0`` or ``top_k == 1``)."""
+    return params.temperature == 0 or params.top_k == 1
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy draw samples from: temperature, top-k, top-p (the smallest prefix
+    whose mass reaches top_p, the first token always kept) and min-p (probabilities below min_p x the
+    largest dropped) over already-processed ``logits`` [vocab]. Returns [vocab] float32, unnormalised
+    after top-p / min-p (``torch.multinomial`` normalises)."""
     logits = logits / params.temperature
     if params.top_k > 0 and params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
@@ -150,11 +156,38 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int, b
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
         cutoff = torch.cumsum(sorted_probs, 0) - sorted_probs >= params.top_p
         sorted_probs[cutoff] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     if params.min_p > 0:
         probs[probs < probs.max() * params.min_p] = 0.0
-    generator = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63))
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return probs
+
+
+def step_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
+    """The generator of output ``step``'s draws (counter-based, see the module docstring). ``stream`` 0 is
+    the plain sampler's; speculative decoding draws its draft, accept and residual samples from streams 1-3
+    so they never reuse one another's numbers."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step + stream * 7_919_000_011) % (2**63))
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int, banned: list[int],
+           output_ids: Sequence[int] = ()) -> int:
+    """Pick the next token.
+
+    Args:
+        logits: [vocab] float32 logits of the last position.
+        params: the request's sampling parameters.
+        seed: the request's sampling seed (any int).
+        step: index of the output token being sampled (0 = first token).
+        banned: token ids that must not be produced now (EOS and stop ids before min_new_tokens).
+        output_ids: the tokens this request has generated so far (the penalties count them).
+
+    Returns:
+        The token id: :func:`processed_logits`, then greedy argmax (``temperature == 0`` or ``top_k == 1``;
+        ties break to the lowest id, as ``torch.argmax`` does) or a seeded draw from :func:`sampling_probs`.
+    """
+    logits = processed_logits(logits, params, banned, output_ids)
+    if is_greedy(params):
+        return int(torch.argmax(logits))
+    return int(torch.multinomial(sampling_probs(logits, params), 1, generator=step_generator(seed, step)))
