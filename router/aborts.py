@@ -42,7 +42,7 @@ class Aborter:
 
     Args:
         tasks: where the background tasks live.
-        headers: headers of every /abort_request (e.g. the worker API key).
+        headers: headers of every /abort_request, besides each worker's own (``Worker.headers``: its key).
     """
 
     def __init__(self, tasks: TaskSet, headers: dict[str, str]):
@@ -94,7 +94,7 @@ class Aborter:
         """One /abort_request; returns the error instead of raising it."""
         try:
             await fetch(self.client, "POST", worker.url + "/abort_request", ABORT_TIMEOUT, json={"rid": rid},
-                          headers=self.headers, follow_redirects=False)
+                          headers={**self.headers, **worker.headers}, follow_redirects=False)
         except UPSTREAM_ERRORS as e:
             return e
         return None

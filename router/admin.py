@@ -6,8 +6,11 @@ Routes (JSON bodies; ``Authorization: Bearer ADMIN_KEY``, see pd.router.auth):
 - ``GET /workers``: ``{"workers": [...], "total", "stats": {"prefill_count", "decode_count"}}``;
   each worker: url, worker_type, bootstrap_host/port, state (available / unhealthy / circuit_open
   / draining), is_healthy, draining, circuit (closed / half_open / open), inflight, load.
-- ``POST /workers`` ``{"url", "worker_type": "prefill"|"decode", "bootstrap_port"}``: add one
-  (201; 409 when the URL is already a worker; 400 for bad fields).
+- ``POST /workers`` ``{"url", "worker_type": "prefill"|"decode", "bootstrap_port", "api_key"}``: add one
+  (201; 409 when the URL is already a worker; 400 for bad fields; 403 for a host outside the cluster's
+  nodes and ``allowed_worker_hosts``). The router sends the worker only the ``api_key`` given here
+  (sgl-model-gateway's field; none without it), never a key of its own: a worker someone added is not
+  told the client or the cluster key.
 - ``POST /workers/drain`` ``{"url", "timeout_secs": 30, "remove": false}``: no new requests go to
   the worker; answers once nothing is in flight there (``"drained": true``) or after
   ``timeout_secs`` (``false``), and removes it afterwards with ``remove``.
@@ -28,7 +31,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from pd.router.auth import Auth
+from pd.router.auth import Auth, valid_key
+from pd.router.config import RouterConfig, normalize_url
 from pd.router.errors import error_response
 from pd.router.health import HealthMonitor
 from pd.router.workers import WorkerPool
@@ -52,6 +56,43 @@ def _unroutable_host(url: str) -> Optional[str]:
     return None
 
 
+class WorkerHosts:
+    """Where the admin API may add workers: the cluster's own nodes (the hosts of the workers the router
+    started with), plus ``allowed_worker_hosts`` (names, IPs, networks, ``*``). Names are compared as
+    written, never resolved (a name that resolves elsewhere later must not widen the list).
+
+    Args:
+        config: the router's config (its initial workers and ``allowed_worker_hosts``).
+    """
+
+    def __init__(self, config: RouterConfig):
+        urls = [p.url for p in config.prefill] + list(config.decode)
+        self.nodes = {_host(u) for u in urls}
+        allowed = set(config.allowed_worker_hosts)
+        self.any = "*" in allowed
+        self.networks = [ipaddress.ip_network(h, strict=False) for h in allowed if "/" in h]
+        self.names = {h for h in allowed if "/" not in h and h != "*"}
+
+    def refusal(self, url: str) -> Optional[str]:
+        """Why a worker at ``url`` may not be added, or None."""
+        host = _host(url)
+        if self.any or host in self.nodes or host in self.names:
+            return None
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            ip = None
+        if ip is not None and any(ip in net for net in self.networks):
+            return None
+        return (f"worker host {host!r} is not one of this cluster's nodes ({', '.join(sorted(self.nodes))}); "
+                "allow it with the router's allowed_worker_hosts (--allowed-worker-hosts HOST|NETWORK|*)")
+
+
+def _host(url: str) -> str:
+    """A URL's host, lower case, IPv6 without brackets (normalize_url's form)."""
+    return (urlsplit(url if "://" in url else "http://" + url).hostname or "").lower()
+
+
 def _json(obj, status: int = 200) -> Response:
     return Response(json.dumps(obj).encode(), status_code=status, media_type="application/json")
 
@@ -69,6 +110,7 @@ class AdminAPI:
         self.pool = pool
         self.auth = auth
         self.health = health
+        self.hosts = WorkerHosts(pool.config)
 
     def routes(self) -> list[Route]:
         """The admin routes (/workers GET/POST/DELETE, /workers/drain, /workers/activate), each behind the admin key."""
@@ -129,7 +171,8 @@ class AdminAPI:
                       "stats": {"prefill_count": len(self.pool.prefill), "decode_count": len(self.pool.decode)}})
 
     async def add_worker(self, request: Request) -> Response:
-        """POST /workers {url, worker_type|role, bootstrap_port?}: add a worker; 400 naming the bad field."""
+        """POST /workers {url, worker_type|role, bootstrap_port?, api_key?}: add a worker; 400 naming the bad
+        field, 403 for a host outside the cluster (``WorkerHosts``)."""
         body, err = await self._body(request)
         if err:
             return err
@@ -139,8 +182,17 @@ class AdminAPI:
         refused = _unroutable_host(url)
         if refused:
             return error_response(400, refused, "url")
+        api_key = body.get("api_key")
+        if api_key is not None and not valid_key(api_key):
+            return error_response(400, "api_key must be a non-empty string of visible ASCII characters", "api_key")
         try:
-            w = self.pool.add(url, role, body.get("bootstrap_port"))
+            outside = self.hosts.refusal(normalize_url(url))
+        except ValueError as e:
+            return error_response(400, str(e), "url")
+        if outside:
+            return error_response(403, outside, "url")
+        try:
+            w = self.pool.add(url, role, body.get("bootstrap_port"), api_key)
         except ValueError as e:
             status = 409 if "already a worker" in str(e) else 400
             return error_response(status, str(e))

@@ -49,11 +49,14 @@ class AdminClient:
         """Every worker as ``GET /workers`` describes it."""
         return self._call("GET", "/workers")["workers"]
 
-    def add(self, url: str, role: str, bootstrap_port: Optional[int] = None) -> dict:
-        """Add a worker. Raises AdminError (409 when it is already there, 400 for bad fields)."""
+    def add(self, url: str, role: str, bootstrap_port: Optional[int] = None, api_key: Optional[str] = None) -> dict:
+        """Add a worker; ``api_key``: the key the router sends it (none without one). Raises AdminError (409 when
+        it is already there, 400 for bad fields, 403 for a host outside the cluster)."""
         body = {"url": url, "worker_type": role}
         if bootstrap_port is not None:
             body["bootstrap_port"] = bootstrap_port
+        if api_key is not None:
+            body["api_key"] = api_key
         return self._call("POST", "/workers", json=body)["worker"]
 
     def remove(self, url: str) -> dict:

@@ -60,7 +60,7 @@ class Router:
         self.auth = Auth(config.api_key, config.admin_api_key)
         self.pool = WorkerPool(config, self.metrics)
         self.dispatcher = PDDispatcher(self.pool, self.metrics, config, self.auth)
-        self.health = HealthMonitor(self.pool, config.health_check, self.auth.worker_headers())
+        self.health = HealthMonitor(self.pool, config.health_check)
         self.admin = AdminAPI(self.pool, self.auth, self.health)
         self.http: httpx.AsyncClient | None = None  # health checks, aborts, info proxies
         self.client: UpstreamClient | None = None  # the generation requests
@@ -97,8 +97,7 @@ class Router:
                 resp = error_response(503, self.pool.unavailable_reason("decode"))
             else:
                 try:
-                    r = await fetch(self.http, "GET", worker.url + path, PROXY_TIMEOUT,
-                                      headers=self.auth.worker_headers())
+                    r = await fetch(self.http, "GET", worker.url + path, PROXY_TIMEOUT, headers=worker.headers)
                     status = r.status_code
                     resp = Response(r.content, status_code=status, media_type=content_type(r))
                 except UPSTREAM_ERRORS as e:
@@ -132,8 +131,7 @@ class Router:
 
         async def one(w):
             try:
-                r = await fetch(self.http, "POST", w.url + query, PROXY_TIMEOUT + wait,
-                                headers=self.auth.worker_headers())
+                r = await fetch(self.http, "POST", w.url + query, PROXY_TIMEOUT + wait, headers=w.headers)
                 return {"url": w.url, "role": w.role, "status": r.status_code, "message": r.text.strip()}
             except UPSTREAM_ERRORS as e:
                 return {"url": w.url, "role": w.role, "status": None, "message": repr(e)}

@@ -69,6 +69,16 @@ class Auth:
             return _loopback(request)
         return key_matches(request.headers.get("authorization"), key)
 
-    def worker_headers(self) -> dict[str, str]:
-        """Headers the router sends to workers (SGLang workers started with ``--api-key`` want it)."""
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+def worker_auth_headers(key: Optional[str]) -> dict[str, str]:
+    """The headers of every call to a worker given ``key`` (SGLang workers started with ``--api-key`` want
+    it): each worker carries its own (pd.router.workers.Worker.headers), so a key goes only to the workers
+    it was given for: those the router starts with get ``worker_api_key`` (else ``api_key``), one added
+    through the admin API only the key its ``POST /workers`` names."""
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def valid_key(key: object) -> bool:
+    """Whether ``key`` can travel in an ``Authorization`` header: a non-empty string of visible ASCII."""
+    return isinstance(key, str) and bool(key) and all("!" <= c <= "~" for c in key)

@@ -15,6 +15,7 @@ section's ``FLAG`` rule (``RetryConfig.FLAG = "--retry-{}"``: ``retry.max_retrie
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any, ClassVar, Literal, Optional
 from urllib.parse import urlsplit
 
@@ -25,12 +26,21 @@ DEFAULT_BOOTSTRAP_PORT = 8998
 # Where `pdserve router` reads its keys when no flag gives them (``ps`` shows flags, not these).
 API_KEY_ENV = "PDSERVE_ROUTER_API_KEY"
 ADMIN_KEY_ENV = "PDSERVE_ROUTER_ADMIN_API_KEY"
+WORKER_KEY_ENV = "PDSERVE_ROUTER_WORKER_API_KEY"
 # Settings as JSON (a RouterConfig's keys; the workers may be left to --prefill / --decode): how the
 # launcher hands a router its settings. Flags given on the command line override it (pd.router.cli).
 CONFIG_ENV = "PDSERVE_ROUTER_CONFIG"
 
 PolicyName = Literal["round_robin", "random", "least_load", "power_of_two", "cache_aware"]
 POLICY_NAMES: tuple[str, ...] = PolicyName.__args__
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def normalize_url(url: str) -> str:
@@ -269,22 +279,48 @@ class RouterSettings(_Strict):
     keep at most this many."""
     api_key: Optional[str] = Field(None, repr=False, json_schema_extra=flag(env=API_KEY_ENV))
     """key clients must send as ``Authorization: Bearer KEY`` on client routes (generation and
-    info); the router sends the same key to the workers (SGLang's ``--api-key``)."""
+    info); unless ``worker_api_key`` is set, the router also sends it to the workers it starts with
+    (SGLang's ``--api-key``, as sglang-router does), never to a worker added through the admin API."""
     admin_api_key: Optional[str] = Field(None, repr=False, json_schema_extra=flag(env=ADMIN_KEY_ENV))
     """key of the admin API (/workers); without it the admin API accepts the ``api_key``, and with
     neither only clients on a loopback address."""
+    worker_api_key: Optional[str] = Field(None, repr=False, json_schema_extra=flag(env=WORKER_KEY_ENV))
+    """key the router sends (``Authorization: Bearer KEY``) to the workers it starts with, in health
+    checks, generation, abort and info calls: the engines' ``--api-key`` (a launched cluster's
+    generated key). Unset: ``api_key``. A worker added through the admin API gets only the
+    ``api_key`` its ``POST /workers`` names (none without one)."""
+    allowed_worker_hosts: tuple[str, ...] = ()
+    """hosts the admin API may add workers on besides the cluster's own nodes (the hosts of the
+    workers the router starts with): host names, IP addresses or networks (``10.0.0.0/24``), or
+    ``*`` for any host. Empty: only the cluster's nodes."""
     request_id_headers: tuple[str, ...] = ("x-request-id",)
     """request headers a client's request id is taken from, first match wins; it is passed to both
     workers and returned as ``X-Request-Id``."""
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
     """Python logging level name."""
 
-    @field_validator("api_key", "admin_api_key")
+    @field_validator("api_key", "admin_api_key", "worker_api_key")
     @classmethod
     def _key(cls, v: Optional[str]) -> Optional[str]:
         if v is not None and not v.strip():
             raise ValueError("must not be empty (leave it unset for no key)")
         return v
+
+    @field_validator("allowed_worker_hosts")
+    @classmethod
+    def _hosts(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        out = []
+        for h in v:
+            h = h.strip().lower().strip("[]")
+            if "/" in h:
+                try:
+                    ipaddress.ip_network(h, strict=False)
+                except ValueError:
+                    raise ValueError(f"{h!r} is not an IP network (e.g. 10.0.0.0/24)") from None
+            elif not h or any(c in h for c in " @:?#") and not _is_ip(h):
+                raise ValueError(f"{h!r} is not a host name, an IP address, a network or *")
+            out.append(h)
+        return tuple(out)
 
     @field_validator("request_id_headers")
     @classmethod

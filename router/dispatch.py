@@ -165,7 +165,7 @@ class PDDispatcher:
         self.settings = settings
         self.auth = auth
         self.tasks = TaskSet()
-        self.aborter = Aborter(self.tasks, auth.worker_headers())
+        self.aborter = Aborter(self.tasks, {})
         self.client: Optional[UpstreamClient] = None
         t = settings.timeouts
         self.prefill_timeout = t.prefill or t.request  # seconds, the whole prefill request
@@ -176,7 +176,8 @@ class PDDispatcher:
         self.limit = settings.max_payload_size
         self.body_timeout = settings.timeouts.body_read
         self.id_headers = [h.lower().encode("latin-1") for h in settings.request_id_headers]
-        self.worker_headers = header_block({"Content-Type": "application/json", **auth.worker_headers()})
+        # each worker's own key is added per call (Worker.auth_line): a key goes only where it was given
+        self.worker_headers = header_block({"Content-Type": "application/json"})
 
     def bind(self, http: httpx.AsyncClient, client: UpstreamClient) -> None:
         """Attach the secondary-traffic client (aborts) and the upstream client once the event loop runs."""
@@ -390,7 +391,7 @@ class PDDispatcher:
         w.begin(ex.seqs)
         out: PrefillOutcome
         try:
-            resp = await self.client.post(w.url, ex.route, ex.payload, ex.headers, self.prefill_timeout)
+            resp = await self.client.post(w.url, ex.route, ex.payload, ex.headers + w.auth_line, self.prefill_timeout)
             try:
                 raw = await resp.read()
             except BaseException:
@@ -423,7 +424,8 @@ class PDDispatcher:
     async def _open_decode(self, ex: Exchange) -> UpstreamResponse:
         ex.decode_begin()
         try:
-            return await self.client.post(ex.decode.url, ex.route, ex.payload, ex.headers, self.request_timeout)
+            return await self.client.post(ex.decode.url, ex.route, ex.payload, ex.headers + ex.decode.auth_line,
+                                          self.request_timeout)
         except BaseException:
             ex.decode_end()
             raise

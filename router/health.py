@@ -44,7 +44,7 @@ class HealthMonitor:
     Args:
         pool: the workers.
         config: interval, timeout, thresholds, endpoint.
-        headers: headers of every probe (e.g. the worker API key).
+        headers: headers of every probe, besides each worker's own (``Worker.headers``: its key).
     """
 
     def __init__(self, pool: WorkerPool, config: HealthCheckConfig, headers: Optional[dict] = None):
@@ -74,8 +74,8 @@ class HealthMonitor:
     async def check_all(self) -> None:
         """One probe round over every worker, concurrently."""
         workers = self.pool.all
-        results = await asyncio.gather(*(probe(self.client, w, self.cfg.endpoint, self.cfg.timeout_secs, self.headers)
-                                         for w in workers))
+        results = await asyncio.gather(*(probe(self.client, w, self.cfg.endpoint, self.cfg.timeout_secs,
+                                               {**(self.headers or {}), **w.headers}) for w in workers))
         for w, err in zip(workers, results):
             self.record(w, err)
 
@@ -84,7 +84,7 @@ class HealthMonitor:
         ``[{"worker", "role", "error"}]`` (empty when all answered 200). Does not change routing."""
         workers = self.pool.all
         results = await asyncio.gather(*(probe(self.client, w, "/health_generate", HEALTH_GENERATE_TIMEOUT,
-                                               self.headers) for w in workers))
+                                               {**(self.headers or {}), **w.headers}) for w in workers))
         return [{"worker": w.url, "role": w.role, "error": err} for w, err in zip(workers, results) if err is not None]
 
     def start(self, client: httpx.AsyncClient) -> None:

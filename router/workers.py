@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Optional
 
+from pd.router.auth import worker_auth_headers
 from pd.router.circuit import OPEN, STATE_NAMES, CircuitBreaker
 from pd.router.config import CircuitBreakerConfig, RouterConfig, normalize_url
 from pd.router.policies import Policy, make_policy
+from pd.router.upstream import header_block
 
 if TYPE_CHECKING:
     from pd.router.metrics import RouterMetrics
@@ -31,18 +33,23 @@ class Worker:
         healthy: False while active health checks fail (see pd.router.health).
         draining: True once an operator drains it: no new requests, in-flight ones finish.
         breaker: its circuit breaker.
+        headers: what the router adds to every call to it: ``Authorization: Bearer KEY`` with the key this
+            worker was given (pd.router.auth), else nothing; ``auth_line`` is the same, encoded for
+            pd.router.upstream.
         inflight: requests in flight to it.
         load: generated sequences in flight to it (a batch of 33 counts 33), the policies' load.
     """
 
     __slots__ = ("url", "role", "bootstrap_port", "bootstrap_host", "healthy", "draining", "breaker", "inflight",
                  "load", "health_failures", "health_successes", "_g_inflight", "_g_healthy", "_g_circuit",
-                 "decisions", "_idle")
+                 "decisions", "_idle", "headers", "auth_line")
 
     def __init__(self, url: str, role: str, bootstrap_port: Optional[int] = None, bootstrap_host: Optional[str] = None,
-                 breaker: Optional[CircuitBreakerConfig] = None):
+                 breaker: Optional[CircuitBreakerConfig] = None, api_key: Optional[str] = None):
         if role not in ROLES:
             raise ValueError(f"worker role must be one of {ROLES}, got {role!r}")
+        self.headers = worker_auth_headers(api_key)
+        self.auth_line = header_block(self.headers)
         self.url = url
         self.role = role
         self.bootstrap_port = bootstrap_port
@@ -130,7 +137,7 @@ class Worker:
             "url": self.url, "worker_type": self.role, "bootstrap_port": self.bootstrap_port,
             "bootstrap_host": self.bootstrap_host, "state": self.state(), "is_healthy": self.healthy,
             "draining": self.draining, "circuit": STATE_NAMES[self.breaker.state],
-            "inflight": self.inflight, "load": self.load,
+            "inflight": self.inflight, "load": self.load, "api_key": bool(self.headers),  # whether, never which
         }
 
 
@@ -148,10 +155,12 @@ class WorkerPool:
         self.policies: dict[str, Policy] = {role: make_policy(config.side_policy(role), role, config) for role in ROLES}
         self.prefill: list[Worker] = []
         self.decode: list[Worker] = []
+        # The workers the router starts with are the operator's (or the launcher's): they get the worker key.
+        key = config.worker_api_key or config.api_key
         for p in config.prefill:
-            self.add(p.url, "prefill", p.bootstrap_port)
+            self.add(p.url, "prefill", p.bootstrap_port, key)
         for url in config.decode:
-            self.add(url, "decode")
+            self.add(url, "decode", api_key=key)
 
     @property
     def all(self) -> list[Worker]:
@@ -171,8 +180,9 @@ class WorkerPool:
                 return w
         return None
 
-    def add(self, url: str, role: str, bootstrap_port: Optional[int] = None) -> Worker:
+    def add(self, url: str, role: str, bootstrap_port: Optional[int] = None, api_key: Optional[str] = None) -> Worker:
         """Add a worker; it gets requests at once (until health checks or its breaker say otherwise).
+        ``api_key``: the key every call to it carries (none without one).
 
         Raises:
             ValueError: bad URL or role, a prefill without a bootstrap port, or the URL is
@@ -188,9 +198,9 @@ class WorkerPool:
         if role == "prefill":
             if bootstrap_port is None or not 1 <= int(bootstrap_port) <= 65535:
                 raise ValueError(f"a prefill worker needs a bootstrap_port in 1..65535, got {bootstrap_port!r}")
-            w = Worker(url, role, int(bootstrap_port), urlsplit(url).hostname, self.config.circuit_breaker)
+            w = Worker(url, role, int(bootstrap_port), urlsplit(url).hostname, self.config.circuit_breaker, api_key)
         else:
-            w = Worker(url, role, breaker=self.config.circuit_breaker)
+            w = Worker(url, role, breaker=self.config.circuit_breaker, api_key=api_key)
         if self.metrics is not None:
             w.bind_metrics(self.metrics, self.policies[role].name)
         if role == "prefill":

@@ -57,6 +57,8 @@ FLAGS = [
     (("--max-connections",), "store", None, "int", None, None),
     (("--api-key",), "store", None, "str", None, None),
     (("--admin-api-key",), "store", None, "str", None, None),
+    (("--worker-api-key",), "store", None, "str", None, None),
+    (("--allowed-worker-hosts",), "store", "+", "str", None, None),
     (("--request-id-headers",), "store", "+", "str", None, None),
     (("--log-level",), "store", None, "str", LEVELS, None),
 ]
@@ -105,6 +107,8 @@ SETTINGS = {
     "--max-connections": ("max_connections", 1024, ["16"], 16),
     "--api-key": ("api_key", None, ["ck"], "ck"),
     "--admin-api-key": ("admin_api_key", None, ["ak"], "ak"),
+    "--worker-api-key": ("worker_api_key", None, ["wk"], "wk"),
+    "--allowed-worker-hosts": ("allowed_worker_hosts", (), ["10.0.0.0/24", "gpu-7"], ("10.0.0.0/24", "gpu-7")),
     "--request-id-headers": ("request_id_headers", ("x-request-id",), ["X-Trace-Id", "x-b"], ("x-trace-id", "x-b")),
     "--log-level": ("log_level", "info", ["debug"], "debug"),
 }

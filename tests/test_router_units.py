@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pd.router.aborts import aborted_indexes
 from pd.router.admission import check
-from pd.router.auth import Auth, key_matches
+from pd.router.auth import Auth, key_matches, worker_auth_headers
 from pd.router.circuit import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from pd.router.cli import config_from_args, parse_prefill
 from pd.router.config import CONFIG_ENV, CircuitBreakerConfig, HealthCheckConfig, RouterConfig, RouterSettings
@@ -382,7 +382,7 @@ async def test_failed_aborts_are_one_warning_per_round_not_one_per_sequence(capl
         port = s.getsockname()[1]
     aborter = Aborter(TaskSet(), {})
     async with httpx.AsyncClient() as aborter.client:
-        worker = SimpleNamespace(url=f"http://127.0.0.1:{port}", role="decode")
+        worker = SimpleNamespace(url=f"http://127.0.0.1:{port}", role="decode", headers={})
         with caplog.at_level(logging.WARNING, logger="pd.router"):
             await aborter.send(worker, [f"pdr-x_{i}" for i in range(300)])
     (record,) = [r for r in caplog.records if r.name == "pd.router"]
@@ -467,7 +467,7 @@ def test_keys():
     assert not keyed.client_ok(req()) and keyed.client_ok(req("Bearer k"))
     assert keyed.admin_ok(req("Bearer adm")) and not keyed.admin_ok(req("Bearer k"))
     assert Auth("k", None).admin_ok(req("Bearer k", host="10.1.2.3"))
-    assert keyed.worker_headers() == {"Authorization": "Bearer k"} and open_.worker_headers() == {}
+    assert worker_auth_headers("k") == {"Authorization": "Bearer k"} and worker_auth_headers(None) == {}
 
 
 # ---- metrics ----------------------------------------------------------------------------------

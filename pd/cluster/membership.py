@@ -33,11 +33,14 @@ class Membership:
     Args:
         admin: the router's admin API.
         say: where to report changes (one line each).
+        worker_key: the cluster's key, which the engines want and the router sends to the workers it
+            re-adds here (a worker the admin API adds gets only the key its call names).
     """
 
-    def __init__(self, admin: AdminClient, say: Callable[[str], None] = print):
+    def __init__(self, admin: AdminClient, say: Callable[[str], None] = print, worker_key: Optional[str] = None):
         self.admin = admin
         self.say = say
+        self.worker_key = worker_key
         self.registered: dict[str, tuple] = {}  # name -> (url, role, bootstrap_port) in the router now
         self.states: dict[str, str] = {}
 
@@ -61,7 +64,7 @@ class Membership:
                     have = None
                 if want is not None and have is None and state == "ready":
                     try:
-                        self.admin.add(*want)
+                        self.admin.add(*want, api_key=self.worker_key)
                     except AdminError as e:
                         if e.status != 409:
                             raise
