@@ -5,10 +5,14 @@ a decode waiting for KV that never comes holds pages until its waiting timeout (
 and a prefill whose decode is gone holds its KV until its bootstrap timeout. The router therefore
 aborts the other side immediately and deterministically:
 
-1. ``POST /abort_request {"rid": ...}`` for every sequence id of the request, all at once;
-2. while the side's HTTP request is still running, the abort is sent again at growing intervals
-   (``RESEND``): an abort can overtake the request it aborts on another connection, and an
-   engine only aborts sequences it already has;
+1. one ``POST /abort_request`` per side with every sequence id of the request: ``{"rid": ID}`` for
+   one sequence (SGLang's form), ``{"rid": [ID, ...]}`` for several (the reference engine's; the
+   list mirrors ``rid`` of SGLang's GenerateReqInput). The pinned SGLang's ``AbortReq`` takes one
+   string ``rid`` only and answers 400 to a list: a worker that refuses a list gets one call per id
+   from then on (``Aborter.single_rid``), the router's behaviour before lists;
+2. while the side's HTTP request is still running, the same call is sent again at growing intervals
+   (``RESEND``, at most ``len(RESEND)`` times, never one per sequence): an abort can overtake the
+   request it aborts on another connection, and an engine only aborts sequences it already has;
 3. if the request still has not ended, the router drops its connection (SGLang aborts requests
    whose client went away, and the reference engine too).
 
@@ -34,7 +38,10 @@ from pd.router.logprobs import SSE_DATA, SSE_DONE, sse_events
 log = logging.getLogger("pd.router")
 
 ABORT_TIMEOUT = 5.0  # seconds for one /abort_request; best effort, it never blocks a reply
-RESEND = (0.05, 0.1, 0.2, 0.4, 0.8)  # seconds between abort resends while the request runs
+# Seconds between resends while the request runs: the race they cover (an abort that overtook its request)
+# ends once the request reaches the engine; an engine that took the abort ends the request well within the
+# first wait even on a loaded machine, so an abort that worked is never sent twice.
+RESEND = (0.25, 0.5, 1.0)
 
 
 class Aborter:
@@ -49,6 +56,7 @@ class Aborter:
         self.tasks = tasks
         self.headers = headers
         self.client: Optional[httpx.AsyncClient] = None  # pd.router.client, set before the first abort
+        self.single_rid: set[str] = set()  # URLs of workers that refused a list of rids (SGLang)
 
     def abort(self, worker, rids: list[str], request: Optional[asyncio.Future] = None,
               on_done: Optional[Callable[[asyncio.Future], None]] = None) -> None:
@@ -79,25 +87,37 @@ class Aborter:
                 on_done(request)
 
     async def send(self, worker, rids: list[str]) -> None:
-        """POST /abort_request for each of ``rids`` concurrently; failures are not raised but logged as
-        one line per call (how many failed, the first error): a request of many sequences (``n`` in
-        the thousands) on a busy engine must not write a warning per sequence and resend."""
+        """Abort ``rids`` on ``worker``: one POST /abort_request naming them all, or, on a worker that
+        takes one rid per call, one call per rid, concurrently. Failures are not raised but logged as one
+        line (how many failed, the first error): a request of many sequences on a busy engine must not
+        write a warning per sequence."""
         if not rids:
             return
-        errors = await asyncio.gather(*(self._post(worker, rid) for rid in rids))
-        failed = [(rid, e) for rid, e in zip(rids, errors) if e is not None]
+        if len(rids) > 1 and worker.url not in self.single_rid:
+            status, error = await self._post(worker, rids)
+            if status not in (400, 422):
+                if error is not None or status >= 300:
+                    log.warning("abort of %d of %d rid(s) on %s %s failed (first: %s: %s)", len(rids), len(rids),
+                                worker.role, worker.url, rids[0],
+                                repr(error) if error is not None else f"HTTP {status}")
+                return
+            self.single_rid.add(worker.url)
+            log.info("%s %s takes one rid per /abort_request (it answered %d to a list); aborting one by one "
+                     "from now on", worker.role, worker.url, status)
+        results = await asyncio.gather(*(self._post(worker, rid) for rid in rids))
+        failed = [(rid, e) for rid, (_, e) in zip(rids, results) if e is not None]
         if failed:
             log.warning("abort of %d of %d rid(s) on %s %s failed (first: %s: %r)", len(failed), len(rids),
                         worker.role, worker.url, failed[0][0], failed[0][1])
 
-    async def _post(self, worker, rid: str) -> Optional[BaseException]:
-        """One /abort_request; returns the error instead of raising it."""
+    async def _post(self, worker, rid: str | list[str]) -> tuple[Optional[int], Optional[BaseException]]:
+        """One /abort_request: (HTTP status, None), or (None, the error) instead of raising it."""
         try:
-            await fetch(self.client, "POST", worker.url + "/abort_request", ABORT_TIMEOUT, json={"rid": rid},
-                          headers={**self.headers, **worker.headers}, follow_redirects=False)
+            r = await fetch(self.client, "POST", worker.url + "/abort_request", ABORT_TIMEOUT, json={"rid": rid},
+                            headers={**self.headers, **worker.headers}, follow_redirects=False)
         except UPSTREAM_ERRORS as e:
-            return e
-        return None
+            return None, e
+        return r.status_code, None
 
 
 def _generate_aborted(obj) -> bool:

@@ -273,6 +273,28 @@ class RouterSettings(_Strict):
     """most sequences one request generates (prompts x n): each is a bootstrap room, a KV
     allocation on both sides and an abort per side when it fails; 400 above it, before any worker
     sees it. 512 is about one DeepSeek-V4 decode instance's running batch."""
+    max_total_tokens_per_request: int = Field(1 << 20, ge=1)
+    """most tokens one request may hold in flight: prompt tokens + ``max_new_tokens`` summed over its
+    sequences (each sequence holds its prompt's KV and its own output's); 400 above it, before any
+    worker sees it. The router does not tokenize: a token-id prompt counts its ids, a text prompt its
+    UTF-8 bytes (a byte-level BPE token covers at least one byte, so this never counts fewer tokens
+    than the engine will), a chat request the bytes of its message texts; an unset ``max_new_tokens``
+    counts SGLang's default (128 on /generate, 16 on /v1/completions, 0 on chat, whose length the
+    engine bounds by the context). 2^20 = 16 samples (``max_n``) of the DeepSeek-V4 profile's whole
+    64K-token context."""
+    max_concurrent_requests: int = Field(512, ge=-1)
+    """generation requests in flight at once (a stream until its last byte); more wait in a FIFO
+    queue of ``queue_size`` for up to ``queue_timeout_secs``, and get 429 with ``Retry-After`` when it
+    is full or the wait ends. -1 or 0 = no limit (sgl-model-gateway's flag and meaning). 512 is one
+    DeepSeek-V4 decode instance's running batch: the engines queue more themselves, holding the
+    client's connection and KV it waits for."""
+    queue_size: int = Field(1024, ge=0)
+    """requests that may wait for an in-flight slot (0 = none wait: 429 at once when all are taken).
+    A waiting request's body is held in memory, so this times ``max_payload_size`` bounds the queue's
+    memory."""
+    queue_timeout_secs: float = Field(60.0, gt=0)
+    """longest wait in the queue, in seconds, then 429 (sgl-model-gateway answers 408 here; 429 tells
+    clients and the OpenAI SDK to come back, which is what a full router means)."""
     max_connections: int = Field(1024, ge=1)
     """pooled upstream connections, all workers together, per client: the generation requests'
     client (pd.router.upstream) and the client of health checks, aborts and info proxies each

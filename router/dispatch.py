@@ -4,8 +4,10 @@ answer out.
 Per request (docs/design.md, "The PD wire protocol"):
 
 1. Check the API key, read the body (413 over ``max_payload_size``), parse it (400 if malformed),
-   check the admission caps (400 over ``max_n``, ``max_batch_size`` or ``max_sequences_per_request``:
-   pd.router.admission).
+   check the admission caps (400 over ``max_n``, ``max_batch_size``, ``max_sequences_per_request`` or
+   ``max_total_tokens_per_request``), then take an in-flight slot, waiting in the queue when all
+   ``max_concurrent_requests`` are taken (429 with ``Retry-After`` when the queue is full or the wait
+   ends; pd.router.admission). The slot is held until the answer's last byte.
 2. Pick a (prefill, decode) pair with the side policies, stamp the bootstrap fields (one fresh
    room per generated sequence) and request ids (pd.router.rooms).
 3. POST the same bytes to the same route on both workers concurrently, over the pooled client,
@@ -37,6 +39,8 @@ from typing import TYPE_CHECKING, Optional
 
 from pd.router import admission, jsonio, logprobs
 from pd.router.aborts import Aborter, aborted_indexes
+from pd.router.admission import FLAG as ADMISSION_FLAG
+from pd.router.admission import InFlightLimit
 from pd.router.auth import Auth
 from pd.router.background import TaskSet
 from pd.router.config import RouterSettings
@@ -178,6 +182,8 @@ class PDDispatcher:
         self.id_headers = [h.lower().encode("latin-1") for h in settings.request_id_headers]
         # each worker's own key is added per call (Worker.auth_line): a key goes only where it was given
         self.worker_headers = header_block({"Content-Type": "application/json"})
+        self.admission = InFlightLimit(settings.max_concurrent_requests, settings.queue_size,
+                                       settings.queue_timeout_secs, metrics.queued)
 
     def bind(self, http: httpx.AsyncClient, client: UpstreamClient) -> None:
         """Attach the secondary-traffic client (aborts) and the upstream client once the event loop runs."""
@@ -188,7 +194,8 @@ class PDDispatcher:
     async def handle(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
         """Serve one generation request (an ASGI ``http`` scope) in PD mode: decode's answer
         (streamed for ``stream: true``), a worker's own error, or a router error (400 malformed or over a cap,
-        401 key, 413 too large, 502 unreachable, 503 no worker, 504 timed out), always with
+        401 key, 408 body too slow, 413 too large, 429 no in-flight slot, 502 unreachable, 503 no worker,
+        504 timed out), always with
         ``X-Request-Id``. A client that left gets nothing (recorded as 499)."""
         arrival = time.perf_counter()
         em = self.metrics.endpoint(route)
@@ -207,9 +214,26 @@ class PDDispatcher:
             em.error(kind)
 
     async def _reject(self, send: Send, em: EndpointMetrics, arrival: float, status: int, kind: str, msg: str,
-                      rid_header: tuple[bytes, bytes], param: Optional[str] = None) -> None:
+                      rid_header: tuple[bytes, bytes], param: Optional[str] = None,
+                      *extra: tuple[bytes, bytes]) -> None:
         self.record(em, arrival, status, kind)
-        await send_whole(send, status, error_json(status, msg, param), extra=(rid_header,))
+        await send_whole(send, status, error_json(status, msg, param), extra=(rid_header, *extra))
+
+    async def _refuse_busy(self, send: Send, em: EndpointMetrics, arrival: float, why: str, req_id: str,
+                           rid_header: tuple[bytes, bytes]) -> None:
+        """429 for a request that got no in-flight slot (``why``: ``queue_full`` or ``queue_timeout``)."""
+        a, s = self.admission, self.settings
+        wait = a.retry_after()
+        if why == "queue_full":
+            msg = (f"the router is at its limit of {s.max_concurrent_requests} requests in flight "
+                   f"({ADMISSION_FLAG['max_concurrent_requests']}) and {a.waiting} waiting "
+                   f"({ADMISSION_FLAG['queue_size']})")
+        else:
+            msg = (f"no in-flight slot within {s.queue_timeout_secs:g} s ({ADMISSION_FLAG['queue_timeout_secs']}) "
+                   f"with {s.max_concurrent_requests} requests in flight "
+                   f"({ADMISSION_FLAG['max_concurrent_requests']})")
+        await self._reject(send, em, arrival, 429, why, f"{msg}; retry after {wait} s (request id {req_id})",
+                           rid_header, None, (b"retry-after", str(wait).encode()))
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, route: str, em: EndpointMetrics,
                      arrival: float) -> None:
@@ -253,7 +277,7 @@ class PDDispatcher:
                                       "the request body must be a JSON object", rid_header)
 
         shape = request_shape(route, body)
-        over = admission.check(route, shape, self.settings)
+        over = admission.check(route, shape, self.settings, body)
         if over is not None:  # before any worker is touched, and never retried
             return await self._reject(send, em, arrival, 400, "over_limit", over.message, rid_header, over.param)
         count, batch, n = shape.sequences, shape.batch, shape.n
@@ -293,7 +317,15 @@ class PDDispatcher:
             log.warning("request %s attempt %d failed (%s %s: %s); retrying on a fresh pair", req_id, number,
                         failure.status, failure.kind, failure.body[:200])
 
+        admitted = 0.0  # when an in-flight slot became this request's (0: it has none)
         try:
+            limit = self.admission
+            if not limit.enter():
+                refused = await limit.wait()  # the disconnect watch is on: a client leaving leaves the queue
+                if refused is not None:
+                    watch.disarm()
+                    return await self._refuse_busy(send, em, arrival, refused, req_id, rid_header)
+            admitted = time.perf_counter()
             result, attempts = await self.retrier.run(attempt, retrying)
             if isinstance(result, Relay):
                 relay = result
@@ -322,6 +354,8 @@ class PDDispatcher:
                 self.record(em, arrival, CLIENT_CLOSED, "client_disconnect")
         finally:
             watch.stop()
+            if admitted:
+                self.admission.release(time.perf_counter() - admitted)
 
     # ---- one attempt -------------------------------------------------------------------------
     async def _attempt(self, ex: Exchange):

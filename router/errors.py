@@ -19,6 +19,7 @@ TIMEOUT_ERRORS = (asyncio.TimeoutError, httpx.TimeoutException)
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
           405: "MethodNotAllowedError", 409: "ConflictError", 413: "PayloadTooLargeError",
+          429: "RateLimitError",
           499: "ClientClosedRequest", 502: "BadGatewayError", 503: "ServiceUnavailableError",
           504: "GatewayTimeoutError"}
 

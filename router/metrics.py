@@ -3,7 +3,8 @@ per router so several routers can live in one process, e.g. in tests).
 
 Per-request stages, all labelled by ``endpoint`` (the route, e.g. ``/generate``):
 
-- queue: arrival -> dispatch to the workers (body read, parsed, pair picked, rooms stamped);
+- queue: arrival -> dispatch to the workers (body read, parsed, a wait for an in-flight slot, pair
+  picked, rooms stamped);
 - prefill: dispatch -> the prefill's response fully read;
 - TTFT: arrival -> first byte of decode's body (streams) or the full response (non-streaming);
 - ITL (inter-token latency): between consecutive decode SSE data chunks;
@@ -15,6 +16,7 @@ so dashboards and rate() see stable label sets; a removed worker's series are dr
 Names (a dashboard contract; keep them): ``pdserve_router_{queue,prefill,ttft,inter_token,e2e}_seconds``,
 ``pdserve_router_requests_total{endpoint,status}``, ``pdserve_router_errors_total{endpoint,kind}``,
 ``pdserve_router_retries_total{endpoint}``, ``pdserve_router_requests_in_flight``,
+``pdserve_router_requests_queued`` (waiting for an in-flight slot: pd.router.admission),
 ``pdserve_router_prompt_tokens_total{endpoint}``, ``pdserve_router_completion_tokens_total{endpoint}``,
 ``pdserve_router_worker_inflight{worker,role}``, ``pdserve_router_worker_healthy{worker,role}``,
 ``pdserve_router_worker_circuit_state{worker,role}`` (0 closed, 1 half-open, 2 open),
@@ -51,7 +53,10 @@ E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20
 # Values of the ``kind`` label of pdserve_router_errors_total.
 ERROR_KINDS = (
     "invalid_request",      # malformed body (400)
-    "over_limit",           # over --max-n, --max-batch-size or --max-sequences-per-request (400)
+    "over_limit",           # over --max-n, --max-batch-size, --max-sequences-per-request or
+                            # --max-total-tokens-per-request (400)
+    "queue_full",           # --max-concurrent-requests in flight and --queue-size waiting (429)
+    "queue_timeout",        # waited --queue-timeout-secs for an in-flight slot (429)
     "payload_too_large",    # body over --max-payload-size (413)
     "body_timeout",         # the body did not arrive within --body-read-timeout-secs (408)
     "unauthorized",         # missing or wrong API key (401)
@@ -278,6 +283,8 @@ class RouterMetrics:
                                         "requests, as the engines reported them.", ep)
         self.in_flight = Family("gauge", "pdserve_router_requests_in_flight",
                                 "Client requests the router is serving now.")
+        self.queued = Family("gauge", "pdserve_router_requests_queued",
+                             "Generation requests waiting for an in-flight slot (--max-concurrent-requests).")
         wl = ["worker", "role"]
         self.inflight = Family("gauge", "pdserve_router_worker_inflight", "Requests in flight to a worker.", wl)
         self.healthy = Family("gauge", "pdserve_router_worker_healthy",
@@ -289,7 +296,7 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_Collector([self.queue, self.prefill, self.ttft, self.itl, self.e2e, self.requests,
                                            self.errors, self.retries, self.prompt_tokens, self.completion_tokens,
-                                           self.in_flight, self.inflight, self.healthy, self.circuit,
+                                           self.in_flight, self.queued, self.inflight, self.healthy, self.circuit,
                                            self.decisions]))
         self.endpoints = {e: EndpointMetrics(self, e) for e in endpoints}
 

@@ -4,7 +4,9 @@ faults on command.
 It speaks what the router uses of SGLang: ``POST /generate``, ``/v1/completions``,
 ``/v1/chat/completions`` (single, batches, ``n``, streams with ``data: [DONE]``, SGLang's result
 shapes and ``finish_reason`` values), ``POST /abort_request`` (SGLang's semantics: the id must be
-a live sequence's exact id, then every live sequence with that prefix is aborted), ``GET
+a live sequence's exact id, then every live sequence with that prefix is aborted; ``rid`` may be a
+list of such ids, as the reference engine takes, unless ``abort_lists`` is off: then a list gets
+the pinned SGLang's 400), ``GET
 /health``, ``/health_generate``, ``/v1/models``, ``/get_model_info``, ``/get_server_info``.
 
 PD between stand-ins, over a small HTTP bootstrap server on the prefill's bootstrap port: the
@@ -17,10 +19,11 @@ decode does not learn of it either).
 
 Control (tests only): ``POST /control`` with any of
 ``{"faults": [...], "clear_faults": true, "health": STATUS, "propagate_aborts": bool,
-"token_interval": seconds}`` appends faults (after clearing the pending ones) / sets values;
-``POST /control/reset`` clears faults and the records;
-``GET /control`` returns ``{"requests": [...], "aborts": [rid...], "live": [rid...],
-"aborted": [rid...], "finished": n}``. A fault is ``{"kind": K, "count": N (default 1), ...}``,
+"token_interval": seconds, "abort_lists": bool}`` appends faults (after clearing the pending ones) /
+sets values; ``POST /control/reset`` clears faults and the records;
+``GET /control`` returns ``{"requests": [...], "aborts": [rid...], "abort_calls": [[rid...] per
+/abort_request call, [] for a refused one], "live": [rid...], "aborted": [rid...], "finished": n}``.
+A fault is ``{"kind": K, "count": N (default 1), ...}``,
 used by the next N generation requests:
 
 - ``status``: answer ``status`` (default 503) with an OpenAI-style error, touching nothing.
@@ -87,6 +90,8 @@ class StandIn:
         self.token_interval = args.token_interval
         self.requests: list[dict] = []
         self.aborts: list[str] = []
+        self.abort_calls: list[list[str]] = []
+        self.abort_lists = True
         self.live: dict[str, Seq] = {}
         self.aborted: list[str] = []
         self.finished = 0
@@ -350,13 +355,16 @@ class StandIn:
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await request.json()
         rid = body.get("rid", "")
-        self.aborts.append(rid)
+        if isinstance(rid, list) and not self.abort_lists:
+            self.abort_calls.append([])
+            return web.json_response(error_json(400, "rid: Input should be a valid string"), status=400)
+        rids = rid if isinstance(rid, list) else [rid]
+        self.aborts.extend(rids)
+        self.abort_calls.append(rids)
         if body.get("abort_all"):
             hits = list(self.live.values())
-        elif rid in self.live:  # SGLang's tokenizer manager: exact id first, then prefix in the scheduler
-            hits = [s for r, s in self.live.items() if r.startswith(rid)]
-        else:
-            hits = []
+        else:  # SGLang's tokenizer manager: exact id first, then prefix in the scheduler
+            hits = [s for r, s in self.live.items() if any(x in self.live and r.startswith(x) for x in rids)]
         for s in hits:
             s.finish = {"type": "abort", "message": "Aborted"}
             s.abort.set()
@@ -364,12 +372,15 @@ class StandIn:
 
     async def control(self, request: web.Request) -> web.Response:
         if request.method == "GET":
-            return web.json_response({"requests": self.requests, "aborts": self.aborts, "live": list(self.live),
+            return web.json_response({"requests": self.requests, "aborts": self.aborts,
+                                      "abort_calls": self.abort_calls, "live": list(self.live),
                                       "aborted": self.aborted, "finished": self.finished})
         if request.path.endswith("/reset"):
             self.faults.clear()
             self.requests.clear()
             self.aborts.clear()
+            self.abort_calls.clear()
+            self.abort_lists = True
             self.aborted.clear()
             self.finished = 0
             self.health = 200
@@ -383,6 +394,7 @@ class StandIn:
         self.health = body.get("health", self.health)
         self.propagate_aborts = body.get("propagate_aborts", self.propagate_aborts)
         self.token_interval = body.get("token_interval", self.token_interval)
+        self.abort_lists = body.get("abort_lists", self.abort_lists)
         return web.json_response({})
 
     async def health_route(self, request: web.Request) -> web.Response:

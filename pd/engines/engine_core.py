@@ -232,13 +232,16 @@ class EngineCore:
         seq.abort_reason = seq.abort_reason or reason
         seq.task.cancel()
 
-    def abort(self, rid: str = "", abort_all: bool = False) -> int:
-        """/abort_request: abort the sequence whose rid is exactly ``rid`` (or all of them).
+    def abort(self, rid: str | list[str] = "", abort_all: bool = False) -> int:
+        """/abort_request: abort the sequences whose rid is exactly ``rid``, or one of the list ``rid`` (the
+        router names all sequences of a request in one call), or all of them.
 
         SGLang also aborts every request whose id starts with ``rid``; that lets any client that can name
         a prefix (``"p"`` matches the router's ``pdr-...`` ids) abort other clients' requests, so here an
         id names one sequence only. Returns how many were aborted."""
-        hits = [s for s in self.sequences if abort_all or (rid and s.spec.rid == rid)]
+        wanted = {rid} if isinstance(rid, str) else set(rid)
+        wanted.discard("")
+        hits = [s for s in self.sequences if abort_all or s.spec.rid in wanted]
         for s in hits:
             self.cancel(s, USER_ABORT)
         return len(hits)

@@ -265,8 +265,9 @@ class EngineServer:
             if not isinstance(body, dict):
                 raise bad_request("the request body must be a JSON object")
             rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
-            if not isinstance(rid, str):
-                raise bad_request("rid must be a string", "rid")
+            # one id (SGLang's AbortReq) or a list of them: the router aborts a request's sequences in one call
+            if not (isinstance(rid, str) or isinstance(rid, list) and all(isinstance(r, str) for r in rid)):
+                raise bad_request("rid must be a string or a list of strings", "rid")
             if not isinstance(abort_all, bool):  # "false" is a string, and truthy: it must not abort everything
                 raise bad_request("abort_all must be a JSON boolean", "abort_all")
             self.core.abort(rid, abort_all)
