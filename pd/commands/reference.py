@@ -32,6 +32,11 @@ def reference_command(cfg: PDConfig, role: str, host: str, port: int, bootstrap_
         argv += ["--disaggregation-ib-device", cfg.transfer.ib_device]
     if bootstrap_port is not None:
         argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+    # the router's caps, so that what the router admits no engine refuses (a group's extra_args may still lower them)
+    r = cfg.router
+    argv += ["--max-n", str(r.max_n), "--max-batch-size", str(r.max_batch_size),
+             "--max-sequences-per-request", str(r.max_sequences_per_request),
+             "--max-body-bytes", str(r.max_payload_size)]
     argv += group.extra_args
     env = dict(group.env)
     if cfg.transfer.protocol == "tcp":

@@ -89,6 +89,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "at least 1.")
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
                    help="Largest request body accepted, in bytes (larger gets HTTP 413). Default: 32 MiB.")
+    # Caps on one generation request (400 above them, before anything is tokenized); SGLang has none, so the
+    # names are the router's (sglang-router style), with the router's defaults (pd.router.config).
+    p.add_argument("--max-n", type=int, default=16,
+                   help="Largest n (samples per prompt; sampling_params.n on /generate). Default: 16.")
+    p.add_argument("--max-batch-size", type=int, default=256,
+                   help="Most prompts in one batch request. Default: 256.")
+    p.add_argument("--max-sequences-per-request", type=int, default=512,
+                   help="Most sequences (prompts x n) one request generates. Default: 512.")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                    help="Key every request must carry as 'Authorization: Bearer KEY' (SGLang's flag; /health*, "
                         "/ready* and /metrics stay open), on the HTTP and the bootstrap server; a decode sends it "
@@ -118,7 +126,8 @@ def finalize(args: argparse.Namespace) -> argparse.Namespace:
                              "checkpoint directory, or builtin:tiny)")
         if not os.path.isfile(os.path.join(args.model_path, "config.json")):
             raise SystemExit(f"--model-path {args.model_path}: no config.json in it (not a Hugging Face checkpoint)")
-    for flag in ("page_size", "max_total_tokens"):
+    for flag in ("page_size", "max_total_tokens", "max_body_bytes", "max_n", "max_batch_size",
+                 "max_sequences_per_request"):
         if getattr(args, flag) <= 0:
             raise SystemExit(f"--{flag.replace('_', '-')} must be positive")
     if args.cpu_threads is None:

@@ -30,6 +30,7 @@ from pd.engines.args import add_engine_args, finalize
 from pd.engines.auth import ApiKeyMiddleware
 from pd.engines.engine_core import EngineCore
 from pd.engines.errors import EngineError, bad_request
+from pd.engines.limits import RequestLimits
 from pd.engines.metrics import EngineMetrics
 from pd.engines.model_runner import ModelRunner
 from pd.engines.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
@@ -166,10 +167,12 @@ class EngineServer:
     def _routes(self) -> None:
         app = self.app
         limit = self.args.max_body_bytes
+        caps = RequestLimits.from_args(self.args)  # before anything is tokenized: 400 over a cap
 
         @app.post("/generate")
         async def generate(request: Request):
             req = parse(GenerateRequest, await read_json(request, limit))
+            caps.check_generate(req)
             specs, is_single = generate_api.specs_from_generate(req, self.runner)
             renderers = self._generate_renderers(specs, is_single, req.return_text_in_logprobs)
             return await self._run(request, specs, req.stream, *renderers)
@@ -177,6 +180,7 @@ class EngineServer:
         @app.post("/v1/completions")
         async def completions(request: Request):
             req = parse(CompletionRequest, await read_json(request, limit))
+            caps.check_completion(req)
             openai_api.check_model(req.model, self._model_names())
             specs = openai_api.specs_from_completion(req, self.runner)
             return await self._run(request, specs, req.stream, *self._openai_renderers("completion", req))
@@ -184,6 +188,7 @@ class EngineServer:
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request):
             req = parse(ChatCompletionRequest, await read_json(request, limit))
+            caps.check_chat(req)
             openai_api.check_model(req.model, self._model_names())
             specs = openai_api.specs_from_chat(req, self.runner)
             return await self._run(request, specs, req.stream, *self._openai_renderers("chat", req))
