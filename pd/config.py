@@ -178,7 +178,7 @@ class Router(RouterSettings):
     ...}), ``circuit_breaker``, ``health_check``, ``timeouts`` ({connect, prefill, first_token,
     stream_idle, request} seconds), ``max_payload_size``, ``max_n``, ``max_batch_size``,
     ``max_sequences_per_request``, ``max_connections``, ``api_key``,
-    ``admin_api_key``, ``request_id_headers``, ``log_level``.
+    ``admin_api_key``, ``worker_api_key``, ``allowed_worker_hosts``, ``request_id_headers``, ``log_level``.
 
     Attributes:
         drain_timeout_secs: on stop, the launcher drains every worker through the router's admin
@@ -238,6 +238,11 @@ class PDConfig(_Strict):
     monitoring: Monitoring = Field(default_factory=Monitoring)
     sglang: SGLangSettings = Field(default_factory=SGLangSettings)
     engine_startup_timeout: float = Field(600.0, gt=0, description="seconds an engine may take to become ready")
+    engine_host: Optional[str] = Field(None, description=(
+        "address every engine listens on (HTTP, the prefill's bootstrap server) and peers reach it at; "
+        "default: its node's address in Ray (`ray start --node-ip-address`, which picks the interface of a "
+        "multi-node cluster); a loopback address keeps a single-node cluster off the network (deploy/local.yaml "
+        "sets 127.0.0.1), and the launcher refuses it for a worker on another node"))
     page_size: int = Field(16, ge=1, description="KV page size, equal on prefill and decode")
 
     @field_validator("model_path")

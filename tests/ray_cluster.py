@@ -19,14 +19,14 @@ BIN = os.path.dirname(sys.executable)
 
 
 class RayHead:
-    def __init__(self, num_gpus: int = 8):
+    def __init__(self, num_gpus: int = 8, node_ip: str = "127.0.0.1"):
         self.dashboard_port = free_port()
         self.address = f"http://127.0.0.1:{self.dashboard_port}"
         self.tmp = tempfile.mkdtemp(prefix="pdt-", dir="/tmp")  # short: Ray puts sockets under it
         self.env = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""))
         if os.path.exists(os.path.expanduser("~/.ray/auth_token")):
             self.env["RAY_AUTH_MODE"] = "token"
-        argv = [os.path.join(BIN, "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+        argv = [os.path.join(BIN, "ray"), "start", "--head", "--block", "--node-ip-address", node_ip,
                 "--port", str(free_port()), "--dashboard-port", str(self.dashboard_port),
                 "--dashboard-host", "127.0.0.1", "--num-cpus", "4", "--num-gpus", str(num_gpus),
                 "--temp-dir", self.tmp, "--disable-usage-stats"]

@@ -59,6 +59,10 @@ class Launcher:
         # The router's admin API (worker membership, drain on stop) is keyed; the key travels in
         # the router's environment, never on a command line.
         self.admin_key = cfg.router.admin_api_key or secrets.token_urlsafe(24)
+        # One key per cluster for the engines (their --api-key, the bootstrap servers' too), sent by the
+        # router to the workers it was started with and re-adds; hex, so SGLang's parser never reads it as
+        # a flag. In environments and an owner-only file, never on a command line or in the log.
+        self.worker_key = cfg.router.worker_api_key or secrets.token_hex(32)
         self.membership = None  # pd.cluster.membership.Membership, once the router answers
         self.exporter = None  # pd.cluster.worker_metrics.WorkerStateExporter
         self.targets = None  # pd.cluster.prom_targets.TargetsFile
@@ -116,13 +120,19 @@ class Launcher:
             actor = actor_cls.options(
                 num_cpus=0, num_gpus=group.tp_size,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-            ).remote(f"{role}-{i}", role, self.cfg.model_dump(), gpu_ids)
+            ).remote(f"{role}-{i}", role, self.cfg.model_dump(), gpu_ids, self.cfg.engine_host, self.worker_key)
             self.actors.append(actor)
         # Ports are handed out one worker at a time so two workers on a node never collide.
         used: dict[str, list[int]] = {}
         infos = []
+        here = ray.get_runtime_context().get_node_id()
         for actor in self.actors:
-            node_host = ray.get(actor.info.remote())["host"]
+            actor_info = ray.get(actor.info.remote())
+            node_host = actor_info["host"]
+            if _is_loopback(self.cfg.engine_host) and actor_info["node_id"] != here:
+                raise ConfigError(f"{actor_info['name']} runs on another node, where engine_host "
+                                  f"{self.cfg.engine_host} cannot be reached: leave engine_host unset on a "
+                                  "multi-node cluster (each engine then listens on its node's Ray address)")
             info = ray.get(actor.reserve_ports.remote(used.get(node_host, [])))
             used.setdefault(node_host, []).extend(p for p in (info["port"], info["bootstrap_port"]) if p)
             infos.append(info)
@@ -150,7 +160,7 @@ class Launcher:
         from pd.router.config import RouterConfig, RouterSettings
 
         settings = self.cfg.router.model_dump(include=set(RouterSettings.model_fields),
-                                              exclude={"api_key", "admin_api_key"})
+                                              exclude={"api_key", "admin_api_key", "worker_api_key"})
         workers = self.router_workers()
         return RouterConfig(**settings,
                             prefill=[{"url": w["url"], "bootstrap_port": w["bootstrap_port"]}
@@ -159,10 +169,12 @@ class Launcher:
 
     def router_env(self) -> dict[str, str]:
         """Environment for the router process: ours plus its settings as JSON (``router_config()``),
-        the admin key and, when set, the API key (in the environment, where ``ps`` does not show them)."""
-        from pd.router.config import ADMIN_KEY_ENV, API_KEY_ENV, CONFIG_ENV
+        the admin key, the cluster's worker key and, when set, the API key (in the environment, where
+        ``ps`` does not show them)."""
+        from pd.router.config import ADMIN_KEY_ENV, API_KEY_ENV, CONFIG_ENV, WORKER_KEY_ENV
 
-        env = dict(os.environ, **{ADMIN_KEY_ENV: self.admin_key, CONFIG_ENV: self.router_config().model_dump_json()})
+        env = dict(os.environ, **{ADMIN_KEY_ENV: self.admin_key, WORKER_KEY_ENV: self.worker_key,
+                                  CONFIG_ENV: self.router_config().model_dump_json()})
         if self.cfg.router.api_key:
             env[API_KEY_ENV] = self.cfg.router.api_key
         return env
@@ -203,7 +215,7 @@ class Launcher:
         from pd.cluster.membership import Membership
         from pd.router.admin_client import AdminClient
 
-        self.membership = Membership(AdminClient(self.router_admin_url(), self.admin_key), say)
+        self.membership = Membership(AdminClient(self.router_admin_url(), self.admin_key), say, self.worker_key)
         self.membership.seed(self.router_workers())
         say(f"router ready at {url}")
         self.announce_admin_api()
@@ -325,6 +337,15 @@ class Launcher:
             except Exception:
                 pass
         say("stopped")
+
+
+def _is_loopback(host: Optional[str]) -> bool:
+    import ipaddress
+
+    try:
+        return host is not None and (host == "localhost" or ipaddress.ip_address(host).is_loopback)
+    except ValueError:
+        return False
 
 
 def _raise_shutdown(signum, _frame):

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import shutil
+import tempfile
 from typing import Optional
 
 import httpx
@@ -53,16 +55,21 @@ class EngineWorker:
         gpu_ids: explicit GPU ids for this replica (config ``gpus``), or None to use Ray's
             CUDA_VISIBLE_DEVICES.
         host: address to listen on; None = this node's Ray IP.
+        api_key: the cluster's key the engine requires and the router sends (pd.commands: never on the
+            engine's command line; SGLang's key file lives in an owner-only directory removed on stop).
     """
 
     def __init__(self, name: str, role: str, config: dict, gpu_ids: Optional[list[int]] = None,
-                 host: Optional[str] = None):
+                 host: Optional[str] = None, api_key: Optional[str] = None):
         import ray
 
         self.name = name
         self.role = role
         self.cfg = PDConfig.model_validate(config)
+        self.node_id = ray.get_runtime_context().get_node_id()
         self.host = host or _node_address(ray)
+        self.api_key = api_key
+        self.key_dir: Optional[str] = None
         self.gpu_ids = gpu_ids
         self.cuda_visible_devices = (",".join(map(str, gpu_ids)) if gpu_ids is not None
                                      else os.environ.get("CUDA_VISIBLE_DEVICES", ""))
@@ -114,7 +121,7 @@ class EngineWorker:
             "pid": self.proc.pid if self.proc and self.proc.returncode is None else None,
             "restarts": self.restarts, "last_exit": self.last_exit, "diagnosis": self.diagnosis,
             "ready_line_seen": self._ready_line_seen,
-            "cuda_visible_devices": self.cuda_visible_devices, "actor_pid": os.getpid(),
+            "cuda_visible_devices": self.cuda_visible_devices, "actor_pid": os.getpid(), "node_id": self.node_id,
         }
 
     async def log(self, lines: int = 100) -> list[str]:
@@ -128,13 +135,22 @@ class EngineWorker:
         if self._supervisor is not None:
             self._supervisor.cancel()
         await self._terminate()
+        if self.key_dir is not None:
+            shutil.rmtree(self.key_dir, ignore_errors=True)
 
     # ---- internals ----------------------------------------------------------------------
     def _command(self) -> EngineCommand:
-        return engine_command(self.cfg, self.role, self.host, self.port, self.bootstrap_port)
+        if self.api_key and self.key_dir is None:
+            self.key_dir = tempfile.mkdtemp(prefix=f"pdserve-{self.name}-")  # 0700: its files are the engine's
+        return engine_command(self.cfg, self.role, self.host, self.port, self.bootstrap_port, self.api_key,
+                              self.key_dir)
 
     async def _spawn_and_wait(self) -> None:
         cmd = self._command()
+        for path, text in cmd.files.items():  # owner-only from creation: the key is never readable by others
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
         env = dict(os.environ, PYTHONUNBUFFERED="1", **cmd.env)
         env["CUDA_VISIBLE_DEVICES"] = self.cuda_visible_devices
         self._ready_line_seen = False

@@ -15,6 +15,9 @@ class EngineCommand:
         ready_path: HTTP path that answers 200 once the engine serves.
         ready_log_line: log text that also means ready (SGLang prints it).
         args_start: index in ``argv`` where the engine's own flags begin.
+        files: files the worker writes (owner-only, 0600) before it starts the engine, path -> text:
+            where a secret goes that the engine reads only from its command line (SGLang's ``--api-key``
+            through its ``--config`` YAML), so that ``ps`` shows a path, never the secret.
     """
 
     argv: list[str]
@@ -22,3 +25,4 @@ class EngineCommand:
     ready_path: str = "/health"
     ready_log_line: str = "The server is fired up and ready to roll!"
     args_start: int = 0
+    files: dict[str, str] = field(default_factory=dict)

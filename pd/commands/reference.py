@@ -6,15 +6,18 @@ import sys
 
 from pd.commands.command import EngineCommand
 from pd.config import PDConfig
+from pd.engines.auth import API_KEY_ENV
 
 
-def reference_command(cfg: PDConfig, role: str, host: str, port: int, bootstrap_port: int | None) -> EngineCommand:
+def reference_command(cfg: PDConfig, role: str, host: str, port: int, bootstrap_port: int | None,
+                      api_key: str | None = None) -> EngineCommand:
     """Build the reference engine's command for one worker.
 
     Args:
         role: ``prefill`` or ``decode``.
         host: address the engine listens on and peers reach it at.
         port: HTTP port; ``bootstrap_port``: the prefill's bootstrap port (None for decode).
+        api_key: the key the engine requires (``--api-key``), passed in ``$PDSERVE_ENGINE_API_KEY``.
     """
     group = cfg.groups()[role]
     argv = [
@@ -41,4 +44,6 @@ def reference_command(cfg: PDConfig, role: str, host: str, port: int, bootstrap_
     env = dict(group.env)
     if cfg.transfer.protocol == "tcp":
         env.setdefault("MC_FORCE_TCP", "1")
+    if api_key:
+        env[API_KEY_ENV] = api_key  # the environment, not the command line: ps shows argv to everyone
     return EngineCommand(argv=argv, env=env, ready_path="/health", args_start=4)

@@ -19,6 +19,12 @@ What the pinned source (0.5.23) requires of a PD pair, and how we meet it:
   that leaves it to auto-detection.
 - TP may differ between prefill and decode.
 
+The cluster's key: SGLang reads ``--api-key`` only from its command line, where ``ps`` shows it to every
+user of the node, or from the YAML file of ``--config`` (sglang/srt/server_args.py ``prepare_server_args``
+and srt/utils/server_args_config_parser.py: the file's keys become flags before parsing). So the key goes
+into an owner-only ``sglang_api_key.yaml`` the worker writes (``EngineCommand.files``) and argv carries
+``--config PATH``; a group's ``extra_args`` may then not bring its own ``--config`` (SGLang takes one).
+
 Env: ``MC_FORCE_TCP=1`` when no RDMA device is configured; ``NCCL_DEBUG=WARN`` so NCCL failures
 reach the log that ``pdserve diagnose`` reads; with ``sglang.pdserve_kernels`` on, the switches of our SGLang
 plugin (``pd.kernels.sglang_plugin.worker_env``: ``SGLANG_PLUGINS`` naming ``pdserve``, ``PDSERVE_KERNELS=1``
@@ -30,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
+import os
 import sys
 from functools import lru_cache
 from typing import Optional
@@ -68,14 +76,18 @@ def pinned_sglang_version() -> str:
     return pinned_sglang_requirement().split("==", 1)[1]
 
 
-def sglang_command(cfg: PDConfig, role: str, host: str, port: int, bootstrap_port: Optional[int]) -> EngineCommand:
-    """argv + env of one SGLang worker.
+def sglang_command(cfg: PDConfig, role: str, host: str, port: int, bootstrap_port: Optional[int],
+                   api_key: Optional[str] = None, key_dir: Optional[str] = None) -> EngineCommand:
+    """argv + env (+ the key file) of one SGLang worker.
 
     Args:
         role: ``prefill`` or ``decode``; ``bootstrap_port`` is required for a prefill.
+        api_key: SGLang's ``--api-key``, written to ``key_dir/sglang_api_key.yaml`` and read through
+            ``--config`` (never on the command line).
 
     Raises:
-        ValueError: a prefill without a bootstrap port.
+        ValueError: a prefill without a bootstrap port; an ``api_key`` without ``key_dir``, or with a
+            ``--config`` in the group's ``extra_args``.
     """
     s, g = cfg.sglang, cfg.groups()[role]
     if role == "prefill" and bootstrap_port is None:
@@ -122,6 +134,16 @@ def sglang_command(cfg: PDConfig, role: str, host: str, port: int, bootstrap_por
             argv += ["--speculative-moe-runner-backend", sp.moe_runner_backend]
         if sp.moe_a2a_backend:
             argv += ["--speculative-moe-a2a-backend", sp.moe_a2a_backend]
+    files = {}
+    if api_key:
+        if key_dir is None:
+            raise ValueError("an SGLang worker's api_key needs a directory for its key file")
+        if any(a == "--config" or a.startswith("--config=") for a in g.extra_args):
+            raise ValueError(f"{role}.extra_args has --config, but the cluster's key reaches SGLang through its "
+                             "own --config file (SGLang takes one): move those settings into extra_args flags")
+        path = os.path.join(key_dir, "sglang_api_key.yaml")
+        files[path] = json.dumps({"api-key": api_key}) + "\n"  # JSON is YAML, and quotes any key safely
+        argv += ["--config", path]
     argv += g.extra_args
     env = {"NCCL_DEBUG": "WARN"}
     if cfg.transfer.protocol == "tcp":
@@ -130,7 +152,7 @@ def sglang_command(cfg: PDConfig, role: str, host: str, port: int, bootstrap_por
     if kernels.enabled:
         env.update(plugin_env(kernels.kernels(), force=kernels.force, allow_list=g.env.get(PLUGIN_ALLOW_LIST)))
     env.update({k: v for k, v in g.env.items() if not (kernels.enabled and k == PLUGIN_ALLOW_LIST)})
-    return EngineCommand(argv=argv, env=env, ready_path="/health_generate", args_start=len(prefix))
+    return EngineCommand(argv=argv, env=env, ready_path="/health_generate", args_start=len(prefix), files=files)
 
 
 # ---- the pinned parser ------------------------------------------------------------------------
