@@ -56,11 +56,27 @@ class Speculative(_Strict):
     draft tokens with the KV (sglang/srt/disaggregation/prefill.py, utils.MetadataBuffers, sized by
     ``eagle_topk`` and the hidden size), so both sides must agree.
 
+    Where it goes: top-level ``speculative:`` for either engine, or ``sglang.speculative:`` (the older
+    spelling, kept for SGLang profiles); both at once is an error. It drives SGLang workers
+    (``pd/commands/sglang.py``) and the reference engine (``pd/commands/reference.py``) alike.
+
     Attributes:
-        moe_runner_backend: the draft MoE's backend (``--speculative-moe-runner-backend``); unset, the
-            draft inherits the target's resolved backend, and an explicit ``auto`` lands on Triton, which
-            cannot serve MXFP4 experts. ``pdserve doctor`` says which backends fit the experts and GPU
-            (``flashinfer_mxfp4`` for DSv4's MXFP4 experts on sm_90/sm_120).
+        algorithm: ``EAGLE``, ``NEXTN`` (SGLang's alias of EAGLE for MTP checkpoints) or ``EAGLE3``
+            (SGLang workers only: the reference engine drafts with an MTP layer, not an EAGLE-3 head).
+        num_steps: draft tokens proposed per verify step (``--speculative-num-steps``).
+        eagle_topk: tokens kept per draft step; > 1 drafts a tree, which SGLang serves and the reference
+            engine refuses (it has no tree attention).
+        num_draft_tokens: tokens per verify window (``--speculative-num-draft-tokens``); with
+            ``eagle_topk`` 1 both engines use ``num_steps + 1`` whatever is set (SGLang adjusts it with a
+            warning, pd/engines/spec_config.py does the same).
+        draft_model_path: the draft checkpoint; unset, SGLang uses the target's own MTP layers and the
+            reference engine the built-in draft of ``builtin:tiny`` (other models need one).
+        moe_runner_backend: the draft MoE's backend (``--speculative-moe-runner-backend``; SGLang workers
+            only); unset, the draft inherits the target's resolved backend, and an explicit ``auto`` lands
+            on Triton, which cannot serve MXFP4 experts. ``pdserve doctor`` says which backends fit the
+            experts and GPU (``flashinfer_mxfp4`` for DSv4's MXFP4 experts on sm_90/sm_120).
+        moe_a2a_backend: the draft MoE's all-to-all backend (``--speculative-moe-a2a-backend``; SGLang
+            workers only).
     """
 
     algorithm: Literal["EAGLE", "EAGLE3", "NEXTN"] = "EAGLE"
@@ -237,6 +253,7 @@ class PDConfig(_Strict):
     restart: Restart = Field(default_factory=Restart)
     monitoring: Monitoring = Field(default_factory=Monitoring)
     sglang: SGLangSettings = Field(default_factory=SGLangSettings)
+    speculative: Optional[Speculative] = None
     engine_startup_timeout: float = Field(600.0, gt=0, description="seconds an engine may take to become ready")
     engine_host: Optional[str] = Field(None, description=(
         "address every engine listens on (HTTP, the prefill's bootstrap server) and peers reach it at; "
@@ -255,7 +272,17 @@ class PDConfig(_Strict):
     @model_validator(mode="after")
     def _check_layout(self):
         check_layout(self)
+        check_speculative(self)
         return self
+
+    def speculative_settings(self) -> tuple[Optional[Speculative], str]:
+        """The speculative block both engines run and the key it was given under: (block, ``speculative``
+        or ``sglang.speculative``); (None, ``speculative``) when speculation is off."""
+        if self.speculative is not None:
+            return self.speculative, "speculative"
+        if self.sglang.speculative is not None:
+            return self.sglang.speculative, "sglang.speculative"
+        return None, "speculative"
 
     def groups(self) -> dict[str, Group]:
         """The two worker groups by role: ``{"prefill": ..., "decode": ...}``."""
@@ -297,6 +324,33 @@ def check_layout(cfg: PDConfig) -> None:
             f"and decode {cfg.decode.replicas}x{cfg.decode.tp_size} "
             f"= {need} GPUs; cluster.num_gpus is {cfg.cluster.num_gpus}"
         )
+
+
+# What the reference engine refuses at start (pd/engines/spec_config.py), refused here first, naming the key.
+REFERENCE_SPEC_ALGORITHMS = ("EAGLE", "NEXTN")
+SGLANG_ONLY_SPEC_KEYS = ("moe_runner_backend", "moe_a2a_backend")
+
+
+def check_speculative(cfg: PDConfig) -> None:
+    """Raise ValueError naming the key for a speculative block that cannot run: given twice, or (reference engine)
+    an algorithm it does not draft (EAGLE3), ``eagle_topk`` > 1 (a tree: it has no tree attention), or a key
+    only SGLang workers have."""
+    if cfg.speculative is not None and cfg.sglang.speculative is not None:
+        raise ValueError("speculative and sglang.speculative are both set: keep one (speculative drives both "
+                         "engines; sglang.speculative is the older spelling)")
+    sp, key = cfg.speculative_settings()
+    if sp is None or cfg.engine != "reference":
+        return
+    if sp.algorithm not in REFERENCE_SPEC_ALGORITHMS:
+        raise ValueError(f"{key}.algorithm {sp.algorithm}: the reference engine supports "
+                         f"{' and '.join(REFERENCE_SPEC_ALGORITHMS)} (an MTP draft layer), not EAGLE-3 heads")
+    if sp.eagle_topk > 1:
+        raise ValueError(f"{key}.eagle_topk {sp.eagle_topk}: the reference engine drafts a chain only "
+                         "(eagle_topk 1); tree drafting needs tree attention, which it does not have")
+    for name in SGLANG_ONLY_SPEC_KEYS:
+        if getattr(sp, name) is not None:
+            raise ValueError(f"{key}.{name}: SGLang workers only (engine: sglang); the reference engine's draft "
+                             "MoE has one path (the MXFP4 MoE torch reference on CPU, the Triton kernel on a GPU)")
 
 
 def _format(e: ValidationError, source: str) -> str:

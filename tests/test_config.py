@@ -76,3 +76,97 @@ def test_launch_refuses_a_bad_config_before_touching_ray(tmp_path):
                          env=dict(os.environ, RAY_ADDRESS="http://127.0.0.1:1"), timeout=60)
     assert out.returncode == 2
     assert "invalid config" in out.stderr and "= 13 GPUs; cluster.num_gpus is 8" in out.stderr
+
+
+# ---- speculative decoding ------------------------------------------------------------------------
+SPEC_FLAGS = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+              "--speculative-num-draft-tokens", "4"]
+
+
+def _engine_spec(argv):
+    """The speculative settings the reference engine resolves from a generated argv (its own parser and check)."""
+    from pd.engines.server import build_parser
+    from pd.engines.spec_config import resolve_spec_config
+
+    return resolve_spec_config(build_parser().parse_args(argv[argv.index("engine") + 1:]))
+
+
+@pytest.mark.parametrize("where", ["speculative", "sglang.speculative"])
+def test_speculative_block_drives_both_reference_roles(where):
+    block = {"algorithm": "EAGLE", "num_steps": 3, "num_draft_tokens": 4}
+    cfg = parse_config({"speculative": block} if where == "speculative" else {"sglang": {"speculative": block}})
+    assert cfg.speculative_settings()[1] == where
+    argvs = {role: engine_command(cfg, role, "127.0.0.1", 30000, 30001 if role == "prefill" else None).argv
+             for role in ("prefill", "decode")}
+    for argv in argvs.values():
+        i = argv.index("--speculative-algorithm")
+        assert argv[i:i + len(SPEC_FLAGS)] == SPEC_FLAGS
+    specs = {role: _engine_spec(argv) for role, argv in argvs.items()}
+    assert specs["prefill"] == specs["decode"] and specs["decode"].flags() == " ".join(SPEC_FLAGS)
+    # off: no flag at all, and the engine runs without a draft
+    plain = engine_command(parse_config({}), "decode", "127.0.0.1", 30000, None).argv
+    assert not [t for t in plain if t.startswith("--speculative")] and _engine_spec(plain) is None
+
+
+def test_speculative_draft_path_and_extra_args_override():
+    cfg = parse_config({"speculative": {"draft_model_path": "/models/draft"},
+                        "decode": {"extra_args": ["--speculative-num-steps", "2"]}})
+    argv = engine_command(cfg, "decode", "127.0.0.1", 30000, None).argv
+    assert argv[argv.index("--speculative-draft-model-path") + 1] == "/models/draft"
+    assert _engine_spec(argv).num_steps == 2  # extra_args come last: they win, as argparse reads them
+
+
+def test_top_level_speculative_drives_sglang_workers_too():
+    from pd.commands.sglang import sglang_command
+
+    sglang = {"quantization": "fp8"}
+    block = {"algorithm": "EAGLE", "num_steps": 2, "eagle_topk": 1, "num_draft_tokens": 3}
+    old = sglang_command(parse_config({"engine": "sglang", "sglang": {**sglang, "speculative": block}}),
+                         "decode", "h", 1, None).argv
+    new = sglang_command(parse_config({"engine": "sglang", "sglang": sglang, "speculative": block}),
+                         "decode", "h", 1, None).argv
+    assert new == old and old[old.index("--speculative-num-steps") + 1] == "2"
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"speculative": {"eagle_topk": 2, "num_draft_tokens": 4}},
+     "x.yaml: speculative.eagle_topk 2: the reference engine drafts a chain only"),
+    ({"sglang": {"speculative": {"eagle_topk": 4}}}, "x.yaml: sglang.speculative.eagle_topk 4"),
+    ({"speculative": {"algorithm": "EAGLE3"}}, "x.yaml: speculative.algorithm EAGLE3: the reference engine supports "
+                                               "EAGLE and NEXTN"),
+    ({"speculative": {"moe_runner_backend": "flashinfer_mxfp4"}},
+     "x.yaml: speculative.moe_runner_backend: SGLang workers only"),
+    ({"speculative": {}, "sglang": {"speculative": {}}}, "x.yaml: speculative and sglang.speculative are both set"),
+    ({"speculative": {"num_steps": 0}}, "x.yaml: speculative.num_steps: Input should be greater than or equal to 1"),
+    ({"speculative": {"algorithm": "MEDUSA"}}, "x.yaml: speculative.algorithm: Input should be"),
+])
+def test_bad_speculative_blocks_name_the_key(data, message):
+    with pytest.raises(ConfigError) as e:
+        parse_config(data, "x.yaml")
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_sglang_workers_keep_tree_drafting_and_eagle3():
+    """What only the reference engine refuses stays valid for SGLang workers."""
+    cfg = parse_config({"engine": "sglang", "speculative": {"algorithm": "EAGLE3", "eagle_topk": 4,
+                                                            "num_draft_tokens": 8, "moe_runner_backend": "triton"}})
+    assert cfg.speculative_settings()[0].eagle_topk == 4
+
+
+def test_local_spec_profile_serves_the_default_with_speculation(capsys):
+    """deploy/local-spec.yaml is package data next to local.yaml, equals it but for the speculative block, and
+    `pdserve plan` shows the same --speculative-* flags on both workers."""
+    from importlib.resources import files
+
+    import yaml
+
+    from pd.tools.plan import main as plan_main
+
+    path = str(files("pd.deploy").joinpath("local-spec.yaml"))
+    with open(path) as f, open(os.path.join(ROOT, "deploy", "local.yaml")) as g:
+        spec, plain = yaml.safe_load(f), yaml.safe_load(g)
+    assert {k: v for k, v in spec.items() if k != "speculative"} == plain
+    assert load_config(path).speculative_settings()[0].num_steps == 3
+    assert plan_main([path]) == 0
+    blocks = [b for b in capsys.readouterr().out.split("\n\n") if b.startswith(("prefill-0", "decode-0"))]
+    assert len(blocks) == 2 and all(" ".join(SPEC_FLAGS) in b for b in blocks), blocks

@@ -9,6 +9,21 @@ from pd.config import PDConfig
 from pd.engines.auth import API_KEY_ENV
 
 
+def speculative_flags(cfg: PDConfig) -> list[str]:
+    """The ``--speculative-*`` flags of the config's speculative block (``PDConfig.speculative_settings``), the same
+    for prefill, decode and a null engine of the same config (a PD pair with different settings fails every room at
+    the bootstrap handshake); [] when speculation is off. The SGLang-only keys never get here (pd.config refuses
+    them for the reference engine)."""
+    sp, _ = cfg.speculative_settings()
+    if sp is None:
+        return []
+    flags = ["--speculative-algorithm", sp.algorithm, "--speculative-num-steps", str(sp.num_steps),
+             "--speculative-eagle-topk", str(sp.eagle_topk), "--speculative-num-draft-tokens", str(sp.num_draft_tokens)]
+    if sp.draft_model_path:
+        flags += ["--speculative-draft-model-path", sp.draft_model_path]
+    return flags
+
+
 def reference_command(cfg: PDConfig, role: str, host: str, port: int, bootstrap_port: int | None,
                       api_key: str | None = None) -> EngineCommand:
     """Build the reference engine's command for one worker.
@@ -40,6 +55,7 @@ def reference_command(cfg: PDConfig, role: str, host: str, port: int, bootstrap_
     argv += ["--max-n", str(r.max_n), "--max-batch-size", str(r.max_batch_size),
              "--max-sequences-per-request", str(r.max_sequences_per_request),
              "--max-body-bytes", str(r.max_payload_size)]
+    argv += speculative_flags(cfg)
     argv += group.extra_args
     env = dict(group.env)
     if cfg.transfer.protocol == "tcp":

@@ -122,7 +122,7 @@ def sglang_command(cfg: PDConfig, role: str, host: str, port: int, bootstrap_por
         argv.append("--enable-metrics")
     if s.trust_remote_code:
         argv.append("--trust-remote-code")
-    sp = s.speculative
+    sp, _ = cfg.speculative_settings()
     if sp is not None:
         argv += ["--speculative-algorithm", sp.algorithm,
                  "--speculative-num-steps", str(sp.num_steps),
