@@ -36,6 +36,7 @@ from pd.router.config import RouterConfig, normalize_url
 from pd.router.errors import error_response
 from pd.router.health import HealthMonitor
 from pd.router.workers import WorkerPool
+from pd.util import jsonbody
 
 log = logging.getLogger("pd.router")
 
@@ -138,7 +139,7 @@ class AdminAPI:
     @staticmethod
     async def _body(request: Request) -> tuple[Optional[dict], Optional[Response]]:
         try:
-            body = json.loads(await request.body() or b"{}")
+            body = jsonbody.loads(await request.body() or b"{}")  # no NaN, no lone surrogates, any nesting
         except (ValueError, UnicodeDecodeError) as e:
             return None, error_response(400, f"malformed JSON body: {e}")
         if not isinstance(body, dict):

@@ -45,7 +45,7 @@ from pd.router.auth import Auth
 from pd.router.background import TaskSet
 from pd.router.config import RouterSettings
 from pd.router.errors import UPSTREAM_ERRORS, error_body, error_json
-from pd.router.front import ClientGone, Receive, Scope, Send, read_body, request_headers, send_whole
+from pd.router.front import ClientGone, Receive, Scope, Send, json_content_type, read_body, request_headers, send_whole
 from pd.router.metrics import EndpointMetrics, RouterMetrics
 from pd.router.policies import routing_key
 from pd.router.retry import Failure, Retrier, answered, no_answer, no_worker, stream_start
@@ -250,6 +250,11 @@ class PDDispatcher:
         if not self.auth.client_header_ok(headers.get(b"authorization")):
             return await self._reject(send, em, arrival, 401, "unauthorized", "missing or invalid API key "
                                       "(send 'Authorization: Bearer KEY')", rid_header)
+        ctype = headers.get(b"content-type")
+        if not json_content_type(ctype):
+            return await self._reject(send, em, arrival, 415, "invalid_request", f"Content-Type "
+                                      f"{ctype.decode('latin-1')!r} is not JSON; send 'Content-Type: application/json'",
+                                      rid_header)
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await self._reject(send, em, arrival, 413, "payload_too_large",
@@ -269,9 +274,9 @@ class PDDispatcher:
                                       f"of {self.limit} bytes (--max-payload-size)", rid_header)
         try:
             body, fast_json = jsonio.parse(raw)
-        except ValueError as e:  # UnicodeDecodeError is one
+        except ValueError as e:  # UnicodeDecodeError is one; jsonio's BadJSON names the field
             return await self._reject(send, em, arrival, 400, "invalid_request", f"malformed JSON body: {e}",
-                                      rid_header)
+                                      rid_header, getattr(e, "path", None) or None)
         if not isinstance(body, dict):
             return await self._reject(send, em, arrival, 400, "invalid_request",
                                       "the request body must be a JSON object", rid_header)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Awaitable, Callable, Iterable, Optional
 
 from pd.router.errors import error_json
+from pd.router.rooms import new_rid
 
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
@@ -59,6 +60,16 @@ async def read_body(receive: Receive, limit: int) -> Optional[bytes]:
             return b"".join(chunks)
 
 
+def json_content_type(value: Optional[bytes]) -> bool:
+    """Whether a request's ``Content-Type`` header may carry a JSON body: none at all, ``application/json``
+    or an ``application/*+json`` type, parameters (``charset=utf-8``) aside. Anything else is a 415, as
+    sgl-model-gateway answers (its JSON extractor's rule); SGLang's routes parse no other type as JSON."""
+    if value is None:
+        return True
+    mime = value.split(b";", 1)[0].strip().lower()
+    return mime == b"application/json" or (mime.startswith(b"application/") and mime.endswith(b"+json"))
+
+
 def response_headers(content_type: str, extra: Iterable[tuple[bytes, bytes]] = ()) -> list[tuple[bytes, bytes]]:
     """ASGI header list with ``content-type`` (``; charset=utf-8`` added to a bare ``text/*``, as
     Starlette does) and ``extra``."""
@@ -97,6 +108,10 @@ class GenerationFront:
             if path in self.routes:
                 if scope["method"] == "POST":
                     return await self.handle(scope, receive, send, path)
+                # the client's X-Request-Id back, or a fresh one, as on every answer of these routes
+                rid = request_headers(scope).get(b"x-request-id") or new_rid().encode()
+                if b"\r" in rid or b"\n" in rid:
+                    rid = new_rid().encode()
                 return await send_whole(send, 405, error_json(405, f"no route {scope['method']} {path}"),
-                                        extra=[(b"allow", b"POST")])
+                                        extra=[(b"allow", b"POST"), (b"x-request-id", rid)])
         await self.app(scope, receive, send)
