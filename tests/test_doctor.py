@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from engines import ROOT, free_port
-from pd.config import parse_config
+from pd.config import ConfigError, parse_config
 from pd.tools import doctor as D
 from pd.tools.doctor import hardware
 
@@ -601,3 +601,113 @@ def test_kv_transfer_tcp_warning_and_missing_rdma_device(tmp_path, monkeypatch):
     assert of(run(d), "kv-transfer")[0].level == "error"
     ref = parse_config({"router": {"port": free_port()}})
     assert of(D.run_checks(ref, NOGPU), "kv-transfer")[0].level == "ok"  # reference engine on TCP: fine
+
+
+# ---- 5. speculative decoding on the reference engine -------------------------------------------
+LOCAL_SPEC = os.path.join(ROOT, "deploy", "local-spec.yaml")
+
+
+def reference(**data):
+    """A reference-engine config (builtin:tiny unless model_path is given) as a dict."""
+    return {"engine": "reference", "router": {"port": free_port()}, **data}
+
+
+def test_local_spec_profile_passes(tmp_path, capsys):
+    with open(LOCAL_SPEC) as f:
+        d = yaml.safe_load(f)
+    d["router"]["port"] = free_port()
+    assert D.main([write_yaml(tmp_path, d)]) == 0
+    out = capsys.readouterr().out
+    assert "0 error(s), 0 warning(s)" in out
+    assert ("ok    [speculative] speculative decoding on both roles: --speculative-algorithm EAGLE "
+            "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4") in out
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_speculation_on_one_role_only_is_refused(role):
+    d = reference(**{role: {"extra_args": ["--speculative-algorithm", "EAGLE"]}})
+    (err,) = of(run(d, NOGPU), "speculative", "error")
+    assert err.message.startswith(f"speculative decoding on {role} only ({role}.extra_args: --speculative-algorithm "
+                                  "EAGLE --speculative-num-steps 3"), err.message
+    other = "decode" if role == "prefill" else "prefill"
+    assert f"{other} has no speculative decoding" in err.message and "speculative settings mismatch" in err.message
+    assert "drop --speculative-* from" in err.fix
+    assert D.exit_code(run(reference(), NOGPU)) == 0  # off on both: fine
+
+
+def test_different_speculative_settings_are_refused():
+    d = reference(speculative={"num_steps": 3, "num_draft_tokens": 4},
+                  decode={"extra_args": ["--speculative-num-steps", "2", "--speculative-num-draft-tokens", "3"]})
+    (err,) = of(run(d, NOGPU), "speculative", "error")
+    assert err.message.startswith("speculative settings differ (decode.extra_args and speculative)")
+    assert ("decode has --speculative-algorithm EAGLE --speculative-num-steps 2" in err.message
+            and "prefill has --speculative-algorithm EAGLE --speculative-num-steps 3" in err.message)
+
+
+def test_reference_draft_hidden_size_must_be_the_targets(tmp_path):
+    small = ckpt(tmp_path, "small-draft", architectures=["DeepseekV3ForCausalLMNextN"], hidden_size=32)
+    (err,) = of(run(reference(speculative={"draft_model_path": small}), NOGPU), "speculative", "error")
+    assert err.message.startswith("speculative draft_model_path: the draft's hidden_size 32 "
+                                  f"({small}/config.json) differs from the target's 64"), err.message
+    # a checkpoint target: both config.json files are read
+    target = ckpt(tmp_path, "target", architectures=["LlamaForCausalLM"], hidden_size=128)
+    draft = ckpt(tmp_path, "draft", architectures=["DeepseekV3ForCausalLMNextN"], hidden_size=128)
+    f = of(run(reference(model_path=target, speculative={"draft_model_path": draft}), NOGPU), "speculative")
+    assert [x.level for x in f] == ["ok"] and "hidden_size 128 as the target's" in f[0].message
+    f = of(run(reference(model_path=target, speculative={"draft_model_path": small}), NOGPU), "speculative", "error")
+    assert len(f) == 1 and "target's 128" in f[0].message
+    # a draft that is not here: a warning, never an error
+    f = of(run(reference(speculative={"draft_model_path": str(tmp_path / "nowhere")}), NOGPU), "speculative")
+    assert [x.level for x in f] == ["warning", "ok"] and "cannot check the draft's hidden size" in f[0].message
+
+
+def test_builtin_draft_hidden_size_is_read_once_written(tmp_path, monkeypatch):
+    """builtin:tiny's own draft: its written config.json when there is one (else the recipe: the target's)."""
+    from pd.engines import builtin_draft
+
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    (ok,) = of(run(reference(speculative={}), NOGPU), "speculative")
+    assert ok.level == "ok" and "draft built-in, hidden_size 64" in ok.message
+    written = builtin_draft.draft_dir()
+    written.mkdir(parents=True)
+    (written / "config.json").write_text(json.dumps({"hidden_size": 48}))
+    (err,) = of(run(reference(speculative={}), NOGPU), "speculative", "error")
+    assert err.message.startswith("the built-in draft: the draft's hidden_size 48") and "target's 64" in err.message
+
+
+def test_reference_topk_above_one_is_refused():
+    """In the config: an invalid config naming the key (exit 2); through extra_args: the engine's own message."""
+    with pytest.raises(ConfigError) as e:
+        parse_config(reference(speculative={"eagle_topk": 2, "num_draft_tokens": 4}))
+    assert "speculative.eagle_topk 2: the reference engine drafts a chain only" in str(e.value)
+    d = reference(speculative={}, decode={"extra_args": ["--speculative-eagle-topk", "2"]})
+    (err,) = of(run(d, NOGPU), "speculative", "error")
+    assert err.message.startswith("decode: decode.extra_args: --speculative-eagle-topk 2: the reference engine "
+                                  "drafts a chain only"), err.message
+
+
+def test_reference_topk_in_the_config_is_a_config_finding(tmp_path, capsys):
+    d = reference(speculative={"eagle_topk": 2, "num_draft_tokens": 4})
+    assert D.main([write_yaml(tmp_path, d)]) == 2
+    out = capsys.readouterr().out
+    assert "ERROR [config]" in out and "speculative.eagle_topk 2" in out
+
+
+def test_reference_speculation_needs_a_draft_for_a_checkpoint(tmp_path):
+    target = ckpt(tmp_path, "target", architectures=["LlamaForCausalLM"], hidden_size=128)
+    (err,) = of(run(reference(model_path=target, speculative={}), NOGPU), "speculative", "error")
+    assert err.message.startswith("both roles: speculative: --speculative-draft-model-path is required with "
+                                  "--model-path")
+
+
+def test_reference_num_draft_tokens_adjusted_is_a_warning():
+    f = of(run(reference(speculative={"num_steps": 3}), NOGPU), "speculative")
+    assert [x.level for x in f] == ["warning", "warning", "ok"]
+    assert "num_draft_tokens 2 is adjusted to num_steps + 1 = 4" in f[0].message
+    assert f[0].fix == "set speculative.num_draft_tokens: 4"
+
+
+def test_reference_unknown_extra_flag_is_refused():
+    (err,) = of(run(reference(decode={"extra_args": ["--speculative-algoritm", "EAGLE"]}), NOGPU), "engine-args")
+    assert err.level == "error" and err.message.startswith("decode: decode.extra_args: the reference engine refuses")
+    assert "--speculative-algoritm" in err.message

@@ -9,9 +9,11 @@ the same checks before it touches Ray (:func:`preflight`).
 Exit codes: 0 no errors (warnings allowed), 1 at least one error, 2 an unreadable/invalid config.
 
 Modules: :mod:`.findings` (the result type), :mod:`.hardware` (GPU and RDMA detection),
-:mod:`.checkpoint` (what is read from config.json), :mod:`.context` (what each role runs),
+:mod:`.checkpoint` (what is read from config.json), :mod:`.context` (what each role runs;
+:mod:`.engine_argv` for the reference engine),
 :mod:`.moe` (which MoE backend SGLang picks, and where it runs), the checks by subject
-(:mod:`.checks_model`, :mod:`.checks_moe`, :mod:`.checks_argv`, :mod:`.checks_node`),
+(:mod:`.checks_model`, :mod:`.checks_moe`, :mod:`.checks_argv`, :mod:`.checks_node`, and
+:mod:`.checks_reference` for the reference engine's argv and speculative decoding),
 :mod:`.runner` (:data:`CHECKS` in order), :mod:`.render` and :mod:`.cli`.
 """
 

@@ -41,11 +41,11 @@ def check_model_config(ctx: Context) -> list[Finding]:
                if m.mtp_layers else ", no MTP layers")
         out.append(Finding("ok", "model-config", f"{m.path}/config.json: {m.architecture or '?'}, quantization "
                            f"{m.quant_method or 'none'}, routed experts {m.experts_quant or 'unquantized'}{mtp}"))
-    sp = ctx.cfg.sglang.speculative
+    sp = ctx.spec_block
     if sp is not None and sp.draft_model_path:
         if ctx.draft is None:
             out.append(Finding("warning", "model-config", "cannot check the draft: "
-                               f"sglang.speculative.draft_model_path: {ctx.draft_note}",
+                               f"{ctx.spec_key('draft_model_path')}: {ctx.draft_note}",
                                "run doctor where the draft checkpoint is"))
         else:
             d = ctx.draft
@@ -110,18 +110,18 @@ def check_speculative_draft(ctx: Context) -> list[Finding]:
     if not ctx.sglang or not ctx.spec_roles():
         return []
     out = []
-    m, d, sp = ctx.model, ctx.draft, ctx.cfg.sglang.speculative
+    m, d, sp = ctx.model, ctx.draft, ctx.spec_block
     has_draft_path = any(ctx.value(r, "speculative_draft_model_path") for r in ROLES)
     if m is not None and not m.mtp_layers and not has_draft_path:
         out.append(Finding("error", "draft",
-                           f"sglang.speculative is set but the checkpoint has no MTP layers (config.json "
-                           f"num_nextn_predict_layers is {m.mtp_layers}) and sglang.speculative.draft_model_path is "
+                           f"{ctx.spec_key()} is set but the checkpoint has no MTP layers (config.json "
+                           f"num_nextn_predict_layers is {m.mtp_layers}) and {ctx.spec_key('draft_model_path')} is "
                            "unset: there is no draft model",
-                           "set sglang.speculative.draft_model_path to a draft checkpoint, or remove "
-                           "sglang.speculative"))
+                           f"set {ctx.spec_key('draft_model_path')} to a draft checkpoint, or remove "
+                           f"{ctx.spec_key()}"))
     if m is not None and d is not None and m.hidden_size and d.hidden_size and m.hidden_size != d.hidden_size:
         out.append(Finding("error", "draft",
-                           f"sglang.speculative.draft_model_path: the draft's hidden_size {d.hidden_size} "
+                           f"{ctx.spec_key('draft_model_path')}: the draft's hidden_size {d.hidden_size} "
                            f"({d.path}/config.json) differs from the target's {m.hidden_size} ({m.path}/config.json); "
                            "EAGLE feeds the target's hidden states to the draft (and PD ships them with the KV)",
                            "use the draft trained for this target (same hidden_size)"))
@@ -130,7 +130,7 @@ def check_speculative_draft(ctx: Context) -> list[Finding]:
             if topk not in (None, 1) and ctx.value(rs[0], "speculative_algorithm") in ("EAGLE", "NEXTN"):
                 out.append(Finding("error", "draft", f"{ctx.where('speculative_eagle_topk', rs)} is {topk}: the "
                                    f"pinned SGLang supports only eagle_topk 1 for {m.architecture}",
-                                   "set sglang.speculative.eagle_topk: 1"))
+                                   f"set {ctx.spec_key('eagle_topk')}: 1"))
     if not out:
         if m is None:
             out.append(Finding("ok", "draft", "skipped: the checkpoint's config.json was not read"))

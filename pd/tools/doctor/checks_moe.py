@@ -53,8 +53,8 @@ def check_moe_backend_arch(ctx: Context) -> list[Finding]:
         detail = f"; the draft's experts are MXFP4 ({dsrc})" if draft and dq == "mxfp4" else ""
         inherit = ""
         if not draft and any(ctx.value(r, "speculative_moe_runner_backend") is None for r in rs if r in spec):
-            inherit = "; the draft inherits it because sglang.speculative.moe_runner_backend is unset"
-        fix_key = "sglang.speculative.moe_runner_backend" if draft else "sglang.moe_runner_backend"
+            inherit = f"; the draft inherits it because {ctx.spec_key('moe_runner_backend')} is unset"
+        fix_key = ctx.spec_key("moe_runner_backend") if draft else "sglang.moe_runner_backend"
         out.append(Finding(
             "error", "moe-backend-arch",
             f"{ctx.where(attr, rs)} is {backend_text(given, backend, how)} on {roles_text(rs)}: "
@@ -145,7 +145,7 @@ def check_fp4_experts(ctx: Context) -> list[Finding]:
         if guessed and level == "error":
             level = "warning"
             notes += "; the checkpoint's config.json was not read here, so this is a guess"
-        fix_key = "sglang.speculative.moe_runner_backend" if draft else "sglang.moe_runner_backend"
+        fix_key = ctx.spec_key("moe_runner_backend") if draft else "sglang.moe_runner_backend"
         if dequant:
             envs = " and ".join(f"{r}.env" for r in rs)
             fix = f"set {fix_key}: auto ({FP4_DEQUANT_ENV}=1 requires it), or drop {FP4_DEQUANT_ENV} from {envs}"
@@ -177,7 +177,7 @@ def check_spec_moe_explicit(ctx: Context) -> list[Finding]:
         return [Finding("ok", "spec-moe-backend", "no speculative decoding")]
     unset = [r for r in spec if ctx.value(r, "speculative_moe_runner_backend") in (None, "auto")]
     if not unset:
-        return [Finding("ok", "spec-moe-backend", "sglang.speculative.moe_runner_backend is explicit")]
+        return [Finding("ok", "spec-moe-backend", f"{ctx.spec_key('moe_runner_backend')} is explicit")]
     dq, dsrc, _ = draft_experts(ctx)
     level = "error" if ctx.gpu.major == 12 else "warning"
     experts = f" The draft's experts are MXFP4 ({dsrc})." if dq == "mxfp4" else ""
@@ -187,4 +187,4 @@ def check_spec_moe_explicit(ctx: Context) -> list[Finding]:
                     f"{ctx.value(unset[0], 'speculative_moe_runner_backend') or 'unset'} on {roles_text(unset)}: "
                     f"the draft MoE's kernel is chosen automatically{on}, which once picked an sm_100-only "
                     f"FlashInfer TRT-LLM kernel.{experts}",
-                    moe_fix("sglang.speculative.moe_runner_backend", dq, ctx.gpu))]
+                    moe_fix(ctx.spec_key("moe_runner_backend"), dq, ctx.gpu))]

@@ -19,6 +19,7 @@ from typing import Optional
 from pd.config import PDConfig
 
 from .checkpoint import DSV4_ARCH_PREFIX, ModelConfigError, ModelInfo, read_model_info
+from .engine_argv import parse_reference_args
 from .hardware import GpuInfo
 
 DSV4_NAME = re.compile(r"deepseek[-_ .]?v4", re.IGNORECASE)  # a model_path that names DeepSeek-V4
@@ -38,6 +39,7 @@ FIELDS = {
     "kv_cache_dtype": ("sglang.kv_cache_dtype", "--kv-cache-dtype"),
 }
 ROLES = ("prefill", "decode")
+SPEC_PREFIX = "sglang.speculative."  # FIELDS' spelling; messages use the key the config gave (Context.spec_key)
 
 
 @dataclass
@@ -49,6 +51,8 @@ class Context:
             ``model_note`` / ``draft_note``).
         args: each role's SGLang argv parsed by the pinned parser (sglang engine; a role is
             missing when parsing failed, see ``arg_errors``).
+        engine_args: each role's reference-engine argv parsed by the engine's parser, with its speculative
+            settings resolved as the engine resolves them (reference engine; :mod:`.engine_argv`).
         check_ports: try binding the router's address.
     """
 
@@ -60,6 +64,7 @@ class Context:
     draft_note: str = ""
     args: dict = field(default_factory=dict)
     arg_errors: dict = field(default_factory=dict)
+    engine_args: dict = field(default_factory=dict)
     check_ports: bool = True
 
     @property
@@ -72,7 +77,7 @@ class Context:
         the config's value."""
         if role in self.args:
             return getattr(self.args[role], attr)
-        s, sp = self.cfg.sglang, self.cfg.sglang.speculative
+        s, sp = self.cfg.sglang, self.spec_block
         fallback = {
             "quantization": s.quantization, "moe_runner_backend": s.moe_runner_backend or "auto",
             "speculative_moe_runner_backend": sp.moe_runner_backend if sp else None,
@@ -84,6 +89,17 @@ class Context:
             "moe_a2a_backend": "none", "speculative_moe_a2a_backend": sp.moe_a2a_backend if sp else None,
         }
         return fallback[attr]
+
+    @property
+    def spec_block(self):
+        """The config's speculative block (``speculative`` or ``sglang.speculative``), None when off."""
+        return self.cfg.speculative_settings()[0]
+
+    def spec_key(self, name: str = "") -> str:
+        """The config key of the speculative block, or of one of its keys, as the config spells it:
+        ``speculative.eagle_topk`` or ``sglang.speculative.eagle_topk``."""
+        key = self.cfg.speculative_settings()[1]
+        return f"{key}.{name}" if name else key
 
     def env_flag(self, role: str, name: str) -> bool:
         """Whether a role's ``env`` switches an SGLang boolean variable on (SGLang's EnvBool spelling:
@@ -112,6 +128,8 @@ class Context:
         """``sglang.quantization (--quantization)``, or ``decode.extra_args (--flag)`` when a
         group's extra_args sets it."""
         name, flag = FIELDS[attr]
+        if name.startswith(SPEC_PREFIX):
+            name = self.spec_key(name[len(SPEC_PREFIX):])
         via = [r for r in roles if any(t == flag or t.startswith(flag + "=") for t in self.cfg.groups()[r].extra_args)]
         if via:
             return " and ".join(f"{r}.extra_args" for r in via) + f" ({flag})"
@@ -128,9 +146,11 @@ def roles_text(roles) -> str:
 
 
 def build_context(cfg: PDConfig, gpu: GpuInfo, check_ports: bool = True) -> Context:
-    """Read the model configs and parse both roles' SGLang argv (sglang engine)."""
+    """Read the model configs and parse both roles' SGLang argv (sglang engine), or parse both roles' reference
+    engine argv (reference engine: its checkpoints are read by the checks that need them)."""
     ctx = Context(cfg=cfg, gpu=gpu, check_ports=check_ports)
     if cfg.engine != "sglang":
+        ctx.engine_args = {role: parse_reference_args(cfg, role) for role in ROLES}
         return ctx
     if cfg.model_path.startswith("builtin:"):
         ctx.model_note = f"{cfg.model_path} is built in"
@@ -139,7 +159,7 @@ def build_context(cfg: PDConfig, gpu: GpuInfo, check_ports: bool = True) -> Cont
             ctx.model = read_model_info(cfg.model_path)
         except ModelConfigError as e:
             ctx.model_note = str(e)
-    sp = cfg.sglang.speculative
+    sp = ctx.spec_block
     if sp is not None and sp.draft_model_path:
         try:
             ctx.draft = read_model_info(sp.draft_model_path)

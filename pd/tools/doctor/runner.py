@@ -18,13 +18,15 @@ from .checks_model import (
 )
 from .checks_moe import check_fp4_experts, check_moe_backend_arch, check_spec_moe_explicit
 from .checks_node import check_gpu_arch, check_gpus, check_kv_transfer, check_pdserve_plugin, check_router_port
+from .checks_reference import check_reference_engine_args, check_reference_speculative
 from .context import Context, build_context
 from .findings import Finding, exit_code
 from .hardware import GpuInfo, detect_gpu
 from .render import render
 
 CHECKS: list[Callable[[Context], list[Finding]]] = [
-    check_gpu_arch, check_model_config, check_engine_args, check_quantization, check_moe_backend_arch,
+    check_gpu_arch, check_model_config, check_engine_args, check_reference_engine_args, check_reference_speculative,
+    check_quantization, check_moe_backend_arch,
     check_fp4_experts, check_spec_moe_explicit, check_speculative_draft, check_page_size, check_pd_consistency,
     check_gpus, check_router_port,
     check_context_length, check_pdserve_plugin, check_kv_transfer,
