@@ -10,13 +10,14 @@ does; a router prepends them).
 
 from __future__ import annotations
 
+import reprlib
 from typing import Optional
 
 from pydantic import ValidationError
 
 from pd.engines.errors import bad_request
 from pd.engines.model_runner import ModelRunner
-from pd.engines.protocol import GenerateRequest, SeqSpec, expand, per_item
+from pd.engines.protocol import GenerateRequest, SeqSpec, check_logprobs, expand, per_item
 from pd.engines.sampling import SGLANG_SAMPLING_KEYS, UNSUPPORTED_SAMPLING_KEYS, SamplingParams
 from pd.engines.sequence import Sequence
 
@@ -69,7 +70,7 @@ def specs_from_generate(req: GenerateRequest, runner: ModelRunner) -> tuple[list
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(["sampling_params", *(str(x) for x in err["loc"])])
-        raise bad_request(f"{field}: {err['msg']}, got {err['input']!r}", field) from None
+        raise bad_request(f"{field}: {err['msg']}, got {reprlib.repr(err['input'])}", field) from None
     specs = expand(
         prompts, n, params, req, req.rid,
         return_logprob=[bool(x) for x in per_item(req.return_logprob or False, count, "return_logprob")],
@@ -78,6 +79,7 @@ def specs_from_generate(req: GenerateRequest, runner: ModelRunner) -> tuple[list
         top_logprobs_num=[int(x) for x in per_item(req.top_logprobs_num or 0, count, "top_logprobs_num")],
         stream=req.stream,
     )
+    check_logprobs(specs, runner.vocab_size)
     return specs, not is_batch and n == 1
 
 

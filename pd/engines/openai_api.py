@@ -15,7 +15,7 @@ from typing import Optional
 
 from pd.engines.errors import EngineError, bad_request
 from pd.engines.model_runner import ModelRunner
-from pd.engines.protocol import ChatCompletionRequest, CompletionRequest, SeqSpec, expand
+from pd.engines.protocol import ChatCompletionRequest, CompletionRequest, SeqSpec, check_logprobs, expand
 from pd.engines.sequence import Sequence
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and SGLang's default for /v1/completions
@@ -58,11 +58,13 @@ def specs_from_completion(req: CompletionRequest, runner: ModelRunner) -> list[S
                           "return_logprob and logprob_start_len 0", "echo")
     params = req.sampling(COMPLETIONS_DEFAULT_MAX_TOKENS)
     count = len(prompts)
-    return expand(
+    specs = expand(
         prompts, req.n, [params] * count, req, req.rid,
         return_logprob=[req.logprobs is not None] * count, logprob_start_len=[-1] * count,
         top_logprobs_num=[req.logprobs or 0] * count, stream=req.stream,
     )
+    check_logprobs(specs, runner.vocab_size, "logprobs")
+    return specs
 
 
 def _message_text(content) -> str:
@@ -75,7 +77,11 @@ def _message_text(content) -> str:
         if part.get("type") != "text":
             raise bad_request(f"messages: content part type {part.get('type')!r} is not supported (text only)",
                               "messages")
-        parts.append(part.get("text", ""))
+        text = part.get("text", "")
+        if not isinstance(text, str):
+            raise bad_request(f"messages: a text content part's text must be a string, got {type(text).__name__}",
+                              "messages")
+        parts.append(text)
     return "".join(parts)
 
 
@@ -91,10 +97,12 @@ def specs_from_chat(req: ChatCompletionRequest, runner: ModelRunner) -> list[Seq
     top = req.top_logprobs or 0
     if top and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    return expand(
+    specs = expand(
         [prompt], req.n, [req.sampling(None)], req, req.rid,
         return_logprob=[req.logprobs], logprob_start_len=[-1], top_logprobs_num=[top], stream=req.stream,
     )
+    check_logprobs(specs, runner.vocab_size, "top_logprobs")
+    return specs
 
 
 def finish_fields(seq: Sequence) -> tuple[Optional[str], object]:

@@ -272,3 +272,21 @@ def expand(
                 top_logprobs_num=top_logprobs_num[p], bootstrap=boots[i], extra={"stream": stream},
             ))
     return specs
+
+
+def check_logprobs(specs: list[SeqSpec], vocab_size: int, top_param: str = "top_logprobs_num") -> None:
+    """Refuse logprob requests that cannot be honoured rather than clamp them: more top logprobs per token
+    than the vocabulary has (``top_param`` names the client's field: ``logprobs`` / ``top_logprobs`` on the
+    OpenAI routes), or a ``logprob_start_len`` past the prompt (SGLang's scheduler refuses that too:
+    "logprob_start_len ... is higher than the number of input tokens").
+
+    Raises:
+        EngineError: 400 naming the field.
+    """
+    for s in specs:
+        if not 0 <= s.top_logprobs_num <= vocab_size:
+            raise bad_request(f"{top_param} must be in [0, {vocab_size}] (the vocabulary's size), "
+                              f"got {s.top_logprobs_num}", top_param)
+        if s.return_logprob and s.logprob_start_len > len(s.prompt_ids):
+            raise bad_request(f"logprob_start_len = {s.logprob_start_len} is higher than the number of input tokens "
+                              f"({len(s.prompt_ids)}); use a smaller logprob_start_len", "logprob_start_len")

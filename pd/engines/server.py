@@ -15,14 +15,17 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from typing import AsyncIterator, Callable, Optional
 
 import pydantic
 import torch
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pd
 from pd.engines import generate_api, openai_api
@@ -35,6 +38,7 @@ from pd.engines.metrics import EngineMetrics
 from pd.engines.model_runner import ModelRunner
 from pd.engines.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from pd.engines.sequence import Sequence
+from pd.util import jsonbody
 
 log = logging.getLogger("pd.engine")
 HEALTH_CHECK_TIMEOUT = 20.0  # seconds, SGLang's SGLANG_HEALTH_CHECK_TIMEOUT
@@ -53,12 +57,42 @@ def sse(obj) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+def install_error_handlers(app: FastAPI) -> None:
+    """OpenAI-style bodies for the errors FastAPI itself answers: 404 (no route), 405 (wrong method) and
+    400 instead of its 422 for query parameters that do not validate (``/flush_cache?timeout=soon``)."""
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        msg = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
+        return error_response(EngineError(exc.status_code, msg))
+
+    async def invalid(_request: Request, exc: RequestValidationError):
+        err = exc.errors()[0]
+        field = str(err["loc"][-1]) if err.get("loc") else None
+        return error_response(bad_request(f"{field}: {err['msg']}" if field else err["msg"], field))
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, invalid)
+
+
+def is_json_type(content_type: Optional[str]) -> bool:
+    """Whether a request's ``Content-Type`` may carry a JSON body: none at all, ``application/json`` or a
+    ``+json`` type, any parameters (``charset=utf-8``) aside. SGLang's FastAPI routes parse no other
+    type as JSON, and sgl-model-gateway answers 415 to one."""
+    if content_type is None:
+        return True
+    mime = content_type.split(";", 1)[0].strip().lower()
+    return mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))
+
+
 async def read_json(request: Request, limit: int):
-    """The request body as JSON.
+    """The request body as JSON (pd.util.jsonbody: no NaN/Infinity, no lone surrogates, any nesting).
 
     Raises:
-        EngineError: 413 over ``limit`` bytes, 400 for malformed JSON.
+        EngineError: 415 for a content type that is not JSON, 413 over ``limit`` bytes, 400 for
+            malformed JSON or a value no field can take (naming it).
     """
+    content_type = request.headers.get("content-type")
+    if not is_json_type(content_type):
+        raise EngineError(415, f"Content-Type {content_type!r} is not JSON; send 'Content-Type: application/json'")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise EngineError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
@@ -69,8 +103,10 @@ async def read_json(request: Request, limit: int):
             raise EngineError(413, f"request body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks) or b"null")
-    except (ValueError, UnicodeDecodeError) as e:
+        return jsonbody.loads(b"".join(chunks) or b"null")
+    except jsonbody.BadJSON as e:
+        raise bad_request(f"invalid JSON body: {e}", e.path or None) from None
+    except ValueError as e:  # UnicodeDecodeError is one
         raise bad_request(f"malformed JSON body: {e}") from None
 
 
@@ -166,6 +202,7 @@ class EngineServer:
     # ---- routes -------------------------------------------------------------------------
     def _routes(self) -> None:
         app = self.app
+        install_error_handlers(app)
         limit = self.args.max_body_bytes
         caps = RequestLimits.from_args(self.args)  # before anything is tokenized: 400 over a cap
 
@@ -209,8 +246,8 @@ class EngineServer:
             """SGLang's /flush_cache (``?timeout=`` seconds to wait for the engine to go idle). This engine
             keeps no prefix cache, so there is nothing to drop; like SGLang, it refuses (400) while requests
             run, so a benchmark's flush after its warm-up means the same thing on both engines."""
-            if not timeout >= 0:  # NaN too
-                raise bad_request("timeout must be a number of seconds >= 0", "timeout")
+            if not 0 <= timeout < math.inf:  # NaN too
+                raise bad_request("timeout must be a finite number of seconds >= 0", "timeout")
             deadline = time.monotonic() + min(timeout, 600.0)
             while self.core.sequences and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
