@@ -6,7 +6,11 @@ Flags shared with SGLang keep SGLang's names and defaults (sglang/srt/server_arg
 ``--disaggregation-ib-device``, ``--page-size``, ``--max-total-tokens``, ``--served-model-name``,
 ``--dtype``, ``--api-key``. ``--cpu-threads`` is the reference engine's own (SGLang has no such flag for a CPU engine).
 The PD timeouts default to SGLang's environment variables
-``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` and ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` (300 s).
+``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` and ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` (300 s), and
+the decode's wait for a failed room's in-flight KV write to drain to
+``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT`` (30 s; sglang/srt/environ.py).
+``--disaggregation-transfer-timeout`` is the reference engine's own: SGLang has no flag for it and relies on
+Mooncake's sync-write deadline, ``MC_TRANSFER_TIMEOUT`` (30 s), which is its default.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import socket
 
 from pd.engines.auth import API_KEY_ENV
 from pd.engines.builtin_model import BUILTIN_MODELS, BUILTIN_PREFIX
+from pd.engines.transfer import default_transfer_timeout
 
 
 def _env_float(name: str, default: float) -> float:
@@ -77,6 +82,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=_env_float("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300),
                    help="Seconds a decode waits for a room's KV "
                         "(default: $SGLANG_DISAGGREGATION_WAITING_TIMEOUT or 300).")
+    p.add_argument("--disaggregation-transfer-timeout", type=float, default=None,
+                   help="Seconds a prefill's KV write into its decode may take (plus 1 ns per byte, Mooncake's "
+                        "allowance); then the request fails, the decode is told and the pages are freed once the "
+                        "transfer engine lets go of them (default: $MC_TRANSFER_TIMEOUT, Mooncake's own "
+                        "sync-write deadline, or 30).")
     p.add_argument("--page-size", type=int, default=16,
                    help="Tokens per KV page; must match on prefill and decode. Default: 16.")
     p.add_argument("--max-total-tokens", type=int, default=65536,
@@ -134,7 +144,10 @@ def finalize(args: argparse.Namespace) -> argparse.Namespace:
         args.cpu_threads = default_cpu_threads(available_cores())
     elif args.cpu_threads <= 0:
         raise SystemExit(f"--cpu-threads must be a positive integer, got {args.cpu_threads}")
-    for flag in ("disaggregation_bootstrap_timeout", "disaggregation_waiting_timeout"):
+    if args.disaggregation_transfer_timeout is None:
+        args.disaggregation_transfer_timeout = default_transfer_timeout()
+    for flag in ("disaggregation_bootstrap_timeout", "disaggregation_waiting_timeout",
+                 "disaggregation_transfer_timeout"):
         if getattr(args, flag) <= 0:
             raise SystemExit(f"--{flag.replace('_', '-')} must be positive")
     if args.disaggregation_mode == "prefill" and args.disaggregation_bootstrap_port == args.port:
@@ -145,4 +158,8 @@ def finalize(args: argparse.Namespace) -> argparse.Namespace:
     args.transfer_host = host
     args.bootstrap_timeout = args.disaggregation_bootstrap_timeout
     args.waiting_timeout = args.disaggregation_waiting_timeout
+    args.transfer_timeout = args.disaggregation_transfer_timeout
+    args.kv_release_timeout = _env_float("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT", 30)
+    if args.kv_release_timeout <= 0:
+        raise SystemExit("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT must be positive")
     return args

@@ -11,7 +11,8 @@ sglang/srt/disaggregation/mooncake/conn.py, we do it over one HTTP server on the
   failed (``{"status": "failed", "reason": ...}``). A refused connection means a dead prefill.
 - ``POST /pd/abort`` (decode -> prefill), ``{room, reason}``: the decode gave up on the room. The
   prefill cancels it and answers only once no KV write into the decode's pages is in flight, so
-  the decode may then reuse them.
+  the decode may then reuse them. That holds after the room ended too: a write the prefill
+  abandoned at its transfer deadline keeps the room "draining" until the transfer engine settles it.
 - ``GET /health``.
 
 With the engine's ``--api-key``, ``/pd/register`` and ``/pd/abort`` need ``Authorization: Bearer KEY``
@@ -53,7 +54,9 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024 * 1024  # a registration lists every page address of the room's prompt
 SHUTDOWN_GRACE = 5.0  # s the server waits for open requests when it stops, then cancels them
-ABORT_TIMEOUT = 30.0  # s a decode's /pd/abort may take (it waits for in-flight KV writes)
+# s a decode's /pd/abort may take (it waits for in-flight KV writes); the engine passes its own, SGLang's
+# SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT (30 s)
+ABORT_TIMEOUT = 30.0
 
 
 class RoomFailed(Exception):
@@ -83,6 +86,7 @@ class Room:
     prefill_attached: bool = False
     no_transfer_in_flight: asyncio.Event = field(default_factory=asyncio.Event)
     on_abort: Optional[Callable[[str], None]] = None
+    write: Optional[object] = None  # the prefill's KV write into the decode's pages while it may still run
 
     def __post_init__(self) -> None:
         self.no_transfer_in_flight.set()
@@ -107,6 +111,7 @@ class BootstrapServer:
         self.tombstone_ttl = tombstone_ttl
         self.rooms: dict[int, Room] = {}
         self.tombstones: dict[int, tuple[str, float]] = {}
+        self.draining: dict[int, Room] = {}  # ended rooms whose abandoned KV write has not settled yet
         self._server: Optional[uvicorn.Server] = None
         self._serving: Optional[asyncio.Task] = None
 
@@ -207,10 +212,19 @@ class BootstrapServer:
             self.tombstone(rec.room, reason or "aborted by prefill")
         if self.rooms.get(rec.room) is rec:
             del self.rooms[rec.room]
+        if not rec.no_transfer_in_flight.is_set():  # a decode's /pd/abort must still wait for it
+            self.draining[rec.room] = rec
+
+    def write_settled(self, rec: Room) -> None:
+        """The room's KV write has settled: answer the decode's pending /pd/abort and forget the room."""
+        rec.write = None
+        rec.no_transfer_in_flight.set()
+        if self.draining.get(rec.room) is rec:
+            del self.draining[rec.room]
 
     # ---- HTTP handlers (decode -> prefill) ----------------------------------------------
     async def _handle_health(self, request: Request) -> Response:
-        return _json({"status": "ok", "rooms": len(self.rooms)})
+        return _json({"status": "ok", "rooms": len(self.rooms), "draining": len(self.draining)})
 
     async def _handle_register(self, request: Request) -> Response:
         try:
@@ -246,7 +260,7 @@ class BootstrapServer:
             return _json({"ok": False, "reason": str(e)}, status=413)
         except (ValueError, KeyError, TypeError) as e:
             return _json({"ok": False, "reason": f"bad abort: {e!r}"}, status=400)
-        rec = self._abort_room(room, reason)
+        rec = self._abort_room(room, reason) or self.draining.get(room)
         if rec is not None:
             await rec.no_transfer_in_flight.wait()
         return _json({"ok": True})
@@ -367,12 +381,14 @@ async def register_with_prefill(
     return body
 
 
-async def abort_on_prefill(client: httpx.AsyncClient, host: str, port: int, room: int, reason: str) -> None:
+async def abort_on_prefill(client: httpx.AsyncClient, host: str, port: int, room: int, reason: str,
+                           timeout: float = ABORT_TIMEOUT) -> None:
     """Tell the prefill the decode gave up on ``room``; returns once no KV write into our pages is
-    in flight (or the prefill is unreachable, so none can be; at most ``ABORT_TIMEOUT`` s). Never raises."""
+    in flight (or the prefill is unreachable, so none can be; at most ``timeout`` s, after which the
+    decode releases its pages as SGLang's deferred KV release does). Never raises."""
     try:
-        async with asyncio.timeout(ABORT_TIMEOUT):
+        async with asyncio.timeout(timeout):
             await client.post(f"http://{host}:{port}/pd/abort", json={"room": room, "reason": reason},
-                              timeout=ABORT_TIMEOUT)
+                              timeout=timeout)
     except (httpx.HTTPError, TimeoutError) as e:
         log.info("abort of room %s on %s:%s not delivered: %r", room, host, port, e)

@@ -44,11 +44,23 @@ from pd.engines.model_runner import ModelRunner
 from pd.engines.protocol import SeqSpec
 from pd.engines.sampling import sample
 from pd.engines.sequence import Sequence
-from pd.engines.transfer import MooncakeTransfer, TransferError, coalesce
+from pd.engines.transfer import MooncakeTransfer, TransferError, coalesce, write_deadline
 
 log = logging.getLogger(__name__)
 
 USER_ABORT = "Aborted"
+WRITE_POLL_MIN, WRITE_POLL_MAX = 0.0005, 0.02  # s between polls of a KV write (a local write takes ~1 ms)
+# s a failed decode request waits for its /pd/abort to land before it answers, so that the prefill has ended the
+# room first (its request for the room then fails at once); a hung prefill delays the answer no longer than this
+ABORT_LANDING_WAIT = 1.0
+
+
+def _write_settled(job) -> bool:
+    """Whether a submitted KV write (the executor future of ``MooncakeTransfer.submit``) can no longer touch
+    memory: never started, failed to submit, or every Mooncake batch of it completed or failed."""
+    if not job.done():
+        return False
+    return job.cancelled() or job.exception() is not None or job.result().settled
 
 
 async def run_blocking(executor: ThreadPoolExecutor, fn: Callable, *args):
@@ -67,17 +79,6 @@ async def run_blocking(executor: ThreadPoolExecutor, fn: Callable, *args):
             with contextlib.suppress(BaseException):
                 await asyncio.shield(fut)
         raise
-
-
-async def settle(coro) -> None:
-    """Run cleanup ``coro`` to completion even if the caller is cancelled again meanwhile (an
-    abort arriving during cleanup must not skip the page release that follows)."""
-    task = asyncio.ensure_future(coro)
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            continue
 
 
 class EngineCore:
@@ -102,6 +103,8 @@ class EngineCore:
         self.http: Optional[httpx.AsyncClient] = None
         self.sequences: set[Sequence] = set()
         self.decode_rooms: set[int] = set()
+        self.quarantined = 0  # KV pages held for a write that may still be in flight (see _hold_pages)
+        self._holds: set[asyncio.Task] = set()
         self.queued = 0
         self.running = 0
 
@@ -353,7 +356,10 @@ class EngineCore:
                 with self._gauge(self.metrics.running):
                     nbytes = await self._push_kv(pages, reg, room)
             finally:
-                self.pool.free(pages)
+                if room.write is not None:  # Mooncake may still read them: they go back once the write settles
+                    self._hold_pages([(self.pool, pages)], self._write_settles(room))
+                else:
+                    self.pool.free(pages)
                 self._update_pool_metrics()
             t3 = time.perf_counter()
             self.metrics.observe_stage("prefill_transfer_kv_cache", t3 - t2)
@@ -401,10 +407,84 @@ class EngineCore:
             src = [self.pool.page_addr(p) for p in pages]
             dst = reg.page_addrs[: len(pages)]
             segs = coalesce(src, dst, self.pool.page_bytes)
-            await run_blocking(self.transfer_exec, self.transfer.write, reg.session_id, *segs)
+            await self._write_kv(reg.session_id, segs, room)
             return len(pages) * self.pool.page_bytes
         finally:
-            room.no_transfer_in_flight.set()
+            if room.write is None:  # else an abandoned write still runs: _write_settles ends it
+                room.no_transfer_in_flight.set()
+
+    async def _write_kv(self, peer: str, segs: tuple[list[int], list[int], list[int]], room) -> None:
+        """Write ``segs`` (src addresses, dst addresses, lengths) into the peer's pages within the transfer deadline.
+
+        ``--disaggregation-transfer-timeout`` plus Mooncake's 1 ns per byte bounds the write, its first handshake
+        with the peer included. Mooncake cannot cancel a write, so while it may still read the source pages
+        (the deadline passed, or the request was cancelled) ``room.write`` stays set: the caller then frees the
+        pages through ``_hold_pages`` once ``_write_settles``.
+
+        Raises:
+            TransferError: the write failed or missed its deadline.
+        """
+        nbytes = sum(segs[2])
+        timeout = write_deadline(self.args.transfer_timeout, nbytes)
+        room.write = self.transfer_exec.submit(self.transfer.submit, peer, *segs)
+        try:
+            async with asyncio.timeout(timeout):
+                write = await asyncio.wrap_future(room.write)
+                delay = WRITE_POLL_MIN
+                while (ok := write.poll()) is None:
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, WRITE_POLL_MAX)
+        except TimeoutError:
+            raise TransferError(f"the KV write of {nbytes} bytes to {peer} did not complete within {timeout:g}s "
+                                "(--disaggregation-transfer-timeout): the decode is hung or unreachable") from None
+        finally:
+            if _write_settled(room.write):
+                self.bootstrap.write_settled(room)
+        if not ok:
+            raise TransferError(f"the transfer engine reported the KV write of {nbytes} bytes to {peer} failed")
+
+    async def _write_settles(self, room) -> None:
+        """Wait until the room's abandoned KV write settles (Mooncake reports it completed or failed), then let the
+        decode's pending /pd/abort answer. Mooncake's own timeouts end it (pd.engines.transfer); one that outlives
+        them by far is logged, and its pages stay held: freeing them under a running write could corrupt KV."""
+        job, waited, warn_after = room.write, 0.0, 4 * self.args.transfer_timeout
+        while not _write_settled(job):
+            if job.done():
+                job.result().poll()
+                if job.result().settled:
+                    break
+            await asyncio.sleep(WRITE_POLL_MAX)
+            waited += WRITE_POLL_MAX
+            if warn_after is not None and waited >= warn_after:
+                log.warning("an abandoned KV write of bootstrap room %s is still unsettled after %.0fs; its pages "
+                            "stay held until the transfer engine reports it", room.room, waited)
+                warn_after = None
+        self.bootstrap.write_settled(room)
+
+    def _hold_pages(self, held: list[tuple[KVPagePool, list[int]]], until) -> asyncio.Task:
+        """Keep each ``(pool, pages)`` of ``held`` out of its pool (counted in pdserve_kv_pages_quarantined) until
+        the coroutine ``until`` ends, then free them; the request that held them need not wait. Returns the task
+        that frees them."""
+        count = sum(len(p) for _, p in held)
+        self.quarantined += count
+        self.metrics.pages_quarantined.labels(**self.metrics.labels).set(self.quarantined)
+
+        async def release() -> None:
+            try:
+                await until
+            except Exception as e:  # the pages go back whatever happened (engine stopping: client closed)
+                log.info("releasing %d held KV pages after %r", count, e)
+            finally:
+                for pool, pages in held:
+                    pool.free(pages)
+                self.quarantined -= count
+                self.metrics.pages_quarantined.labels(**self.metrics.labels).set(self.quarantined)
+                self._update_pool_metrics()
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._holds.add(task)
+        task.add_done_callback(self._holds.discard)
+        return task
 
     async def _run_decode(self, seq: Sequence) -> None:
         b = seq.spec.bootstrap
@@ -446,14 +526,16 @@ class EngineCore:
                 await self._decode_loop(seq)
         finally:
             if pages:
-                try:
-                    if not kv_arrived:
-                        # The prefill may be writing into these pages: make it stop first.
-                        await settle(abort_on_prefill(self.http, b.host, b.port, b.room,
-                                                      seq.abort_reason or "decode failed"))
-                finally:
+                if kv_arrived:
                     self.pool.free(pages)
                     self._update_pool_metrics()
+                else:
+                    # The prefill may be writing into these pages: they go back once it says no write is in flight
+                    # (or after SGLang's deferred KV release timeout); this request answers once the abort landed.
+                    abort = abort_on_prefill(self.http, b.host, b.port, b.room, seq.abort_reason or "decode failed",
+                                             self.args.kv_release_timeout)
+                    releasing = self._hold_pages([(self.pool, pages)], abort)
+                    await asyncio.wait({releasing}, timeout=ABORT_LANDING_WAIT)
 
     # ---- model-thread work ---------------------------------------------------------------
     def _select(self, seq: Sequence, logits: torch.Tensor, step: int) -> tuple[int, float, list]:

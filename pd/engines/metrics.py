@@ -76,6 +76,9 @@ class EngineMetrics:
                                      registry=r)
         self.pages_held = Gauge("pdserve_kv_pages_held", "KV pages currently allocated from the pool.", names,
                                 registry=r)
+        self.pages_quarantined = Gauge("pdserve_kv_pages_quarantined",
+                                       "KV pages (counted in pdserve_kv_pages_held) kept for a KV write abandoned at "
+                                       "its deadline until the transfer engine reports it settled.", names, registry=r)
         self.transfer_ms = Histogram("sglang:kv_transfer_latency_ms", "Histogram of KV transfer latency in ms.",
                                      names, buckets=TRANSFER_MS_BUCKETS, registry=r)
         self.transfer_mb = Histogram("sglang:kv_transfer_total_mb", "Histogram of KV cache transfer size in MB.",
@@ -102,7 +105,8 @@ class EngineMetrics:
         self.itl.labels(**self.request_labels)
         self.num_aborted.labels(**self.request_labels)
         for m in (self.running, self.queued, self.prefill_bootstrap_queue, self.decode_prealloc_queue,
-                  self.decode_transfer_queue, self.token_usage, self.num_used_tokens, self.pages_held, self.transfer_ms,
+                  self.decode_transfer_queue, self.token_usage, self.num_used_tokens, self.pages_held,
+                  self.pages_quarantined, self.transfer_ms,
                   self.transfer_mb, self.transfer_speed, self.transfer_bytes, self.transfer_failed,
                   self.bootstrap_failed):
             m.labels(**self.labels)

@@ -2,15 +2,52 @@
 
 Uses ``mooncake.engine.TransferEngine`` in P2P-handshake mode, as SGLang's Mooncake backend does
 (sglang/srt/disaggregation/mooncake/transfer_engine.py): each side initialises its own engine,
-registers its KV pool, and is addressed by the session id ``"host:rpc_port"``. The prefill writes
-with ``batch_transfer_sync_write`` into the decode's registered pages.
+registers its KV pool, and is addressed by the session id ``"host:rpc_port"``.
+
+A write is submitted without blocking (``transfer_submit_write``, one Mooncake batch per coalesced
+segment) and polled (``transfer_check_status``), so the caller bounds it with its own deadline.
+``batch_transfer_sync_write`` would instead hold a thread, spinning, for Mooncake's own timeout
+(``MC_TRANSFER_TIMEOUT``, 30 s), and the batched status call ``get_batch_transfer_status`` blocks
+the same way. Mooncake cannot cancel a submitted write: a write abandoned at its deadline keeps
+reading the source pages until Mooncake reports it completed or failed (its TCP transport drops a
+connection without progress after ``MC_TCP_PROGRESS_TIMEOUT_SEC``, 30 s), so the caller must keep
+those pages until ``PendingWrite.poll`` says the write has settled.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from typing import Optional
 
 log = logging.getLogger(__name__)
+
+# Mooncake's sync-write deadline (mooncake-integration/transfer_engine/transfer_engine_py.cpp: 30 s unless
+# MC_TRANSFER_TIMEOUT says otherwise, plus 1 ns per byte); the reference engine's write deadline defaults to it.
+MOONCAKE_TRANSFER_TIMEOUT = 30.0
+SECONDS_PER_BYTE = 1e-9
+
+# transfer_check_status's answers (transfer_engine_py.cpp): 1 completed and -1 failed (the batch is freed),
+# 0 waiting, -2 a slice older than MC_SLICE_TIMEOUT (still in flight: not an end).
+_COMPLETED, _FAILED = 1, -1
+
+
+def default_transfer_timeout() -> float:
+    """Mooncake's own deadline for a synchronous write: ``$MC_TRANSFER_TIMEOUT`` seconds (at least 5, as
+    Mooncake clamps it), else 30."""
+    raw = os.environ.get("MC_TRANSFER_TIMEOUT")
+    if not raw:
+        return MOONCAKE_TRANSFER_TIMEOUT
+    try:
+        return max(5.0, float(int(raw)))
+    except ValueError:
+        return MOONCAKE_TRANSFER_TIMEOUT
+
+
+def write_deadline(timeout: float, nbytes: int) -> float:
+    """Seconds a write of ``nbytes`` may take: ``timeout`` plus 1 ns per byte, Mooncake's allowance for the
+    transfer itself (1 GiB/s) in its sync write."""
+    return timeout + nbytes * SECONDS_PER_BYTE
 
 
 def coalesce(src: list[int], dst: list[int], length: int) -> tuple[list[int], list[int], list[int]]:
@@ -35,7 +72,50 @@ def coalesce(src: list[int], dst: list[int], length: int) -> tuple[list[int], li
 
 
 class TransferError(RuntimeError):
-    """A KV write that the transfer engine reported as failed."""
+    """A KV write that the transfer engine reported as failed, or that missed its deadline."""
+
+
+class PendingWrite:
+    """A submitted write: one Mooncake batch per segment, each polled until it completes or fails.
+
+    Args:
+        engine: the ``mooncake.engine.TransferEngine`` it was submitted on.
+        peer: the destination session id (for messages).
+        batch_ids: the submitted batches.
+        nbytes: bytes in the whole write.
+        failed: a segment could not be submitted (the rest were, and still run).
+    """
+
+    def __init__(self, engine, peer: str, batch_ids: list[int], nbytes: int, failed: bool = False):
+        self.engine = engine
+        self.peer = peer
+        self.outstanding = list(batch_ids)
+        self.nbytes = nbytes
+        self.failed = failed
+
+    def poll(self) -> Optional[bool]:
+        """Check the batches still in flight, without blocking.
+
+        Returns:
+            None while any batch may still read the source memory; then True when every segment
+            completed, False when one failed or could not be submitted.
+        """
+        still = []
+        for b in self.outstanding:
+            rc = self.engine.transfer_check_status(b)
+            if rc == _FAILED:
+                self.failed = True
+            elif rc != _COMPLETED:
+                still.append(b)
+        self.outstanding = still
+        if still:
+            return None
+        return not self.failed
+
+    @property
+    def settled(self) -> bool:
+        """True once no batch is in flight (the source memory may be reused)."""
+        return not self.outstanding
 
 
 class MooncakeTransfer:
@@ -73,12 +153,24 @@ class MooncakeTransfer:
         if rc != 0:
             raise RuntimeError(f"Mooncake register_memory failed with {rc}")
 
-    def write(self, peer_session: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
-        """Blocking batched write of local segments into the peer's registered memory.
+    def submit(self, peer_session: str, src: list[int], dst: list[int], lengths: list[int]) -> PendingWrite:
+        """Start writing local segments into the peer's registered memory; returns at once.
+
+        Blocks only for the first handshake with a new peer (Mooncake's ``openSegment``, bounded by
+        ``MC_HANDSHAKE_CONNECT_TIMEOUT``), so call it off the event loop.
 
         Raises:
-            TransferError: the engine returned a non-zero status (peer gone, bad address).
+            TransferError: no segment could be submitted (peer unreachable, bad address); nothing is in flight.
         """
-        rc = self.engine.batch_transfer_sync_write(peer_session, src, dst, lengths)
-        if rc != 0:
-            raise TransferError(f"Mooncake batch write to {peer_session} failed with status {rc}")
+        batch_ids: list[int] = []
+        failed = False
+        for s, d, n in zip(src, dst, lengths):
+            b = self.engine.transfer_submit_write(peer_session, s, d, n)
+            if b <= 0 or b >= 1 << 63:  # 0 or (uint64) -1: openSegment or submitTransfer refused it
+                failed = True
+                break
+            batch_ids.append(b)
+        if failed and not batch_ids:
+            raise TransferError(f"Mooncake could not start the KV write to {peer_session} (peer unreachable or "
+                                "memory not registered)")
+        return PendingWrite(self.engine, peer_session, batch_ids, sum(lengths), failed)
