@@ -49,7 +49,8 @@ OUT_OF_RANGE: dict[str, list] = {
     "top_k": [0, -2], "min_p": [-0.1, 1.5], "frequency_penalty": [2.5, -3], "presence_penalty": [3, -2.5],
     "repetition_penalty": [0, 2.5, -1], "n": [0, -1, 10**6, 10**30], "top_logprobs_num": [-1, 10**6],
     "logprobs": [-1, 10**6], "top_logprobs": [10**6], "logprob_start_len": [10**6],
-    "stop_token_ids": [[-1], [10**9]], "logit_bias": [{"-5": 1.0}, {"x": 1.0}, {"99999": 1.0}],
+    "stop_token_ids": [[-1], [10**9]],
+    "logit_bias": [{"-5": 1.0}, {"x": 1.0}, {"99999": 1.0}, {"5": 1e308, "6": 1e308}],
     "input_ids": [[], [-1], [10**9], [[]], [0] * 5000], "bootstrap_room": [-1, 2**64],
     "model": ["no-such-model"],
 }

@@ -168,6 +168,20 @@ async def test_every_bad_input_is_a_4xx_at_the_engines(engines, router):
     await assert_idle(engines)
 
 
+@pytest.mark.parametrize("route", GENERATION_ROUTES)
+async def test_extreme_but_valid_sampling_values_are_served(engines, router, route):
+    """Finite values at the edges are answers, not 500s: a temperature of 1e-300 samples greedily (SGLang rounds
+    below 1e-6 to greedy; dividing by it made the logits infinite), a logit_bias of -1e30 is a ban."""
+    body = dict(GOOD[route], temperature=1e-300, logit_bias={"5": -1e30})
+    if route == "/generate":
+        body = dict(GOOD[route], sampling_params=dict(GOOD[route]["sampling_params"], temperature=1e-300,
+                                                      logit_bias={"5": -1e30}))
+    async with httpx.AsyncClient(timeout=30) as c:
+        for url in (router.url, engines["null"].url):
+            r = await c.post(url + route, json=body)
+            assert r.status_code == 200, (url, r.text[:300])
+
+
 # ---- the fuzz run -----------------------------------------------------------------------------------
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=12),
                     st.sampled_from([SURROGATE, "a" + SURROGATE, "\x00", "", "user"]))

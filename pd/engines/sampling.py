@@ -102,9 +102,12 @@ class SamplingParams(BaseModel):
                 raise bad_request(f"{name} must be in [-2, 2]", name)
         if not 0 < self.repetition_penalty <= 2:
             raise bad_request("repetition_penalty must be in (0, 2] (1 = no penalty)", "repetition_penalty")
-        for key in self.logit_bias or {}:
+        for key, bias in (self.logit_bias or {}).items():
             if not key.strip().lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
                 raise bad_request(f"logit_bias: key {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN too
+                raise bad_request(f"logit_bias: the value of {key!r} must be within +-{MAX_LOGIT_BIAS:g}, got {bias!r}",
+                                  "logit_bias")
         for t in self.stop_token_ids or []:
             if not 0 <= t < vocab_size:
                 raise bad_request(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})", "stop_token_ids")
@@ -139,9 +142,18 @@ def processed_logits(logits: torch.Tensor, params: SamplingParams, banned: list[
     return logits
 
 
+# Largest logit_bias magnitude: the logits are float32 (max 3.4e38), and a bias of 1e30 divided by the smallest
+# temperature that is not greedy (SAMPLING_EPS) stays finite; 1e308 became inf, and two of them a NaN softmax.
+MAX_LOGIT_BIAS = 1e30
+
+# SGLang's _SAMPLING_EPS (sglang/srt/sampling/sampling_params.py): a temperature below it samples greedily. Dividing
+# the logits by a smaller one (1e-300) makes them infinite, and the softmax NaN, which torch.multinomial refuses.
+SAMPLING_EPS = 1e-6
+
+
 def is_greedy(params: SamplingParams) -> bool:
-    """True when sampling is an argmax (``temperature == 0`` or ``top_k == 1``)."""
-    return params.temperature == 0 or params.top_k == 1
+    """True when sampling is an argmax (``temperature < SAMPLING_EPS``, as SGLang rounds it, or ``top_k == 1``)."""
+    return params.temperature < SAMPLING_EPS or params.top_k == 1
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -184,7 +196,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int, b
         output_ids: the tokens this request has generated so far (the penalties count them).
 
     Returns:
-        The token id: :func:`processed_logits`, then greedy argmax (``temperature == 0`` or ``top_k == 1``;
+        The token id: :func:`processed_logits`, then greedy argmax (``is_greedy``;
         ties break to the lowest id, as ``torch.argmax`` does) or a seeded draw from :func:`sampling_probs`.
     """
     logits = processed_logits(logits, params, banned, output_ids)
