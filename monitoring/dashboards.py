@@ -1,5 +1,6 @@
 """The Grafana dashboards: "PD overview" (one request's stages, traffic, KV transfer,
-speculative decoding) and "Workers" (health, restarts, in-flight, queues, KV usage, circuit state).
+speculative decoding) and "Workers" (health, restarts, in-flight, queues, KV usage, circuit state,
+speculative step time and draft KV).
 
 Query conventions, so the same panels work on the reference engine and on SGLang, on prefill and
 decode alike:
@@ -36,6 +37,7 @@ WORKERS_UID = "pdserve-workers"
 # The panels `pdserve render-dashboard` draws (titles in the PD overview).
 MAIN_PANELS = ("Per-stage latency p50", "Per-stage latency p99", "Mean time per stage", "Requests by status")
 
+SPEC_STEP = "pdserve_spec_step_seconds"  # the reference engine's histogram of a speculative step's phases
 ENGINE_GAUGE = "sglang:num_running_reqs"  # every engine exports it from start: the variables' source
 PREFILL = 'engine_type="prefill"'
 STATUS_5XX = 'status=~"5.."'
@@ -176,13 +178,18 @@ def overview(slo: SLO) -> dict:
                       g.target("sum by (instance, engine_type) "
                                f"(rate({_eng('sglang:num_bootstrap_failed_reqs_total')}[{RATE}]))",
                                "bootstrap {{engine_type}} {{instance}}")], unit="reqps", w=8),
-        g.row("Speculative decoding (SGLang --speculative-algorithm; empty otherwise)"),
+        g.row("Speculative decoding (--speculative-algorithm; empty without it)"),
         g.timeseries("Speculative accept length",
-                     [g.target(f"avg by (instance) ({_eng('sglang:spec_accept_length')})", "{{instance}}")], w=12,
-                     description="Mean accepted tokens per decode step (SGLang's spec_accept_length)."),
+                     [g.target(f"avg by (instance) ({_eng('sglang:spec_accept_length', REQUEST_ENGINES)})",
+                               "{{instance}}")], w=12,
+                     description="Per decode worker: tokens emitted per verify step (accepted drafts + the target's "
+                     "bonus token), averaged over its last verify steps (SGLang's spec_accept_length; "
+                     "--speculative-num-steps + 1 at most)."),
         g.timeseries("Speculative accept rate",
-                     [g.target(f"avg by (instance) ({_eng('sglang:spec_accept_rate')})", "{{instance}}")],
-                     unit="percentunit", w=12),
+                     [g.target(f"avg by (instance) ({_eng('sglang:spec_accept_rate', REQUEST_ENGINES)})",
+                               "{{instance}}")], unit="percentunit", w=12,
+                     description="Per decode worker: accepted draft tokens / proposed draft tokens over its last "
+                     "verify steps (SGLang's spec_accept_rate)."),
     ]
     return g.dashboard(OVERVIEW_UID, "pdserve: PD overview",
                        "Per-stage latency of prefill-decode disaggregated requests (router + engines).",
@@ -253,6 +260,22 @@ def workers() -> dict:
                      [g.target(f"max by (engine_type, instance) ({_eng('sglang:num_used_tokens')})",
                                "{{engine_type}} {{instance}}")],
                      w=12),
+        g.row("Speculative decoding (reference engine with --speculative-algorithm)"),
+        g.timeseries("Speculative step time (draft / verify / extend)",
+                     [g.target(f"sum by (instance, phase) (rate({_eng(SPEC_STEP + '_sum')}[{RATE}])) / "
+                               f"sum by (instance, phase) (rate({_eng(SPEC_STEP + '_count')}[{RATE}]))",
+                               "{{phase}} mean {{instance}}"),
+                      g.target(f"histogram_quantile(0.99, sum by (le, instance, phase) "
+                               f"(rate({_eng(SPEC_STEP + '_bucket')}[{RATE}])))", "{{phase}} p99 {{instance}}")],
+                     unit="s", log=True, w=12,
+                     description="One speculative step per decode worker, by phase: draft (the draft model proposes "
+                     "--speculative-num-steps tokens), verify (one target forward over the window, then acceptance), "
+                     "extend (the draft re-run on the accepted tokens)."),
+        g.timeseries("Draft KV pages held",
+                     [g.target(f"max by (engine_type, instance) ({_eng('pdserve_draft_kv_pages_held')})",
+                               "{{engine_type}} {{instance}}")],
+                     w=12, description="Pages of the draft model's KV pool in use; with no request running it "
+                     "returns to 0 (rejected drafts' pages are released or reused)."),
     ]
     variables = [g.query_variable("worker", "Worker (router view)", "pdserve_router_worker_healthy", "worker"),
                  *_variables(router=False)]

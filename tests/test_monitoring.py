@@ -2,7 +2,8 @@
 promtool accepts the config and rules and its unit tests cover every alert, and a real Prometheus
 (Debian's package) scraping a running router + reference prefill/decode pair + the launcher's
 exporter, through the committed prometheus.yml and a targets file written by the launcher's code,
-answers every panel query and every recording rule after traffic."""
+answers every panel query and every recording rule after traffic. The pair runs speculative decoding
+(builtin:tiny with its built-in MTP draft), so the speculative panels are checked for data like the rest."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines import ROOT, ManagedProcess, free_port, spawn, wait_until_ready
+from engines import ROOT, ManagedProcess, free_port, spawn, start_engine, wait_ready, wait_until_ready
 from pd.cluster.prom_targets import TargetsFile, build_targets
 from pd.cluster.worker_metrics import WorkerStateExporter
 from pd.monitoring import grafana as g
@@ -37,9 +38,14 @@ RULES = yaml.safe_load((MON / "rules.yml").read_text())
 SGLANG_SRT = (Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
               / "sglang" / "srt")
 
-# Panels whose only metrics exist in SGLang and not in the reference engine (no speculative
-# decoding there): their names are checked against the pinned SGLang source instead of for data.
-SGLANG_ONLY_PANELS = {"Speculative accept length", "Speculative accept rate"}
+# Panels whose only metrics exist in SGLang and not in the reference engine: their names are checked
+# against the pinned SGLang source instead of for data. None today: the speculative engines here export
+# every engine name a panel uses.
+SGLANG_ONLY_PANELS: set[str] = set()
+SPEC_FLAGS = ("--speculative-algorithm", "EAGLE")  # (3 steps, topk 1, 4 draft tokens), as SGLang picks for MTP
+SPEC_STEPS = 3
+SPEC_PANELS = {"pdserve: PD overview": ("Speculative accept length", "Speculative accept rate"),
+               "pdserve: Workers": ("Speculative step time (draft / verify / extend)", "Draft KV pages held")}
 SYNTHETIC = {"up"}  # made by Prometheus itself for every target
 TEST_RATE_INTERVAL = "1m"  # $__rate_interval for the checks (Grafana gives 40s at a 10s scrape interval)
 
@@ -225,9 +231,22 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(engines):
+def spec_engines(model_cache, tmp_path_factory):
+    """A speculative prefill + decode pair of its own (the session's shared pair runs without a draft)."""
+    logs = str(tmp_path_factory.mktemp("spec-engine-logs"))
+    started = {role: start_engine(role, logs, *SPEC_FLAGS) for role in ("prefill", "decode")}
+    try:
+        wait_ready(list(started.values()))
+        yield started
+    finally:
+        for e in started.values():
+            e.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(spec_engines):
     with tempfile.TemporaryDirectory(prefix="pdmon-") as d:
-        s = Stack(engines, Path(d))
+        s = Stack(spec_engines, Path(d))
         try:
             yield s
         finally:
@@ -376,6 +395,35 @@ def test_every_panel_query_and_recording_rule_returns_data(stack, traffic):
     groups = stack.prom._get("/api/v1/rules", {})["groups"]
     bad = [(r["name"], r.get("lastError")) for grp in groups for r in grp["rules"] if r["health"] != "ok"]
     assert not bad, bad
+
+
+def test_speculative_panels_show_each_decode_worker(stack, traffic):
+    """The speculative panels' queries return series after traffic: accept length and rate one per decode worker
+    (the prefill drafts no verify steps), within what 3 draft tokens allow; step time for all three phases."""
+    dec = f"127.0.0.1:{stack.engines['decode'].port}"
+    dashes = {d["title"]: d for d in (json.loads(p.read_text()) for p in DASHBOARDS)}
+    seen = {}
+    for title, panels in SPEC_PANELS.items():
+        dash = dashes[title]
+        values = g.resolve_variables(dash, stack.prom.label_values)
+        for panel, t in g.iter_targets(dash):
+            if panel["title"] in panels:
+                series = stack.prom.query(g.expand(t["expr"], values, rate_interval=TEST_RATE_INTERVAL))
+                assert finite_values(series), f"{title} / {panel['title']} / {t['refId']}: no data"
+                seen.setdefault(panel["title"], []).append(series)
+    assert set(seen) == {p for ps in SPEC_PANELS.values() for p in ps}
+    ((length,),) = seen["Speculative accept length"]
+    ((rate,),) = seen["Speculative accept rate"]
+    assert length["metric"] == {"instance": dec} and rate["metric"] == {"instance": dec}
+    assert 1 <= float(length["value"][1]) <= SPEC_STEPS + 1 and 0 <= float(rate["value"][1]) <= 1
+    mean, p99 = seen["Speculative step time (draft / verify / extend)"]
+    assert {(s["metric"]["instance"], s["metric"]["phase"]) for s in mean} >= {(dec, ph) for ph in
+                                                                               ("draft", "verify", "extend")}
+    assert all(0 < v < 60 for v in finite_values(mean) + finite_values(p99))
+    # no request runs now: every draft page is back in the pool on both sides
+    (held,) = seen["Draft KV pages held"]
+    assert {s["metric"]["instance"] for s in held} == {f"127.0.0.1:{e.port}" for e in stack.engines.values()}
+    assert finite_values(held) == [0.0] * len(held)
 
 
 def test_variables_resolve_from_scraped_labels(stack, traffic):
