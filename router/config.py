@@ -201,6 +201,12 @@ class TimeoutConfig(_Strict):
     body_read: float = Field(30.0, gt=0)
     """to receive a client's whole request body (a client that declares more than it sends, or sends
     it byte by byte, gets a 408 instead of holding a connection)."""
+    body_read_min_rate: float = Field(500.0, ge=0, json_schema_extra=flag("--body-read-min-rate"))
+    """bytes per second a request body must keep up once ``body_read_grace`` has passed, or the
+    client gets a 408 before ``body_read`` (Apache mod_reqtimeout's ``MinRate``, 500 there too: the
+    deadline starts at the grace and each byte received extends it by 1/rate s); 0 turns it off."""
+    body_read_grace: float = Field(5.0, gt=0, json_schema_extra=flag("--body-read-grace-secs"))
+    """seconds a request body may take before the ``body_read_min_rate`` rule applies."""
     prefill: Optional[float] = Field(None, gt=0)
     """dispatch -> the prefill's response fully read."""
     first_token: Optional[float] = Field(300.0, gt=0)

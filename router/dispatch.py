@@ -45,7 +45,17 @@ from pd.router.auth import Auth
 from pd.router.background import TaskSet
 from pd.router.config import RouterSettings
 from pd.router.errors import UPSTREAM_ERRORS, error_body, error_json
-from pd.router.front import ClientGone, Receive, Scope, Send, json_content_type, read_body, request_headers, send_whole
+from pd.router.front import (
+    BodyTimeout,
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    json_content_type,
+    read_body,
+    request_headers,
+    send_whole,
+)
 from pd.router.metrics import EndpointMetrics, RouterMetrics
 from pd.router.policies import routing_key
 from pd.router.retry import Failure, Retrier, answered, no_answer, no_worker, stream_start
@@ -179,6 +189,8 @@ class PDDispatcher:
         self.retrier = Retrier(settings.retry)
         self.limit = settings.max_payload_size
         self.body_timeout = settings.timeouts.body_read
+        self.body_min_rate = settings.timeouts.body_read_min_rate  # bytes/s, once body_grace s have passed
+        self.body_grace = settings.timeouts.body_read_grace
         self.id_headers = [h.lower().encode("latin-1") for h in settings.request_id_headers]
         # each worker's own key is added per call (Worker.auth_line): a key goes only where it was given
         self.worker_headers = header_block({"Content-Type": "application/json"})
@@ -261,14 +273,12 @@ class PDDispatcher:
                                       f"request body of {declared.decode()} bytes exceeds the limit of {self.limit} "
                                       f"bytes (--max-payload-size)", rid_header)
         try:
-            async with asyncio.timeout(self.body_timeout):
-                raw = await read_body(receive, self.limit)
+            raw = await read_body(receive, self.limit, self.body_timeout, self.body_min_rate, self.body_grace)
         except ClientGone:
             self.record(em, arrival, CLIENT_CLOSED, "client_disconnect")
             return
-        except TimeoutError:
-            return await self._reject(send, em, arrival, 408, "body_timeout", f"the request body did not arrive "
-                                      f"within {self.body_timeout:g} s (--body-read-timeout-secs)", rid_header)
+        except BodyTimeout as e:
+            return await self._reject(send, em, arrival, 408, "body_timeout", e.message, rid_header)
         if raw is None:
             return await self._reject(send, em, arrival, 413, "payload_too_large", f"request body exceeds the limit "
                                       f"of {self.limit} bytes (--max-payload-size)", rid_header)

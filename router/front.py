@@ -8,12 +8,13 @@ itself (the steps since, measured side by side: benchmarks/results/router.md, "W
 bought"). Other methods on those paths get 405; every other path (admin, health, metrics, info
 proxies, 404s) and the lifespan go to the FastAPI app as before.
 
-Also here: the few ASGI helpers the dispatcher needs (request headers, body with a size limit,
-a whole response).
+Also here: the few ASGI helpers the dispatcher needs (request headers, body with a size limit and
+deadlines, a whole response).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Awaitable, Callable, Iterable, Optional
 
 from pd.router.errors import error_json
@@ -34,30 +35,71 @@ def request_headers(scope: Scope) -> dict[bytes, bytes]:
     return dict(reversed(scope["headers"]))
 
 
-async def read_body(receive: Receive, limit: int) -> Optional[bytes]:
+class BodyTimeout(Exception):
+    """The request body did not arrive in time.
+
+    Attributes:
+        received: body bytes that had arrived.
+        elapsed: seconds since reading began.
+        slow: True when the minimum rate cut it off before the whole-body timeout.
+        message: the client's error text, naming the flag that applied.
+    """
+
+    def __init__(self, received: int, elapsed: float, slow: bool, timeout: float, min_rate: float):
+        self.received, self.elapsed, self.slow = received, elapsed, slow
+        if slow:
+            self.message = (f"the request body arrived too slowly: {received} bytes in {elapsed:.1f} s, below the "
+                            f"minimum of {min_rate:g} bytes/s (--body-read-min-rate)")
+        else:
+            self.message = f"the request body did not arrive within {timeout:g} s (--body-read-timeout-secs)"
+        super().__init__(self.message)
+
+
+async def read_body(receive: Receive, limit: int, timeout: float, min_rate: float = 0.0,
+                    grace: float = 0.0) -> Optional[bytes]:
     """The whole request body, or None once it exceeds ``limit`` bytes (the rest is not read).
+
+    Two deadlines bound it: the whole body within ``timeout`` seconds, and, with ``min_rate`` > 0, a
+    minimum rate as Apache's mod_reqtimeout applies it (``body=grace,MinRate=rate``): the body must be
+    done by ``grace`` seconds plus 1/``min_rate`` s per byte received so far, so a client trickling a few
+    bytes a second is cut off soon after ``grace`` rather than holding its connection for ``timeout``.
 
     Raises:
         ClientGone: the client went away before the body ended.
+        BodyTimeout: a deadline passed first.
     """
-    msg = await receive()
-    if msg["type"] != "http.request":
-        raise ClientGone()
-    body = msg.get("body", b"")
-    if not msg.get("more_body", False):  # the common case: one message
-        return body if len(body) <= limit else None
-    chunks, size = [body], len(body)
-    while True:
-        msg = await receive()
-        if msg["type"] != "http.request":
-            raise ClientGone()
-        chunk = msg.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-        if not msg.get("more_body", False):
-            return b"".join(chunks)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    hard = start + timeout
+    rated = min_rate > 0 and grace < timeout
+    size = 0
+    # One timeout whose deadline moves as bytes arrive: the one-message body of nearly every request
+    # costs what the plain timeout cost before.
+    scope = asyncio.timeout_at(start + grace if rated else hard)
+    try:
+        async with scope:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                raise ClientGone()
+            body = msg.get("body", b"")
+            if not msg.get("more_body", False):  # the common case: one message
+                return body if len(body) <= limit else None
+            chunks, size = [body], len(body)
+            while True:
+                if rated:
+                    scope.reschedule(min(hard, start + grace + size / min_rate))
+                msg = await receive()
+                if msg["type"] != "http.request":
+                    raise ClientGone()
+                chunk = msg.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    return None
+                chunks.append(chunk)
+                if not msg.get("more_body", False):
+                    return b"".join(chunks)
+    except TimeoutError:
+        raise BodyTimeout(size, loop.time() - start, rated and scope.when() < hard, timeout, min_rate) from None
 
 
 def json_content_type(value: Optional[bytes]) -> bool:

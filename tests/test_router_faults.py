@@ -11,6 +11,7 @@ well under those 20 s: a busy 2-core machine does not miss them, a forgotten abo
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 import time
@@ -126,6 +127,10 @@ ROUTER_FLAGS = {
     # a short body-read timeout
     "slow_body": (("p0",), ("d0",), ["--disable-retries", "--health-check-interval-secs", "0",
                                      "--body-read-timeout-secs", "1"]),
+    # the default 30 s body timeout, a minimum body rate of 100 bytes/s after 1 s
+    "slow_rate": (("p0",), ("d0",), ["--disable-retries", "--health-check-interval-secs", "0",
+                                     "--body-read-timeout-secs", "30", "--body-read-grace-secs", "1",
+                                     "--body-read-min-rate", "100"]),
     "breaker": (("p0",), ("d0", "d1"), ["--disable-retries", "--health-check-interval-secs", "0",
                                         "--cb-failure-threshold", "2", "--cb-success-threshold", "1",
                                         "--cb-timeout-duration-secs", "2"]),
@@ -344,6 +349,58 @@ async def test_an_incomplete_body_gets_408_at_the_body_timeout(si, routers):
     assert 0.9 <= elapsed < 30, elapsed  # the 1 s timeout, not the client's patience
     assert si["p0"].state()["requests"] == [] and si["d0"].state()["requests"] == []
     assert metric(r, "pdserve_router_errors_total", endpoint="/generate", kind="body_timeout") == 1
+
+
+async def send_slowly(writer: asyncio.StreamWriter, body: bytes, piece: int, every: float) -> None:
+    """Write ``body`` ``piece`` bytes at a time, one piece every ``every`` s, until done or the router hangs up."""
+    try:
+        for i in range(0, len(body), piece):
+            writer.write(body[i:i + piece])
+            await writer.drain()
+            await asyncio.sleep(every)  # the client's pace, not a wait for a state
+    except ConnectionError:
+        pass
+
+
+async def post_slowly(router, body: bytes, piece: int, every: float) -> tuple[bytes, float]:
+    """POST /generate with ``body`` sent at a pace; returns the response head and the seconds until it came."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+    sender = None
+    try:
+        writer.write(b"POST /generate HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body))
+        await writer.drain()
+        t0 = time.monotonic()
+        sender = asyncio.create_task(send_slowly(writer, body, piece, every))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
+        elapsed = time.monotonic() - t0
+        rest = await asyncio.wait_for(reader.read(65536), 10)
+    finally:
+        if sender is not None:
+            sender.cancel()
+        writer.close()
+    return head + rest, elapsed
+
+
+async def test_a_trickled_body_gets_408_at_the_minimum_rate(si, routers):
+    """A client sending 2,000 bytes at 25 bytes/s is cut off once it falls below --body-read-min-rate (100 bytes/s
+    after the 1 s grace: about 1.3 s in), not at the 30 s --body-read-timeout-secs; no engine is touched."""
+    r = routers("slow_rate")
+    body = json.dumps(dict(gen(), text="x" * 1900)).encode()
+    answer, elapsed = await post_slowly(r, body, piece=5, every=0.2)
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert b"--body-read-min-rate" in answer and b"x-request-id: " in answer.lower(), answer
+    assert 1.0 <= elapsed < 15, elapsed  # the rate rule, not the 30 s timeout
+    assert si["p0"].state()["requests"] == [] and si["d0"].state()["requests"] == []
+    assert metric(r, "pdserve_router_errors_total", endpoint="/generate", kind="body_timeout") == 1
+
+
+async def test_a_body_in_pieces_above_the_minimum_rate_is_served(si, routers):
+    """The rate rule does not cut off a client that sends its body in several pieces at a normal pace."""
+    r = routers("slow_rate")
+    body = json.dumps(dict(gen(), text="y" * 1900)).encode()
+    answer, _ = await post_slowly(r, body, piece=500, every=0.3)  # ~1,700 bytes/s
+    assert answer.startswith(b"HTTP/1.1 200"), answer
 
 
 async def test_client_disconnect_before_the_answer_aborts_both_sides(si, routers):
