@@ -21,6 +21,7 @@ import socket
 
 from pd.engines.auth import API_KEY_ENV
 from pd.engines.builtin_model import BUILTIN_MODELS, BUILTIN_PREFIX
+from pd.engines.spec_config import resolve_spec_config
 from pd.engines.transfer import default_transfer_timeout
 
 
@@ -112,6 +113,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "/ready* and /metrics stay open), on the HTTP and the bootstrap server; a decode sends it "
                         f"to its prefills. Default: ${API_KEY_ENV} (keeps it off the command line), else none.")
     p.add_argument("--log-level", default="info", help="Log level. Default: info.")
+    add_speculative_args(p)
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """SGLang's ``--speculative-*`` flags (sglang/srt/server_args.py), checked in pd.engines.speculative."""
+    p.add_argument("--speculative-algorithm", default=None, type=str.upper,
+                   help="EAGLE (or NEXTN, SGLang's alias of it): MTP/EAGLE speculative decoding with a draft model. "
+                        "Default: off.")
+    p.add_argument("--speculative-draft-model-path", default=None,
+                   help="The draft checkpoint. Default for builtin:tiny: its built-in MTP draft; other models need "
+                        "one.")
+    p.add_argument("--speculative-num-steps", type=int, default=None,
+                   help="Draft tokens proposed per verify step. Default: 3 (with topk 1 and 4 draft tokens, "
+                        "SGLang's choice for DeepSeek MTP).")
+    p.add_argument("--speculative-eagle-topk", type=int, default=None,
+                   help="Tokens kept per draft step; only 1 (chain drafting). Default: 1.")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help="Tokens per verify window; with topk 1 always --speculative-num-steps + 1 (SGLang adjusts "
+                        "it so, with a warning).")
 
 
 def finalize(args: argparse.Namespace) -> argparse.Namespace:
@@ -157,6 +177,7 @@ def finalize(args: argparse.Namespace) -> argparse.Namespace:
         host = socket.gethostbyname(socket.gethostname())
     args.transfer_host = host
     args.bootstrap_timeout = args.disaggregation_bootstrap_timeout
+    args.speculative = resolve_spec_config(args)
     args.waiting_timeout = args.disaggregation_waiting_timeout
     args.transfer_timeout = args.disaggregation_transfer_timeout
     args.kv_release_timeout = _env_float("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT", 30)

@@ -74,6 +74,12 @@ class Registration:
     page_size: int
     layout: dict
     num_tokens: int
+    # With speculative decoding (SGLang registers the draft's KV pool next to the target's): where the draft's
+    # KV goes, its layout, and the decode's --speculative-* settings (pd.engines.spec_config.SpecConfig.handshake).
+    draft_page_addrs: list[int] = field(default_factory=list)
+    draft_page_bytes: int = 0
+    draft_layout: Optional[dict] = None
+    speculative: Optional[dict] = None
 
 
 @dataclass
@@ -229,7 +235,7 @@ class BootstrapServer:
     async def _handle_register(self, request: Request) -> Response:
         try:
             body = await _read_json(request)
-            reg = Registration(**{k: body[k] for k in Registration.__dataclass_fields__})
+            reg = Registration(**{k: body[k] for k in Registration.__dataclass_fields__ if k in body})
         except _TooLarge as e:
             return _json({"status": "failed", "reason": str(e)}, status=413)
         except (ValueError, KeyError, TypeError) as e:

@@ -44,6 +44,8 @@ from pd.engines.model_runner import ModelRunner
 from pd.engines.protocol import SeqSpec
 from pd.engines.sampling import sample
 from pd.engines.sequence import Sequence
+from pd.engines.spec_config import SpecConfig
+from pd.engines.speculative import SpecDecoder
 from pd.engines.transfer import MooncakeTransfer, TransferError, coalesce, write_deadline
 
 log = logging.getLogger(__name__)
@@ -88,16 +90,20 @@ class EngineCore:
         runner: the loaded model.
         args: parsed engine arguments (see pd.engines.args).
         metrics: where to record SGLang's metrics.
+        spec: the draft and its settings when ``--speculative-algorithm`` is set: the prefill then also runs the
+            draft on the prompt and ships its KV and state; the decode (or a ``null`` engine) drafts and verifies.
     """
 
-    def __init__(self, runner: ModelRunner, args, metrics: EngineMetrics):
+    def __init__(self, runner: ModelRunner, args, metrics: EngineMetrics, spec: Optional[SpecDecoder] = None):
         self.runner = runner
+        self.spec = spec  # speculative decoding (pd.engines.speculative), None when off
         self.args = args
         self.mode = args.disaggregation_mode
         self.metrics = metrics
         self.model_exec = ThreadPoolExecutor(1, thread_name_prefix="model")
         self.transfer_exec = ThreadPoolExecutor(4, thread_name_prefix="kv-transfer")
         self.pool: Optional[KVPagePool] = None
+        self.draft_pool: Optional[KVPagePool] = None  # the draft's KV pages (speculative PD only)
         self.transfer: Optional[MooncakeTransfer] = None
         self.bootstrap: Optional[BootstrapServer] = None
         self.http: Optional[httpx.AsyncClient] = None
@@ -119,6 +125,9 @@ class EngineCore:
         self.transfer = MooncakeTransfer(a.transfer_host, a.disaggregation_transfer_protocol,
                                          a.disaggregation_ib_device or "")
         self.transfer.register(self.pool.base_addr, self.pool.total_bytes)
+        if self.spec is not None:  # SGLang's PD registers the draft's KV pool next to the target's
+            self.draft_pool = KVPagePool(self.spec.draft.layout, a.page_size, a.max_total_tokens)
+            self.transfer.register(self.draft_pool.base_addr, self.draft_pool.total_bytes)
         self._update_pool_metrics()
         self.http = make_client(a.api_key)
         if self.mode == "prefill":
@@ -281,7 +290,7 @@ class EngineCore:
         """Task done-callback: runs even when the task was cancelled before it started."""
         if not seq.done:
             self._set_aborted(seq)
-        seq.cache = None
+        seq.cache = seq.spec_state = None
         self.sequences.discard(seq)
         if self.mode == "decode":
             self.decode_rooms.discard(seq.spec.bootstrap.room)
@@ -297,7 +306,7 @@ class EngineCore:
                     and (seq.finish_reason or {}).get("type") in ("stop", "length")):
                 tpot = (seq.finish_time - seq.first_token_time) / (n_out - 1)
             self.metrics.observe_finished(seq.finish_time - seq.arrival, len(seq.spec.prompt_ids), n_out,
-                                          bool(seq.spec.extra.get("stream")), tpot)
+                                          bool(seq.spec.extra.get("stream")), tpot, seq.spec_verify_ct)
         seq.signal()
 
     async def _compute(self, fn: Callable, *args):
@@ -329,8 +338,26 @@ class EngineCore:
 
     async def _decode_loop(self, seq: Sequence) -> None:
         while not seq.done:
-            self._emit(seq, *await self._compute(self._decode_forward, seq))
+            if self.spec is None:
+                self._emit(seq, *await self._compute(self._decode_forward, seq))
+            else:
+                self._emit_spec_step(seq, await self._compute(self._spec_step, seq))
         seq.finish(seq.finish_reason)
+
+    def _emit_spec_step(self, seq: Sequence, step) -> None:
+        """Emit one verify step's tokens in order until the sequence finishes (a stop id, stop string or
+        max_new_tokens inside the accepted run drops the rest), and count it as SGLang does."""
+        emitted = 0
+        for tok in step.tokens:
+            if seq.done:
+                break
+            self._emit(seq, *tok)
+            emitted += 1
+        seq.spec_verify_ct += 1
+        seq.spec_draft_width = self.spec.config.num_draft_tokens - 1
+        seq.spec_correct_drafts += min(emitted, step.accepted_drafts)
+        self.metrics.observe_spec_step(step.accepted_drafts + 1, self.spec.config.num_draft_tokens - 1,
+                                       step.draft_s, step.verify_s, step.extend_s)
 
     async def _run_prefill(self, seq: Sequence) -> None:
         b = seq.spec.bootstrap
@@ -346,26 +373,34 @@ class EngineCore:
             self.metrics.observe_stage("prefill_bootstrap", t1 - t0)
             pages = await self.pool.alloc(len(seq.spec.prompt_ids))
             self._update_pool_metrics()
+            draft_pages: list[int] = []
             try:
+                if self.draft_pool is not None:
+                    draft_pages = await self.draft_pool.alloc(len(seq.spec.prompt_ids))
+                    self._update_pool_metrics()
                 with self._gauge(self.metrics.queued):
                     # The forward stores the prompt's KV into the pool pages, as SGLang's attention
                     # backends do (set_kv_buffer); the transfer then reads the pages as they are.
-                    first = await self._compute(self._prefill_forward, seq, pages)
+                    first = await self._compute(self._prefill_forward, seq, pages, draft_pages)
                 t2 = time.perf_counter()
                 self.metrics.observe_stage("prefill_forward", t2 - t1)
                 with self._gauge(self.metrics.running):
-                    nbytes = await self._push_kv(pages, reg, room)
+                    nbytes = await self._push_kv(pages, reg, room, draft_pages)
             finally:
+                held = [(self.pool, pages)] + ([(self.draft_pool, draft_pages)] if draft_pages else [])
                 if room.write is not None:  # Mooncake may still read them: they go back once the write settles
-                    self._hold_pages([(self.pool, pages)], self._write_settles(room))
+                    self._hold_pages(held, self._write_settles(room))
                 else:
-                    self.pool.free(pages)
+                    for pool, p in held:
+                        pool.free(p)
                 self._update_pool_metrics()
             t3 = time.perf_counter()
             self.metrics.observe_stage("prefill_transfer_kv_cache", t3 - t2)
             self.metrics.observe_transfer(nbytes, t3 - t2)
             token, lp, top = first
             meta = {"first_token": {"id": token, "logprob": lp, "top": top}, "cached_tokens": 0, "bytes": nbytes}
+            if self.spec is not None:
+                meta["spec"] = self._spec_metadata(seq)
             self._emit(seq, token, lp, top)
             seq.finish_reason = {"type": "length", "length": 0}
             seq.finish(seq.finish_reason)
@@ -388,27 +423,38 @@ class EngineCore:
             self.bootstrap.finish(room, meta, reason)
 
     def _check_registration(self, reg: Registration, seq: Sequence) -> None:
-        ours = asdict(self.runner.layout)
-        n = len(seq.spec.prompt_ids)
-        problem = None
-        if reg.layout != ours or reg.page_size != self.pool.page_size or reg.page_bytes != self.pool.page_bytes:
-            problem = (f"KV layout mismatch: decode has {reg.layout} page_size={reg.page_size}, prefill has {ours} "
-                       f"page_size={self.pool.page_size} (--page-size and the model must match on both sides)")
-        elif reg.num_tokens != n or len(reg.page_addrs) < self.pool.pages_for(n):
-            problem = (f"prompt mismatch: decode expects {reg.num_tokens} tokens in {len(reg.page_addrs)} pages, "
-                       f"prefill tokenized {n} (were both sides sent the same request?)")
+        problem = self._spec_mismatch(reg) or self._layout_mismatch(reg, seq)
         if problem:
             raise RoomFailed(problem)
 
-    async def _push_kv(self, pages: list[int], reg: Registration, room) -> int:
-        """Write our pages into the decode's registered pages; returns bytes moved."""
+    def _layout_mismatch(self, reg: Registration, seq: Sequence) -> Optional[str]:
+        ours = asdict(self.runner.layout)
+        n = len(seq.spec.prompt_ids)
+        if reg.layout != ours or reg.page_size != self.pool.page_size or reg.page_bytes != self.pool.page_bytes:
+            return (f"KV layout mismatch: decode has {reg.layout} page_size={reg.page_size}, prefill has {ours} "
+                    f"page_size={self.pool.page_size} (--page-size and the model must match on both sides)")
+        need = self.pool.pages_for(n)
+        if reg.num_tokens != n or len(reg.page_addrs) < need or (self.spec and len(reg.draft_page_addrs) < need):
+            return (f"prompt mismatch: decode expects {reg.num_tokens} tokens in {len(reg.page_addrs)} pages, "
+                    f"prefill tokenized {n} (were both sides sent the same request?)")
+        return None
+
+    async def _push_kv(self, pages: list[int], reg: Registration, room, draft_pages: list[int] = ()) -> int:
+        """Write our pages (and the draft's, with speculation) into the decode's registered pages in one batch;
+        returns bytes moved."""
         room.no_transfer_in_flight.clear()
         try:
             src = [self.pool.page_addr(p) for p in pages]
             dst = reg.page_addrs[: len(pages)]
             segs = coalesce(src, dst, self.pool.page_bytes)
+            nbytes = len(pages) * self.pool.page_bytes
+            if draft_pages:
+                dsegs = coalesce([self.draft_pool.page_addr(p) for p in draft_pages],
+                                 reg.draft_page_addrs[: len(draft_pages)], self.draft_pool.page_bytes)
+                segs = tuple(a + b for a, b in zip(segs, dsegs))
+                nbytes += len(draft_pages) * self.draft_pool.page_bytes
             await self._write_kv(reg.session_id, segs, room)
-            return len(pages) * self.pool.page_bytes
+            return nbytes
         finally:
             if room.write is None:  # else an abandoned write still runs: _write_settles ends it
                 room.no_transfer_in_flight.set()
@@ -490,13 +536,19 @@ class EngineCore:
         b = seq.spec.bootstrap
         n = len(seq.spec.prompt_ids)
         pages: list[int] = []
+        draft_pages: list[int] = []
         kv_arrived = False
+        # With speculation the decode also holds the verify window's pages, in both caches.
+        tokens = n + (self.spec.config.num_draft_tokens if self.spec is not None else 0)
         try:
             t0 = time.perf_counter()
             with self._gauge(self.metrics.decode_prealloc_queue):
                 try:
-                    pages = await asyncio.wait_for(self.pool.alloc(n), self.args.waiting_timeout)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(self.args.waiting_timeout):
+                        pages = await self.pool.alloc(tokens)
+                        if self.draft_pool is not None:
+                            draft_pages = await self.draft_pool.alloc(tokens)
+                except TimeoutError:
                     raise RoomFailed(f"no free KV pages for {n} tokens within {self.args.waiting_timeout:g}s") from None
             self._update_pool_metrics()
             t1 = time.perf_counter()
@@ -505,6 +557,7 @@ class EngineCore:
                 room=b.room, session_id=self.transfer.session_id,
                 page_addrs=[self.pool.page_addr(p) for p in pages], page_bytes=self.pool.page_bytes,
                 page_size=self.pool.page_size, layout=asdict(self.runner.layout), num_tokens=n,
+                **self._spec_registration(draft_pages),
             )
             with self._gauge(self.metrics.decode_transfer_queue):
                 try:
@@ -518,6 +571,8 @@ class EngineCore:
             self.metrics.transfer_bytes.labels(**self.metrics.labels).inc(meta.get("bytes", 0))
             with self._gauge(self.metrics.queued):
                 seq.cache = await self._compute(self.runner.import_kv, self.pool.pages, pages, n)
+                if self.spec is not None:
+                    seq.spec_state = await self._compute(self._restore_spec, meta, draft_pages, n)
             self.metrics.observe_stage("decode_waiting", time.perf_counter() - t2)
             seq.cached_tokens = int(meta.get("cached_tokens", 0))
             first = meta["first_token"]
@@ -526,21 +581,74 @@ class EngineCore:
                 await self._decode_loop(seq)
         finally:
             if pages:
+                held = [(self.pool, pages)] + ([(self.draft_pool, draft_pages)] if draft_pages else [])
                 if kv_arrived:
-                    self.pool.free(pages)
+                    for pool, p in held:
+                        pool.free(p)
                     self._update_pool_metrics()
                 else:
                     # The prefill may be writing into these pages: they go back once it says no write is in flight
                     # (or after SGLang's deferred KV release timeout); this request answers once the abort landed.
                     abort = abort_on_prefill(self.http, b.host, b.port, b.room, seq.abort_reason or "decode failed",
                                              self.args.kv_release_timeout)
-                    releasing = self._hold_pages([(self.pool, pages)], abort)
+                    releasing = self._hold_pages(held, abort)
                     await asyncio.wait({releasing}, timeout=ABORT_LANDING_WAIT)
+
+    # ---- speculative decoding: the PD handoff (pd.engines.speculative has the loop) -----------
+    def _spec_registration(self, draft_pages: list[int]) -> dict:
+        """The registration fields a speculative decode adds: where the draft's KV goes and its settings."""
+        if self.spec is None:
+            return {}
+        return {"draft_page_addrs": [self.draft_pool.page_addr(p) for p in draft_pages],
+                "draft_page_bytes": self.draft_pool.page_bytes, "draft_layout": asdict(self.spec.draft.layout),
+                "speculative": self.spec.config.handshake()}
+
+    def _spec_mismatch(self, reg: Registration) -> Optional[str]:
+        """Why the decode's speculative settings differ from ours (both sides must run the same draft with
+        the same window), or None."""
+        ours = self.spec.config.handshake() if self.spec is not None else None
+        if reg.speculative != ours:
+            mine = self.spec.config.flags() if self.spec is not None else "no speculative decoding"
+            try:
+                theirs = SpecConfig(**reg.speculative, draft_model_path=None).flags()
+            except TypeError:
+                theirs = "no speculative decoding" if reg.speculative is None else repr(reg.speculative)
+            return (f"speculative settings mismatch: decode has {theirs}, prefill has {mine} (set the same "
+                    "--speculative-* flags on both sides)")
+        if self.spec is not None and (reg.draft_layout != asdict(self.spec.draft.layout)
+                                      or reg.draft_page_bytes != self.draft_pool.page_bytes):
+            return (f"draft KV layout mismatch: decode has {reg.draft_layout}, prefill has "
+                    f"{asdict(self.spec.draft.layout)} (both sides need the same --speculative-draft-model-path)")
+        return None
+
+    def _spec_metadata(self, seq: Sequence) -> dict:
+        """What SGLang's PD prefill puts in its aux buffer for speculation (sglang/srt/disaggregation/utils.py,
+        MetadataBuffers: output_hidden_states, output_topk_p, output_topk_index)."""
+        state = seq.spec_state
+        topk_p, topk_index = self.spec.topk(state)
+        return {"hidden": state.hidden.tolist(), "topk_p": topk_p, "topk_index": topk_index}
+
+    def _restore_spec(self, meta: dict, draft_pages: list[int], n: int):
+        try:
+            sm = meta["spec"]
+            cache = self.spec.draft.import_kv(self.draft_pool.pages, draft_pages, n)
+            return self.spec.restore(cache, sm["hidden"], sm["topk_index"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise RoomFailed(f"bad speculative metadata from the prefill: {e}") from None
+
+    def _spec_step(self, seq: Sequence):
+        return self.spec.step(seq, seq.spec_state, seq.cache, lambda row, tok: self._logprob_entry(seq, row, tok))
 
     # ---- model-thread work ---------------------------------------------------------------
     def _select(self, seq: Sequence, logits: torch.Tensor, step: int) -> tuple[int, float, list]:
         spec = seq.spec
         token = sample(logits, spec.params, spec.seed, step, seq.banned_tokens(step), seq.output_ids)
+        return self._logprob_entry(seq, logits, token)
+
+    def _logprob_entry(self, seq: Sequence, logits: torch.Tensor, token: int) -> tuple[int, float, list]:
+        """``(token, logprob, top)`` of a chosen token: the raw log-softmax of ``logits`` [vocab] and, with
+        ``top_logprobs_num``, its best entries."""
+        spec = seq.spec
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         top = []
         if spec.top_logprobs_num > 0:
@@ -548,13 +656,21 @@ class EngineCore:
             top = [(float(v), int(i)) for v, i in zip(vals, ids)]
         return token, float(logprobs[token]), top
 
-    def _prefill_forward(self, seq: Sequence, pages: Optional[list[int]] = None) -> tuple[int, float, list]:
-        """Prompt forward (+ store its KV into ``pages`` on a prefill); returns the first token."""
+    def _prefill_forward(self, seq: Sequence, pages: Optional[list[int]] = None,
+                         draft_pages: Optional[list[int]] = None) -> tuple[int, float, list]:
+        """Prompt forward (+ store its KV into ``pages`` on a prefill); returns the first token. With
+        speculation the draft then runs on the prompt (draft extend) and its KV goes into ``draft_pages``."""
         spec = seq.spec
         seq.cache = self.runner.new_cache()
-        logits = self.runner.forward(spec.prompt_ids, seq.cache)
+        logits, hidden = self.runner.forward_hidden(spec.prompt_ids, seq.cache)
         if pages is not None:
             self.runner.export_kv(seq.cache, self.pool.pages, pages, len(spec.prompt_ids))
+        first = self._select(seq, logits[-1], 0)
+        if self.spec is not None:
+            seq.spec_state = self.spec.extend_prompt(spec.prompt_ids, hidden, first[0])
+            if draft_pages:
+                self.spec.draft.export_kv(seq.spec_state.draft_cache, self.draft_pool.pages, draft_pages,
+                                          len(spec.prompt_ids))
         if spec.return_logprob and spec.logprob_start_len >= 0:
             ids = spec.prompt_ids
             logprobs = torch.log_softmax(logits, dim=-1)
@@ -570,7 +686,7 @@ class EngineCore:
                     seq.input_top.append([(float(v), int(i)) for v, i in zip(vals, top_ids)])
                 else:
                     seq.input_top.append(None)
-        return self._select(seq, logits[-1], 0)
+        return first
 
     def _decode_forward(self, seq: Sequence) -> tuple[int, float, list]:
         logits = self.runner.forward([seq.output_ids[-1]], seq.cache)
@@ -589,3 +705,5 @@ class EngineCore:
     def _update_pool_metrics(self) -> None:
         if self.pool is not None:
             self.metrics.set_pool(self.pool.held, self.pool.num_pages, self.pool.page_size)
+        if self.draft_pool is not None:
+            self.metrics.set_draft_pool(self.draft_pool.held)

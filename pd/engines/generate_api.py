@@ -91,6 +91,20 @@ def _top_entries(tops, runner: ModelRunner, with_text: bool) -> list:
     return [None if t is None else _lp_entries(t, runner, with_text) for t in tops]
 
 
+def spec_meta_info(seq: Sequence) -> dict:
+    """SGLang's per-request speculative counts (TokenizerManager._calculate_spec_decoding_metrics):
+    accept rate = accepted drafts / proposed drafts (no bonus), accept length = completion tokens / verify
+    steps (the bonus included), proposed = verify steps x (num_draft_tokens - 1)."""
+    proposed = seq.spec_verify_ct * seq.spec_draft_width
+    return {
+        "spec_accept_rate": seq.spec_correct_drafts / proposed if proposed else 0.0,
+        "spec_accept_length": len(seq.output_ids) / seq.spec_verify_ct,
+        "spec_num_correct_drafts": seq.spec_correct_drafts,
+        "spec_num_proposed_drafts": proposed,
+        "spec_verify_ct": seq.spec_verify_ct,
+    }
+
+
 def generate_result(seq: Sequence, runner: ModelRunner, with_text: bool, text: Optional[str] = None) -> dict:
     """One sequence as SGLang's /generate result object (cumulative; ``text`` overrides the text,
     e.g. the stop-safe prefix while streaming)."""
@@ -104,6 +118,8 @@ def generate_result(seq: Sequence, runner: ModelRunner, with_text: bool, text: O
     }
     if seq.done and seq.finish_time is not None:
         meta["e2e_latency"] = seq.finish_time - seq.arrival
+    if seq.spec_verify_ct > 0:
+        meta.update(spec_meta_info(seq))
     if seq.spec.return_logprob:
         meta["input_token_logprobs"] = _lp_entries(seq.input_logprobs, runner, with_text)
         meta["output_token_logprobs"] = _lp_entries(seq.output_logprobs, runner, with_text)

@@ -101,6 +101,24 @@ class EngineMetrics:
         self.aborted = Counter("pdserve_engine_aborted_requests_total", "Requests aborted, by reason.",
                                names + ["reason"], registry=r)
 
+        # Speculative decoding, as SGLang exports it: the two gauges over its last decode-log window of
+        # verify steps (metrics_reporter.py; SGLang's --decode-log-interval, 40), the counter at request finish.
+        self.spec_accept_length = Gauge("sglang:spec_accept_length",
+                                        "Mean acceptance length of speculative decoding (accepted drafts + bonus "
+                                        "token per forward).", names, registry=r)
+        self.spec_accept_rate = Gauge("sglang:spec_accept_rate",
+                                      "Speculative acceptance rate (`accepted drafts / proposed drafts` in batch).",
+                                      names, registry=r)
+        self.spec_verify_calls = Counter("sglang:spec_verify_calls", "Number of speculative decoding verification "
+                                         "calls.", req, registry=r)
+        self.spec_step = Histogram("pdserve_spec_step_seconds", "Time of one speculative step's phases: draft (the "
+                                   "chain), verify (one target forward over the window + acceptance), extend (the "
+                                   "draft on the accepted tokens).", names + ["phase"], buckets=STAGE_BUCKETS,
+                                   registry=r)
+        self.draft_pages_held = Gauge("pdserve_draft_kv_pages_held", "Draft KV pages currently allocated from the "
+                                      "draft's pool (speculative decoding).", names, registry=r)
+        self._spec_window: list[tuple[int, int]] = []
+
         # Export every unlabeled-beyond-base series from the start (0), so queries see them before traffic.
         self.itl.labels(**self.request_labels)
         self.num_aborted.labels(**self.request_labels)
@@ -120,7 +138,7 @@ class EngineMetrics:
         self.itl.labels(**self.request_labels).observe(seconds)
 
     def observe_finished(self, e2e: float, prompt_tokens: int, completion_tokens: int, stream: bool,
-                         tpot: float | None) -> None:
+                         tpot: float | None, spec_verify_ct: int = 0) -> None:
         """One finished request, as SGLang's tokenizer records it on every engine type, the PD
         prefill included (so request counts and tokens summed over prefill + decode count each
         request twice; dashboards select ``engine_type=~"decode|unified"`` for them).
@@ -129,6 +147,7 @@ class EngineMetrics:
             e2e: arrival to finish, seconds.
             tpot: (finish - first token) / (completion_tokens - 1) in seconds, or None (prefill
                 side, aborted, or a single token), as SGLang leaves it unobserved then.
+            spec_verify_ct: the request's speculative verify steps (counted when > 0, as SGLang does).
         """
         labels = dict(**self.request_labels, is_streaming=_bool(stream))
         self.e2e.labels(**labels).observe(e2e)
@@ -137,6 +156,28 @@ class EngineMetrics:
         self.num_requests.labels(**labels).inc()
         if tpot is not None:
             self.tpot.labels(**labels).observe(tpot)
+        if spec_verify_ct > 0:
+            self.spec_verify_calls.labels(**self.request_labels).inc(spec_verify_ct)
+
+    def observe_spec_step(self, accept_length: int, proposed: int, draft_s: float, verify_s: float,
+                          extend_s: float, window: int = 40) -> None:
+        """One speculative verify step: ``accept_length`` tokens emitted-or-accepted (drafts + the bonus),
+        ``proposed`` drafts, and its phase times in seconds. The gauges are means over the last ``window`` steps
+        (SGLang: accept length = accepted tokens / forwards, accept rate = accepted drafts / (forwards x
+        (num_draft_tokens - 1)), over its decode-log interval)."""
+        self._spec_window.append((accept_length, proposed))
+        del self._spec_window[:-window]
+        tokens = sum(a for a, _ in self._spec_window)
+        drafts = sum(p for _, p in self._spec_window)
+        steps = len(self._spec_window)
+        self.spec_accept_length.labels(**self.labels).set(tokens / steps)
+        self.spec_accept_rate.labels(**self.labels).set((tokens - steps) / drafts if drafts else 0.0)
+        for phase, sec in (("draft", draft_s), ("verify", verify_s), ("extend", extend_s)):
+            self.spec_step.labels(**self.labels, phase=phase).observe(sec)
+
+    def set_draft_pool(self, held_pages: int) -> None:
+        """Publish the draft's KV pool occupancy (pages held)."""
+        self.draft_pages_held.labels(**self.labels).set(held_pages)
 
     def observe_aborted(self, reason: str) -> None:
         """An aborted request; ``reason`` is ``user`` (/abort_request) or ``peer`` (the other PD side)."""

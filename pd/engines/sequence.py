@@ -43,6 +43,10 @@ class Sequence:
         self.cache = None
         self.task: Optional[asyncio.Task] = None
         self.room = None  # prefill side: the bootstrap.Room this sequence holds
+        self.spec_state = None  # pd.engines.speculative.SpecState when the engine speculates
+        self.spec_verify_ct = 0  # verify steps (SGLang's Req.spec_verify_ct)
+        self.spec_correct_drafts = 0  # drafts accepted and emitted (SGLang's spec_num_correct_drafts)
+        self.spec_draft_width = 0  # drafts proposed per verify step (num_draft_tokens - 1)
         self.abort_reason: Optional[str] = None
         self.arrival = time.perf_counter()
         self.first_token_time: Optional[float] = None

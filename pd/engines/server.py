@@ -38,6 +38,7 @@ from pd.engines.metrics import EngineMetrics
 from pd.engines.model_runner import ModelRunner
 from pd.engines.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from pd.engines.sequence import Sequence
+from pd.engines.speculative import SpecDecoder
 from pd.util import jsonbody
 
 log = logging.getLogger("pd.engine")
@@ -123,6 +124,20 @@ def parse(model: type[pydantic.BaseModel], body) -> pydantic.BaseModel:
         raise bad_request(f"{field}: {msg}" if field else msg, field) from None
 
 
+def load_speculative(runner: ModelRunner, args: argparse.Namespace) -> SpecDecoder:
+    """Load the draft next to the target (the built-in model's own draft unless
+    ``--speculative-draft-model-path`` names one) and return the decoder that drives it.
+
+    Raises:
+        ValueError: the draft does not fit the target (hidden size, vocabulary), naming the flag.
+    """
+    from pd.engines.draft_model import DraftModel, resolve_draft_path
+
+    cfg = args.speculative
+    path = resolve_draft_path(args.model_path, cfg.draft_model_path)
+    return SpecDecoder(runner, DraftModel(path, runner, args.dtype), cfg)
+
+
 class EngineServer:
     """The FastAPI application around one EngineCore."""
 
@@ -142,7 +157,10 @@ class EngineServer:
     async def _lifespan(self, _app):
         loop = asyncio.get_running_loop()
         self.runner = await loop.run_in_executor(None, ModelRunner, self.args.model_path, self.args.dtype)
-        self.core = EngineCore(self.runner, self.args, self.metrics)
+        spec = None
+        if self.args.speculative is not None:
+            spec = await loop.run_in_executor(None, load_speculative, self.runner, self.args)
+        self.core = EngineCore(self.runner, self.args, self.metrics, spec)
         await self.core.start()
         try:
             yield

@@ -181,14 +181,15 @@ class SpecDecoder:
     def restore(self, draft_cache, hidden: list[float], topk_index: list[int]) -> SpecState:
         """Rebuild the state a prefill shipped (draft KV already in ``draft_cache``, its last hidden state and
         top-k ids from the aux metadata). The draft's logits are recomputed from the hidden state through the
-        draft's head and checked against the shipped top-1 id.
+        draft's LM head and checked against the shipped top-1 id.
 
         Raises:
             ValueError: the shipped hidden state does not give the shipped top-1 token (the two sides run
                 different drafts, or the metadata is corrupt).
         """
         g = torch.tensor(hidden, dtype=torch.float32)
-        logits = self.draft.head(g.unsqueeze(0))[0]
+        # The draft's logits are its LM head (the target's, shared) on exactly this hidden state.
+        logits = self.draft.lm_head(g.unsqueeze(0).to(self.draft.lm_head.weight.dtype)).float()[0]
         if topk_index and int(torch.argmax(logits)) != int(topk_index[0]):
             raise ValueError(f"speculative metadata mismatch: the shipped hidden state proposes token "
                              f"{int(torch.argmax(logits))}, the prefill's draft proposed {topk_index[0]}")
