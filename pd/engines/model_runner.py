@@ -205,38 +205,47 @@ class ModelRunner:
         return entry.keys[0], entry.values[0]
 
     def export_kv(self, cache, pool_pages: torch.Tensor, page_ids: list[int], num_tokens: int) -> None:
-        """Copy the first ``num_tokens`` tokens of ``cache`` into pool pages (one indexed copy per
-        layer and K/V; the tail of the last page is left as it was).
-
-        Args:
-            pool_pages: the pool tensor [num_pages, num_layers, 2, page_size, kv_heads, head_dim].
-            page_ids: pages holding tokens [i*page_size, (i+1)*page_size) in order.
-        """
-        page_size = pool_pages.shape[3]
-        n_pages = -(-num_tokens // page_size)
-        full, rest = divmod(num_tokens, page_size)
-        idx = torch.tensor(page_ids[:n_pages], dtype=torch.long)
-        for layer in range(self.layout.num_layers):
-            for j, x in enumerate(self.cache_kv(cache, layer)):
-                # [kv_heads, tokens, head_dim] -> [pages, page_size, kv_heads, head_dim]
-                if full:
-                    heads, _, dim = x.shape
-                    pool_pages[idx[:full], layer, j] = (
-                        x[:, : full * page_size].reshape(heads, full, page_size, dim).permute(1, 2, 0, 3)
-                    )
-                if rest:
-                    pool_pages[page_ids[full], layer, j, :rest] = x[:, full * page_size : num_tokens].transpose(0, 1)
+        """Copy the first ``num_tokens`` tokens of ``cache`` into pool pages (:func:`export_cache_kv`)."""
+        export_cache_kv(self.layout, cache, pool_pages, page_ids, num_tokens)
 
     def import_kv(self, pool_pages: torch.Tensor, page_ids: list[int], num_tokens: int):
-        """Build a fresh cache holding ``num_tokens`` tokens read from pool pages (inverse of
-        :meth:`export_kv`)."""
-        page_size = pool_pages.shape[3]
-        n_pages = -(-num_tokens // page_size)
-        pages = pool_pages[torch.tensor(page_ids[:n_pages], dtype=torch.long)]
-        cache = self.new_cache()
-        for layer in range(self.layout.num_layers):
-            # [pages, page_size, kv_heads, head_dim] -> [1, kv_heads, tokens, head_dim]
-            k = pages[:, layer, 0].reshape(-1, *pages.shape[-2:])[:num_tokens].transpose(0, 1)
-            v = pages[:, layer, 1].reshape(-1, *pages.shape[-2:])[:num_tokens].transpose(0, 1)
-            cache.update(k.unsqueeze(0).contiguous(), v.unsqueeze(0).contiguous(), layer)
-        return cache
+        """Build a fresh cache holding ``num_tokens`` tokens read from pool pages (:func:`import_cache_kv`)."""
+        return import_cache_kv(self.layout, self.new_cache(), pool_pages, page_ids, num_tokens)
+
+
+def export_cache_kv(layout: KVLayout, cache, pool_pages: torch.Tensor, page_ids: list[int], num_tokens: int) -> None:
+    """Copy the first ``num_tokens`` tokens of a transformers cache with ``layout.num_layers`` layers into
+    pool pages (one indexed copy per layer and K/V; the tail of the last page is left as it was).
+
+    Args:
+        pool_pages: the pool tensor [num_pages, num_layers, 2, page_size, kv_heads, head_dim].
+        page_ids: pages holding tokens [i*page_size, (i+1)*page_size) in order.
+    """
+    page_size = pool_pages.shape[3]
+    n_pages = -(-num_tokens // page_size)
+    full, rest = divmod(num_tokens, page_size)
+    idx = torch.tensor(page_ids[:n_pages], dtype=torch.long)
+    for layer in range(layout.num_layers):
+        for j, x in enumerate(ModelRunner.cache_kv(cache, layer)):
+            # [kv_heads, tokens, head_dim] -> [pages, page_size, kv_heads, head_dim]
+            if full:
+                heads, _, dim = x.shape
+                pool_pages[idx[:full], layer, j] = (
+                    x[:, : full * page_size].reshape(heads, full, page_size, dim).permute(1, 2, 0, 3)
+                )
+            if rest:
+                pool_pages[page_ids[full], layer, j, :rest] = x[:, full * page_size : num_tokens].transpose(0, 1)
+
+
+def import_cache_kv(layout: KVLayout, cache, pool_pages: torch.Tensor, page_ids: list[int], num_tokens: int):
+    """Fill the empty ``cache`` with ``num_tokens`` tokens read from pool pages (inverse of
+    :func:`export_cache_kv`) and return it."""
+    page_size = pool_pages.shape[3]
+    n_pages = -(-num_tokens // page_size)
+    pages = pool_pages[torch.tensor(page_ids[:n_pages], dtype=torch.long)]
+    for layer in range(layout.num_layers):
+        # [pages, page_size, kv_heads, head_dim] -> [1, kv_heads, tokens, head_dim]
+        k = pages[:, layer, 0].reshape(-1, *pages.shape[-2:])[:num_tokens].transpose(0, 1)
+        v = pages[:, layer, 1].reshape(-1, *pages.shape[-2:])[:num_tokens].transpose(0, 1)
+        cache.update(k.unsqueeze(0).contiguous(), v.unsqueeze(0).contiguous(), layer)
+    return cache
