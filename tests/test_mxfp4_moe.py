@@ -107,6 +107,29 @@ def test_reference_gate_up_order_and_clamp():
     assert torch.allclose(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_dequantized_reference_is_bit_identical_to_the_packed_one(dtype):
+    """Experts dequantized once (what the built-in draft keeps) give exactly the reference's output."""
+    from pd.kernels.mxfp4_moe_reference import (
+        dequantize_mxfp4,
+        fused_moe_dequantized_reference,
+        fused_moe_mxfp4_reference,
+        quantize_mxfp4,
+    )
+
+    gen = torch.Generator().manual_seed(3)
+    w13, s13 = quantize_mxfp4(torch.randn(4, 256, 64, generator=gen) * 0.2)
+    w2, s2 = quantize_mxfp4(torch.randn(4, 64, 128, generator=gen) * 0.2)
+    x = torch.randn(5, 64, generator=gen)
+    ids = torch.tensor([[0, 2], [3, 1], [2, 2], [1, -1], [0, 3]], dtype=torch.int32)
+    wts = torch.rand(5, 2, generator=gen)
+    want = fused_moe_mxfp4_reference(x, w13, s13, w2, s2, wts, ids, swiglu_limit=10.0, routed_scaling_factor=1.5,
+                                     dtype=dtype)
+    got = fused_moe_dequantized_reference(x, dequantize_mxfp4(w13, s13, dtype), dequantize_mxfp4(w2, s2, dtype),
+                                          wts, ids, swiglu_limit=10.0, routed_scaling_factor=1.5)
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
 def test_as_ue8m0():
     from pd.kernels.mxfp4_moe import as_ue8m0
 
