@@ -31,7 +31,7 @@ def resolve_draft_path(model_path: str, draft_path: str | None) -> str:
 
     ``draft_path`` given: returned as is. None with ``builtin:tiny``: the built-in draft's directory
     (fitted and written on first use beside the target under ``builtin_model.cache_dir()``, atomically;
-    about 2 s on 2 CPU cores, see ``pd.engines.builtin_draft``).
+    about 1 s on 2 CPU cores, see ``pd.engines.builtin_draft``).
 
     Raises:
         ValueError: None for any other model (it has no built-in draft), naming the flag.
