@@ -607,7 +607,12 @@ def markdown(rep: dict) -> str:
              f"deadline {s['deadline_s']:g} s, {s['bad_input_cases']} bad-input cases; router health checks every "
              f"{s['health_check_interval_s']:g} s",
              "- Faults: " + ", ".join(f"{e['action']} {e['role']} at {e['t']:.0f} s" for e in rep["fault_events"]),
-             "", f"Headline: {rep['headline']}", "", "## Requirements", ""]
+             "", f"Headline: {rep['headline']}", "",
+             "A request is in a fault window when its lifetime overlaps [the fault, the router having the worker "
+             "healthy again + 5 s]. With the only prefill down, the router tries it anyway (panic mode: failing "
+             "outright would make a restart an outage) and answers 502 after its retries; a frozen decode's requests "
+             "wait and finish after SIGCONT. TTFT is the first stream event, at the client.", "",
+             "## Requirements", ""]
     lines += [f"- {'met' if ok else '**MISSED**'}: {k}" for k, ok in rep["requirements"].items()]
     lines += ["", "## Requests by kind and outcome", "", "| kind | " + " | ".join(outs) + " |",
               "|---" * (len(outs) + 1) + "|"]
