@@ -136,9 +136,10 @@ def test_experts_are_stored_as_mxfp4_bytes(pair):
 
 
 def test_moe_equals_dense_computation_on_dequantized_experts(pair):
-    """mtp_layer.moe (through fused_moe_mxfp4_reference) equals a dense torch SwiGLU MoE over the dequantized
-    experts with the same router and bf16 rounding points; the draft's output depends on the experts."""
-    from pd.engines.mtp_layer import EXPERT_TENSORS, dequantized_experts, moe, route
+    """mtp_layer.moe (fused_moe_mxfp4_reference on the stored bytes, or its variant on the experts dequantized at
+    load: the same bits) equals a dense torch SwiGLU MoE over the dequantized experts with the same router and
+    bf16 rounding points; the draft's output depends on the experts."""
+    from pd.engines.mtp_layer import EXPERT_TENSORS, dequantized_experts, layer_forward, moe, prepare_experts, route
 
     target, draft = pair
     experts = {k: draft.weights[f"decoder.mlp.experts.{n}"] for k, n in EXPERT_TENSORS.items()}
@@ -157,19 +158,18 @@ def test_moe_equals_dense_computation_on_dequantized_experts(pair):
             hid = bf16(torch.nn.functional.silu(gu[:inter]) * gu[inter:])
             want[t] += wts[t, j] * (hid @ w2[e].T)
     got = moe(experts, gate, x, 2)
+    assert torch.equal(moe(experts, gate, x, 2, prepare_experts(experts)), got)
     # equal but for bf16 roundings that land on the other side of a tie (batched vs per-row matmul sums)
     assert got.dtype == torch.float32 and (got - want).abs().max() < 2e-3 and (got - want).abs().mean() < 1e-4
     assert got.abs().mean() > 0.01
-    # zeroing the experts' scales (2**-127) changes what the draft predicts: the MoE is in the forward path
+    # experts scaled by 2**-127 (zeroed scale bytes) change the layer's output: the MoE is in the forward path
     ids_ = _prompt(9, seed=4)
-    _, base, _, _ = _extend(target, draft, ids_)
-    saved = draft.weights["decoder.mlp.experts.w2_weight_scale"]
-    draft.weights["decoder.mlp.experts.w2_weight_scale"] = torch.zeros_like(saved)
-    try:
-        _, zeroed, _, _ = _extend(target, draft, ids_)
-    finally:
-        draft.weights["decoder.mlp.experts.w2_weight_scale"] = saved
-    assert (zeroed - base).abs().max() > 1e-3
+    _, hidden = target.forward_hidden(ids_, target.new_cache())
+    embeds = target.model.get_input_embeddings()(torch.tensor(ids_[1:])).float()
+    zeroed = {**draft.weights, "decoder.mlp.experts.w2_weight_scale": torch.zeros_like(experts["w2_scale"])}
+    base = layer_forward(draft.weights, draft.config, embeds, hidden[:-1], draft.new_cache())[1]
+    without = layer_forward(zeroed, draft.config, embeds, hidden[:-1], draft.new_cache())[1]
+    assert (without - base).abs().max() > 1e-2
 
 
 def test_mismatched_draft_is_refused_naming_the_flag(pair, tmp_path):
@@ -231,7 +231,7 @@ def test_fresh_caches_get_identical_checkpoints(tmp_path, monkeypatch):
     assert any(k.endswith("mtp-v1/model.safetensors") for k in files[0]), sorted(files[0])
 
 
-def test_speculation_equals_greedy_and_pays(pair):
+def test_speculation_equals_greedy_and_pays(pair, tmp_path):
     """The offline chain-speculation simulator (3 draft tokens, topk 1) on seeded random prompts: the output
     is plain greedy decoding token for token, the fitted draft's mean accept length is >= 2.0 tokens per
     verify step, and the same draft before its fit (seeded weights) accepts almost nothing."""
@@ -249,8 +249,8 @@ def test_speculation_equals_greedy_and_pays(pair):
         steps += res.accepted_per_step
     accept = sum(steps) / len(steps)
     assert accept >= 2.0, accept
-    unfitted = DraftModel(draft.path, target)
-    unfitted.weights = builtin_draft.init_weights(unfitted.config)
+    builtin_draft.save_draft(draft.config, builtin_draft.init_weights(draft.config), tmp_path / "unfitted")
+    unfitted = DraftModel(str(tmp_path / "unfitted"), target)
     steps = [s for p in prompts[:4] for s in speculative_greedy(target, unfitted, p, 32).accepted_per_step]
     assert sum(steps) / len(steps) < 1.3, steps
 
@@ -270,7 +270,7 @@ def test_cuda_draft_uses_the_kernel_and_matches_cpu(pair):
     gpu_target = copy.copy(target)
     gpu_target.model = copy.deepcopy(target.model).to("cuda")
     gpu = DraftModel(draft.path, gpu_target)
-    assert gpu._padded is not None and mtp_layer._triton_kernel() is not None
+    assert "padded" in gpu._experts and mtp_layer._triton_kernel() is not None
     logits, out = gpu.forward(ids[1:], hidden[:-1].cuda(), gpu.new_cache())
     assert torch.allclose(out.cpu(), cpu_out, atol=3e-2, rtol=3e-2)
     assert (logits.argmax(-1).cpu() == cpu_logits.argmax(-1)).float().mean() >= 0.9

@@ -155,7 +155,7 @@ def fit_eh_proj(w: dict, cfg: dict, embed, seqs) -> None:
     import torch
     from transformers import DynamicCache
 
-    from pd.engines.mtp_layer import layer_forward, rms_norm
+    from pd.engines.mtp_layer import EXPERT_TENSORS, layer_forward, prepare_experts, rms_norm
 
     eps = cfg["rms_norm_eps"]
     zs = [torch.cat((rms_norm(embed[ids[1:]], w["enorm.weight"], eps), rms_norm(h[:-1], w["hnorm.weight"], eps)), -1)
@@ -164,10 +164,11 @@ def fit_eh_proj(w: dict, cfg: dict, embed, seqs) -> None:
     y = torch.cat([h[1:] for _, h in seqs]).double()
     gram = z.T @ z + RIDGE * len(z) * torch.eye(z.shape[1], dtype=torch.float64)
     branches = torch.zeros_like(y)
+    prepared = prepare_experts({k: w[f"decoder.mlp.experts.{n}"] for k, n in EXPERT_TENSORS.items()})
     for _ in range(FIT_ROUNDS):
         w["eh_proj.weight"] = torch.linalg.solve(gram, z.T @ (y - branches)).T.float().contiguous()
         with torch.inference_mode():  # what attention + MoE add to u with this eh_proj, sequence by sequence
-            branches = torch.cat([layer_forward(w, cfg, embed[ids[1:]], h[:-1], DynamicCache())[0]
+            branches = torch.cat([layer_forward(w, cfg, embed[ids[1:]], h[:-1], DynamicCache(), prepared)[0]
                                   - zi @ w["eh_proj.weight"].T for (ids, h), zi in zip(seqs, zs)]).double()
 
 
@@ -188,9 +189,13 @@ def write_builtin_draft(target_path: Path, out: Path) -> None:
     """Fit the draft of ``target_path`` and write it to ``out`` atomically (temp dir, then rename):
     config.json and model.safetensors (names ``model.*`` as in SGLang's NextN checkpoints; no embedding or
     LM head, the target's are shared)."""
+    save_draft(*build_draft(target_path), out)
+
+
+def save_draft(cfg: dict, w: dict, out: Path) -> None:
+    """Write a draft checkpoint (config, weights without the ``model.`` prefix) to ``out`` atomically."""
     from safetensors.torch import save_file
 
-    cfg, w = build_draft(target_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=out.parent, prefix=".mtp-")
     try:

@@ -18,7 +18,7 @@ import torch
 
 from pd.engines.builtin_model import BUILTIN_MODELS
 from pd.engines.model_runner import DTYPES, KVLayout, export_cache_kv, import_cache_kv
-from pd.engines.mtp_layer import EXPERT_TENSORS, layer_forward, pad_experts_for_kernel
+from pd.engines.mtp_layer import EXPERT_TENSORS, layer_forward, prepare_experts
 
 if TYPE_CHECKING:
     from pd.engines.model_runner import ModelRunner
@@ -96,8 +96,8 @@ class DraftModel:
         self.embed = target.model.get_input_embeddings()
         self.lm_head = target.model.lm_head
         experts = {k: self.weights[f"decoder.mlp.experts.{n}"] for k, n in EXPERT_TENSORS.items()}
-        # the Triton kernel's zero-padded copy, made once (only where it will run)
-        self._padded = pad_experts_for_kernel(experts) if device.type == "cuda" else None
+        # the kernel's zero-padded experts on a GPU, the dequantized ones on CPU: made once, not per call
+        self._experts = prepare_experts(experts)
 
     @staticmethod
     def required_tensors() -> list[str]:
@@ -130,7 +130,7 @@ class DraftModel:
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.embed.weight.device)
         embeds = self.embed(ids).float()
         _, hidden_out = layer_forward(self.weights, self.config, embeds, hidden.float().to(embeds.device), cache,
-                                      self._padded, self.layout.torch_dtype)
+                                      self._experts, self.layout.torch_dtype)
         logits = self.lm_head(hidden_out.to(self.lm_head.weight.dtype)).float()
         return logits, hidden_out
 

@@ -13,10 +13,12 @@ draft's own when chaining):
 target's captured hidden (final norm output), so target and draft hiddens are drawn from one distribution.
 
 The MoE: router logits ``gate @ x`` -> softmax -> top-k -> renormalised weights (DeepSeek's
-``norm_topk_prob``), experts computed by ``fused_moe_mxfp4_reference`` in fp32 on CPU, by the Triton
-``fused_moe_mxfp4`` on a CUDA tensor when Triton imports. The kernel needs H and I to be multiples of 128;
-builtin:tiny's H is 64, so on CUDA the experts are zero-padded to H = 128 once (exact: the padded columns
-and rows are zeros and the scale bytes of all-zero groups are 0), and the output sliced back.
+``norm_topk_prob``), experts computed by ``fused_moe_mxfp4_reference`` in fp32 on CPU (its variant
+``fused_moe_dequantized_reference`` on experts dequantized once at load: bit-identical, without the
+per-call dequantization), by the Triton ``fused_moe_mxfp4`` on a CUDA tensor when Triton imports. The
+kernel needs H and I to be multiples of 128; builtin:tiny's H is 64, so on CUDA the experts are
+zero-padded to H = 128 once (exact: the padded columns and rows are zeros and the scale bytes of all-zero
+groups are 0), the activations likewise, and the output sliced back.
 """
 
 from __future__ import annotations
@@ -25,7 +27,11 @@ import functools
 
 import torch
 
-from pd.kernels.mxfp4_moe_reference import dequantize_mxfp4, fused_moe_mxfp4_reference
+from pd.kernels.mxfp4_moe_reference import (
+    dequantize_mxfp4,
+    fused_moe_dequantized_reference,
+    fused_moe_mxfp4_reference,
+)
 
 # the checkpoint's expert tensor names (SGLang's FusedMoE parameter names), by the reference's argument names
 EXPERT_TENSORS = {"w13": "w13_weight", "w13_scale": "w13_weight_scale",
@@ -39,12 +45,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
+@functools.lru_cache(maxsize=8)
+def _inv_freq(dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Llama's rotary embedding (``rotate_half`` convention of transformers' modeling_llama) on
     ``x [heads, T, head_dim]`` at integer ``positions [T]``."""
     dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=x.device) / dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    freqs = positions.float()[:, None] * _inv_freq(dim, theta, x.device)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos(), emb.sin()
     x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
@@ -66,11 +76,9 @@ def attention(w: dict, cfg: dict, x: torch.Tensor, cache, kv_dtype: torch.dtype 
     q, k = rope(q, pos, cfg["rope_theta"]), rope(k, pos, cfg["rope_theta"])
     k_all, v_all = cache.update(k.unsqueeze(0).to(kv_dtype), v.unsqueeze(0).to(kv_dtype), 0)
     k_all, v_all = k_all[0].float(), v_all[0].float()
-    rep = heads // kv_heads
-    k_all, v_all = k_all.repeat_interleave(rep, 0), v_all.repeat_interleave(rep, 0)
-    # query j (absolute position past + j) sees keys 0..past + j
-    mask = torch.arange(past + t, device=x.device)[None, :] <= pos[:, None]
-    out = torch.nn.functional.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+    # query j (absolute position past + j) sees keys 0..past + j; one query (a chained step) sees them all
+    mask = torch.arange(past + t, device=x.device)[None, :] <= pos[:, None] if t > 1 else None
+    out = torch.nn.functional.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
     return out.transpose(0, 1).reshape(t, heads * dim) @ w["decoder.self_attn.o_proj.weight"].T
 
 
@@ -113,23 +121,36 @@ def pad_experts_for_kernel(experts: dict) -> dict:
             "w2": pad(w2, None, hp, ip // 2), "w2_scale": pad(w2s, None, hp, ip // 32), "hidden": h}
 
 
+def prepare_experts(experts: dict) -> dict:
+    """What :func:`moe` reuses across calls, made once at load time: on CUDA with Triton the kernel's padded
+    copy (``"padded"``, :func:`pad_experts_for_kernel`), else the fp32 dequantized experts (``"dense"``)."""
+    if experts["w13"].is_cuda and _triton_kernel() is not None:
+        return {"padded": pad_experts_for_kernel(experts)}
+    return {"dense": dequantized_experts(experts)}
+
+
 def moe(experts: dict, gate_weight: torch.Tensor, x: torch.Tensor, top_k: int,
-        padded: dict | None = None) -> torch.Tensor:
+        prepared: dict | None = None) -> torch.Tensor:
     """The routed MoE on ``x [T, H]``: ``[T, H]`` fp32.
 
     ``experts``: w13 [E, 2I, H/2] uint8, w13_scale [E, 2I, H/32] uint8, w2 [E, H, I/2] uint8, w2_scale
-    [E, H, I/32] uint8 (``pd.kernels.mxfp4_moe_reference`` layout). On CPU (or without Triton):
-    ``fused_moe_mxfp4_reference(..., dtype=torch.float32)``; on CUDA with Triton: ``fused_moe_mxfp4`` over
-    ``padded`` (from :func:`pad_experts_for_kernel`) on bf16 activations, output back in fp32.
+    [E, H, I/32] uint8 (``pd.kernels.mxfp4_moe_reference`` layout). ``prepared`` (:func:`prepare_experts` of
+    the same experts) None: ``fused_moe_mxfp4_reference(..., dtype=torch.float32)``; with ``"dense"``: its
+    bit-identical variant on the dequantized experts; with ``"padded"`` (a CUDA tensor, Triton present):
+    ``fused_moe_mxfp4`` on bf16 activations, output back in fp32.
     """
     wts, ids = route(gate_weight, x, top_k)
+    prepared = prepared or {}
     kernel = _triton_kernel() if x.is_cuda else None
+    padded = prepared.get("padded")
     if kernel is not None and padded is not None:
         h = padded["hidden"]
         xp = torch.zeros((x.shape[0], padded["w2"].shape[1]), dtype=torch.bfloat16, device=x.device)
         xp[:, :h] = x
         out = kernel(xp, padded["w13"], padded["w13_scale"], padded["w2"], padded["w2_scale"], wts, ids)
         return out[:, :h].float()
+    if "dense" in prepared:
+        return fused_moe_dequantized_reference(x.float(), *prepared["dense"], wts, ids)
     return fused_moe_mxfp4_reference(x, experts["w13"], experts["w13_scale"], experts["w2"], experts["w2_scale"],
                                      wts, ids, dtype=torch.float32)
 
@@ -141,18 +162,18 @@ def dequantized_experts(experts: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def layer_forward(w: dict, cfg: dict, embeds: torch.Tensor, hidden: torch.Tensor, cache,
-                  padded: dict | None = None,
+                  prepared: dict | None = None,
                   kv_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """One MTP step over T positions: ``embeds [T, H]`` (the target's embedding rows of x_{i+1}) and
     ``hidden [T, H]`` (h_i) -> ``(out [T, H], hidden_out [T, H])`` fp32, the decoder layer's output before and
     after ``shared_head.norm`` (the LM head reads hidden_out). The cache grows by T. Weights are fp32 (the
-    experts MXFP4 bytes); ``padded``: see :func:`moe`."""
+    experts MXFP4 bytes); ``prepared``: see :func:`moe`."""
     eps = cfg["rms_norm_eps"]
     z = torch.cat((rms_norm(embeds, w["enorm.weight"], eps), rms_norm(hidden, w["hnorm.weight"], eps)), dim=-1)
     u = z @ w["eh_proj.weight"].T
     r = u + attention(w, cfg, rms_norm(u, w["decoder.input_layernorm.weight"], eps), cache, kv_dtype)
     experts = {k: w[f"decoder.mlp.experts.{name}"] for k, name in EXPERT_TENSORS.items()}
     m = moe(experts, w["decoder.mlp.gate.weight"], rms_norm(r, w["decoder.post_attention_layernorm.weight"], eps),
-            cfg["num_experts_per_tok"], padded)
+            cfg["num_experts_per_tok"], prepared)
     out = r + m
     return out, rms_norm(out, w["shared_head.norm.weight"], eps)
