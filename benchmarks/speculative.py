@@ -50,6 +50,16 @@ REPO = Path(__file__).resolve().parent.parent
 SPEC_FLAGS = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
               "--speculative-num-draft-tokens", "4"]
 TARGET_SPEEDUP = 1.5  # decode tokens/s per stream at concurrency 1, on / off
+WHY = """Why the speedup is small here: speculation trades target forwards for draft forwards and one wider
+verify forward, which pays when the draft is much cheaper than the target. On a GPU, DeepSeek-V4's MTP layer is
+one layer against the target's 43, and a verify window of 4 tokens costs about what one token does (decode is
+bound by reading the weights). builtin:tiny is a 2-layer target on a CPU whose forwards are bound by per-operation
+overhead: one draft forward (a decoder layer plus the MXFP4 MoE) costs about as much as one target forward, a
+verify window costs more than a one-token step, and each verify step runs num_steps - 1 chained draft forwards
+and one draft extend. So the model work per token is about what a plain decode step costs, and what speculation
+saves is mostly the per-token overhead of the engine and the router (one streamed chunk per verify step instead
+of per token), which is why the gain grows with concurrency. A target whose forward costs several draft forwards
+(a deeper model, or any GPU deployment) is what reaches the 1.5x."""
 
 
 class Stack:
@@ -133,8 +143,7 @@ async def round_(client, stack: Stack, prompts: list[list[int]], concurrency: in
     return await asyncio.gather(*(run(p) for p in prompts))
 
 
-def summarize(reqs: list[dict], before: dict, after: dict) -> dict:
-    decode_s = sum(r["decode_s"] for r in reqs)
+def summarize(reqs: list[dict], before: dict, after: dict, wall_s: float) -> dict:
     phases = {k: after[k] - before[k] for k in ("draft", "verify", "extend")}
     spec_s = sum(phases.values())
     verify_ct = sum(r["spec_verify_ct"] for r in reqs)
@@ -148,7 +157,8 @@ def summarize(reqs: list[dict], before: dict, after: dict) -> dict:
         # tokens after the prefill's first one, per verify step (the first token comes from the prefill)
         out["mean_accept_length"] = sum(r["tokens"] - 1 for r in reqs) / verify_ct
         out["verify_share_of_spec_step"] = phases["verify"] / spec_s if spec_s else None
-        out["verify_share_of_decode_time"] = phases["verify"] / decode_s
+        # the decode engine runs one model thread: its rounds' wall time is the decode time it served
+        out["verify_share_of_decode_time"] = phases["verify"] / wall_s
         out["phase_s"] = phases
         out["verify_calls"] = verify_ct
     return out
@@ -176,7 +186,7 @@ def markdown(report: dict) -> str:
             lines.append(f"| {c['concurrency']} | {mode} | {s['tok_s_per_stream_median']:.1f} | "
                          f"{s['tpot_ms_median']:.2f} | {s['ttft_ms_median']:.1f} | {acc} | {vs} | {vd} | {sp} |")
     lines += ["", f"Outputs equal token for token: {report['outputs_equal']}.", "", "Where the time goes, per verify "
-              "step at concurrency 1: " + report["breakdown"], ""]
+              "step at concurrency 1: " + report["breakdown"] + ".", "", WHY, ""]
     return "\n".join(lines)
 
 
@@ -199,16 +209,18 @@ async def main(args) -> dict:
                 for rnd in range(args.rounds):
                     for mode in ("off", "on"):
                         before = await stacks[mode].metrics(client)
+                        t0 = time.perf_counter()
                         got = await round_(client, stacks[mode], prompts, conc, args.max_new_tokens)
+                        wall = time.perf_counter() - t0
                         after = await stacks[mode].metrics(client)
-                        reqs[mode].append((got, before, after))
+                        reqs[mode].append((got, before, after, wall))
                     equal &= all(a["output_ids"] == b["output_ids"]
                                  for a, b in zip(reqs["off"][-1][0], reqs["on"][-1][0]))
                 entry = {"concurrency": conc}
                 for mode in ("off", "on"):
-                    flat = [r for got, _, _ in reqs[mode] for r in got]
+                    flat = [r for got, *_ in reqs[mode] for r in got]
                     first, last = reqs[mode][0][1], reqs[mode][-1][2]
-                    entry[mode] = summarize(flat, first, last)
+                    entry[mode] = summarize(flat, first, last, sum(w for *_, w in reqs[mode]))
                 entry["speedup"] = entry["on"]["tok_s_per_stream_median"] / entry["off"]["tok_s_per_stream_median"]
                 results.append(entry)
                 print(json.dumps(entry), flush=True)

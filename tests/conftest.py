@@ -37,3 +37,31 @@ def engines(model_cache, tmp_path_factory):
     finally:
         for e in started.values():
             e.stop()
+
+
+# The speculative flags every speculative test engine runs with (3 draft tokens, a chain).
+SPEC_FLAGS = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+              "--speculative-num-draft-tokens", "4")
+
+
+@pytest.fixture(scope="session")
+def spec_engines(model_cache, tmp_path_factory):
+    """A speculative null engine and a speculative prefill + decode pair (builtin:tiny with its built-in draft),
+    shared by the session."""
+    from pd.engines.draft_model import resolve_draft_path
+
+    resolve_draft_path("builtin:tiny", None)  # written once here, not by three engines at once
+    logs = str(tmp_path_factory.mktemp("spec-engine-logs"))
+    timeouts = ("--disaggregation-bootstrap-timeout", PD_TIMEOUT, "--disaggregation-waiting-timeout", PD_TIMEOUT)
+    started = {
+        "null": start_engine("null", logs, *SPEC_FLAGS),
+        "prefill": start_engine("prefill", logs, *SPEC_FLAGS, *timeouts),
+        "decode": start_engine("decode", logs, *SPEC_FLAGS, *timeouts),
+    }
+    try:
+        wait_ready(list(started.values()))
+        yield started
+    finally:
+        for e in started.values():
+            e.stop()
+

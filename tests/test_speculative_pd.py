@@ -10,36 +10,14 @@ import signal
 import httpx
 import pytest
 
+from conftest import SPEC_FLAGS
 from engines import async_metric, start_engine, wait_ready
 from pd.util.wait import async_wait_until
 from pdclient import add_rooms, merge_logprobs, parse_sse, pd_post
 
-SPEC = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
-        "--speculative-num-draft-tokens", "4")
 GREEDY = {"temperature": 0}
 LOGPROB_TOL = 1e-4  # a verify window's logits come from one multi-token forward (see test_logprobs_match)
 PAGES = ("pdserve_kv_pages_held", "pdserve_draft_kv_pages_held")
-
-
-@pytest.fixture(scope="module")
-def spec_engines(model_cache, tmp_path_factory):
-    """A speculative null engine and a speculative prefill + decode pair (builtin:tiny with its built-in draft)."""
-    from pd.engines.draft_model import resolve_draft_path
-
-    resolve_draft_path("builtin:tiny", None)  # written once here, not by three engines at once
-    logs = str(tmp_path_factory.mktemp("spec-engine-logs"))
-    timeouts = ("--disaggregation-bootstrap-timeout", "4", "--disaggregation-waiting-timeout", "4")
-    started = {
-        "null": start_engine("null", logs, *SPEC),
-        "prefill": start_engine("prefill", logs, *SPEC, *timeouts),
-        "decode": start_engine("decode", logs, *SPEC, *timeouts),
-    }
-    try:
-        wait_ready(list(started.values()))
-        yield started
-    finally:
-        for e in started.values():
-            e.stop()
 
 
 async def post(engine, route, body):
@@ -217,7 +195,7 @@ async def test_client_gone_mid_verify_frees_both_caches(spec_engines):
 
 async def test_decode_killed_mid_verify_leaves_the_prefill_clean(model_cache, spec_engines, tmp_path):
     """SIGKILL a speculative decode while it streams: the prefill holds no page of either cache afterwards."""
-    decode = start_engine("decode", str(tmp_path), *SPEC)
+    decode = start_engine("decode", str(tmp_path), *SPEC_FLAGS)
     try:
         wait_ready([decode])
         pair = {"prefill": spec_engines["prefill"], "decode": decode}
