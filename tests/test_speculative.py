@@ -1,5 +1,6 @@
 """Speculative decoding units: the --speculative-* checks and the acceptance rule's distribution."""
 
+import json
 import math
 
 import pytest
@@ -9,7 +10,7 @@ from pd.engines.args import finalize
 from pd.engines.sampling import SamplingParams, step_generator
 from pd.engines.server import build_parser
 from pd.engines.spec_config import resolve_spec_config
-from pd.engines.speculative import DRAFT_STREAM, accept_drafts, draft_token
+from pd.engines.speculative import accept_drafts, draft_token
 
 
 def spec_args(*flags):
@@ -55,6 +56,32 @@ def test_a_checkpoint_without_builtin_draft_needs_a_draft_path(tmp_path):
     args = build_parser().parse_args(["--model-path", str(tmp_path), "--speculative-algorithm", "EAGLE"])
     with pytest.raises(SystemExit, match="--speculative-draft-model-path is required"):
         resolve_spec_config(args)
+
+
+@pytest.mark.parametrize("draft_config, named", [
+    (None, "no config.json there"),
+    ({"hidden_size": 128, "vocab_size": 384}, "the draft's hidden_size is 128, the target's (builtin:tiny) is 64"),
+])
+def test_a_draft_that_cannot_serve_the_target_is_refused_at_start(tmp_path, draft_config, named):
+    if draft_config is not None:
+        (tmp_path / "config.json").write_text(json.dumps(draft_config))
+    with pytest.raises(SystemExit) as e:
+        spec_args("--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(tmp_path))
+    assert "--speculative-draft-model-path" in str(e.value) and named in str(e.value)
+
+
+def test_a_checkpoint_draft_must_match_the_checkpoint_target(tmp_path):
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    target.mkdir()
+    draft.mkdir()
+    (target / "config.json").write_text(json.dumps({"hidden_size": 64, "vocab_size": 1000}))
+    (draft / "config.json").write_text(json.dumps({"hidden_size": 64, "vocab_size": 999}))
+    flags = ["--model-path", str(target), "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path",
+             str(draft)]
+    with pytest.raises(SystemExit, match="the draft's vocab_size is 999"):
+        spec_args(*flags)
+    (draft / "config.json").write_text(json.dumps({"hidden_size": 64, "vocab_size": 1000}))
+    assert spec_args(*flags).draft_model_path == str(draft)
 
 
 # ---- the acceptance rule -------------------------------------------------------------------------------------

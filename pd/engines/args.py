@@ -21,7 +21,7 @@ import socket
 
 from pd.engines.auth import API_KEY_ENV
 from pd.engines.builtin_model import BUILTIN_MODELS, BUILTIN_PREFIX
-from pd.engines.spec_config import resolve_spec_config
+from pd.engines.spec_config import check_draft_shape, resolve_spec_config
 from pd.engines.transfer import default_transfer_timeout
 
 
@@ -178,6 +178,8 @@ def finalize(args: argparse.Namespace) -> argparse.Namespace:
     args.transfer_host = host
     args.bootstrap_timeout = args.disaggregation_bootstrap_timeout
     args.speculative = resolve_spec_config(args)
+    if args.speculative is not None and args.speculative.draft_model_path is not None:
+        check_draft_shape(args.model_path, args.speculative.draft_model_path)
     args.waiting_timeout = args.disaggregation_waiting_timeout
     args.transfer_timeout = args.disaggregation_transfer_timeout
     args.kv_release_timeout = _env_float("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT", 30)

@@ -3,7 +3,9 @@ imports this)."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -94,3 +96,33 @@ def resolve_spec_config(args) -> Optional[SpecConfig]:
         raise SystemExit(f"--speculative-draft-model-path is required with --model-path {args.model_path} "
                          "(only built-in models have a default draft)")
     return SpecConfig("EAGLE", steps, topk, draft_tokens, draft)
+
+
+def check_draft_shape(model_path: str, draft_path: str) -> None:
+    """Refuse, at engine start before anything loads, a draft checkpoint that cannot serve the target (the engine's
+    own check: a config built elsewhere may name paths that exist only on the GPU nodes): no config.json, or a
+    hidden size (or vocabulary) other than the target's (an MTP draft reads the target's hidden states and shares
+    its embedding and LM head). A built-in target is compared by its recipe's hidden size.
+
+    Raises:
+        SystemExit: naming ``--speculative-draft-model-path`` and both values.
+    """
+    from pd.engines.builtin_model import TINY
+
+    flag = "--speculative-draft-model-path"
+    draft = _config_json(draft_path)
+    if draft is None:
+        raise SystemExit(f"{flag} {draft_path}: no config.json there (not a draft checkpoint directory)")
+    target = {"hidden_size": TINY["hidden_size"]} if model_path.startswith(BUILTIN_PREFIX) else _config_json(model_path)
+    for key in ("hidden_size", "vocab_size"):
+        if target and key in target and draft.get(key) != target[key]:
+            raise SystemExit(f"{flag} {draft_path}: the draft's {key} is {draft.get(key)}, the target's "
+                             f"({model_path}) is {target[key]}; an MTP/EAGLE draft must match the target's")
+
+
+def _config_json(path: str) -> Optional[dict]:
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
