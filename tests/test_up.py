@@ -25,6 +25,9 @@ def test_pdserve_up_serves_and_ctrl_c_stops_everything(model_cache):
          "--address", f"http://127.0.0.1:{dashboard_port}"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        # As in a terminal's foreground: a test run started in the background (`make test &`) inherits SIGINT
+        # ignored, and Python keeps an ignored SIGINT ignored, so Ctrl-C would never reach `pdserve up`.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     lines: list[str] = []
     threading.Thread(target=lambda: [lines.append(line.decode(errors="replace")) for line in proc.stdout],
@@ -65,7 +68,8 @@ def test_pdserve_up_serves_and_ctrl_c_stops_everything(model_cache):
             proc.wait(120)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            raise
+            raise AssertionError("`pdserve up` did not stop within 120 s of SIGINT:\n" + "".join(lines)[-4000:]) \
+                from None
     out = "".join(lines)
     assert "pdserve up: stopping the local Ray head" in out
     head_log = re.search(r"logical GPUs \(log: (\S+)\)", out).group(1)
