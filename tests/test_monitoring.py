@@ -24,7 +24,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines import ROOT, ManagedProcess, free_port, spawn, start_engine, wait_ready, wait_until_ready
+from engines import ROOT, ManagedProcess, free_port, spawn, wait_until_ready
 from pd.cluster.prom_targets import TargetsFile, build_targets
 from pd.cluster.worker_metrics import WorkerStateExporter
 from pd.monitoring import grafana as g
@@ -42,7 +42,6 @@ SGLANG_SRT = (Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.v
 # against the pinned SGLang source instead of for data. None today: the speculative engines here export
 # every engine name a panel uses.
 SGLANG_ONLY_PANELS: set[str] = set()
-SPEC_FLAGS = ("--speculative-algorithm", "EAGLE")  # (3 steps, topk 1, 4 draft tokens), as SGLang picks for MTP
 SPEC_STEPS = 3
 SPEC_PANELS = {"pdserve: PD overview": ("Speculative accept length", "Speculative accept rate"),
                "pdserve: Workers": ("Speculative step time (draft / verify / extend)", "Draft KV pages held")}
@@ -228,19 +227,6 @@ class Stack:
         finally:
             self.exporter.stop()
             self.prom.close()
-
-
-@pytest.fixture(scope="module")
-def spec_engines(model_cache, tmp_path_factory):
-    """A speculative prefill + decode pair of its own (the session's shared pair runs without a draft)."""
-    logs = str(tmp_path_factory.mktemp("spec-engine-logs"))
-    started = {role: start_engine(role, logs, *SPEC_FLAGS) for role in ("prefill", "decode")}
-    try:
-        wait_ready(list(started.values()))
-        yield started
-    finally:
-        for e in started.values():
-            e.stop()
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ from typing import Callable, Optional
 
 import torch
 
+from pd.engines.draft_model import crop_cache
 from pd.engines.sampling import (
     SamplingParams,
     is_greedy,
@@ -43,13 +44,6 @@ from pd.engines.spec_config import SpecConfig
 
 # Random-number streams of sampling.step_generator used by speculative sampling.
 DRAFT_STREAM, ACCEPT_STREAM, RESIDUAL_STREAM = 1, 2, 3
-
-
-def crop_to(cache, length: int) -> None:
-    """Drop a KV cache's entries past ``length`` (transformers 5's ``crop`` takes a negative count)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
 
 
 # ---- acceptance ----------------------------------------------------------------------------------------------
@@ -223,8 +217,8 @@ class SpecDecoder:
         vlogits, vhidden = self.runner.forward_hidden([out[-1]] + drafts, cache)
         j, bonus = accept_drafts(vlogits, drafts, qs, params, spec.seed, step0, seq.banned_tokens, list(out))
         t2 = time.perf_counter()
-        crop_to(cache, base + 1 + j)  # keeps x, d[1..j]; the bonus is the next step's x
-        crop_to(state.draft_cache, base)
+        crop_cache(cache, base + 1 + j)  # keeps x, d[1..j]; the bonus is the next step's x
+        crop_cache(state.draft_cache, base)
         accepted = drafts[:j] + [bonus]
         lg, hs = self.draft.forward(accepted, vhidden[: j + 1], state.draft_cache)
         state.logits, state.hidden = lg[-1], hs[-1]
