@@ -19,7 +19,7 @@ from pd.router.metrics import GaugeValue
 from pd.router.rooms import request_shape
 from pd.util.wait import async_wait_until
 from routers import RouterProc, pd_router
-from test_router_faults import PROMPT, StandIn, call, gen, metric, until, wait_up, workers
+from test_router_faults import PROMPT, call, gen, metric, running_standins, until, workers
 
 ADMISSION = ["--disable-retries", "--health-check-interval-secs", "0"]
 WAIT_LONG = 15  # s a stand-in prefill holds its answer; the aborts must end it long before
@@ -102,13 +102,8 @@ def logs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def si(logs):
-    procs = {"p0": StandIn("prefill", logs), "d0": StandIn("decode", logs)}
-    try:
-        wait_up(procs.values())
+    with running_standins(logs, "p0", "d0") as procs:
         yield procs
-    finally:
-        for p in procs.values():
-            p.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -11,6 +11,7 @@ well under those 20 s: a busy 2-core machine does not miss them, a forgotten abo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -79,6 +80,20 @@ def wait_up(procs, timeout: float = 30) -> None:
         raise TimeoutError(f"{e}: {[p.log_path for p in pending]} not up") from e
 
 
+@contextlib.contextmanager
+def running_standins(logs: str, *names: str):
+    """Stand-ins named ``p*`` (prefill) or ``d*`` (decode), up on /health; all stopped on the way out."""
+    procs: dict[str, StandIn] = {}
+    try:
+        for name in names:
+            procs[name] = StandIn("prefill" if name.startswith("p") else "decode", logs)
+        wait_up(procs.values())
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory):
     return str(tmp_path_factory.mktemp("fault-logs"))
@@ -87,14 +102,8 @@ def logs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def si(logs):
     """Two stand-in prefills (p0, p1) and decodes (d0, d1), shared by the module."""
-    procs = {"p0": StandIn("prefill", logs), "p1": StandIn("prefill", logs),
-             "d0": StandIn("decode", logs), "d1": StandIn("decode", logs)}
-    try:
-        wait_up(procs.values())
+    with running_standins(logs, "p0", "p1", "d0", "d1") as procs:
         yield procs
-    finally:
-        for p in procs.values():
-            p.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,7 @@ import httpx
 import pytest
 
 from routers import RouterProc
-from test_router_faults import StandIn, wait_up
+from test_router_faults import running_standins
 
 CLIENT_KEY, ADMIN_KEY, WORKER_KEY = "client-secret", "admin-secret", "cluster-secret"
 AUTH = {"Authorization": f"Bearer {CLIENT_KEY}"}
@@ -15,14 +15,8 @@ GEN = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
 @pytest.fixture(scope="module")
 def si(tmp_path_factory):
     logs = str(tmp_path_factory.mktemp("worker-auth"))
-    procs = {"p0": StandIn("prefill", logs), "d0": StandIn("decode", logs),
-             "p1": StandIn("prefill", logs), "d1": StandIn("decode", logs)}
-    try:
-        wait_up(procs.values())
+    with running_standins(logs, "p0", "d0", "p1", "d1") as procs:
         yield procs
-    finally:
-        for p in procs.values():
-            p.stop()
 
 
 @pytest.fixture(scope="module")
