@@ -19,6 +19,10 @@ commands:
              clients that load its tokenizer (`pdserve model-path builtin:tiny`)
   render-dashboard  the PD overview's latency panels as a PNG from Prometheus
              (`pdserve render-dashboard --prometheus URL --out FILE.png [--range 15m]`)
+  profile    measure a running engine's prefill, decode and KV-transfer costs as a planner profile JSON
+             (`pdserve profile --url URL --output FILE [--pd-url ROUTER ...]`; see `pdserve profile --help`)
+  plan-split the prefill/decode split of a GPU budget that serves a workload best, from a profile
+             (`pdserve plan-split --profile P --num-gpus N --request-rate R --slo-ttft-ms T --slo-tpot-ms T`)
 """
 
 
@@ -84,6 +88,14 @@ def _dispatch(argv: list[str]) -> None:
         from pd.monitoring.render import main as render_main
 
         raise SystemExit(render_main(rest))
+    if cmd == "profile":
+        from pd.planner.measure import main as profile_main
+
+        raise SystemExit(profile_main(rest))
+    if cmd == "plan-split":
+        from pd.planner.cli import main as plan_split_main
+
+        raise SystemExit(plan_split_main(rest))
     if cmd == "model-path":
         if len(rest) != 1 or rest[0].startswith("-"):
             print("usage: pdserve model-path MODEL_PATH   (e.g. builtin:tiny)", file=sys.stderr)
