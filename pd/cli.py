@@ -19,6 +19,8 @@ commands:
              clients that load its tokenizer (`pdserve model-path builtin:tiny`)
   render-dashboard  the PD overview's latency panels as a PNG from Prometheus
              (`pdserve render-dashboard --prometheus URL --out FILE.png [--range 15m]`)
+  bench      open-loop serving benchmark: TTFT/ITL/TPOT/E2E, goodput at SLOs, PD stage split (flags follow
+             `sglang.bench_serving`'s; see `pdserve bench --help`)
   profile    measure a running engine's prefill, decode and KV-transfer costs as a planner profile JSON
              (`pdserve profile --url URL --output FILE [--pd-url ROUTER ...]`; see `pdserve profile --help`)
   plan-split the prefill/decode split of a GPU budget that serves a workload best, from a profile
@@ -32,6 +34,8 @@ _NEEDS = {
     "engine": [("torch", "engine", "'pdserve[cpu]'"), ("transformers", "engine", "'pdserve[cpu]'")],
     "model-path": [("torch", "engine", "'pdserve[cpu]'"), ("transformers", "engine", "'pdserve[cpu]'")],
     "render-dashboard": [("matplotlib", "monitoring", "'pdserve[monitoring]'")],
+    "bench": [("torch", "engine", "'pdserve[bench]'"), ("transformers", "engine", "'pdserve[bench]'"),
+              ("aiohttp", "bench", "'pdserve[bench]'"), ("matplotlib", "monitoring", "'pdserve[bench]'")],
 }
 
 
@@ -96,6 +100,10 @@ def _dispatch(argv: list[str]) -> None:
         from pd.planner.cli import main as plan_split_main
 
         raise SystemExit(plan_split_main(rest))
+    if cmd == "bench":
+        from pd.bench.cli import main as bench_main
+
+        raise SystemExit(bench_main(rest))
     if cmd == "model-path":
         if len(rest) != 1 or rest[0].startswith("-"):
             print("usage: pdserve model-path MODEL_PATH   (e.g. builtin:tiny)", file=sys.stderr)

@@ -20,7 +20,7 @@ LAYERS = [
     {"pd.util", "pd.deploy"},
     {"pd.router", "pd.kernels", "pd.monitoring", "pd.engines"},
     {"pd.config"},
-    {"pd.commands"},
+    {"pd.commands", "pd.bench"},
     {"pd.tools"},
     {"pd.cluster"},
     {"pd.cli", "pd.launch"},
