@@ -40,8 +40,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--random-output-len", type=int, default=128, help="longest output, tokens. Default: 128.")
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths are uniform in [len x ratio, len] (bench_serving's random dataset). Default: 0.0.")
-    p.add_argument("--arrival", choices=["poisson", "constant"], default="poisson",
-                   help="arrival process at --request-rate. Default: poisson (bench_serving's).")
+    p.add_argument("--random-input-dist", choices=["uniform", "fixed", "lognormal"], default="uniform",
+                   help="input lengths: uniform (bench_serving's), fixed, or lognormal of mean --random-input-len "
+                        "(as pdserve bench). Default: uniform.")
+    p.add_argument("--random-output-dist", choices=["uniform", "fixed", "lognormal"], default="uniform",
+                   help="output lengths, as --random-input-dist. Default: uniform.")
+    p.add_argument("--random-lognormal-sigma", type=float, default=1.0, help="sigma of lognormal lengths")
+    p.add_argument("--arrival-process", choices=["poisson", "constant"], default="poisson",
+                   help="arrivals at --request-rate (pdserve bench's flag). Default: poisson (bench_serving's).")
     p.add_argument("--slo-ttft-ms", type=float, required=True, help="TTFT objective per request, ms")
     p.add_argument("--slo-tpot-ms", type=float, required=True, help="TPOT objective per request, ms")
     p.add_argument("--slo-attainment", type=float, default=0.9,
@@ -66,9 +72,9 @@ def _tp_sizes(text: Optional[str], profile: Profile) -> list[int]:
     try:
         sizes = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"pdserve plan-split: --tp-sizes {text!r}: give comma-separated integers, e.g. 1,2,4")
+        raise ValueError(f"--tp-sizes {text!r}: give comma-separated integers, e.g. 1,2,4") from None
     if not sizes or min(sizes) < 1:
-        raise SystemExit(f"pdserve plan-split: --tp-sizes {text!r}: every TP size must be >= 1")
+        raise ValueError(f"--tp-sizes {text!r}: every TP size must be >= 1")
     return sizes
 
 
@@ -112,8 +118,10 @@ def split_config(split: Split, profile: Profile, num_gpus: int, base: Optional[s
 
 def render(ranked: list[Candidate], workload: Workload, slo: SLO, attainment: float) -> str:
     """The candidates as a table, best first, then the pick."""
-    lines = [f"workload: {workload.request_rate:g} req/s {workload.arrival}, input <= {workload.random_input_len}, "
-             f"output <= {workload.random_output_len} tokens (range ratio {workload.random_range_ratio:g}), "
+    w = workload
+    lines = [f"workload: {w.request_rate:g} req/s {w.arrival_process}, input {w.random_input_dist} "
+             f"{w.random_input_len}, output {w.random_output_dist} {w.random_output_len} tokens "
+             f"(range ratio {w.random_range_ratio:g}), "
              f"{workload.num_prompts} requests; SLO TTFT <= {1e3 * slo.ttft_s:g} ms, TPOT <= {1e3 * slo.tpot_s:g} ms "
              f"for {100 * attainment:g}% of requests",
              "goodput = highest rate meeting the SLO attainment (DistServe); 'at rate' columns: at the requested rate",
@@ -151,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         workload = Workload(args.request_rate, args.num_prompts, args.random_input_len, args.random_output_len,
-                            args.random_range_ratio, args.arrival, args.seed)
+                            args.random_range_ratio, args.arrival_process, args.seed, args.random_input_dist,
+                            args.random_output_dist, args.random_lognormal_sigma)
         slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
         ranked = rank_splits(profile, args.num_gpus, _tp_sizes(args.tp_sizes, profile), workload, slo,
                              args.slo_attainment, args.policy)
@@ -172,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         header = (f"# Written by pdserve plan-split from {args.profile} ({profile.name}).\n"
                   f"# Split {best.split.label}: predicted goodput {best.max_rate:.2f} req/s at "
                   f"{100 * args.slo_attainment:g}% SLO attainment (TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= "
-                  f"{args.slo_tpot_ms:g} ms) for {args.request_rate:g} req/s, input <= {args.random_input_len}, "
-                  f"output <= {args.random_output_len} tokens.\n")
+                  f"{args.slo_tpot_ms:g} ms) for {args.request_rate:g} req/s, input {args.random_input_dist} "
+                  f"{args.random_input_len}, output {args.random_output_dist} {args.random_output_len} tokens.\n")
         Path(args.output_config).write_text(header + yaml.safe_dump(cfg, sort_keys=False))
         plan["output_config"] = args.output_config
     if args.output_file:

@@ -15,8 +15,10 @@ The pipeline, one request at a time (what pdserve's router and engines do, docs/
    request streams its first token (the prefill's) at the end of that iteration: TTFT. It then needs
    ``ceil((output_len - 1) / tokens_per_step)`` iterations; its last one ends it (E2E).
 
-TPOT = (E2E - TTFT) / (output_len - 1), 0 for one output token, as sglang.bench_serving computes it
-(sglang/benchmark/goodput.py); the run's duration runs from the first arrival to the last completion.
+An idle replica starts work once everything arriving at that instant has arrived, so simultaneous requests
+share a batch. TPOT = (E2E - TTFT) / (output_len - 1), 0 for one output token, as sglang.bench_serving computes
+it; goodput is scored by pdserve bench's own function (pd.bench.goodput); the run's duration runs from the first
+arrival to the last completion.
 
 Shared CPU cores (``profile.host``): when replicas share a machine's cores, every busy replica runs at
 ``min(1, cores / (busy replicas x cores_per_replica))`` of its profiled speed (processor sharing). Compute jobs
@@ -118,7 +120,6 @@ class SimResult:
         (``request_goodput`` req/s, ``slo_attainment`` fraction, ``*_ms`` percentiles), plus the mean time
         per PD stage in ms (``stages_ms``: prefill queue, prefill, KV transfer, decode wait, decode)."""
         rs = self.requests
-        good = sum(slo.met(r.ttft_s, r.tpot_s) for r in rs)
         ttft = sorted(r.ttft_s for r in rs)
         tpot = sorted(r.tpot_s for r in rs if r.request.output_len > 1) or [0.0]
         n = len(rs)
@@ -130,10 +131,7 @@ class SimResult:
             "completed": n,
             "duration": self.duration_s,
             "request_throughput": n / self.duration_s,
-            "request_goodput": good / self.duration_s,
-            "slo_attainment": good / n,
-            "slo_attainment_by_metric": {"ttft": sum(r.ttft_s <= slo.ttft_s for r in rs) / n,
-                                         "tpot": sum(r.tpot_s <= slo.tpot_s for r in rs) / n},
+            **score(self.records(), slo, self.duration_s),
             **{f"{k}_ttft_ms": 1e3 * v for k, v in percentiles(ttft).items()},
             **{f"{k}_tpot_ms": 1e3 * v for k, v in percentiles(tpot).items()},
             "stages_ms": {
@@ -144,6 +142,21 @@ class SimResult:
                 "decode": mean(r.end_s - r.first_token_s for r in rs),
             },
         }
+
+
+    def records(self) -> list[dict]:
+        """Per request ``ttft_ms`` and ``tpot_ms`` (None for one output token): pdserve bench's goodput records."""
+        return [{"ttft_ms": 1e3 * r.ttft_s, "tpot_ms": 1e3 * r.tpot_s if r.request.output_len > 1 else None}
+                for r in self.requests]
+
+
+def score(records: list[dict], slo: SLO, duration_s: float) -> dict:
+    """``pdserve bench``'s goodput of simulated records (pd.bench.goodput, DistServe's definition), so predicted
+    and measured runs are scored by one function: request_goodput, slo_attainment, slo_attainment_by_metric."""
+    from pd.bench.goodput import goodput
+
+    g = goodput(records, 1e3 * slo.ttft_s, 1e3 * slo.tpot_s, duration_s)
+    return {k: g[k] for k in ("request_goodput", "slo_attainment", "slo_attainment_by_metric", "num_good")}
 
 
 def percentiles(sorted_values: list[float]) -> dict[str, float]:
@@ -159,7 +172,9 @@ def percentiles(sorted_values: list[float]) -> dict[str, float]:
 
 # ---- the event loop ---------------------------------------------------------------------------------------------
 
-_ARRIVAL, _KV_ARRIVED = 0, 1
+# Event kinds, in the order they are handled at one instant: an idle replica starts work (a kick) only after
+# every request arriving at that instant has arrived, so simultaneous requests share a batch.
+_ARRIVAL, _KV_ARRIVED, _KICK = 0, 1, 2
 
 
 @dataclass
@@ -168,6 +183,7 @@ class _Prefill:
     queue: deque = field(default_factory=deque)
     batch: list = field(default_factory=list)
     in_flight: int = 0  # requests routed here and not yet past prefill (least_load)
+    kicked: bool = False
 
 
 @dataclass
@@ -181,6 +197,7 @@ class _Decode:
     context_base: float = 0.0  # sum over running of input_len - tokens_per_step x admitting iteration
     kv_tokens: int = 0
     in_flight: int = 0  # requests routed here and not finished (least_load)
+    kicked: bool = False
 
 
 class _Sim:
@@ -222,7 +239,7 @@ class _Sim:
         while self.events or self.jobs:
             t_event = self.events[0][0] if self.events else math.inf
             t_job = self.now + (self.jobs[0][0] - self.work) / self.speed() if self.jobs else math.inf
-            if t_job <= t_event:
+            if t_job < t_event:  # at a tie, events first: simultaneous requests join one batch
                 w, _, server = heapq.heappop(self.jobs)
                 self.now, self.work = max(self.now, t_job), w
                 self.job_done(server)
@@ -233,8 +250,10 @@ class _Sim:
                 self.now = t
                 if kind == _ARRIVAL:
                     results.append(self.arrive(payload))
-                else:
+                elif kind == _KV_ARRIVED:
                     self.kv_arrived(payload)
+                else:
+                    self.kick(payload)
         return results
 
     # -- routing
@@ -252,9 +271,18 @@ class _Sim:
         p.in_flight += 1
         self.decodes[di].in_flight += 1
         p.queue.append(res)
-        if not p.batch:
-            self.start_prefill(p)
+        if not p.batch and not p.kicked:
+            p.kicked = True
+            self.at(self.now, _KICK, p)
         return res
+
+    def kick(self, server) -> None:
+        server.kicked = False
+        if isinstance(server, _Prefill):
+            if not server.batch and server.queue:
+                self.start_prefill(server)
+        elif not server.busy and server.waiting:
+            self.start_iteration(server)
 
     # -- prefill
     def start_prefill(self, p: _Prefill) -> None:
@@ -288,8 +316,9 @@ class _Sim:
         r.kv_arrived_s = self.now
         d = self.decodes[r.decode_replica]
         d.waiting.append(r)
-        if not d.busy:
-            self.start_iteration(d)
+        if not d.busy and not d.kicked:
+            d.kicked = True
+            self.at(self.now, _KICK, d)
 
     def start_iteration(self, d: _Decode) -> None:
         c = d.costs
@@ -370,8 +399,7 @@ def max_goodput_rate(profile: Profile, split: Split, workload: Workload, slo: SL
     def ok(rate: float) -> bool:
         scaled = [Request(r.arrival_s * workload.request_rate / rate, r.input_len, r.output_len) for r in base]
         res = simulate(profile, split, workload.at_rate(rate), policy, scaled)
-        good = sum(slo.met(r.ttft_s, r.tpot_s) for r in res.requests)
-        return good / len(res.requests) >= attainment
+        return score(res.records(), slo, res.duration_s)["slo_attainment"] >= attainment
 
     lo, hi = 0.0, max(workload.request_rate, 1e-3)
     if ok(hi):
