@@ -50,9 +50,9 @@ def _ints(text: str, flag: str) -> list[int]:
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"pdserve profile: {flag} {text!r}: give comma-separated integers")
+        raise ValueError(f"{flag} {text!r}: give comma-separated integers") from None
     if not vals or min(vals) < 1:
-        raise SystemExit(f"pdserve profile: {flag} {text!r}: every value must be >= 1")
+        raise ValueError(f"{flag} {text!r}: every value must be >= 1")
     return sorted(set(vals))
 
 
@@ -179,9 +179,9 @@ async def measure(args) -> dict:
     try:
         lo, hi = (int(x) for x in args.token_id_range.split(","))
     except ValueError:
-        raise SystemExit(f"pdserve profile: --token-id-range {args.token_id_range!r}: give LO,HI (e.g. 3,259)")
+        raise ValueError(f"--token-id-range {args.token_id_range!r}: give LO,HI (e.g. 3,259)") from None
     if not 0 <= lo < hi:
-        raise SystemExit(f"pdserve profile: --token-id-range {args.token_id_range!r}: need 0 <= LO < HI")
+        raise ValueError(f"--token-id-range {args.token_id_range!r}: need 0 <= LO < HI")
     url = args.url.rstrip("/")
     now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     async with httpx.AsyncClient(timeout=args.request_timeout, trust_env=False) as client:
@@ -221,7 +221,7 @@ async def measure(args) -> dict:
         kv_per_token, kv_src = args.kv_bytes_per_token, "given by hand (--kv-bytes-per-token)"
         if args.pd_url:
             if not (args.prefill_url and args.decode_url):
-                raise SystemExit("pdserve profile: --pd-url needs --prefill-url and --decode-url (their /metrics)")
+                raise ValueError("--pd-url needs --prefill-url and --decode-url (their /metrics)")
             transfer, admit, per_token = await measure_pd(prober, args.pd_url.rstrip("/"),
                                                           args.prefill_url.rstrip("/"), args.decode_url.rstrip("/"),
                                                           lens, args.repeats)
@@ -239,7 +239,7 @@ async def measure(args) -> dict:
                 kv_src = f"KV bytes moved per prompt token through {args.pd_url} (prefill /metrics)"
         if "transfer" not in entry:
             if args.transfer_bandwidth_gb_s is None or kv_per_token is None:
-                raise SystemExit("pdserve profile: without --pd-url give --kv-bytes-per-token and "
+                raise ValueError("without --pd-url give --kv-bytes-per-token and "
                                  "--transfer-bandwidth-gb-s (the KV transfer cannot be measured on one engine)")
             entry["transfer"] = {"bandwidth_gb_s": args.transfer_bandwidth_gb_s,
                                  "latency_s": args.transfer_latency_ms / 1e3,
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         data = merge(asyncio.run(measure(args)), out)
         parse_profile(data, args.output)
-    except ProfileError as e:
+    except (ProfileError, ValueError) as e:
         print(f"pdserve profile: {e}", file=sys.stderr)
         return 2
     except (httpx.HTTPError, RuntimeError) as e:

@@ -1,0 +1,66 @@
+"""``pdserve profile`` against real reference engines (the session's null engine, and its prefill + decode pair
+behind a router): the profile it writes loads, its numbers are the engines' own, and plan-split accepts it."""
+
+from __future__ import annotations
+
+import json
+
+from pd.planner.measure import main as profile_main
+from pd.planner.profile import load_profile
+from routers import pd_router
+
+
+def builtin_kv_bytes_per_token() -> int:
+    """K and V of every layer of builtin:tiny, float32 (the reference engine's default dtype)."""
+    from pd.engines.builtin_model import TINY as c
+
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim * 4
+
+
+def test_profile_measures_reference_engines(engines, tmp_path, capsys):
+    router = pd_router(engines["prefill"].url, engines["prefill"].bootstrap_port, engines["decode"].url,
+                       str(tmp_path))
+    try:
+        router.wait_ready()
+        out = tmp_path / "profile.json"
+        rc = profile_main(["--url", engines["null"].url, "--pd-url", router.url, "--prefill-url",
+                           engines["prefill"].url, "--decode-url", engines["decode"].url, "--output", str(out),
+                           "--prompt-lens", "16,256", "--prefill-batch-sizes", "1,2", "--decode-batch-sizes", "1,2",
+                           "--decode-contexts", "16", "--decode-steps", "12", "--repeats", "1", "--host-cores", "2"])
+    finally:
+        router.stop()
+    assert rc == 0, capsys.readouterr().err
+    prof = load_profile(out)
+    assert prof.engine == "reference" and prof.host.cores == 2
+    e = prof.entry(1)
+    assert {(p.batch_size, p.input_len) for p in e.prefill.points} == {(1, 16), (1, 256), (2, 16), (2, 256)}
+    assert e.prefill.max_batch_size == 1  # the reference engine runs one prompt at a time
+    assert {(p.batch_size, p.context_len) for p in e.decode.points} == {(1, 22), (2, 22)}
+    assert all(0 < p.seconds < 5 for p in e.prefill.points + e.decode.points)
+    assert e.engine_args[0] == "--cpu-threads"
+    # the bytes are the engine's KV layout, exactly: the transfer points moved prompt x bytes-per-token
+    assert prof.kv_bytes_per_token == builtin_kv_bytes_per_token()
+    kvb = builtin_kv_bytes_per_token()
+    assert [p.bytes for p in e.transfer.points] == [16 * kvb, 256 * kvb]
+    assert [p.input_len for p in e.decode.admit_points] == [16, 256]
+    assert e.decode.max_kv_tokens > 0
+    # a second run at another TP size joins the same file; the first entry stays
+    rc = profile_main(["--url", engines["null"].url, "--tp-size", "2", "--output", str(out), "--prompt-lens", "16",
+                       "--prefill-batch-sizes", "1", "--decode-batch-sizes", "1", "--decode-contexts", "16",
+                       "--decode-steps", "4", "--repeats", "1", "--kv-bytes-per-token", "512",
+                       "--transfer-bandwidth-gb-s", "2"])
+    assert rc == 0, capsys.readouterr().err
+    both = load_profile(out)
+    assert both.tp_sizes() == [1, 2]
+    assert both.entry(1).model_dump() == e.model_dump()
+    assert json.loads(out.read_text())["tp"]["2"]["transfer"]["bandwidth_gb_s"] == 2
+
+
+def test_profile_without_pd_needs_the_transfer_numbers(engines, tmp_path, capsys):
+    out = tmp_path / "p.json"
+    rc = profile_main(["--url", engines["null"].url, "--output", str(out), "--prompt-lens", "16",
+                       "--prefill-batch-sizes", "1", "--decode-batch-sizes", "1", "--decode-contexts", "16",
+                       "--decode-steps", "4", "--repeats", "1"])
+    assert rc == 2 and "--kv-bytes-per-token and --transfer-bandwidth-gb-s" in capsys.readouterr().err
+    assert not out.exists()
