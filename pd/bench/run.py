@@ -23,6 +23,7 @@ from pd.bench.datasets import load_requests
 from pd.bench.goodput import max_rate_meeting_attainment
 from pd.bench.load import LoadState, arrival_offsets, drive
 from pd.bench.metrics import columns, summarize
+from pd.bench.recorder import native_request_func
 from pd.bench.report import table
 from pd.bench.sglang_serving import serving, sglang_args
 from pd.util.wait import wait_until
@@ -170,7 +171,9 @@ def run_bench(args: Union[argparse.Namespace, BenchConfig], *, quiet: bool = Fal
     tokenizer = load_tokenizer(tok_name)
     rows = load_requests(cfg, tokenizer)
     mod.set_global_args(_sglang_settings(cfg))
-    request_func = mod.ASYNC_REQUEST_FUNCS[cfg.backend]
+    # SGLang's native recorder times the first token at the first non-empty text (pd.bench.recorder says why).
+    request_func = (native_request_func(cfg) if cfg.backend in ("sglang", "sglang-native")
+                    else mod.ASYNC_REQUEST_FUNCS[cfg.backend])
     api_url = cfg.url + mod._BACKEND_API_PATHS[cfg.backend]
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
