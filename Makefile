@@ -8,7 +8,11 @@ TORCH  ?= torch==2.13.0
 
 .PHONY: install serve lint test bench-kv bench-router clean
 
-install: $(VENV)/.installed
+# SGLang's import-only dependencies for the live plugin test, kept apart from the venv's site-packages
+# (tests/sglang_live_requirements.txt says why).
+SGLANG_LIVE := $(VENV)/sglang-live
+
+install: $(VENV)/.installed $(SGLANG_LIVE)/.installed
 
 # Debian packages when root: Mooncake's libraries, and prometheus (with promtool) for the monitoring
 # tests, which start their own Prometheus; RUNLEVEL=1 keeps the package's own service from starting.
@@ -25,6 +29,11 @@ $(VENV)/.installed: pyproject.toml
 	# The pinned SGLang (pyproject's gpu extra) without its GPU dependencies: contract tests parse our
 	# command lines with its own argument parser.
 	$(PIP) install -q --no-deps "$$($(PY) -c 'from pd.commands.sglang import pinned_sglang_requirement as r; print(r())')"
+	touch $@
+
+$(SGLANG_LIVE)/.installed: tests/sglang_live_requirements.txt $(VENV)/.installed
+	rm -rf $(SGLANG_LIVE)
+	$(PIP) install -q --no-deps --target $(SGLANG_LIVE) -r tests/sglang_live_requirements.txt
 	touch $@
 
 serve: install
