@@ -190,6 +190,15 @@ def test_shared_host_cores_slow_busy_replicas():
         pytest.approx([0.020, 0.020])
     assert [r.prefill_end_s for r in simulate(two, Split(2, 1, 1, 1), fixed(1, 2), requests=reqs).requests] == \
         pytest.approx([0.010, 0.010])
+    # a TP entry's host_cores: a TP-2 prefill keeps two cores busy, so with a TP-1 one on two cores both run at 2/3
+    d = profile_dict(host={"cores": 2, "source": "test"})
+    d["tp"]["2"] = {**json.loads(json.dumps(d["tp"]["1"])), "host_cores": 2}
+    mixed = parse_profile(d)
+    assert mixed.host_demand(2) == 2 and mixed.host_demand(1) == 1
+    # the first prefill runs alone (full speed); the second while the decode streams the first's 1000 tokens
+    res = simulate(mixed, Split(1, 2, 1, 1), fixed(1, 2), requests=[Request(0.0, 10, 1001), Request(0.1, 10, 1)])
+    assert res.requests[0].prefill_end_s == pytest.approx(0.010)
+    assert res.requests[1].prefill_end_s == pytest.approx(0.1 + 0.010 * 3 / 2)
 
 
 def test_round_robin_and_least_load_spread_requests():

@@ -218,6 +218,8 @@ async def measure(args) -> dict:
             entry["decode"]["max_batch_size"] = int(info["max_running_requests"])
         if reference and "cpu_threads" in info:
             entry["engine_args"] = ["--cpu-threads", str(info["cpu_threads"])]
+            if args.host_cores:  # on a shared host a reference replica keeps one core busy per torch thread
+                entry["host_cores"] = float(info["cpu_threads"])
         kv_per_token, kv_src = args.kv_bytes_per_token, "given by hand (--kv-bytes-per-token)"
         if args.pd_url:
             if not (args.prefill_url and args.decode_url):

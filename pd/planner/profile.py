@@ -39,8 +39,10 @@ Fields (the planner's cost model, pd.planner.simulate):
 - ``engine_args``: extra engine flags the replicas of this TP size ran with (e.g. ``--cpu-threads 2`` for the
   reference engine); a config written by ``pdserve plan-split`` gives them to the workers.
 - ``host``: set when the replicas share one machine's CPU cores (the embedded default: reference engines on a
-  CPU box). ``cores``: cores the engines get; each busy replica needs ``cores_per_replica`` of them, and when more
-  are busy than fit, all run proportionally slower (processor sharing). GPU replicas own their GPUs: leave unset.
+  CPU box). ``cores``: cores the engines get; each busy replica needs ``cores_per_replica`` of them (a TP entry's
+  ``host_cores`` overrides it: a reference engine with ``--cpu-threads 2`` keeps two busy), and when the busy
+  replicas need more than there are, all run proportionally slower (processor sharing). GPU replicas own their
+  GPUs: leave unset.
 
 Fitted models: a cost between measured points is interpolated linearly; below the smallest measured length it
 stays at the smallest point's cost (the fixed per-batch overhead does not shrink); above the largest it grows
@@ -231,6 +233,7 @@ class TPEntry(_Strict):
     decode: DecodeCosts
     transfer: Optional[TransferCosts] = None
     engine_args: list[str] = Field(default_factory=list)
+    host_cores: Optional[float] = Field(None, gt=0)
 
 
 class Host(_Strict):
@@ -282,6 +285,13 @@ class Profile(_Strict):
             return self.tp[str(tp_size)]
         except KeyError:
             raise ProfileError(f"tp: no entry for TP size {tp_size} (profiled: {self.tp_sizes()})") from None
+
+    def host_demand(self, tp_size: int) -> float:
+        """Cores one busy replica at ``tp_size`` keeps busy on a shared host (``host`` set), else 0."""
+        if self.host is None:
+            return 0.0
+        own = self.entry(tp_size).host_cores
+        return own if own is not None else self.host.cores_per_replica
 
     def transfer_for(self, tp_size: int) -> TransferCosts:
         """The KV transfer costs of a prefill at ``tp_size`` (its own, else the top-level ones)."""

@@ -21,7 +21,7 @@ it; goodput is scored by pdserve bench's own function (pd.bench.goodput); the ru
 arrival to the last completion.
 
 Shared CPU cores (``profile.host``): when replicas share a machine's cores, every busy replica runs at
-``min(1, cores / (busy replicas x cores_per_replica))`` of its profiled speed (processor sharing). Compute jobs
+``min(1, cores / cores the busy replicas need)`` of its profiled speed (processor sharing). Compute jobs
 are kept on a work clock W (profiled seconds done by any one busy replica, dW/dt = that speed), so a change of
 speed moves no scheduled completion: it only changes how fast W reaches them.
 """
@@ -180,6 +180,7 @@ _ARRIVAL, _KV_ARRIVED, _KICK = 0, 1, 2
 @dataclass
 class _Prefill:
     costs: PrefillCosts
+    demand: float  # host cores it keeps busy while it works (0: no shared host)
     queue: deque = field(default_factory=deque)
     batch: list = field(default_factory=list)
     in_flight: int = 0  # requests routed here and not yet past prefill (least_load)
@@ -189,6 +190,7 @@ class _Prefill:
 @dataclass
 class _Decode:
     costs: DecodeCosts
+    demand: float
     waiting: deque = field(default_factory=deque)
     running: list = field(default_factory=list)  # heap of (finishing iteration, seq, admitting iteration, request)
     admitted: list = field(default_factory=list)  # admitted in the iteration under way
@@ -205,22 +207,22 @@ class _Sim:
         self.kv_bytes = profile.kv_bytes_per_token
         p, d = profile.entry(split.prefill_tp), profile.entry(split.decode_tp)
         self.transfer: TransferCosts = profile.transfer_for(split.prefill_tp)
-        self.prefills = [_Prefill(p.prefill) for _ in range(split.prefill_replicas)]
-        self.decodes = [_Decode(d.decode) for _ in range(split.decode_replicas)]
+        pd_, dd = profile.host_demand(split.prefill_tp), profile.host_demand(split.decode_tp)
+        self.prefills = [_Prefill(p.prefill, pd_) for _ in range(split.prefill_replicas)]
+        self.decodes = [_Decode(d.decode, dd) for _ in range(split.decode_replicas)]
         self.policy = policy
         self.turn = [0, 0]
-        host = profile.host
-        self.cores = host.cores / host.cores_per_replica if host else None  # replicas that fit at full speed
+        self.cores = profile.host.cores if profile.host else None
         self.now = 0.0
         self.work = 0.0  # the work clock W
-        self.busy = 0
+        self.busy = 0.0  # host cores the busy replicas need
         self.seq = 0
         self.events: list = []  # (time s, kind, seq, payload)
         self.jobs: list = []  # (W at completion, seq, server)
 
     # -- clocks
     def speed(self) -> float:
-        if self.cores is None or self.busy <= self.cores:
+        if self.cores is None or self.busy <= self.cores + 1e-9:
             return 1.0
         return self.cores / self.busy
 
@@ -245,7 +247,7 @@ class _Sim:
                 self.job_done(server)
             else:
                 t, kind, _, payload = heapq.heappop(self.events)
-                if self.busy:
+                if self.jobs:
                     self.work += (t - self.now) * self.speed()
                 self.now = t
                 if kind == _ARRIVAL:
@@ -298,7 +300,7 @@ class _Sim:
         for r in batch:
             r.prefill_start_s = self.now
         p.batch = batch
-        self.busy += 1
+        self.busy += p.demand
         self.start_job(p, c.seconds(len(batch), tokens / len(batch)))
 
     def prefill_done(self, p: _Prefill) -> None:
@@ -307,7 +309,7 @@ class _Sim:
             p.in_flight -= 1
             self.at(self.now + self.transfer.seconds(r.request.input_len * self.kv_bytes), _KV_ARRIVED, r)
         p.batch = []
-        self.busy -= 1
+        self.busy -= p.demand
         if p.queue:
             self.start_prefill(p)
 
@@ -337,7 +339,7 @@ class _Sim:
             d.admitted.append(r)
             seconds += c.admit_seconds(r.request.input_len)
         d.busy = True
-        self.busy += 1
+        self.busy += d.demand
         self.start_job(d, seconds)
 
     def iteration_done(self, d: _Decode) -> None:
@@ -359,7 +361,7 @@ class _Sim:
             d.context_base += r.request.input_len - c.tokens_per_step * k
         d.admitted = []
         d.busy = False
-        self.busy -= 1
+        self.busy -= d.demand
         if d.running or d.waiting:
             self.start_iteration(d)
 
