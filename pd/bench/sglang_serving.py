@@ -113,3 +113,8 @@ def sglang_args(**values) -> argparse.Namespace:
             raise AttributeError(f"sglang.benchmark.serving has no setting {key!r}")
         setattr(ns, key, value)
     return ns
+
+
+if __name__ == "__main__":
+    # `python -m pd.bench.sglang_serving ARGS`: SGLang's own `python -m sglang.bench_serving ARGS`, runnable here.
+    serving().cli_main()
