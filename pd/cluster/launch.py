@@ -66,6 +66,7 @@ class Launcher:
         self.membership = None  # pd.cluster.membership.Membership, once the router answers
         self.exporter = None  # pd.cluster.worker_metrics.WorkerStateExporter
         self.targets = None  # pd.cluster.prom_targets.TargetsFile
+        self.slots = None  # pd.cluster.actor_slots.ActorSlots, once every worker started
         self.admin_key_file = None  # where announce_admin_api wrote a generated admin key
 
     def check_resources(self) -> None:
@@ -89,6 +90,7 @@ class Launcher:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from pd.cluster.actor_slots import ActorSlot, ActorSlots
         from pd.cluster.placement_check import unplaceable_reason
         from pd.cluster.worker import EngineWorker
 
@@ -108,6 +110,7 @@ class Launcher:
                 pg = placement_group([bundle], strategy="STRICT_PACK", name=f"pdserve-{role}-{i}", **kwargs)
                 self.pgs.append(pg)
                 specs.append((role, i, group, pg, bundle))
+        names = []
         for role, i, group, pg, bundle in specs:
             try:
                 ray.get(pg.ready(), timeout=PG_READY_TIMEOUT)
@@ -117,11 +120,14 @@ class Launcher:
                 raise ConfigError(f"{role}-{i}: Ray could not place a bundle {bundle} within {PG_READY_TIMEOUT:g}s: "
                                   f"{why} (check {role}.placement)") from None
             gpu_ids = group.gpus[i] if group.gpus is not None else None
+            # max_restarts=-1: when its node dies, Ray re-places the bundle and restarts the actor there
+            # (pd.cluster.actor_slots starts its engine again).
             actor = actor_cls.options(
-                num_cpus=0, num_gpus=group.tp_size,
+                num_cpus=0, num_gpus=group.tp_size, max_restarts=-1,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
             ).remote(f"{role}-{i}", role, self.cfg.model_dump(), gpu_ids, self.cfg.engine_host, self.worker_key)
             self.actors.append(actor)
+            names.append((f"{role}-{i}", role))
         # Ports are handed out one worker at a time so two workers on a node never collide.
         used: dict[str, list[int]] = {}
         infos = []
@@ -138,6 +144,8 @@ class Launcher:
             infos.append(info)
         say(f"starting {len(self.actors)} engines: " + ", ".join(f"{i['name']}@{i['host']}:{i['port']}" for i in infos))
         self.workers = ray.get([a.start.remote() for a in self.actors])
+        self.slots = ActorSlots([ActorSlot(n, r, a, info) for (n, r), a, info in zip(names, self.actors, self.workers)],
+                                say, max_start_attempts=max(1, self.cfg.restart.max_restarts))
         say("workers " + json.dumps(self.workers))
         self.start_router()
         self.start_monitoring()
@@ -282,19 +290,13 @@ class Launcher:
 
     def serve(self) -> None:
         """Block; report worker state changes; restart the router if it dies."""
-        import ray
-
         last: dict[str, tuple] = {}
         while True:
             time.sleep(2)
             if self.router is not None and self.router.poll() is not None:
                 say(f"router exited with {self.router.returncode}; restarting it")
                 self.start_router()
-            try:
-                infos = ray.get([a.info.remote() for a in self.actors], timeout=10)
-            except Exception as e:  # an actor died: Ray reports it; keep serving the rest
-                say(f"could not read worker state: {e!r}")
-                continue
+            infos = self.slots.poll()  # a lost node's workers come back "lost" (pd.cluster.actor_slots)
             self.sync_router(infos)
             self.publish(infos)
             for info in infos:
@@ -325,8 +327,9 @@ class Launcher:
                 if not self.membership.drain_all(self.cfg.router.drain_timeout_secs):
                     say("some requests were still in flight; stopping anyway")
             stop_group(self.router.pid)
-        try:
-            ray.get([a.stop.remote() for a in self.actors], timeout=30)
+        lost = {id(s.actor) for s in self.slots.slots if s.lost_reason} if self.slots is not None else set()
+        try:  # a lost worker's actor would hold this up to the deadline: ray.kill below is all it gets
+            ray.get([a.stop.remote() for a in self.actors if id(a) not in lost], timeout=30)
         except Exception as e:
             say(f"some workers did not stop cleanly: {e!r}")
         for a in self.actors:

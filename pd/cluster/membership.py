@@ -18,7 +18,7 @@ import httpx
 
 from pd.router.admin_client import AdminClient, AdminError
 
-GONE_STATES = ("failed", "stopped")
+GONE_STATES = ("failed", "stopped", "lost")  # lost: its node died (pd.cluster.actor_slots)
 
 
 def _entry(info: dict) -> Optional[tuple]:

@@ -5,7 +5,7 @@ Metrics (labels ``worker`` = the engine URL as the router labels it, ``worker_na
 
 - ``pdserve_worker_restarts_total``: engine restarts by the worker actor (counter);
 - ``pdserve_worker_state{state}``: 1 for the actor's current state (created, starting, ready,
-  restarting, failed, stopped), 0 for the others;
+  restarting, failed, stopped, lost), 0 for the others;
 - ``pdserve_worker_ready``: 1 while the engine is ready.
 
 The launcher calls :meth:`WorkerStateExporter.update` with the infos it polls every few seconds;
@@ -20,7 +20,8 @@ from typing import Iterable, Optional
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-STATES = ("created", "starting", "ready", "restarting", "failed", "stopped")  # pd/cluster/worker.py's states
+STATES = ("created", "starting", "ready", "restarting", "failed", "stopped",  # pd/cluster/worker.py's states
+          "lost")  # the actor does not answer: its node died (pd.cluster.actor_slots)
 LABELS = ["worker", "worker_name", "role"]
 
 
