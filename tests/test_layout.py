@@ -21,7 +21,7 @@ LAYERS = [
     {"pd.router", "pd.kernels", "pd.monitoring", "pd.engines"},
     {"pd.config"},
     {"pd.commands", "pd.bench"},
-    {"pd.tools"},
+    {"pd.tools", "pd.planner"},
     {"pd.cluster"},
     {"pd.cli", "pd.launch"},
 ]
