@@ -69,6 +69,22 @@ def rel(a, b) -> float:
 
 
 # ---- 1. targets -----------------------------------------------------------------------------------------------
+def import_failure(target: str) -> str | None:
+    """Why a module on ``target``'s path does not import (pkgutil.resolve_name reports only a missing attribute)."""
+    parts = target.split(".")
+    for i in range(1, len(parts) + 1):
+        name = ".".join(parts[:i])
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:
+                return None  # not a module: the rest of the path are attributes
+            return f"importing {name}: {type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001
+            return f"importing {name}: {type(e).__name__}: {e}"
+    return None
+
+
 def resolve_targets(targets):
     originals = {}
     for t in targets:
@@ -76,7 +92,7 @@ def resolve_targets(targets):
             originals[t] = pkgutil.resolve_name(t)
             emit("resolve", target=t, error=None)
         except Exception as e:  # noqa: BLE001 - reported to the test, which names the target
-            emit("resolve", target=t, error=f"{type(e).__name__}: {e}",
+            emit("resolve", target=t, error=import_failure(t) or f"{type(e).__name__}: {e}",
                  trace=traceback.format_exc(limit=-3))
     return originals
 
@@ -205,6 +221,14 @@ def _cache_view(pool):
     return buf[:, : ps * 584].view(buf.shape[0], ps, 1, 584)
 
 
+def _stale_past(idx, lengths, slots, g) -> None:
+    """Fill the entries past each row's length with written slots, in place. The kernels read only the first
+    ``topk_length`` entries (FlashMLA's contract; SGLang's graph-replayed index buffers keep stale entries there),
+    so this changes nothing for a correct call and shows a length handed to the wrong cache."""
+    past = torch.arange(idx.shape[1])[None, :] >= lengths[:, None]
+    idx[past] = slots[torch.randint(0, slots.numel(), (int(past.sum()),), generator=g)].to(idx.dtype)
+
+
 def sparse_mla_inputs(seq_lens, q_len, swa_page, extra_ratio, heads=16, seed=0):
     """Keyword arguments exactly as ``DeepseekV4AttnBackend._forward_attention`` hands them to
     ``flash_mla_with_kvcache_sm120`` for one layer, built with SGLang's own pieces: its KV pools
@@ -233,8 +257,10 @@ def sparse_mla_inputs(seq_lens, q_len, swa_page, extra_ratio, heads=16, seed=0):
         req_to_token=req_to_token, full_to_swa_mapping=full_to_swa, req_pool_indices_repeated=rows,
         seq_lens_casual=casual, swa_window=128, page_index_aligned_size=64)
     t = rows.numel()
+    lens = casual.clamp(max=128)
+    _stale_past(idx, lens, slots, g)
     kw = dict(q=torch.randn(t, 1, heads, 512, generator=g).bfloat16(), k_cache=_cache_view(swa), head_dim_v=512,
-              softmax_scale=512 ** -0.5, indices=idx.unsqueeze(1), topk_length=casual.clamp(max=128),
+              softmax_scale=512 ** -0.5, indices=idx.unsqueeze(1), topk_length=lens,
               # sinks of the size of the softmax's own log-sum-exp, so that dropping one shows
               attn_sink=4 + 2 * torch.randn(heads, generator=g), extra_k_cache=None, extra_indices_in_kvcache=None,
               extra_topk_length=None)
@@ -249,6 +275,7 @@ def sparse_mla_inputs(seq_lens, q_len, swa_page, extra_ratio, heads=16, seed=0):
         elen = (casual // extra_ratio).clamp(max=width).to(torch.int32)
         for i in range(t):
             eidx[i, : elen[i]] = cslots[torch.randperm(96, generator=g)[: elen[i]]].int()
+        _stale_past(eidx, elen, cslots, g)
         kw.update(extra_k_cache=_cache_view(pool), extra_indices_in_kvcache=eidx.unsqueeze(1), extra_topk_length=elen)
         ref.update(extra_page_size=page)
     return kw, ref
@@ -444,6 +471,9 @@ def run_indexer() -> None:
     sglang_fn = getattr(hooked, "__wrapped__", None)
     ours = _counting(ki, "dsa_indexer_topk")
     for mode in ("DECODE", "TARGET_VERIFY", "EXTEND"):
+        if sglang_fn is None:  # not hooked: nothing to compare
+            emit("indexer", mode=mode, wrapped=False)
+            continue
         backend, x, q_lora, batch, (pool, page_table, lens) = indexer_world(mode)
         core = backend.forward_metadata.core_metadata
         before = ours["n"]
@@ -496,6 +526,7 @@ def run_moe() -> None:
 
     from pd.kernels.mxfp4_moe_reference import fused_moe_mxfp4_reference, quantize_mxfp4
 
+    wrapped = hasattr(Fp8Config.get_quant_method, "__wrapped__")
     E, H, I, K = 4, 256, 128, 2  # noqa: E741
     with sglang_runtime():
         cfg = Fp8Config.from_config(DSV4_QUANT_CONFIG)
@@ -525,8 +556,9 @@ def run_moe() -> None:
         combine = draft.quant_method.apply(draft, StandardDispatchOutput(hidden_states=hs, hidden_states_scale=None,
                                                                          topk_output=topk))
         ref = fused_moe_mxfp4_reference(hs, w13, s13, w2, s2, tw, ti, swiglu_limit=10.0)
-        emit("moe", target_method=type(target.quant_method).__name__, draft_method=type(draft.quant_method).__name__,
-             draft_is_draft=bool(draft.is_draft), target_is_draft=bool(target.is_draft), params=params,
+        emit("moe", wrapped=wrapped, target_method=type(target.quant_method).__name__,
+             draft_method=type(draft.quant_method).__name__, draft_is_draft=bool(draft.is_draft),
+             target_is_draft=bool(target.is_draft), params=params,
              out_shape=list(combine.hidden_states.shape), out_dtype=str(combine.hidden_states.dtype),
              ours_vs_ref=rel(combine.hidden_states, ref))
 
