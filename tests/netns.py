@@ -23,6 +23,8 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pd.util.wait import wait_until
+
 PREFIX = "pdt"  # namespaces pdt<pid>-<host>, bridge pdt<pid>b, root-side veths pdt<pid>v<n>
 RANGES = ("198.51.100.0/24", "203.0.113.0/24")  # RFC 5737 documentation ranges
 
@@ -171,6 +173,11 @@ class Network:
         """Kill what runs in our namespaces, then remove them and our links (idempotent)."""
         for ns in self._namespaces:
             kill_ns_processes(ns)
+        try:  # SIGKILLed processes are gone once their parents (or init) reap them: a moment
+            wait_until(lambda: not any(ns_pids(ns) for ns in self._namespaces), 10, interval=0.1,
+                       what="our namespaces' processes gone", retry=())
+        except TimeoutError:
+            pass  # deleting the name still works; the leftover check in the tests reports them
         for ns in self._namespaces:
             _ip("netns", "del", ns, check=False)
         for link in reversed(self._links):

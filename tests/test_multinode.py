@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from netns import leftovers_of, namespaces_unavailable, sweep_leftovers
 from pd.util.wait import wait_until
+from ray_cluster import wait_pids_gone
 
 pytestmark = pytest.mark.skipif(bool(namespaces_unavailable()), reason=namespaces_unavailable() or "")
 
@@ -58,8 +59,11 @@ def cluster(model_cache):
     try:
         yield c
     finally:
+        ours = [pid for h in c.net.hosts.values() for pid in h.pids()]  # Ray, actors, engines, router
         c.stop()
         assert leftovers_of(os.getpid()) == [], "the namespace test left namespaces or links behind"
+        assert wait_pids_gone(ours, 15) == [], "processes of the namespace hosts outlived the test"
+        assert not os.path.exists(c.tmp)
 
 
 @pytest.fixture(scope="module")
