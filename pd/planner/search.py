@@ -5,7 +5,8 @@ has, at least one replica per role, using at most the budget. Each is simulated 
 (pd.planner.simulate): at the requested rate, for its SLO attainment and goodput there, and under a rate search
 for DistServe's goodput (the highest rate it serves at the attainment target). Candidates rank by that goodput per
 GPU, as DistServe chooses its placement; a split that fails the target at the requested rate ranks after every
-one that meets it, and among equals fewer GPUs win.
+one that meets it. Equal goodputs (the rate search stops within 2%) are ordered by the attainment at the requested
+rate, then by its p90 TTFT + p90 TPOT, then fewer GPUs.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def rank_splits(profile: Profile, num_gpus: int, tp_sizes: list[int], workload: 
         at = simulate(profile, split, workload, policy).summary(slo)
         rate = max_goodput_rate(profile, split, workload, slo, attainment, policy)
         ranked.append(Candidate(split, rate, rate / split.num_gpus, at, at["slo_attainment"] >= attainment))
-    ranked.sort(key=lambda c: (not c.meets_rate, -round(c.per_gpu, 9), c.split.num_gpus, c.split.label))
+    ranked.sort(key=lambda c: (not c.meets_rate, -round(c.per_gpu, 9), -c.at_rate["slo_attainment"],
+                               c.at_rate["p90_ttft_ms"] + c.at_rate["p90_tpot_ms"], c.split.num_gpus, c.split.label))
     return ranked
 
 
