@@ -136,3 +136,16 @@ def test_a_failing_start_is_retried_a_bounded_number_of_times(fake_ray):
         slots.poll(timeout=0)
     assert len(dec.start.calls) == 2
     assert "giving up" in said[-1] and "engine exited with 1" in said[-1]
+
+
+def test_a_start_in_flight_is_not_started_again(fake_ray):
+    dec = Actor("decode-0")
+    slots, said = slots_of(dec)
+    dec.state = "created"
+    dec.start_result = Ref(ready=False)  # the engine is still loading; info() answered before the start began
+    for _ in range(3):
+        assert slots.poll(timeout=0)[0]["state"] == "created"
+    assert len(dec.start.calls) == 1
+    dec.start_result.ready, dec.start_result.value = True, info("decode-0", "ready", port=dec.port)
+    assert slots.poll(timeout=0)[0]["state"] in ("created", "ready")
+    assert any("ready again" in s for s in said)
