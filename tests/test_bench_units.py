@@ -247,3 +247,13 @@ def test_png_has_cdfs_and_goodput_panels(tmp_path):
     write_png(str(path), runs, cols, slo_ttft_ms=150, slo_tpot_ms=120)
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20000
+
+
+def test_a_server_that_is_not_there_is_a_clear_error():
+    from pd.util.ports import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    p = subprocess.run([sys.executable, "-m", "pd.cli", "bench", "--base-url", url, "--ready-check-timeout-sec", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1
+    assert f"{url}/v1/models did not answer 200" in p.stderr and "Traceback" not in p.stderr

@@ -44,8 +44,11 @@ def _get_json(url: str, headers: dict) -> Optional[dict]:
 
 
 def _auth_headers() -> dict:
-    # SGLang's benchmark sends OPENAI_API_KEY (or API_KEY) from the environment; so do the info requests.
-    return serving().get_auth_headers()
+    """SGLang's benchmark authentication (``get_auth_headers``): ``OPENAI_API_KEY`` as a bearer token, else
+    ``API_KEY`` as is; read here too so the readiness check needs no SGLang import."""
+    if os.environ.get("OPENAI_API_KEY"):
+        return {"Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"}
+    return {"Authorization": os.environ["API_KEY"]} if os.environ.get("API_KEY") else {}
 
 
 def wait_ready(cfg: BenchConfig) -> None:
@@ -165,8 +168,8 @@ def run_bench(args: Union[argparse.Namespace, BenchConfig], *, quiet: bool = Fal
         KeyboardInterrupt: after writing the results measured until the interrupt.
     """
     cfg = args if isinstance(args, BenchConfig) else BenchConfig.from_namespace(args)
-    mod = serving()
     wait_ready(cfg)
+    mod = serving()
     model_id, tok_name = resolve_model(cfg)
     tokenizer = load_tokenizer(tok_name)
     rows = load_requests(cfg, tokenizer)
