@@ -162,6 +162,14 @@ class NamespaceCluster(RayHead):
         return wait_until(check, timeout, interval=0.5, what=f"Ray nodes {sorted(labels)} alive",
                           retry=(httpx.HTTPError, KeyError, ValueError))
 
+    def make_whole(self) -> None:
+        """Every host linked and its Ray node running and alive (after a test that left one down)."""
+        for label, node in self.nodes.items():
+            self.net.hosts[label].link(True)
+            if not node.running():
+                node.start()
+        self.wait_alive(set(self.nodes))
+
     def ray(self, *args: str, timeout: float = 120) -> str:
         out = subprocess.run([*self.prefix, os.path.join(BIN, "ray"), *args], capture_output=True, text=True,
                              env=self.env, cwd=ROOT, timeout=timeout)

@@ -149,3 +149,17 @@ def test_a_start_in_flight_is_not_started_again(fake_ray):
     dec.start_result.ready, dec.start_result.value = True, info("decode-0", "ready", port=dec.port)
     assert slots.poll(timeout=0)[0]["state"] in ("created", "ready")
     assert any("ready again" in s for s in said)
+
+
+def test_the_node_is_named_dead_once_ray_declares_it(fake_ray):
+    dec = Actor("decode-0")
+    slots, said = slots_of(dec)
+    fake_ray.node_list[0]["Alive"] = True  # the actor went silent before Ray's health checks gave up on its node
+    dec.state = None
+    slots.poll(timeout=0)
+    assert "alive" in said[-1] and not any("declared" in s for s in said)
+    fake_ray.node_list[0]["Alive"] = False
+    slots.poll(timeout=0)
+    slots.poll(timeout=0)
+    dead = [s for s in said if "declared decode-0's node dead" in s]
+    assert len(dead) == 1 and "198.51.100.3" in dead[0], said

@@ -215,7 +215,8 @@ def test_host_killed_with_requests_in_flight_then_rejoined(cluster, job, engines
     assert r.status_code in (502, 503) and r.json()["error"]["message"], r.text
     assert time.monotonic() - t < 2 * CONNECT + 5
     lost = cluster.wait_log(jid, r"pdserve: decode-0 lost: [^\n]*", timeout=LOST_BOUND).group(0)
-    assert cluster.net.hosts["c"].address in lost and "dead" in lost, lost
+    dead = cluster.wait_log(jid, r"pdserve: Ray declared decode-0's node dead: [^\n]*", timeout=LOST_BOUND).group(0)
+    assert cluster.net.hosts["c"].address in lost and cluster.net.hosts["c"].address in dead, (lost, dead)
     cluster.wait_log(jid, r"router: removed decode-0", timeout=10)
     wait_pages_free(workers["prefill"], 10)
     assert generate(url, "no decode").status_code == 503
@@ -232,7 +233,8 @@ def test_host_killed_with_requests_in_flight_then_rejoined(cluster, job, engines
 def test_host_cut_off_for_20s_then_healed(cluster, job, engines):
     jid, url, workers = job
     c = cluster.net.hosts["c"]
-    wait_serving(url, time.monotonic(), RECOVER_BOUND)  # whatever the previous test left
+    cluster.make_whole()  # whatever the previous test left
+    wait_serving(url, time.monotonic(), RECOVER_BOUND)
     streams = Streams(url, 3)
     streams.wait_first_bytes()
     supervisor = cluster.nodes["c"].supervise()  # as systemd's Restart=always would
@@ -264,6 +266,7 @@ def test_host_cut_off_for_20s_then_healed(cluster, job, engines):
 
 def test_two_prefill_on_b_one_prefill_and_decode_on_c(cluster, job, engines):
     cluster.stop_job(job[0])  # its GPUs go back to Ray: this layout takes all four
+    cluster.make_whole()
     head = cluster.net.hosts["head"].address
     jid = cluster.submit_config(cluster_config(head, prefill_replicas=3))
     try:

@@ -39,6 +39,7 @@ class ActorSlot:
     info_ref: object = None
     start_ref: object = None
     lost_reason: Optional[str] = None
+    node_dead_said: bool = False
     failed_starts: int = 0
 
 
@@ -98,8 +99,22 @@ class ActorSlots:
                 self._mark_lost(s, f"{type(e).__name__} on {node_description(s.info.get('node_id'), nodes)}")
                 continue
             self._answered(s, info)
+        if nodes is not None:
+            self._say_dead_nodes(nodes)
         self._collect_starts()
         return [s.info for s in self.slots]
+
+    def _say_dead_nodes(self, nodes: list[dict]) -> None:
+        """Once per lost worker: the node it was on, when Ray has declared that node dead (an actor often
+        stops answering seconds before Ray's health checks give up on its node)."""
+        for s in self.slots:
+            node_id = s.info.get("node_id")
+            if s.lost_reason is None or s.node_dead_said or not node_id:
+                continue
+            if any(n.get("NodeID") == node_id and not n.get("Alive") for n in nodes):
+                self.say(f"Ray declared {s.name}'s node dead: {node_description(node_id, nodes)}; {s.name} waits "
+                         "for Ray to place it again")
+                s.node_dead_said = True
 
     def _mark_lost(self, s: ActorSlot, reason: str) -> None:
         if s.lost_reason is None:
@@ -111,7 +126,7 @@ class ActorSlots:
     def _answered(self, s: ActorSlot, info: dict) -> None:
         if s.lost_reason is not None:
             self.say(f"{s.name}'s actor answers again on {info.get('host')} ({info['state']})")
-            s.lost_reason = None
+            s.lost_reason, s.node_dead_said = None, False
         s.info = info
         # "created": Ray restarted the actor (new node or rejoined one); "starting" with nothing in flight: a
         # start on it failed, tried again up to max_start_attempts in all.
