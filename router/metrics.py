@@ -36,7 +36,7 @@ import time
 from bisect import bisect_left
 from typing import Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
@@ -294,6 +294,7 @@ class RouterMetrics:
         self.decisions = Family("counter", "pdserve_router_policy_decisions", "Workers picked by the pairing policy.",
                                 ["role", "policy", "worker"])
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total: the planner's per-request CPU
         self.registry.register(_Collector([self.queue, self.prefill, self.ttft, self.itl, self.e2e, self.requests,
                                            self.errors, self.retries, self.prompt_tokens, self.completion_tokens,
                                            self.in_flight, self.queued, self.inflight, self.healthy, self.circuit,

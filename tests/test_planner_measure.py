@@ -33,6 +33,9 @@ def test_profile_measures_reference_engines(engines, tmp_path, capsys):
     assert rc == 0, capsys.readouterr().err
     prof = load_profile(out)
     assert prof.engine == "reference" and prof.host.cores == 2
+    # the engines' and router's process CPU beyond the profiled model work, per request and per output token
+    assert prof.host.cpu_per_request_s >= 0 and prof.host.cpu_per_token_s >= 0
+    assert "process_cpu_seconds_total" in prof.host.cpu_overhead_source
     e = prof.entry(1)
     assert {(p.batch_size, p.input_len) for p in e.prefill.points} == {(1, 16), (1, 256), (2, 16), (2, 256)}
     assert e.prefill.max_batch_size == 1  # the reference engine runs one prompt at a time

@@ -7,7 +7,7 @@ process). Names SGLang has no equivalent for are prefixed ``pdserve_``.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 # Bucket lists copied as facts from SGLang's collector (same boundaries -> comparable quantiles).
 TTFT_BUCKETS = [0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400]
@@ -39,6 +39,9 @@ class EngineMetrics:
 
     def __init__(self, model_name: str, mode: str):
         self.registry = CollectorRegistry()
+        # process_cpu_seconds_total and friends, as every Prometheus client exports them: the planner's profile reads
+        # the CPU an engine spends per request outside its model thread (pd.planner.measure)
+        ProcessCollector(registry=self.registry)
         engine_type = "unified" if mode == "null" else mode
         # SGLang's two label sets: request-level metrics come from its TokenizerMetricsCollector
         # (model_name, engine_type); scheduler metrics add the rank labels

@@ -17,7 +17,9 @@ What is measured, on SGLang's native ``/generate`` with random ``input_ids`` (no
   ``sglang:kv_transfer_latency_ms`` (forward end to KV written) and the bytes moved
   (``pdserve_kv_transfer_bytes_total``, else ``sglang:kv_transfer_total_mb`` x 2^20); from the decode's,
   ``sglang:per_stage_req_latency_seconds{stage="decode_waiting"}`` (KV arrived to first token out: the KV
-  load), when the engine exports it. Without ``--pd-url``, give ``--kv-bytes-per-token`` and
+  load), when the engine exports it. With ``--host-cores`` (engines sharing one machine's CPU), also the CPU a
+  request costs the prefill, decode and router processes beyond that model work (``process_cpu_seconds_total``),
+  per request and per output token. Without ``--pd-url``, give ``--kv-bytes-per-token`` and
   ``--transfer-bandwidth-gb-s`` (numbers measured elsewhere; the profile names them as given by hand).
 
 Engine limits come from ``/get_server_info``: the reference engine runs one prompt at a time (prefill batch 1) and
@@ -170,6 +172,41 @@ async def measure_pd(prober: Prober, pd_url: str, prefill_url: str, decode_url: 
     return transfer, admit, per_token
 
 
+async def measure_host_cpu(prober: Prober, pd_url: str, urls: list[str], lens: list[int], repeats: int,
+                           steps: int) -> Optional[list[tuple[int, int, float]]]:
+    """CPU seconds one PD request costs the processes at ``urls`` together (the prefill, the decode and the router
+    at ``pd_url``, from their ``process_cpu_seconds_total``), one request at a time: ``(input_len, max_new_tokens,
+    seconds)`` at every prompt length with one output token and at the shortest with ``steps``; None when one of
+    them does not export the metric."""
+    async def cpu() -> Optional[float]:
+        vals = [metric_sum(await _metrics(prober.client, u), "process_cpu_seconds_total") for u in urls]
+        return None if any(v is None for v in vals) else sum(vals)
+
+    out = []
+    for n, new in [(n, 1) for n in lens] + [(min(lens), steps)]:
+        c0 = await cpu()
+        if c0 is None:
+            return None
+        for _ in range(repeats):
+            await prober.one(pd_url, n, new)
+        out.append((n, new, (await cpu() - c0) / repeats))
+    return out
+
+
+def host_overheads(samples: list[tuple[int, int, float]], entry: dict) -> tuple[float, float]:
+    """CPU per request and per output token outside the model work the entry's curves account for: the first is
+    the median over prompt lengths of CPU - prefill - KV load, the second what the long request costs beyond that
+    and its decode steps, per token (both at least 0)."""
+    from pd.planner.profile import DecodeCosts, PrefillCosts
+
+    pre, dec = PrefillCosts(**entry["prefill"]), DecodeCosts(**entry["decode"])
+    per_req = statistics.median(max(0.0, c - pre.seconds(1, n) - dec.admit_seconds(n))
+                                for n, new, c in samples if new == 1)
+    n, new, c = next(x for x in samples if x[1] > 1)
+    model = pre.seconds(1, n) + dec.admit_seconds(n) + (new - 1) * dec.step_seconds(1, n + new / 2)
+    return per_req, max(0.0, (c - model - per_req) / (new - 1))
+
+
 async def measure(args) -> dict:
     """Measure and return the profile mapping (module docstring)."""
     lens = _ints(args.prompt_lens, "--prompt-lens")
@@ -221,6 +258,7 @@ async def measure(args) -> dict:
             if args.host_cores:  # on a shared host a reference replica keeps one core busy per torch thread
                 entry["host_cores"] = float(info["cpu_threads"])
         kv_per_token, kv_src = args.kv_bytes_per_token, "given by hand (--kv-bytes-per-token)"
+        host_cpu = None
         if args.pd_url:
             if not (args.prefill_url and args.decode_url):
                 raise ValueError("--pd-url needs --prefill-url and --decode-url (their /metrics)")
@@ -239,6 +277,10 @@ async def measure(args) -> dict:
             if per_token and kv_per_token is None:
                 kv_per_token = statistics.median(per_token)
                 kv_src = f"KV bytes moved per prompt token through {args.pd_url} (prefill /metrics)"
+            if args.host_cores:
+                cpu_urls = [args.prefill_url.rstrip("/"), args.decode_url.rstrip("/"), args.pd_url.rstrip("/")]
+                host_cpu = await measure_host_cpu(prober, args.pd_url.rstrip("/"), cpu_urls, lens, args.repeats,
+                                                  args.decode_steps)
         if "transfer" not in entry:
             if args.transfer_bandwidth_gb_s is None or kv_per_token is None:
                 raise ValueError("without --pd-url give --kv-bytes-per-token and "
@@ -257,6 +299,11 @@ async def measure(args) -> dict:
     }
     if args.host_cores:
         data["host"] = {"cores": args.host_cores, "source": "--host-cores: replicas share this machine's cores"}
+        if host_cpu:
+            per_req, per_tok = host_overheads(host_cpu, entry)
+            data["host"].update(cpu_per_request_s=per_req, cpu_per_token_s=per_tok, cpu_overhead_source=(
+                "process_cpu_seconds_total of the prefill, decode and router per request through "
+                f"{args.pd_url}, less the profiled prefill, KV load and decode steps ({now})"))
     return {k: v for k, v in data.items() if v is not None}
 
 

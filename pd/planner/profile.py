@@ -41,8 +41,11 @@ Fields (the planner's cost model, pd.planner.simulate):
 - ``host``: set when the replicas share one machine's CPU cores (the embedded default: reference engines on a
   CPU box). ``cores``: cores the engines get; each busy replica needs ``cores_per_replica`` of them (a TP entry's
   ``host_cores`` overrides it: a reference engine with ``--cpu-threads 2`` keeps two busy), and when the busy
-  replicas need more than there are, all run proportionally slower (processor sharing). GPU replicas own their
-  GPUs: leave unset.
+  replicas need more than there are, all run proportionally slower (processor sharing). What requests cost the
+  host outside the replicas' model work -- HTTP, bootstrap and transfer threads of the engines, the router --
+  is ``cpu_per_request_s`` plus ``cpu_per_token_s`` per output token (``pdserve profile`` reads the engines' and
+  router's ``process_cpu_seconds_total``); at a request rate it takes ``rate x`` that many cores off ``cores``, as
+  ``background_cores`` (other work on the machine) does. GPU replicas own their GPUs: leave ``host`` unset.
 
 Fitted models: a cost between measured points is interpolated linearly; below the smallest measured length it
 stays at the smallest point's cost (the fixed per-batch overhead does not shrink); above the largest it grows
@@ -241,7 +244,17 @@ class Host(_Strict):
 
     cores: float = Field(gt=0)
     cores_per_replica: float = Field(1.0, gt=0)
+    cpu_per_request_s: float = Field(0.0, ge=0)
+    cpu_per_token_s: float = Field(0.0, ge=0)
+    cpu_overhead_source: Optional[str] = None
+    background_cores: float = Field(0.0, ge=0)
     source: str = Field(min_length=1)
+
+    def model_cores(self, request_rate: float, mean_output_len: float) -> float:
+        """Cores left to the replicas' model work at ``request_rate`` req/s: ``cores`` less ``background_cores``
+        and the CPU the requests cost outside it, at least 5% of ``cores``."""
+        overhead = request_rate * (self.cpu_per_request_s + mean_output_len * self.cpu_per_token_s)
+        return max(0.05 * self.cores, self.cores - self.background_cores - overhead)
 
 
 class Profile(_Strict):

@@ -21,7 +21,8 @@ it; goodput is scored by pdserve bench's own function (pd.bench.goodput); the ru
 arrival to the last completion.
 
 Shared CPU cores (``profile.host``): when replicas share a machine's cores, every busy replica runs at
-``min(1, cores / cores the busy replicas need)`` of its profiled speed (processor sharing). Compute jobs
+``min(1, cores / cores the busy replicas need)`` of its profiled speed (processor sharing), where ``cores`` is
+what the host has left at the workload's rate (``Host.model_cores``). Compute jobs
 are kept on a work clock W (profiled seconds done by any one busy replica, dW/dt = that speed), so a change of
 speed moves no scheduled completion: it only changes how fast W reaches them.
 """
@@ -203,7 +204,7 @@ class _Decode:
 
 
 class _Sim:
-    def __init__(self, profile: Profile, split: Split, policy: Policy):
+    def __init__(self, profile: Profile, split: Split, policy: Policy, rate: float, mean_output_len: float):
         self.kv_bytes = profile.kv_bytes_per_token
         p, d = profile.entry(split.prefill_tp), profile.entry(split.decode_tp)
         self.transfer: TransferCosts = profile.transfer_for(split.prefill_tp)
@@ -212,7 +213,7 @@ class _Sim:
         self.decodes = [_Decode(d.decode, dd) for _ in range(split.decode_replicas)]
         self.policy = policy
         self.turn = [0, 0]
-        self.cores = profile.host.cores if profile.host else None
+        self.cores = profile.host.model_cores(rate, mean_output_len) if profile.host else None
         self.now = 0.0
         self.work = 0.0  # the work clock W
         self.busy = 0.0  # host cores the busy replicas need
@@ -385,7 +386,8 @@ def simulate(profile: Profile, split: Split, workload: Workload, policy: Policy 
         ProfileError: the profile has no entry for a TP size of the split.
     """
     reqs = workload.requests() if requests is None else requests
-    results = _Sim(profile, split, policy).run(reqs)
+    mean_out = sum(r.output_len for r in reqs) / len(reqs)
+    results = _Sim(profile, split, policy, workload.request_rate, mean_out).run(reqs)
     duration = max(r.end_s for r in results) - min(r.request.arrival_s for r in results)
     return SimResult(split, workload, results, duration)
 
