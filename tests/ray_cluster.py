@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -116,6 +117,7 @@ class RayHead:
 
         stop_group(self.proc.pid, grace=5)
         self.log.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)  # Ray's session: sockets, logs, the uploaded working dir
 
 
 def wait_pids_gone(pids, timeout: float = 30) -> list[int]:
