@@ -262,6 +262,15 @@ def validate_split(profile, split: Split, name: str, wl: dict, args, logs: Path)
             print(f"  {split.label}: extending the sweep to {rates}", flush=True)
     finally:
         stack.stop()
+    return score_split(profile, split, name, wl, runs, quiet, args.seed)
+
+
+def score_split(profile, split: Split, name: str, wl: dict, runs: list[dict], quiet: dict, seed: int) -> dict:
+    """Predictions for the measured rates of ``runs`` and the comparison (module docstring, step 3)."""
+    w = Workload(1.0, wl["num_prompts"], wl["random_input_len"], wl["random_output_len"], wl["random_range_ratio"],
+                 seed=seed)
+    slo = SLO(wl["slo_ttft_ms"] / 1e3, wl["slo_tpot_ms"] / 1e3)
+    planner_rate = max_goodput_rate(profile, split, w, slo, ATTAINMENT)
     runs.sort(key=lambda r: r["request_rate"])
     rates = [r["request_rate"] for r in runs]
     # what others (and this script's own client) took of the machine during each run
@@ -387,9 +396,10 @@ def main(args) -> dict:
     t0 = time.perf_counter()
     logs = Path(tempfile.mkdtemp(prefix="pdserve-plan-validation-"))
     prof_path = args.out / "plan_split_profile.json"
-    if not args.reuse_profile:
+    if not args.reuse_profile and not args.repredict:
         profile_once(args, logs, prof_path)
     profile = load_profile(prof_path)
+    old = json.loads((args.out / "plan_split_validation.json").read_text()) if args.repredict else None
     workloads = {}
     for name, wl in WORKLOADS.items():
         if args.workloads and name not in args.workloads:
@@ -398,8 +408,14 @@ def main(args) -> dict:
         if args.quick:
             wl["num_prompts"] = max(30, wl["num_prompts"] // 3)
         print(f"workload {name}", flush=True)
-        entries = [validate_split(profile, s, name, wl, args, logs) for s in SPLITS
-                   if not args.splits or s.label in args.splits]
+        if old is not None:  # the same measurements, predicted again by the model as it is now
+            wl = old["workloads"][name]["settings"]
+            by_label = {e["split"]: e for e in old["workloads"][name]["splits"]}
+            entries = [score_split(profile, s, name, wl, by_label[s.label]["measured"],
+                                   by_label[s.label]["quiet_check"], args.seed) for s in SPLITS if s.label in by_label]
+        else:
+            entries = [validate_split(profile, s, name, wl, args, logs) for s in SPLITS
+                       if not args.splits or s.label in args.splits]
         workloads[name] = {
             "settings": wl, "splits": entries,
             "rank_measured": ranks(entries, lambda e: e["measured_goodput"]["rate"]),
@@ -417,6 +433,7 @@ def main(args) -> dict:
             "command": " ".join(["benchmarks/plan_split_validation.py", *sys.argv[1:]]),
             "profile": str(prof_path.relative_to(REPO)) if prof_path.is_relative_to(REPO) else str(prof_path),
             "attainment_target": ATTAINMENT, "target_error": TARGET_ERR, "workloads": workloads,
+            "measured_utc": old["started_utc"] if old else started, "repredicted": bool(old),
             "headline": headline, "targets_met": rank_ok and within == len(errs), "notes": args.notes}
 
 
@@ -434,6 +451,8 @@ def parse_args(argv=None):
     p.add_argument("--quiet-wait", type=float, default=300.0, help="seconds to wait for that at most")
     p.add_argument("--notes", default="", help="the reading of the results, stored with them")
     p.add_argument("--workloads", nargs="*", default=None, help="only these workloads (smoke runs)")
+    p.add_argument("--repredict", action="store_true",
+                   help="measure nothing: predict the measurements in --out's plan_split_validation.json again")
     p.add_argument("--splits", nargs="*", default=None, help="only these splits, e.g. 2P1D (smoke runs)")
     return p.parse_args(argv)
 

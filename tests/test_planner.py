@@ -335,15 +335,17 @@ def test_split_label_and_gpus():
     assert math.isclose(SLO(1, 1).ttft_s, 1)
 
 
-def test_host_cores_left_to_model_work():
-    """Cores left at a rate: the host's, less other work and the per-request and per-token CPU the requests cost
-    outside the model threads; never under 5% of the host."""
+def test_background_demand_shares_the_host_cores():
+    """Other work and the CPU requests cost outside the model threads share the cores with the busy replicas,
+    as runnable threads share them: 4 busy prefills plus 0.5 + 10 req/s x (0.01 + 1 token x 0.001) = 0.61 cores of
+    background on 2 cores run at 2 / 4.61 of their speed."""
     d = profile_dict(host={"cores": 2, "source": "test", "background_cores": 0.5, "cpu_per_request_s": 0.01,
                            "cpu_per_token_s": 0.001})
     host = parse_profile(d).host
-    assert host.model_cores(10, 50) == pytest.approx(2 - 0.5 - 10 * (0.01 + 50 * 0.001))
-    assert host.model_cores(1000, 50) == pytest.approx(0.1)
-    # in the simulator: 4 prefills on the 0.9 cores left run at 0.9/4 of their speed
+    assert host.background_demand(10, 50) == pytest.approx(0.5 + 10 * (0.01 + 50 * 0.001))
     reqs = [Request(0.0, 10, 1) for _ in range(4)]
     res = simulate(parse_profile(d), Split(4, 1, 1, 1), fixed(10, 4), requests=reqs)
-    assert res.requests[0].prefill_end_s == pytest.approx(0.010 * 4 / (2 - 0.5 - 10 * 0.011))
+    assert res.requests[0].prefill_end_s == pytest.approx(0.010 * (4 + 0.5 + 10 * 0.011) / 2)
+    # one busy prefill and a small background fit the two cores: full speed
+    one = simulate(parse_profile(d), Split(1, 1, 1, 1), fixed(10, 1), requests=reqs[:1])
+    assert one.requests[0].prefill_end_s == pytest.approx(0.010)

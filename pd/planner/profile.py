@@ -44,8 +44,9 @@ Fields (the planner's cost model, pd.planner.simulate):
   replicas need more than there are, all run proportionally slower (processor sharing). What requests cost the
   host outside the replicas' model work -- HTTP, bootstrap and transfer threads of the engines, the router --
   is ``cpu_per_request_s`` plus ``cpu_per_token_s`` per output token (``pdserve profile`` reads the engines' and
-  router's ``process_cpu_seconds_total``); at a request rate it takes ``rate x`` that many cores off ``cores``, as
-  ``background_cores`` (other work on the machine) does. GPU replicas own their GPUs: leave ``host`` unset.
+  router's ``process_cpu_seconds_total``); at a request rate it adds ``rate x`` that many cores to the demand the
+  busy replicas share the cores with, as ``background_cores`` (other work on the machine) does: a busy replica runs
+  at ``min(1, cores / (busy replicas' cores + that demand))``. GPU replicas own their GPUs: leave ``host`` unset.
 
 Fitted models: a cost between measured points is interpolated linearly; below the smallest measured length it
 stays at the smallest point's cost (the fixed per-batch overhead does not shrink); above the largest it grows
@@ -250,11 +251,11 @@ class Host(_Strict):
     background_cores: float = Field(0.0, ge=0)
     source: str = Field(min_length=1)
 
-    def model_cores(self, request_rate: float, mean_output_len: float) -> float:
-        """Cores left to the replicas' model work at ``request_rate`` req/s: ``cores`` less ``background_cores``
-        and the CPU the requests cost outside it, at least 5% of ``cores``."""
-        overhead = request_rate * (self.cpu_per_request_s + mean_output_len * self.cpu_per_token_s)
-        return max(0.05 * self.cores, self.cores - self.background_cores - overhead)
+    def background_demand(self, request_rate: float, mean_output_len: float) -> float:
+        """Cores of CPU demand besides the replicas' model work at ``request_rate`` req/s: ``background_cores`` plus
+        what the requests cost outside the model threads. It shares the cores with the busy replicas as the
+        kernel's fair scheduler shares them among runnable threads (it takes its share, not all it asks for)."""
+        return self.background_cores + request_rate * (self.cpu_per_request_s + mean_output_len * self.cpu_per_token_s)
 
 
 class Profile(_Strict):

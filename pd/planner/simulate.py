@@ -21,10 +21,11 @@ it; goodput is scored by pdserve bench's own function (pd.bench.goodput); the ru
 arrival to the last completion.
 
 Shared CPU cores (``profile.host``): when replicas share a machine's cores, every busy replica runs at
-``min(1, cores / cores the busy replicas need)`` of its profiled speed (processor sharing), where ``cores`` is
-what the host has left at the workload's rate (``Host.model_cores``). Compute jobs
-are kept on a work clock W (profiled seconds done by any one busy replica, dW/dt = that speed), so a change of
-speed moves no scheduled completion: it only changes how fast W reaches them.
+``min(1, cores / (cores the busy replicas need + the background demand))`` of its profiled speed (processor
+sharing, as the kernel's fair scheduler shares cores among runnable threads); the background is other work on
+the machine and the CPU the workload's requests cost outside the model threads (``Host.background_demand``).
+Compute jobs are kept on a work clock W (profiled seconds done by any one busy replica, dW/dt = that speed), so a
+change of speed moves no scheduled completion: it only changes how fast W reaches them.
 """
 
 from __future__ import annotations
@@ -213,7 +214,8 @@ class _Sim:
         self.decodes = [_Decode(d.decode, dd) for _ in range(split.decode_replicas)]
         self.policy = policy
         self.turn = [0, 0]
-        self.cores = profile.host.model_cores(rate, mean_output_len) if profile.host else None
+        self.cores = profile.host.cores if profile.host else None
+        self.background = profile.host.background_demand(rate, mean_output_len) if profile.host else 0.0
         self.now = 0.0
         self.work = 0.0  # the work clock W
         self.busy = 0.0  # host cores the busy replicas need
@@ -223,9 +225,10 @@ class _Sim:
 
     # -- clocks
     def speed(self) -> float:
-        if self.cores is None or self.busy <= self.cores + 1e-9:
+        demand = self.busy + self.background
+        if self.cores is None or demand <= self.cores + 1e-9:
             return 1.0
-        return self.cores / self.busy
+        return self.cores / demand
 
     def start_job(self, server, seconds: float) -> None:
         self.seq += 1
