@@ -56,14 +56,15 @@ class RayHead:
             raise RuntimeError(f"ray {' '.join(args)} failed: {out.stdout[-2000:]}\n{out.stderr[-2000:]}")
         return out.stdout + out.stderr
 
-    def submit(self, *entrypoint: str) -> str:
+    def submit(self, *entrypoint: str, options: tuple[str, ...] = ()) -> str:
+        """`ray job submit --working-dir . [options] --no-wait -- entrypoint`; returns the job id."""
         class AgentBusy(RuntimeError):
             pass
 
         def submit() -> str:
             try:
-                return self.ray("job", "submit", "--address", self.address, "--working-dir", ".", "--no-wait", "--",
-                                *entrypoint)
+                return self.ray("job", "submit", "--address", self.address, "--working-dir", ".", *options,
+                                "--no-wait", "--", *entrypoint)
             except RuntimeError as e:
                 if "No available agent" not in str(e):
                     raise

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import tempfile
@@ -182,23 +181,7 @@ class NamespaceCluster(RayHead):
         import yaml
 
         env = json.dumps({"env_vars": {"PDSERVE_CONFIG_YAML": yaml.safe_dump(cfg)}})
-        return self.submit_with("--runtime-env-json", env)
-
-    def submit_with(self, *opts: str) -> str:
-        class AgentBusy(RuntimeError):
-            pass
-
-        def submit() -> str:
-            try:
-                return self.ray("job", "submit", "--address", self.address, "--working-dir", ".", *opts,
-                                "--no-wait", "--", "python", "-m", "pd.launch")
-            except RuntimeError as e:
-                if "No available agent" not in str(e):
-                    raise
-                raise AgentBusy(str(e)) from None
-
-        out = wait_until(submit, 180, interval=1, what="a job agent on the Ray head", retry=(AgentBusy,))
-        return re.search(r"raysubmit_\w+", out).group(0)
+        return self.submit("python", "-m", "pd.launch", options=("--runtime-env-json", env))
 
     def kill_host(self, label: str) -> list[int]:
         """SIGKILL every process in ``label``'s namespace (its raylet, actors, engines); returns the PIDs."""
