@@ -346,6 +346,11 @@ def test_background_demand_shares_the_host_cores():
     reqs = [Request(0.0, 10, 1) for _ in range(4)]
     res = simulate(parse_profile(d), Split(4, 1, 1, 1), fixed(10, 4), requests=reqs)
     assert res.requests[0].prefill_end_s == pytest.approx(0.010 * (4 + 0.5 + 10 * 0.011) / 2)
+    # the engines' own overheads (per TP entry) add to the router's
+    d["tp"]["1"]["prefill"]["cpu_overhead_per_request_s"] = 0.02
+    d["tp"]["1"]["decode"].update(cpu_overhead_per_request_s=0.01, cpu_overhead_per_token_s=0.002)
+    res = simulate(parse_profile(d), Split(4, 1, 1, 1), fixed(10, 4), requests=reqs)
+    assert res.requests[0].prefill_end_s == pytest.approx(0.010 * (4 + 0.5 + 10 * (0.011 + 0.03 + 0.002)) / 2)
     # one busy prefill and a small background fit the two cores: full speed
     one = simulate(parse_profile(d), Split(1, 1, 1, 1), fixed(10, 1), requests=reqs[:1])
     assert one.requests[0].prefill_end_s == pytest.approx(0.010)

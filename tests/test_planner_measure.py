@@ -34,8 +34,10 @@ def test_profile_measures_reference_engines(engines, tmp_path, capsys):
     prof = load_profile(out)
     assert prof.engine == "reference" and prof.host.cores == 2
     # the engines' and router's process CPU beyond the profiled model work, per request and per output token
-    assert prof.host.cpu_per_request_s >= 0 and prof.host.cpu_per_token_s >= 0
+    assert prof.host.cpu_per_request_s > 0 and prof.host.cpu_per_token_s >= 0  # the router's
     assert "process_cpu_seconds_total" in prof.host.cpu_overhead_source
+    e1 = prof.entry(1)
+    assert e1.prefill.cpu_overhead_per_request_s >= 0 and e1.decode.cpu_overhead_per_token_s >= 0
     e = prof.entry(1)
     assert {(p.batch_size, p.input_len) for p in e.prefill.points} == {(1, 16), (1, 256), (2, 16), (2, 256)}
     assert e.prefill.max_batch_size == 1  # the reference engine runs one prompt at a time

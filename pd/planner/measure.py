@@ -173,14 +173,14 @@ async def measure_pd(prober: Prober, pd_url: str, prefill_url: str, decode_url: 
 
 
 async def measure_host_cpu(prober: Prober, pd_url: str, urls: list[str], lens: list[int], repeats: int,
-                           steps: int) -> Optional[list[tuple[int, int, float]]]:
-    """CPU seconds one PD request costs the processes at ``urls`` together (the prefill, the decode and the router
-    at ``pd_url``, from their ``process_cpu_seconds_total``), one request at a time: ``(input_len, max_new_tokens,
-    seconds)`` at every prompt length with one output token and at the shortest with ``steps``; None when one of
+                           steps: int) -> Optional[list[tuple[int, int, list[float]]]]:
+    """CPU seconds one PD request costs each process at ``urls`` (the prefill, the decode, the router at ``pd_url``;
+    their ``process_cpu_seconds_total``), one request at a time: ``(input_len, max_new_tokens, [seconds per
+    process])`` at every prompt length with one output token and at the shortest with ``steps``; None when one of
     them does not export the metric."""
-    async def cpu() -> Optional[float]:
+    async def cpu() -> Optional[list[float]]:
         vals = [metric_sum(await _metrics(prober.client, u), "process_cpu_seconds_total") for u in urls]
-        return None if any(v is None for v in vals) else sum(vals)
+        return None if any(v is None for v in vals) else vals
 
     out = []
     for n, new in [(n, 1) for n in lens] + [(min(lens), steps)]:
@@ -189,22 +189,30 @@ async def measure_host_cpu(prober: Prober, pd_url: str, urls: list[str], lens: l
             return None
         for _ in range(repeats):
             await prober.one(pd_url, n, new)
-        out.append((n, new, (await cpu() - c0) / repeats))
+        out.append((n, new, [(b - a) / repeats for a, b in zip(c0, await cpu())]))
     return out
 
 
-def host_overheads(samples: list[tuple[int, int, float]], entry: dict) -> tuple[float, float]:
-    """CPU per request and per output token outside the model work the entry's curves account for: the first is
-    the median over prompt lengths of CPU - prefill - KV load, the second what the long request costs beyond that
-    and its decode steps, per token (both at least 0)."""
+def host_overheads(samples: list[tuple[int, int, list[float]]], entry: dict) -> dict[str, float]:
+    """The CPU each process spends beyond the model work the entry's curves account for (that work keeps
+    ``host_cores`` cores busy): the prefill's per request (median over prompt lengths of its CPU less the prefill),
+    the decode's per request (less the KV load) and per output token (what the long request costs beyond that and
+    its decode steps), the router's per request and per token. Each at least 0."""
     from pd.planner.profile import DecodeCosts, PrefillCosts
 
     pre, dec = PrefillCosts(**entry["prefill"]), DecodeCosts(**entry["decode"])
-    per_req = statistics.median(max(0.0, c - pre.seconds(1, n) - dec.admit_seconds(n))
-                                for n, new, c in samples if new == 1)
-    n, new, c = next(x for x in samples if x[1] > 1)
-    model = pre.seconds(1, n) + dec.admit_seconds(n) + (new - 1) * dec.step_seconds(1, n + new / 2)
-    return per_req, max(0.0, (c - model - per_req) / (new - 1))
+    k = entry.get("host_cores") or 1.0
+    ones = [(n, c) for n, new, c in samples if new == 1]
+    n, new, (lp, ld, lr) = next(x for x in samples if x[1] > 1)
+    out = {
+        "prefill_request": statistics.median(max(0.0, c[0] - k * pre.seconds(1, m)) for m, c in ones),
+        "decode_request": statistics.median(max(0.0, c[1] - k * dec.admit_seconds(m)) for m, c in ones),
+        "router_request": statistics.median(c[2] for _, c in ones),
+    }
+    steps = k * (dec.admit_seconds(n) + (new - 1) * dec.step_seconds(1, n + new / 2))
+    out["decode_token"] = max(0.0, (ld - steps - out["decode_request"]) / (new - 1))
+    out["router_token"] = max(0.0, (lr - out["router_request"]) / (new - 1))
+    return out
 
 
 async def measure(args) -> dict:
@@ -300,10 +308,15 @@ async def measure(args) -> dict:
     if args.host_cores:
         data["host"] = {"cores": args.host_cores, "source": "--host-cores: replicas share this machine's cores"}
         if host_cpu:
-            per_req, per_tok = host_overheads(host_cpu, entry)
-            data["host"].update(cpu_per_request_s=per_req, cpu_per_token_s=per_tok, cpu_overhead_source=(
-                "process_cpu_seconds_total of the prefill, decode and router per request through "
-                f"{args.pd_url}, less the profiled prefill, KV load and decode steps ({now})"))
+            o = host_overheads(host_cpu, entry)
+            entry["prefill"]["cpu_overhead_per_request_s"] = o["prefill_request"]
+            entry["decode"]["cpu_overhead_per_request_s"] = o["decode_request"]
+            entry["decode"]["cpu_overhead_per_token_s"] = o["decode_token"]
+            data["host"].update(cpu_per_request_s=o["router_request"], cpu_per_token_s=o["router_token"],
+                                cpu_overhead_source=(
+                                    "process_cpu_seconds_total per request through the router at "
+                                    f"{args.pd_url} (the engines': their TP entries, less the profiled prefill, "
+                                    f"KV load and decode steps) ({now})"))
     return {k: v for k, v in data.items() if v is not None}
 
 

@@ -42,11 +42,13 @@ Fields (the planner's cost model, pd.planner.simulate):
   CPU box). ``cores``: cores the engines get; each busy replica needs ``cores_per_replica`` of them (a TP entry's
   ``host_cores`` overrides it: a reference engine with ``--cpu-threads 2`` keeps two busy), and when the busy
   replicas need more than there are, all run proportionally slower (processor sharing). What requests cost the
-  host outside the replicas' model work -- HTTP, bootstrap and transfer threads of the engines, the router --
-  is ``cpu_per_request_s`` plus ``cpu_per_token_s`` per output token (``pdserve profile`` reads the engines' and
-  router's ``process_cpu_seconds_total``); at a request rate it adds ``rate x`` that many cores to the demand the
-  busy replicas share the cores with, as ``background_cores`` (other work on the machine) does: a busy replica runs
-  at ``min(1, cores / (busy replicas' cores + that demand))``. GPU replicas own their GPUs: leave ``host`` unset.
+  host outside the replicas' model work -- the router's ``cpu_per_request_s`` plus ``cpu_per_token_s`` per
+  output token, and per TP entry the engines' HTTP, bootstrap and transfer threads
+  (``prefill.cpu_overhead_per_request_s``, ``decode.cpu_overhead_per_request_s``,
+  ``decode.cpu_overhead_per_token_s``; ``pdserve profile`` reads each process's ``process_cpu_seconds_total``) --
+  at a request rate adds ``rate x`` that many cores to the demand the busy replicas share the cores with, as
+  ``background_cores`` (other work on the machine) does: a busy replica runs at
+  ``min(1, cores / (busy replicas' cores + that demand))``. GPU replicas own their GPUs: leave ``host`` unset.
 
 Fitted models: a cost between measured points is interpolated linearly; below the smallest measured length it
 stays at the smallest point's cost (the fixed per-batch overhead does not shrink); above the largest it grows
@@ -166,6 +168,7 @@ class PrefillCosts(_Strict):
     points: list[PrefillPoint] = Field(min_length=1)
     max_batch_size: int = Field(1, ge=1)
     max_batch_tokens: Optional[int] = Field(None, ge=1)
+    cpu_overhead_per_request_s: float = Field(0.0, ge=0)
     source: str = Field(min_length=1)
 
     @cached_property
@@ -186,6 +189,8 @@ class DecodeCosts(_Strict):
     max_kv_tokens: Optional[int] = Field(None, ge=1)
     tokens_per_step: float = Field(1.0, ge=1.0)
     tokens_per_step_source: Optional[str] = None
+    cpu_overhead_per_request_s: float = Field(0.0, ge=0)
+    cpu_overhead_per_token_s: float = Field(0.0, ge=0)
     source: str = Field(min_length=1)
 
     @cached_property
@@ -251,11 +256,15 @@ class Host(_Strict):
     background_cores: float = Field(0.0, ge=0)
     source: str = Field(min_length=1)
 
-    def background_demand(self, request_rate: float, mean_output_len: float) -> float:
+    def background_demand(self, request_rate: float, mean_output_len: float, per_request_s: float = 0.0,
+                          per_token_s: float = 0.0) -> float:
         """Cores of CPU demand besides the replicas' model work at ``request_rate`` req/s: ``background_cores`` plus
-        what the requests cost outside the model threads. It shares the cores with the busy replicas as the
-        kernel's fair scheduler shares them among runnable threads (it takes its share, not all it asks for)."""
-        return self.background_cores + request_rate * (self.cpu_per_request_s + mean_output_len * self.cpu_per_token_s)
+        what the requests cost outside the model threads (the router's, plus the engines' ``per_request_s`` and
+        ``per_token_s``). It shares the cores with the busy replicas as the kernel's fair scheduler shares them
+        among runnable threads (it takes its share, not all it asks for)."""
+        req = self.cpu_per_request_s + per_request_s
+        tok = self.cpu_per_token_s + per_token_s
+        return self.background_cores + request_rate * (req + mean_output_len * tok)
 
 
 class Profile(_Strict):

@@ -215,7 +215,11 @@ class _Sim:
         self.policy = policy
         self.turn = [0, 0]
         self.cores = profile.host.cores if profile.host else None
-        self.background = profile.host.background_demand(rate, mean_output_len) if profile.host else 0.0
+        self.background = 0.0
+        if profile.host:
+            self.background = profile.host.background_demand(
+                rate, mean_output_len, p.prefill.cpu_overhead_per_request_s + d.decode.cpu_overhead_per_request_s,
+                d.decode.cpu_overhead_per_token_s)
         self.now = 0.0
         self.work = 0.0  # the work clock W
         self.busy = 0.0  # host cores the busy replicas need
