@@ -287,8 +287,9 @@ async def measure(args) -> dict:
                 kv_src = f"KV bytes moved per prompt token through {args.pd_url} (prefill /metrics)"
             if args.host_cores:
                 cpu_urls = [args.prefill_url.rstrip("/"), args.decode_url.rstrip("/"), args.pd_url.rstrip("/")]
-                host_cpu = await measure_host_cpu(prober, args.pd_url.rstrip("/"), cpu_urls, lens, args.repeats,
-                                                  args.decode_steps)
+                # process_cpu_seconds_total counts clock ticks (10 ms): enough requests that a few ms each show
+                host_cpu = await measure_host_cpu(prober, args.pd_url.rstrip("/"), cpu_urls, lens,
+                                                  max(10, args.repeats), args.decode_steps)
         if "transfer" not in entry:
             if args.transfer_bandwidth_gb_s is None or kv_per_token is None:
                 raise ValueError("without --pd-url give --kv-bytes-per-token and "
