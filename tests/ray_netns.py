@@ -119,14 +119,22 @@ class NamespaceCluster(RayHead):
         for label, (gpus, res) in workers.items():
             self.nodes[label] = RayNode(self.net.hosts[label], self.tmp, self.env, self.gcs, gpus, res)
         try:
+            self._token_auth()
             self.nodes["head"].start()
             self._wait_dashboard()
+            self._token_auth()  # the head may have just written the token
             for label in workers:
                 self.nodes[label].start()
             self.wait_alive(set(self.nodes))
         except BaseException:
             self.stop()
             raise
+
+    def _token_auth(self) -> None:
+        """With ``~/.ray/auth_token`` present the head requires Ray's token authentication, and every joining
+        node and `ray` CLI call needs ``RAY_AUTH_MODE=token`` ("InvalidAuthToken" otherwise)."""
+        if os.path.exists(os.path.expanduser("~/.ray/auth_token")):
+            self.env["RAY_AUTH_MODE"] = "token"
 
     def _wait_dashboard(self) -> None:
         def up() -> bool:
@@ -143,7 +151,9 @@ class NamespaceCluster(RayHead):
 
     def alive_nodes(self) -> dict[str, str]:
         """node IP -> node id of the nodes Ray's state API calls ALIVE."""
-        r = httpx.get(self.address + "/api/v0/nodes?limit=100", timeout=5)
+        token = os.path.expanduser("~/.ray/auth_token")
+        headers = {"Authorization": "Bearer " + open(token).read().strip()} if os.path.exists(token) else {}
+        r = httpx.get(self.address + "/api/v0/nodes?limit=100", timeout=5, headers=headers)
         r.raise_for_status()
         return {n["node_ip"]: n["node_id"] for n in r.json()["data"]["result"]["result"] if n["state"] == "ALIVE"}
 
@@ -170,6 +180,7 @@ class NamespaceCluster(RayHead):
         self.wait_alive(set(self.nodes))
 
     def ray(self, *args: str, timeout: float = 120) -> str:
+        self._token_auth()
         out = subprocess.run([*self.prefix, os.path.join(BIN, "ray"), *args], capture_output=True, text=True,
                              env=self.env, cwd=ROOT, timeout=timeout)
         if out.returncode != 0:
