@@ -10,6 +10,11 @@ Build and run one from Python::
 or from the command line: ``pdserve router --prefill URL [BOOTSTRAP_PORT] --decode URL --port N``.
 """
 
+if __name__ == "router":  # the checkout root is on sys.path: hand the import to the real package (docs/design.md)
+    from pd.util.shadowing import defer_to_installed
+
+    defer_to_installed(__name__, __file__)
+
 _EXPORTS = {
     "RouterConfig": "pd.router.config",
     "PrefillWorkerConfig": "pd.router.config",
