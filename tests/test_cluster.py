@@ -15,6 +15,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines import ROOT, free_port
+from import_guard import assert_guard_passed, guard_report
 from pd.util.wait import async_wait_until, wait_until
 from ray_cluster import RayHead, wait_pids_gone
 
@@ -235,3 +236,14 @@ def test_bundle_no_node_can_hold_is_named_at_once(ray_head):
         assert "prefill-0: no alive node" not in ray_head.logs(job)  # the prefill bundle fits
     finally:
         ray_head.stop_job(job)
+
+
+def test_a_ray_job_imports_the_real_packages(ray_head):
+    """`ray job submit --working-dir .` puts the uploaded checkout on the job's sys.path: ``import kernels`` is
+    still Hugging Face's and transformers builds a model (tests/import_guard.py)."""
+    job = ray_head.submit("python", "tests/import_guard.py")
+    wait_until(lambda: re.search(r"failed|succeeded|stopped", ray_head.status(job), re.IGNORECASE), 120,
+               interval=1, what=f"job {job} ended", retry=())
+    logs = ray_head.logs(job)
+    assert_guard_passed(guard_report(logs))
+    assert "succeeded" in ray_head.status(job).lower(), logs[-3000:]

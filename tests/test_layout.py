@@ -17,8 +17,8 @@ SOURCES = {"pd": ROOT / "pd", "pd.kernels": ROOT / "kernels", "pd.router": ROOT 
            "pd.monitoring": ROOT / "monitoring", "pd.deploy": ROOT / "deploy"}
 # Layer of each package, lowest first; a module may import its own layer's package and lower layers.
 LAYERS = [
-    {"pd.util", "pd.deploy"},
-    {"pd.router", "pd.kernels", "pd.monitoring", "pd.engines"},
+    {"pd.util"},
+    {"pd.router", "pd.kernels", "pd.monitoring", "pd.engines", "pd.deploy"},
     {"pd.config"},
     {"pd.commands", "pd.bench"},
     {"pd.tools", "pd.planner"},
