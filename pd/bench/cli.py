@@ -2,12 +2,18 @@
 
 Exit status: 0 done; 1 the run could not start (server down, no tokenizer, warm-up failed); 2 a bad flag
 (argparse's usage error naming it); 130 interrupted (the results measured until then are written).
+
+SIGINT interrupts a run however it was started: a shell starts a background job (``pdserve bench ... &`` in a
+script, ``nohup``'d batch runs) with SIGINT ignored, and Python keeps an inherited "ignore", so ``kill -INT PID``
+would do nothing; :func:`main` puts Python's handler back first.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 
 from pd.bench.config import BenchConfig, add_arguments
 
@@ -31,8 +37,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def interrupt_on_sigint() -> None:
+    """Make SIGINT raise ``KeyboardInterrupt`` (Python's own handler) when it is ignored or at the OS default, as
+    in a background job; a handler the caller installed is kept. Off the main thread (where Python cannot set
+    handlers) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``pdserve bench ARGV``; returns the exit status (see the module docstring)."""
+    interrupt_on_sigint()
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:

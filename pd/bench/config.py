@@ -140,12 +140,17 @@ class BenchConfig:
     output_details: bool = _opt(False, "add per-request columns (input_lens, output_lens, ttfts, itls, errors, ...)",
                                 sglang=True)
     plot_file: Optional[str] = _opt(None, "PNG of latency CDFs and goodput vs request rate (default: next to "
-                                    "--output-file as .png)")
+                                    "--output-file as .png); needs matplotlib (pip install 'pdserve[monitoring]'), "
+                                    "skipped with a note without it")
     disable_tqdm: bool = _opt(False, "no progress bar", sglang=True)
     tag: Optional[str] = _opt(None, "a label stored in the results", sglang=True)
     # PD stage breakdown
-    admin_api_key: Optional[str] = _opt(None, "the router's admin key, to list its workers for the stage breakdown "
-                                        "(not needed from the router's own host)")
+    admin_api_key: Optional[str] = _opt(None, "the router's admin key, to list its workers for the stage breakdown. "
+                                        "Default: the key in the file a pdserve launcher (pdserve up, make serve) "
+                                        "wrote (never printed): $PDSERVE_ADMIN_API_KEY_FILE when set, else, for a "
+                                        "router on this machine, RAY_TMP/ray/session_latest/pdserve_admin_key_PORT "
+                                        "(PORT: the --base-url's; RAY_TMP: $RAY_TMPDIR, else $TMPDIR, else /tmp); a "
+                                        "router without keys needs none from its own host")
     disable_stage_breakdown: bool = _opt(False, "do not read the router's and engines' /metrics")
 
     def __post_init__(self):

@@ -241,16 +241,32 @@ def _sweep_goodput(cfg: BenchConfig, result: dict) -> None:
     result["max_request_rate_meeting_slo"] = "inf" if best is not None and math.isinf(best) else best
 
 
+PNG_EXTRA = "pdserve[monitoring]"  # the extra that brings matplotlib (pyproject.toml)
+
+
+def _write_plot(cfg: BenchConfig, plot: str, result: dict, plot_columns: list[dict]) -> None:
+    """Draw the PNG to ``plot`` and name it in ``result``; without matplotlib, skip it with a one-line note on
+    stderr naming the extra that adds it (the JSON is written all the same)."""
+    from pd.bench.plots import write_png
+
+    os.makedirs(os.path.dirname(os.path.abspath(plot)), exist_ok=True)
+    title = f"pdserve bench: {cfg.backend} {cfg.url}, {cfg.dataset_name}, {cfg.num_prompts} requests per rate"
+    try:
+        write_png(plot, result["runs"], plot_columns, cfg.slo_ttft_ms, cfg.slo_tpot_ms, cfg.slo_attainment_target,
+                  title)
+    except ImportError as e:
+        if (e.name or "").split(".")[0] != "matplotlib":
+            raise
+        print(f"pdserve bench: no plot {plot}: matplotlib is not installed (pip install '{PNG_EXTRA}')",
+              file=sys.stderr, flush=True)
+        return
+    result["plot_file"] = plot
+
+
 def _write(cfg: BenchConfig, result: dict, plot_columns: list[dict], quiet: bool) -> None:
     plot = cfg.plot_file or (os.path.splitext(cfg.output_file)[0] + ".png" if cfg.output_file else None)
     if plot and any(r["completed"] for r in result["runs"]):
-        from pd.bench.plots import write_png
-
-        os.makedirs(os.path.dirname(os.path.abspath(plot)), exist_ok=True)
-        title = f"pdserve bench: {cfg.backend} {cfg.url}, {cfg.dataset_name}, {cfg.num_prompts} requests per rate"
-        write_png(plot, result["runs"], plot_columns, cfg.slo_ttft_ms, cfg.slo_tpot_ms, cfg.slo_attainment_target,
-                  title)
-        result["plot_file"] = plot
+        _write_plot(cfg, plot, result, plot_columns)
     if cfg.output_file:
         result["output_file"] = cfg.output_file
         os.makedirs(os.path.dirname(os.path.abspath(cfg.output_file)), exist_ok=True)

@@ -71,8 +71,8 @@ def serving() -> types.ModuleType:
             transformers, pybase64, pillow, psutil, pyzmq) is not installed; the message says what to install.
     """
     if importlib.util.find_spec("sglang") is None:
-        raise ImportError("pdserve bench needs the pinned SGLang's benchmark code: pip install --no-deps "
-                          "sglang==0.5.23 (make install does it) plus the 'dev' extra's light packages")
+        raise ImportError("pdserve bench needs the pinned SGLang's benchmark code: pip install 'pdserve[bench]' "
+                          "then pip install --no-deps sglang==0.5.23 (make install does both)")
     _stand_in("sglang.srt.disaggregation.utils", FAKE_BOOTSTRAP_HOST=_FAKE_BOOTSTRAP_HOST)
     _load_file_alone("sglang.srt.utils.network")
     _stand_in("sglang.benchmark.datasets.mmmu", MMMUDataset=_MMMUDataset)

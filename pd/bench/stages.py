@@ -3,8 +3,10 @@ read before and after it: the mean of each stage is (sum after - sum before) / (
 before) of its histogram, so it covers exactly the requests finished in between (the run's, if nothing
 else uses the deployment meanwhile).
 
-The engines are the router's workers (``GET /workers``, the admin API: open from the router's host, else
-``--admin-api-key``).
+The engines are the router's workers (``GET /workers``, the admin API) listed with the admin key
+:func:`resolve_admin_key` picks: ``--admin-api-key``, else the key file a pdserve launcher left
+(pd.util.admin_key: ``$PDSERVE_ADMIN_API_KEY_FILE``, else ``pdserve_admin_key_<router port>`` in Ray's
+``session_latest`` for a router on this machine), else none (a router without keys opens it to loopback clients).
 
 Stages, in a request's order (engine stages are ``sglang:per_stage_req_latency_seconds`` by its ``stage``
 label; every series summed over its other labels):
@@ -35,6 +37,8 @@ from typing import Optional
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from pd.util.admin_key import find_admin_key_file, read_admin_key
 
 ROUTER_HISTOGRAMS = {"router_queue": "pdserve_router_queue_seconds", "router_prefill": "pdserve_router_prefill_seconds",
                      "router_ttft": "pdserve_router_ttft_seconds", "router_e2e": "pdserve_router_e2e_seconds"}
@@ -78,10 +82,39 @@ class Targets:
     note: Optional[str] = None  # why the engines' part is missing, when it is
 
 
+@dataclass(frozen=True)
+class AdminKey:
+    """The admin key to list a router's workers with: ``key`` (None: send none), ``source`` (where it came
+    from, for messages: ``"--admin-api-key"`` or the key file's path; never the key itself) and ``problem``
+    (why a key file that was found could not be read)."""
+
+    key: Optional[str] = field(default=None, repr=False)
+    source: Optional[str] = None
+    problem: Optional[str] = None
+
+
+def resolve_admin_key(base_url: str, given: Optional[str]) -> AdminKey:
+    """The admin key for the router at ``base_url``: ``given`` (``--admin-api-key``) when set; else the key file
+    of pd.util.admin_key's rule (``$PDSERVE_ADMIN_API_KEY_FILE``, else ``<Ray temp dir>/session_latest/
+    pdserve_admin_key_<port>`` when the router runs on this machine); else none. Never raises: a key file that
+    cannot be read gives no key and ``problem`` says why."""
+    if given:
+        return AdminKey(given, "--admin-api-key")
+    path = find_admin_key_file(base_url)
+    if path is None:
+        return AdminKey()
+    try:
+        return AdminKey(read_admin_key(path), str(path))
+    except (OSError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        return AdminKey(None, str(path), f"cannot read the admin key file {path}: {why}")
+
+
 async def discover(client: httpx.AsyncClient, base_url: str, admin_api_key: Optional[str]) -> Optional[Targets]:
     """The stage targets behind ``base_url`` when it is a pdserve router (its /metrics has
-    ``pdserve_router_*``), else None. Workers come from ``GET /workers``; when that is refused, the router's
-    stages alone are measured and ``note`` says why."""
+    ``pdserve_router_*``), else None. Workers come from ``GET /workers`` with the admin key
+    :func:`resolve_admin_key` picks (``admin_api_key`` first); when that is refused, the router's stages alone
+    are measured and ``note`` says why (naming where the key came from, never the key)."""
     try:
         r = await client.get(base_url + "/metrics", timeout=SCRAPE_TIMEOUT)
     except httpx.HTTPError:
@@ -89,11 +122,15 @@ async def discover(client: httpx.AsyncClient, base_url: str, admin_api_key: Opti
     if r.status_code != 200 or "pdserve_router_" not in r.text:
         return None
     targets = Targets(router=base_url)
-    headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
+    admin = resolve_admin_key(base_url, admin_api_key)
+    headers = {"Authorization": f"Bearer {admin.key}"} if admin.key else {}
     try:
         w = await client.get(base_url + "/workers", headers=headers, timeout=SCRAPE_TIMEOUT)
         if w.status_code != 200:
-            targets.note = f"GET /workers answered {w.status_code} (give --admin-api-key): engine stages not measured"
+            sent = f"with the key from {admin.source}" if admin.key else "without an admin key"
+            targets.note = "; ".join(filter(None, [
+                admin.problem, f"GET /workers answered {w.status_code} {sent} (give --admin-api-key, or "
+                               "PDSERVE_ADMIN_API_KEY_FILE): engine stages not measured"]))
             return targets
         for worker in w.json().get("workers", []):
             role = worker.get("worker_type")
