@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+import httpx
 import pytest
 from aiohttp import web
 
@@ -146,14 +147,18 @@ def test_rate_sweep_with_constant_arrivals_paces_requests(stub):
     assert result["max_request_rate_meeting_slo"] == 20.0
 
 
-def test_ctrl_c_writes_what_was_measured(stub, tmp_path):
+@pytest.mark.parametrize("inherited", [signal.SIG_DFL, signal.SIG_IGN], ids=["terminal", "background-job"])
+def test_ctrl_c_writes_what_was_measured(stub, tmp_path, inherited):
+    """SIGINT stops the run and writes what was measured, also in a background job (`pdserve bench ... &` in a
+    script, or any child of one such as a test run started with `&`), which starts with SIGINT ignored."""
     server = stub(ttft=0.02, gap=0.1)  # each request ~0.5 s; 60 at 4 req/s would take 15 s
     out = tmp_path / "partial.json"
     proc = subprocess.Popen(
         [sys.executable, "-m", "pd.cli", "bench", "--base-url", server.url, "--dataset-name", "random",
          "--random-input-len", "8", "--random-output-len", "5", "--random-output-dist", "fixed", "--num-prompts",
          "60", "--request-rate", "4", "--output-file", str(out), "--disable-tqdm"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, inherited))
     try:
         wait_until(lambda: server.finished >= 4, 90, interval=0.1, what="4 requests finished")
         os.kill(proc.pid, signal.SIGINT)
@@ -168,6 +173,33 @@ def test_ctrl_c_writes_what_was_measured(stub, tmp_path):
     assert 3 <= run["completed"] < 60 and run["sent"] < 60
     assert run["mean_ttft_ms"] >= 20
     assert "interrupted" in output
+
+
+# `pdserve` in an install without matplotlib (`pip install 'pdserve[cpu]'`): its import fails as a missing one's does.
+NO_MATPLOTLIB = "import sys; sys.modules['matplotlib'] = None; from pd.cli import main; main()"
+
+
+def _pdserve_without_matplotlib(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", NO_MATPLOTLIB, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_bench_without_matplotlib_writes_the_json_and_names_the_extra_for_the_png(stub, tmp_path):
+    r = _pdserve_without_matplotlib("bench", "--help")
+    assert r.returncode == 0 and "usage: pdserve bench" in r.stdout, r.stdout + r.stderr
+    server = stub(ttft=0.01, gap=0.01)
+    out = tmp_path / "nompl.json"
+    r = _pdserve_without_matplotlib(
+        "bench", "--base-url", server.url, "--dataset-name", "random", "--random-input-len", "8",
+        "--random-output-len", "3", "--random-output-dist", "fixed", "--num-prompts", "4", "--request-rate", "inf",
+        "--output-file", str(out), "--disable-tqdm", "--ready-check-timeout-sec", "10")
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads(out.read_text())
+    assert result["runs"][0]["completed"] == 4 and "plot_file" not in result
+    assert not (tmp_path / "nompl.png").exists()
+    notes = [line for line in r.stderr.splitlines() if "pip install" in line]
+    assert len(notes) == 1 and "matplotlib is not installed (pip install 'pdserve[monitoring]')" in notes[0], r.stderr
+    assert str(tmp_path / "nompl.png") in notes[0] and "pdserve[bench]" not in r.stdout + r.stderr
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +232,69 @@ def test_bench_through_the_router_splits_the_stages(router, engines):
     assert ms["prefill_bootstrap"] + ms["prefill"] + ms["kv_transfer"] <= ms["router_prefill"] + 1
     assert ms["decode"] <= run["mean_e2e_latency_ms"]
     assert math.isclose(run["total_output_tokens"], 60)
+
+
+def test_bench_finds_the_admin_key_file_the_launcher_wrote(engines, tmp_path, monkeypatch, capsys):
+    """Against a router with an admin key (as `make serve` starts it), `pdserve bench` lists its workers with the
+    key in the file the launcher wrote (found by the router's port in Ray's session_latest), never printing it;
+    --admin-api-key wins over the file; PDSERVE_ADMIN_API_KEY_FILE names a file anywhere."""
+    import secrets
+
+    import yaml
+
+    from pd.bench import stages
+    from pd.cluster import prom_targets
+    from pd.cluster.launch import Launcher
+    from pd.config import DEFAULT_CONFIG, parse_config
+
+    key = secrets.token_urlsafe(24)
+    with monkeypatch.context() as env:  # the router reads its admin key from its environment
+        env.setenv("PDSERVE_ROUTER_ADMIN_API_KEY", key)
+        router = pd_router(engines["prefill"].url, engines["prefill"].bootstrap_port, engines["decode"].url,
+                           str(tmp_path))
+    try:
+        router.wait_ready()
+        # the launcher writes the key file of a cluster whose router has this port, into its Ray session dir
+        session = tmp_path / "ray" / "session_2026-12-06_10-01-02_123456_789"
+        (tmp_path / "ray").mkdir()
+        (tmp_path / "ray" / "session_latest").symlink_to(session.name)
+        data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+        data["router"]["port"] = router.port
+        launcher = Launcher(parse_config(data))
+        launcher.admin_key = key
+        monkeypatch.setattr(prom_targets, "ray_session_dir", lambda: session)
+        launcher.announce_admin_api()
+        assert launcher.admin_key_file.parent == session and launcher.admin_key_file.stat().st_mode & 0o777 == 0o600
+        assert httpx.get(router.url + "/workers", timeout=10).status_code == 401  # the admin API is keyed
+        monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+        monkeypatch.delenv("PDSERVE_ADMIN_API_KEY_FILE", raising=False)
+        capsys.readouterr()
+        result = run_bench(_cfg(router.url, num_prompts=3, random_input_len=32, random_output_len=4,
+                                request_rate="inf", output_file=str(tmp_path / "keyed.json")), quiet=False)
+        st = result["runs"][0]["stages"]
+        assert st["note"] is None and st["counts"]["prefill"] == 3, st
+        assert st["workers"] == {"prefill": [engines["prefill"].url], "decode": [engines["decode"].url]}
+        printed = capsys.readouterr()
+        assert key not in printed.out + printed.err and key not in (tmp_path / "keyed.json").read_text()
+
+        async def discover(given=None):
+            async with httpx.AsyncClient() as client:
+                return await stages.discover(client, router.url, given)
+
+        wrong = asyncio.run(discover("not-the-key"))  # --admin-api-key wins over the file
+        assert not wrong.workers["prefill"] and "401 with the key from --admin-api-key" in wrong.note
+        elsewhere = tmp_path / "elsewhere" / "admin.key"
+        elsewhere.parent.mkdir()
+        elsewhere.write_text(key + "\n")
+        launcher.admin_key_file.unlink()  # the launcher stopped: no file in the session dir
+        assert "answered 401 without an admin key" in asyncio.run(discover()).note
+        monkeypatch.setenv("PDSERVE_ADMIN_API_KEY_FILE", str(elsewhere))
+        assert asyncio.run(discover()).workers["decode"] == [engines["decode"].url]
+        monkeypatch.setenv("PDSERVE_ADMIN_API_KEY_FILE", str(tmp_path / "missing.key"))
+        note = asyncio.run(discover()).note
+        assert f"cannot read the admin key file {tmp_path / 'missing.key'}" in note and key not in note
+    finally:
+        router.stop()
 
 
 def test_bench_against_one_engine_has_no_stage_split(engines):

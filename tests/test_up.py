@@ -15,6 +15,7 @@ import yaml
 from engines import ROOT, free_port
 from pd.util.wait import wait_until
 from ray_cluster import wait_pids_gone
+from tcp_states import server_side_time_wait
 
 
 def test_pdserve_up_serves_and_ctrl_c_stops_everything(model_cache):
@@ -123,6 +124,28 @@ def test_pdserve_up_names_a_taken_dashboard_port_at_once():
     assert r.returncode == 2, out
     assert f"port {port}" in out and f"pid {os.getpid()}" in out and "--address" in out, out
     assert "nothing started" in out and "starting a local head" not in out, out
+
+
+def test_pdserve_up_restarted_after_ctrl_c_starts_a_head_despite_time_wait(monkeypatch, capsys):
+    """Restarted within a minute of Ctrl-C, the stopped head's dashboard port holds only TIME-WAIT sockets, which
+    do not stop a new dashboard from binding it: `up` goes on to start the head (stood in for here)."""
+    from pd.cluster import up
+    from pd.tools import doctor
+
+    class HeadStarting(Exception):
+        pass
+
+    def start_local_head(cfg, dashboard_port, log_path):
+        raise HeadStarting(dashboard_port)
+
+    monkeypatch.setattr(up, "start_local_head", start_local_head)
+    monkeypatch.setattr(doctor, "preflight", lambda cfg: True)
+    port = server_side_time_wait()
+    with pytest.raises(HeadStarting) as started:
+        up.main(["--address", f"http://127.0.0.1:{port}"])
+    assert started.value.args == (port,)
+    out = capsys.readouterr().out
+    assert "is in use" not in out and "starting a local head" in out, out
 
 
 def test_submission_waits_for_the_heads_job_agent(monkeypatch):

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import time
 
 import pytest
 
-from pd.util.ports import free_port, free_ports
+from pd.util.ports import free_port, free_ports, port_holder
 from pd.util.wait import async_wait_until, wait_until
+from tcp_states import server_side_time_wait
 
 
 class Countdown:
@@ -185,3 +187,50 @@ def test_free_ports_are_distinct_bindable_and_outside_exclude():
     finally:
         for s in socks:
             s.close()
+
+
+def test_port_holder_ignores_time_wait_as_servers_do_and_names_a_listener():
+    """A server stopped a moment ago leaves TIME-WAIT sockets on its port for about a minute: a server binding
+    it with SO_REUSEADDR (Ray's dashboard, aiohttp) starts anyway, so the port is free; a listener is not."""
+    import psutil
+
+    port = server_side_time_wait()
+    with socket.socket() as plain:  # a bind without SO_REUSEADDR still fails there
+        with pytest.raises(OSError):
+            plain.bind(("127.0.0.1", port))
+    assert port_holder(port) is None
+    with socket.socket() as server:  # ... and a server binds it the way port_holder tried
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+        assert port_holder(port) in (f"pid {os.getpid()} ({psutil.Process().name()})", "another program")
+
+
+# ---- admin key file ---------------------------------------------------------------------------------
+def test_admin_key_file_rule(tmp_path, monkeypatch):
+    """The launcher's key file is found for a router on this machine by its port in Ray's session_latest
+    ($RAY_TMPDIR, else $TMPDIR, else /tmp); $PDSERVE_ADMIN_API_KEY_FILE names one for any router."""
+    from pd.util.admin_key import admin_key_file_name, find_admin_key_file, is_this_machine, read_admin_key
+
+    monkeypatch.delenv("PDSERVE_ADMIN_API_KEY_FILE", raising=False)
+    monkeypatch.delenv("RAY_TMPDIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    session = tmp_path / "ray" / "session_latest"
+    session.mkdir(parents=True)
+    (session / admin_key_file_name(8123)).write_text("k3y\n")
+    for url in ("http://127.0.0.1:8123", "http://localhost:8123/", "127.0.0.1:8123"):
+        assert find_admin_key_file(url) == session / "pdserve_admin_key_8123", url
+    assert find_admin_key_file("http://127.0.0.1:8124") is None  # no cluster with that router port
+    assert not is_this_machine("203.0.113.7") and is_this_machine("127.0.0.2")
+    assert find_admin_key_file("http://203.0.113.7:8123") is None  # a router elsewhere: its node has the file
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "other"))  # Ray's own precedence: RAY_TMPDIR first
+    assert find_admin_key_file("http://127.0.0.1:8123") is None
+    given = tmp_path / "given.key"
+    monkeypatch.setenv("PDSERVE_ADMIN_API_KEY_FILE", str(given))
+    assert find_admin_key_file("http://203.0.113.7:8123") == given
+    assert read_admin_key(session / "pdserve_admin_key_8123") == "k3y"
+    given.write_text("\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        read_admin_key(given)
+    with pytest.raises(OSError):
+        read_admin_key(tmp_path / "missing")

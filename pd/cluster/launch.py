@@ -31,11 +31,11 @@ import httpx
 
 from pd.cluster.procs import popen_group, stop_group
 from pd.config import ConfigError, PDConfig, load_config, parse_config
+from pd.util.admin_key import admin_key_file_name
 from pd.util.wait import wait_until
 
 CONFIG_ENV = "PDSERVE_CONFIG_YAML"  # `pdserve up` ships the config text here (works for any path)
 PG_READY_TIMEOUT = 120.0
-ADMIN_KEY_FILE_PREFIX = "pdserve_admin_key"  # + _<router port>, in the Ray session dir (see announce_admin_api)
 
 
 class Shutdown(Exception):
@@ -231,14 +231,15 @@ class Launcher:
     def announce_admin_api(self) -> None:
         """Say where the router's admin API is and where its key is, never the key itself: a generated key
         goes to an owner-only file in the Ray session dir (``pdserve_admin_key_<router port>``, removed on
-        stop); a configured one is the config's ``router.admin_api_key``."""
+        stop; where ``pdserve bench`` and other tools look, pd.util.admin_key); a configured one is the config's
+        ``router.admin_api_key``."""
         admin = self.router_admin_url()
         if self.cfg.router.admin_api_key:
             say(f"admin API at {admin}/workers (key: the config's router.admin_api_key)")
             return
         from pd.cluster.prom_targets import ray_session_dir
 
-        path = ray_session_dir() / f"{ADMIN_KEY_FILE_PREFIX}_{self.cfg.router.port}"
+        path = ray_session_dir() / admin_key_file_name(self.cfg.router.port)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

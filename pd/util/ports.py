@@ -52,11 +52,16 @@ def port_holder(port: int, host: str = "127.0.0.1") -> str | None:
     """None when a server could bind ``host:port`` now; else who holds it, as far as this process can see:
     ``"pid 123 (nginx)"`` when psutil is installed and may read that process, else ``"another program"``.
 
+    The bind is tried as servers do it (Ray's dashboard and its own port check, aiohttp, uvicorn): with
+    ``SO_REUSEADDR``, so connections of an earlier server in TIME-WAIT (a minute after it stopped) do not
+    count as a holder; a socket that listens there does.
+
     Raises:
         OSError: ``host`` cannot be resolved.
     """
     family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
     with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
             return None
