@@ -173,6 +173,64 @@ def test_prefill_crash_is_the_root_cause_of_the_decode_lost_connection():
     assert "pdserve diagnose" in alone.fix
 
 
+def test_shadowed_import_names_the_folder_the_real_package_and_the_fix():
+    """A Ray worker ran from a checkout uploaded as its working dir: transformers' `from kernels import ...` found the
+    checkout's kernels/ folder (pd.kernels' source) instead of Hugging Face's kernels package."""
+    path = fx("shadowed_kernels_import.log")
+    d = only(diagnose_logs([path]))
+    folder = ("/tmp/ray/session_2026-12-06_10-01-02_123456_789/runtime_resources/working_dir_files/"
+              "_ray_pkg_5f1c2d3e4a5b6c7d/kernels")
+    assert d.category == "shadowed_import" and d.recognised and d.ranks == [0, 1] and d.occurrences == 2
+    assert f"found the folder {folder}/" in d.cause and "the installed package 'kernels'" in d.cause
+    assert "`from kernels import CUDAProperties` in transformers" in d.cause
+    assert "Hugging Face's 'kernels'" in d.fix and "pd.kernels" in d.fix
+    assert "up-to-date checkout" in d.fix and "off sys.path" in d.fix
+    got = lines_of(d, path)
+    assert {line_no(path, "ImportError: cannot import name", k) for k in range(2)} <= got
+    assert line_no(path, "hub_kernels.py") in got  # the import that went wrong
+    assert line_no(path, "Received sigquit") in got
+
+
+SHADOW_TB = (
+    '  File "/home/u/pdserve/.venv/lib/python3.11/site-packages/transformers/integrations/hub_kernels.py", '
+    "line 104, in <module>\n"
+    "    from kernels import (\n"
+    "ImportError: cannot import name 'CUDAProperties' from 'kernels' ({path})\n"
+)
+
+
+@pytest.mark.parametrize("path", [
+    "/tmp/ray/session_2026-12-06_10-01-02_123456_789/runtime_resources/working_dir_files/_ray_pkg_5f1c2d3e4a5b6c7d/"
+    "kernels/__init__.py",
+    "/home/u/pdserve/kernels/__init__.py",
+])
+def test_shadowed_import_in_a_log_tail_cut_mid_traceback(path):
+    d = only(diagnose_text(SHADOW_TB.format(path=path)))
+    assert d.category == "shadowed_import" and path.removesuffix("__init__.py") in d.cause
+    assert d.evidence[-1].line == 3 and "pd.kernels" in d.fix
+
+
+def test_import_errors_that_are_not_a_shadow_stay_unrecognised():
+    installed = "/home/u/pdserve/.venv/lib/python3.11/site-packages/kernels/__init__.py"  # an old real package
+    for exc in (f"ImportError: cannot import name 'CUDAProperties' from 'kernels' ({installed})",
+                "ImportError: cannot import name 'X' from partially initialized module 'kernels' (most likely due to "
+                "a circular import) (/home/u/pdserve/kernels/__init__.py)",
+                "ImportError: cannot import name 'X' from 'kernels' (unknown location)",
+                "ImportError: cannot import name 'X' from 'kernels' (/home/u/pdserve/lib/__init__.py)"):
+        d = only(diagnose_text(SCHED_TB.format(rank=0, exc=exc)))
+        assert d.category == "exception" and not d.recognised, (exc, render([d]))
+
+
+def test_shadowed_import_of_another_package_by_a_project_folder():
+    exc = "ImportError: cannot import name 'parse' from 'utils' (/home/u/proj/utils/__init__.py)"
+    text = ("Traceback (most recent call last):\n"
+            '  File "/home/u/venv/lib/python3.11/site-packages/somelib/core.py", line 3, in <module>\n'
+            "    from utils import parse\n" + exc + "\n")
+    d = only(diagnose_text(text))
+    assert d.category == "shadowed_import" and "the folder /home/u/proj/utils/" in d.cause and "in somelib" in d.cause
+    assert "rename the folder" in d.fix and "somelib" in d.fix and "pd." not in d.fix
+
+
 @pytest.mark.parametrize("path", ALL_FIXTURES, ids=os.path.basename)
 def test_sigquit_is_never_the_primary_cause(path):
     found = diagnose_logs([path])

@@ -22,6 +22,7 @@ CATEGORIES: dict[str, str] = {
     "pd_config_mismatch": "prefill and decode disagree on another setting (KV dtype, layout, policy)",
     "port_in_use": "a port the engine binds is already taken",
     "missing_dependency": "a Python module the engine needs is not installed",
+    "shadowed_import": "a folder of a checkout or working dir on sys.path hides an installed package of its name",
     "model_path": "--model-path is not a local checkpoint directory (typo, not mounted on this node)",
     "watchdog_timeout": "a forward step hung past SGLang's watchdog timeout",
     "child_exit": "an engine subprocess died (killed, crashed) without a Python traceback",

@@ -107,6 +107,21 @@ FIX_MODEL_PATH = ("Point --model-path (config `model_path`) at the checkpoint di
                    "node that runs an engine (config.json, tokenizer and weights inside); nothing is downloaded "
                    "from the Hugging Face Hub.")
 FIX_MODULE = "Install it in the engine's Python environment (the worker's venv), e.g. `pip install {mod}`."
+# A folder of a checkout or Ray working dir on sys.path stands in for an installed package of the same name.
+FIX_SHADOW_PDSERVE = (
+    "{folder}/ is a top-level folder of a pdserve checkout (the source of pd.{mod}), importable as '{mod}' because "
+    "the checkout root is on sys.path (Ray's --working-dir upload, `python -m`/`-c` or pytest run from the root, "
+    "PYTHONPATH). Run from an up-to-date checkout: its top-level folders hand a bare `import {mod}` to the "
+    "installed package (pd/util/shadowing.py); or keep the checkout root off sys.path (submit the job without "
+    "--working-dir ., with pdserve installed; drop the root from PYTHONPATH). The real package is {real}; "
+    "`pip install {mod}` in the engine's environment if it is missing there."
+)
+FIX_SHADOW = (
+    "A folder named '{mod}' in a directory on sys.path (a checkout or Ray working dir: the current directory of "
+    "`python -m`/`-c`, PYTHONPATH, Ray's --working-dir upload) is imported instead of the installed package "
+    "'{mod}' that {importer} expects: rename the folder, or keep its parent directory off sys.path (run from "
+    "another directory, drop it from PYTHONPATH, submit the job without that working dir)."
+)
 FIX_EXCEPTION = "No known pattern: read the traceback at the evidence lines; the first rank's error is the cause."
 FIX_SIGQUIT = (
     "A child process (a TP rank's scheduler) failed and told the parent to stop; its own error is not "

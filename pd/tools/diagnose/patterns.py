@@ -21,7 +21,7 @@ TRIGGERS = (
     "prefill server info", "prefill parallel info", "bootstrap server", "no kv from prefill", "bootstrap failed",
     "transfer failed", "handshake failed", "mooncake", "rdma", "retry counter exceeded",
     "mismatch", "sigquit", "initialization failed", "died during initialization", "crashed with exit code",
-    "watchdog timeout", "no module named",
+    "watchdog timeout", "no module named", "cannot import name",
     "repo id must be", "is not a local folder", "does not appear to have a file named config.json", "--model-path",
     "cuda error", "illegal memory access", "device-side assert", "driver version is insufficient",
     "driver on your system is too old",
@@ -93,6 +93,11 @@ RX_CHILD_EXIT = re.compile(
 RX_MODEL_PATH = re.compile(r"--model-path \S+: no (?:such directory|config\.json)|Repo id must be in the form"
                             r"| is not a local folder and is not a valid model identifier"
                             r"| does not appear to have a file named config\.json")
+# "cannot import name 'N' from 'M' (PATH)": Python names the file M was loaded from. Not its "from partially
+# initialized module" form (a circular import) nor "(unknown location)" (a namespace package).
+RX_IMPORT_NAME = re.compile(r"cannot import name '([^']+)' from '([\w.]+)' \(([^()\n]+)\)")
+RX_FRAME_FILE = re.compile(r'^\s*File "([^"]+)", line \d+')
+RX_INSTALLED = re.compile(r"[/\\](?:site|dist)-packages[/\\]")
 RX_MODULE = re.compile(r"No module named '([^']+)'|(the Mooncake transfer engine is not installed)")
 RX_SIGQUIT = re.compile(
     r"Received sigquit from a child process|SIGQUIT received|Initialization failed\. Please see the error"

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from pd.util.shadowing import SHADOWING_FOLDERS
+
 from .fixes import (
     FIX_ARCH,
     FIX_CAPTURE,
@@ -27,6 +29,8 @@ from .fixes import (
     FIX_PAGE,
     FIX_PD_MISMATCH,
     FIX_PORT,
+    FIX_SHADOW,
+    FIX_SHADOW_PDSERVE,
     FIX_SIGQUIT,
     FIX_SMEM,
     FIX_WATCHDOG,
@@ -41,6 +45,9 @@ from .patterns import (
     RX_CUDA_ERR,
     RX_ERRORISH,
     RX_EXC_LINE,
+    RX_FRAME_FILE,
+    RX_IMPORT_NAME,
+    RX_INSTALLED,
     RX_KV,
     RX_KV_ADDR,
     RX_KV_BENIGN,
@@ -82,6 +89,46 @@ class Finding:
     key: str = ""
     evidence: list[int] = dataclasses.field(default_factory=list)  # indexes into the record's lines
     ranks: list[int] = dataclasses.field(default_factory=list)  # ranks named in the text itself
+
+
+# The package a bare import of one of pdserve's top-level folders means (each name is a package on PyPI).
+REAL_PACKAGES = {"kernels": "Hugging Face's 'kernels' (PyPI kernels; transformers and SGLang import it)"}
+
+
+def _importer(lines: list[str], i: int) -> str:
+    """The installed package whose code ran the import failing at ``lines[i]`` (the traceback's last frame: the
+    folder after site-packages), else ``""``."""
+    for t in reversed(lines[:i]):
+        m = RX_FRAME_FILE.match(t)
+        if m:
+            path = m.group(1).replace("\\", "/")
+            installed = RX_INSTALLED.search(path)
+            return path[installed.end():].split("/")[0].removesuffix(".py") if installed else ""
+    return ""
+
+
+def _shadowed_import(lines: list[str]) -> Finding | None:
+    """``cannot import name 'N' from 'M' (PATH)`` where PATH is ``.../M/__init__.py`` outside site-packages and
+    dist-packages: a folder named like the package, in a checkout or working dir on sys.path, was imported in
+    place of the installed package."""
+    for i in _idx(lines, RX_IMPORT_NAME):
+        name, mod, path = RX_IMPORT_NAME.search(lines[i]).groups()
+        parts, names = path.replace("\\", "/").split("/"), mod.split(".")
+        if parts[-1] != "__init__.py" or parts[-1 - len(names):-1] != names or RX_INSTALLED.search(path):
+            continue
+        top = names[0]
+        folder = "/".join(parts[:len(parts) - len(names)])
+        importer = _importer(lines, i)
+        title = (f"Shadowed import: `from {mod} import {name}`{f' in {importer}' if importer else ''} found the folder "
+                 f"{folder}/, not the installed package '{top}'")
+        if top in SHADOWING_FOLDERS:
+            fix = FIX_SHADOW_PDSERVE.format(folder=folder, mod=top,
+                                            real=REAL_PACKAGES.get(top, f"the installed package '{top}' (PyPI {top})"))
+        else:
+            fix = FIX_SHADOW.format(mod=top, importer=importer or "the importing code")
+        frames = [k for k in range(i) if RX_FRAME_FILE.match(lines[k])]
+        return Finding("shadowed_import", title, fix, key=f"{top}:{folder}", evidence=_uniq([i], frames[-1:]))
+    return None
 
 
 def _model_path(line: str) -> str:
@@ -226,6 +273,10 @@ def classify(lines: list[str]) -> Finding | None:
         sentence = first[m.start():].split(". ")[0] if m else first
         return Finding("pd_config_mismatch", "Prefill/decode mismatch: " + _cut(sentence, 140),
                         FIX_PD_MISMATCH, key=RX_NORM.sub("#", sentence[:60]), evidence=ev[-1:])
+
+    shadow = _shadowed_import(lines) if "cannot import name" in joined else None
+    if shadow is not None:
+        return shadow
 
     ev = _idx(lines, RX_PORT)
     if ev:
