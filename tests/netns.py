@@ -14,6 +14,7 @@ Needs root; ``namespaces_unavailable()`` says why not, for the skip.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import re
@@ -21,7 +22,7 @@ import shutil
 import signal
 import subprocess
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterator, Optional
 
 from pd.util.wait import wait_until
 
@@ -199,3 +200,27 @@ def leftovers_of(pid: int) -> list[str]:
     links = [line.split(":")[1].strip().split("@")[0] for line in
              _ip("-o", "link", "show", check=False).stdout.splitlines() if ":" in line]
     return [n for n in names + links if n.startswith(pat) and not n[len(pat):len(pat) + 1].isdigit()]
+
+
+@contextlib.contextmanager
+def local_address() -> Iterator[str]:
+    """A non-loopback IPv4 address of this machine, made in the current network namespace for tests that need one
+    where there is none (a loopback-only namespace): a veth pair ``pdt<pid>l`` / ``pdt<pid>m`` whose first end
+    holds an address of a free documentation range. No route leaves through it: connections to the address stay
+    on this machine, as with any local address. Removed on exit (``sweep_leftovers`` removes a killed run's).
+
+    Raises:
+        RuntimeError: the pair or its address could not be made (needs root and the veth driver).
+        OSError: no ``ip`` command.
+    """
+    pid = os.getpid()
+    end, peer = f"{PREFIX}{pid}l", f"{PREFIX}{pid}m"
+    address = str(next(_free_range().hosts()))
+    try:
+        _ip("link", "add", end, "type", "veth", "peer", "name", peer)
+        _ip("addr", "add", f"{address}/32", "dev", end)
+        _ip("link", "set", end, "up")
+        _ip("link", "set", peer, "up")
+        yield address
+    finally:
+        _ip("link", "del", end, check=False)  # takes its peer with it

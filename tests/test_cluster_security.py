@@ -3,6 +3,7 @@ by default): the cluster's key reaches every engine and the router but no comman
 refuse calls without it, and nothing of ours listens on a non-loopback address (Mooncake's own ports
 aside: it always binds every interface, README "Security")."""
 
+import contextlib
 import ipaddress
 import os
 import socket
@@ -13,6 +14,7 @@ import pytest
 import yaml
 
 from engines import ROOT, free_port
+from netns import local_address
 from pd.engines.auth import API_KEY_ENV
 from ray_cluster import RayHead
 
@@ -20,23 +22,34 @@ MOONCAKE_PORTS = range(15000, 17001)  # Mooncake's RPC and TCP transport ports (
 GEN = {"text": "hi", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
 
 
-def lan_address() -> str:
-    """An address of this machine that is not loopback (the one a default route leaves from)."""
+def lan_address() -> str | None:
+    """The address of this machine a default route leaves from, or None when there is no route out of it (a
+    loopback-only network namespace) or it is a loopback address."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
-        return s.getsockname()[0]
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
+        except OSError:  # ENETUNREACH: no route
+            return None
+        ip = s.getsockname()[0]
+    return None if ipaddress.ip_address(ip).is_loopback else ip
 
 
 @pytest.fixture(scope="module")
 def lan_head(model_cache):
-    ip = lan_address()
-    if ipaddress.ip_address(ip).is_loopback:
-        pytest.skip("this machine has no non-loopback address")
-    head = RayHead(num_gpus=2, node_ip=ip)
-    try:
-        yield head
-    finally:
-        head.stop()
+    """A Ray head whose node address is not loopback: the LAN address, else one made here for the test
+    (netns.local_address: a veth pair's address, e.g. in a loopback-only network namespace)."""
+    with contextlib.ExitStack() as stack:
+        ip = lan_address()
+        if ip is None:
+            try:
+                ip = stack.enter_context(local_address())
+            except (RuntimeError, OSError) as e:  # not root, no `ip`, no veth driver
+                pytest.skip(f"no non-loopback address here, and none could be added: {e}")
+        head = RayHead(num_gpus=2, node_ip=ip)
+        try:
+            yield head
+        finally:
+            head.stop()
 
 
 def listening(pid: int) -> list[tuple[str, int]]:
