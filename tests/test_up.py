@@ -26,9 +26,9 @@ def test_pdserve_up_serves_and_ctrl_c_stops_everything(model_cache):
          "--address", f"http://127.0.0.1:{dashboard_port}"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        # As in a terminal's foreground: a test run started in the background (`make test &`) inherits SIGINT
-        # ignored, and Python keeps an ignored SIGINT ignored, so Ctrl-C would never reach `pdserve up`.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        # As a script's background job starts it (`pdserve up &`): with SIGINT ignored, which Python would keep;
+        # pdserve up must still stop on the SIGINT below.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     lines: list[str] = []
     threading.Thread(target=lambda: [lines.append(line.decode(errors="replace")) for line in proc.stdout],

@@ -148,6 +148,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "(default: $RAY_ADDRESS or http://127.0.0.1:8265)")
     p.add_argument("--port", type=int, help="the router's port (default: the config's router.port)")
     args = p.parse_args(argv)
+    # Python's Ctrl-C handler also where SIGINT starts out ignored (a script's background job): `kill -INT` stops
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         cfg = load_config(args.config)
         config_text = Path(args.config).read_text() if args.config else DEFAULT_CONFIG.read_text()
