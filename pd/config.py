@@ -63,6 +63,9 @@ class Speculative(_Strict):
     Attributes:
         algorithm: ``EAGLE``, ``NEXTN`` (SGLang's alias of EAGLE for MTP checkpoints) or ``EAGLE3``
             (SGLang workers only: the reference engine drafts with an MTP layer, not an EAGLE-3 head).
+            SGLang 0.5.23 refuses ``NEXTN`` and ``EAGLE3`` for DeepSeek-V4 (its DeepSeek-V4 hook checks the
+            algorithm before resolving the alias: write ``EAGLE``) and every one of them for DeepSeek-V4.1;
+            ``pdserve doctor`` refuses those before launch (pd/tools/doctor/checks_model.py).
         num_steps: draft tokens proposed per verify step (``--speculative-num-steps``).
         eagle_topk: tokens kept per draft step; > 1 drafts a tree, which SGLang serves and the reference
             engine refuses (it has no tree attention).

@@ -169,6 +169,7 @@ def test_cli_usage_lists_doctor():
     assert "doctor" in USAGE and "--assume-gpu" in USAGE
 
 
+@pytest.mark.slow
 def test_cli_version_and_a_closed_pipe():
     """``pdserve --version``; a reader that closes early (``pdserve plan --json | head``) is a quiet
     exit 1, not a BrokenPipeError traceback."""
@@ -422,8 +423,89 @@ def test_speculative_without_a_draft_and_dsv4_topk(tmp_path):
     assert len(err) == 1 and "num_nextn_predict_layers" in err[0].message
     d = profile(speculative={"eagle_topk": 2, "num_draft_tokens": 4})
     d["model_path"] = ckpt(tmp_path, "topk", **DSV4_CONFIG)
-    err = of(run(d), "draft", "error")
-    assert len(err) == 1 and "eagle_topk 1" in err[0].message
+    f = run(d)
+    assert not of(f, "draft", "error")
+    err = of(f, "spec-model", "error")
+    assert len(err) == 1 and err[0].message.startswith("sglang.speculative.eagle_topk (--speculative-eagle-topk) "
+                                                       "is 2 on both roles: SGLang allows EAGLE only with eagle_topk 1")
+    assert err[0].fix == "set sglang.speculative.eagle_topk: 1"
+
+
+# ---- 3d-spec. speculative settings the model refuses (SGLang's DeepSeek-V4 hook) -----------------------
+@pytest.mark.parametrize("algorithm", ["NEXTN", "EAGLE3"])
+@pytest.mark.parametrize("key", ["sglang.speculative", "speculative"])
+def test_dsv4_refuses_nextn_and_eagle3_through_the_cli(tmp_path, capsys, algorithm, key):
+    from pd.cli import main as cli
+
+    d = profile(tmp_path, DSV4_CONFIG, speculative={"algorithm": algorithm})
+    if key == "speculative":
+        d["speculative"] = d["sglang"].pop("speculative")
+    with pytest.raises(SystemExit) as e:
+        cli(["doctor", write_yaml(tmp_path, d), "--assume-gpu", "sm_120"])
+    out = capsys.readouterr().out
+    assert e.value.code == 1, out
+    assert (f"ERROR [spec-model] {key}.algorithm (--speculative-algorithm) is {algorithm} on both roles: the pinned "
+            "SGLang allows only EAGLE or DSPARK for DeepseekV4ForCausalLM") in out
+    assert ("before it resolves the NEXTN alias to EAGLE" in out) is (algorithm == "NEXTN")
+    assert f"set {key}.algorithm: EAGLE" in out
+    assert out.count("ERROR") == 1, out  # nothing else in the profile is wrong
+    block = d["speculative"] if key == "speculative" else d["sglang"]["speculative"]
+    block["algorithm"] = "EAGLE"
+    assert D.main([write_yaml(tmp_path, d, "eagle.yaml"), "--assume-gpu", "sm_120"]) == 0
+
+
+def test_nextn_stays_allowed_for_other_models_and_the_reference_engine(tmp_path):
+    v3 = {**DSV4_CONFIG, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
+    f = run(profile(tmp_path, v3, speculative={"algorithm": "NEXTN"}))
+    assert [x.level for x in of(f, "spec-model")] == ["ok"]
+    cfg = parse_config({"speculative": {"algorithm": "NEXTN"}})  # the reference engine drafts NEXTN
+    assert not [x for x in D.run_checks(cfg, NOGPU, check_ports=False) if x.level == "error"]
+
+
+def test_dsv4_algorithm_set_by_extra_args_is_named(tmp_path):
+    d = profile(tmp_path, DSV4_CONFIG)
+    d["decode"]["extra_args"] = ["--speculative-algorithm", "NEXTN"]
+    err = of(run(d), "spec-model", "error")
+    assert len(err) == 1 and err[0].message.startswith("decode.extra_args (--speculative-algorithm) is NEXTN on "
+                                                       "decode: ")
+    d["decode"]["extra_args"] = ["--speculative-algorithm", "DSPARK"]  # SGLang's other allowed value
+    assert not of(run(d), "spec-model", "error")
+
+
+def test_dsv41_allows_only_dspark(tmp_path):
+    v41 = {**DSV4_CONFIG, "model_type": "deepseek_v41"}
+    err = of(run(profile(tmp_path, v41)), "spec-model", "error")
+    assert len(err) == 1 and ("is EAGLE on both roles: SGLang refuses speculative decoding other than DSPARK for "
+                              "DeepSeek-V4.1 (config.json model_type deepseek_v41") in err[0].message
+    assert err[0].fix.startswith("remove sglang.speculative")
+    d = profile(tmp_path, v41)
+    del d["sglang"]["speculative"]
+    assert of(run(d), "spec-model") == []
+
+
+def test_a_guessed_dsv4_only_warns():
+    f = run(profile(speculative={"algorithm": "NEXTN"}))  # /models/DeepSeek-V4-Flash: named, not read
+    assert [x.level for x in of(f, "spec-model")] == ["warning"]
+    assert "names DeepSeek-V4 (its config.json was not read here)" in of(f, "spec-model")[0].message
+
+
+# ---- 3d-env. KV-layout environment variables -----------------------------------------------------------
+def test_kv_layout_env_must_match_between_roles():
+    d = profile()
+    d["prefill"]["env"] = {"SGLANG_DSV4_UNIFIED_KV_FP8": "1"}
+    err = of(run(d), "pd-env", "error")
+    assert len(err) == 1 and err[0].message.startswith(
+        "SGLANG_DSV4_UNIFIED_KV_FP8 differs: prefill.env '1', decode.env unset (SGLang's default False)")
+    d["decode"]["env"] = {"SGLANG_DSV4_UNIFIED_KV_FP8": "true", "SGLANG_DSV4_KV_LAYOUT": "v41"}
+    d["prefill"]["env"]["SGLANG_DSV4_KV_LAYOUT"] = "auto"
+    err = of(run(d), "pd-env", "error")  # "1" and "true" read the same; auto and v41 do not
+    assert len(err) == 1 and "SGLANG_DSV4_KV_LAYOUT differs: prefill.env 'auto', decode.env 'v41'" in err[0].message
+    d["prefill"]["env"]["SGLANG_DSV4_KV_LAYOUT"] = "V41"  # SGLang lower-cases it
+    d["decode"]["env"]["SGLANG_DSV4_COMPRESSED_KV_LAYOUT"] = "auto"  # its default, set explicitly
+    assert [x.level for x in of(run(d), "pd-env")] == ["ok"]
+    d["decode"]["env"]["SGLANG_DSV4_COMPRESSED_KV_LAYOUT"] = "fp4"
+    err = of(run(d), "pd-env", "error")
+    assert len(err) == 1 and "prefill.env unset (SGLang's default 'auto'), decode.env 'fp4'" in err[0].message
 
 
 # ---- 3d'. page size ----------------------------------------------------------------------------

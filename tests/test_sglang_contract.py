@@ -60,6 +60,7 @@ def test_shipped_config_argv_parses_with_the_values_asked(path, role):
     assert ns.speculative_moe_a2a_backend == sp.moe_a2a_backend
     assert cmd.ready_path == "/health_generate"
     assert cmd.env["MC_FORCE_TCP"] == "1"  # no RDMA device in this profile
+    assert cmd.env["SGLANG_HOST_IP"] == ns.host == "10.0.0.1"  # KV registered on the address peers reach
 
 
 @pytest.mark.parametrize("path", SGLANG_CONFIGS, ids=os.path.basename)
@@ -175,3 +176,136 @@ def test_doctor_resolves_auto_as_the_dsv4_override_does(tmp_path, dsv4_override,
     _, declared = dsv4_override(arch, experts)
     for role in ("prefill", "decode"):
         assert D.resolve_target_moe(ctx, role)[0] == declared.get("moe_runner_backend", "auto")
+
+
+# ---- speculative settings the DeepSeek-V4 hook refuses: SGLang's own hook on our argv ------------------
+def sglang_refuses_spec(cmd, model_type: str):
+    """Run the pinned SGLang's DeepSeek-V4 hooks (arg_groups/deepseek_v4_hook.py: apply_deepseek_v4_defaults and
+    validate_deepseek_v41_features, what model_hook.py runs for DeepseekV4ForCausalLM) on a ServerArgs built
+    from our argv by SGLang's own from_cli_args; the error text, or None when it accepts.
+
+    One stand-in: ``model_config_of`` (it builds ModelConfig, whose package imports torchvision and reads the
+    checkpoint) returns the two config.json fields the hooks read. Everything else is SGLang's code on CPU.
+    """
+    from sglang.srt.arg_groups import deepseek_v4_hook as H
+    from sglang.srt.arg_groups import overrides as O
+    from sglang.srt.server_args import ServerArgs
+
+    sa = ServerArgs.from_cli_args(server_args_of(cmd))
+    mc = types.SimpleNamespace(hf_config=types.SimpleNamespace(architectures=["DeepseekV4ForCausalLM"],
+                                                                model_type=model_type))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(H, "model_config_of", lambda _: mc)
+        mp.setattr(O, "model_config_of", lambda _: mc)  # _deepseek_v4_kv_cache_dtype, run by the first hook
+        try:
+            H.apply_deepseek_v4_defaults(sa, "DeepseekV4ForCausalLM")
+            H.validate_deepseek_v41_features(sa)
+        except (AssertionError, ValueError) as e:
+            return str(e)
+    return None
+
+
+SPEC_CASES = {  # id -> (speculative keys, extra_args of both groups, config.json model_type, SGLang refuses)
+    "eagle": ({"algorithm": "EAGLE"}, [], "deepseek_v4", False),
+    "nextn": ({"algorithm": "NEXTN"}, [], "deepseek_v4", True),
+    "eagle3": ({"algorithm": "EAGLE3"}, [], "deepseek_v4", True),
+    "eagle-topk2": ({"algorithm": "EAGLE", "eagle_topk": 2, "num_draft_tokens": 4}, [], "deepseek_v4", True),
+    "nextn-topk2": ({"algorithm": "NEXTN", "eagle_topk": 2, "num_draft_tokens": 4}, [], "deepseek_v4", True),
+    "dspark-extra": ({"algorithm": "EAGLE"}, ["--speculative-algorithm", "DSPARK"], "deepseek_v4", False),
+    "eagle-lower-extra": ({"algorithm": "EAGLE"}, ["--speculative-algorithm", "eagle"], "deepseek_v4", True),
+    "v41-eagle": ({"algorithm": "EAGLE"}, [], "deepseek_v41", True),
+    "v41-nextn": ({"algorithm": "NEXTN"}, [], "deepseek_v41", True),
+}
+
+
+@pytest.mark.parametrize("path", SGLANG_CONFIGS, ids=os.path.basename)
+@pytest.mark.parametrize("case", SPEC_CASES)
+def test_doctor_refuses_the_speculative_settings_the_dsv4_hook_refuses(tmp_path, path, case):
+    import yaml
+
+    spec, extra, model_type, refused = SPEC_CASES[case]
+    with open(path) as f:
+        d = yaml.safe_load(f)
+    (tmp_path / "config.json").write_text(json.dumps({**CKPT, "model_type": model_type,
+                                                      "quantization_config": {"quant_method": "fp8"}}))
+    d["model_path"] = str(tmp_path)
+    d["sglang"]["speculative"] = {**(d["sglang"].get("speculative") or {}), **spec}
+    for role in ("prefill", "decode"):
+        d[role]["extra_args"] = list(d[role].get("extra_args") or []) + extra
+    cfg = parse_config(d)
+    for role in ("prefill", "decode"):
+        cmd = sglang_command(cfg, role, "10.0.0.1", 31000, 8998 if role == "prefill" else None)
+        why = sglang_refuses_spec(cmd, model_type)
+        assert (why is not None) is refused, (role, why)
+    findings = [f for f in D.run_checks(cfg, D.GpuInfo("sm_120"), check_ports=False) if f.check == "spec-model"]
+    assert any(f.level == "error" for f in findings) is refused, findings
+    if refused:  # naming the key (the config's, or the extra_args that set it)
+        assert re.search(r"(sglang\.speculative\.\w+|extra_args) \(--speculative-[\w-]+\)", findings[0].message)
+
+
+def test_non_dsv4_models_keep_nextn():
+    """model_hook.py runs the DeepSeek-V4 hook for DeepseekV4ForCausalLM only, and NEXTN is SGLang's alias of EAGLE
+    (speculative_hook.py _resolve_speculative_algorithm_alias)."""
+    from sglang.srt.arg_groups.speculative_hook import _resolve_speculative_algorithm_alias
+
+    assert _resolve_speculative_algorithm_alias("NEXTN", None) == "EAGLE"
+    hook = (sglang_srt() / "arg_groups/model_hook.py").read_text()
+    assert re.search(r'model_arch in \[\s*"DeepseekV4ForCausalLM",\s*\]:\s*from sglang\.srt\.arg_groups\.'
+                     r'deepseek_v4_hook import \(\s*apply_deepseek_v4_defaults,', hook)
+    assert hook.index("apply_deepseek_v4_defaults(server_args") > 0
+    pipeline = (sglang_srt() / "arg_groups/pipeline.py").read_text()
+    # the model hook (with the DeepSeek-V4 assert) runs before the alias is resolved
+    assert pipeline.index("arg_groups.model_hook import") < pipeline.index("run_hook(handle_speculative_decoding")
+
+
+# ---- the KV address: SGLang's own get_local_ip_auto with our env ---------------------------------------
+def test_sglang_get_local_ip_auto_returns_the_workers_host(monkeypatch):
+    """SGLang's KV manager (disaggregation/common/conn.py) and Mooncake register get_local_ip_auto(); with the
+    env we give the worker it is the worker's --host, not the default route's interface."""
+    import sys
+
+    from pd.bench.sglang_serving import _load_file_alone
+
+    _load_file_alone("sglang.srt.utils.network")  # the package __init__ imports torch
+    network = sys.modules["sglang.srt.utils.network"]
+    cfg = parse_config({"engine": "sglang", "sglang": {"quantization": "fp8"}})
+    for role, host in (("prefill", "10.9.8.7"), ("decode", "fd00::7")):
+        cmd = sglang_command(cfg, role, host, 31000, 8998 if role == "prefill" else None)
+        assert server_args_of(cmd).host == host
+        for k in ("SGLANG_HOST_IP", "HOST_IP", "SGLANG_LOCAL_IP_NIC"):
+            monkeypatch.delenv(k, raising=False)
+        assert network.get_local_ip_auto() != host  # what SGLang picks without it
+        for k, v in cmd.env.items():
+            monkeypatch.setenv(k, v)
+        assert network.get_local_ip_auto() == host
+    conn = (sglang_srt() / "disaggregation/common/conn.py").read_text()
+    assert "self.local_ip = get_local_ip_auto()" in conn
+
+
+def test_the_kv_layout_env_defaults_are_sglangs():
+    from sglang.srt.environ import envs
+
+    from pd.tools.doctor.checks_argv import PD_MATCHED_ENV
+
+    for name, (default, kind, _) in PD_MATCHED_ENV.items():
+        assert getattr(envs, name).default == default, name
+    conn = (sglang_srt() / "disaggregation/common/conn.py").read_text()
+    assert "SGLANG_DSV4_UNIFIED_KV_FP8 must be set the same on both sides" in conn
+    assert "must use the same --dsv4-attn-backend and SGLANG_DSV4_KV_LAYOUT" in conn
+    pool = (sglang_srt() / "mem_cache/deepseek_v4_memory_pool.py").read_text()
+    assert "mode = envs.SGLANG_DSV4_KV_LAYOUT.get().lower()" in pool
+    assert "option = envs.SGLANG_DSV4_COMPRESSED_KV_LAYOUT.get().lower()" in pool
+
+
+def test_the_kv_address_env_follows_the_host_unless_the_group_picks_one():
+    cfg = parse_config({"engine": "sglang", "sglang": {"quantization": "fp8"}})
+    for host, want in (("192.168.7.2", "192.168.7.2"), ("127.0.0.1", "127.0.0.1"), ("fd00::2", "fd00::2"),
+                       ("0.0.0.0", None), ("::", None), ("node-a.cluster", None)):
+        cmd = sglang_command(cfg, "decode", host, 31000, None)
+        assert server_args_of(cmd).host == host
+        assert cmd.env.get("SGLANG_HOST_IP") == want, host
+    for var in ("SGLANG_HOST_IP", "HOST_IP", "SGLANG_LOCAL_IP_NIC"):  # the group's own choice stands
+        own = parse_config({"engine": "sglang", "sglang": {"quantization": "fp8"}, "decode": {"env": {var: "x"}}})
+        env = sglang_command(own, "decode", "192.168.7.2", 31000, None).env
+        assert env[var] == "x" and (var == "SGLANG_HOST_IP" or "SGLANG_HOST_IP" not in env)
+        assert sglang_command(own, "prefill", "192.168.7.2", 31000, 1).env["SGLANG_HOST_IP"] == "192.168.7.2"

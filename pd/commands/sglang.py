@@ -25,7 +25,12 @@ and srt/utils/server_args_config_parser.py: the file's keys become flags before 
 into an owner-only ``sglang_api_key.yaml`` the worker writes (``EngineCommand.files``) and argv carries
 ``--config PATH``; a group's ``extra_args`` may then not bring its own ``--config`` (SGLang takes one).
 
-Env: ``MC_FORCE_TCP=1`` when no RDMA device is configured; ``NCCL_DEBUG=WARN`` so NCCL failures
+Env: ``SGLANG_HOST_IP`` = the worker's ``--host`` (the address the launcher gives it: ``engine_host``, else its
+node's Ray address) when that is an IP literal and not a wildcard: SGLang's KV manager and Mooncake take their
+address from ``get_local_ip_auto()`` (srt/utils/network.py: ``SGLANG_HOST_IP``, else ``HOST_IP``, else the NIC
+named by ``SGLANG_LOCAL_IP_NIC``, else the default route's interface, else the hostname), which on a multi-homed
+node may be another NIC than the one peers reach; a group's ``env`` naming any of those three keeps its choice.
+``MC_FORCE_TCP=1`` when no RDMA device is configured; ``NCCL_DEBUG=WARN`` so NCCL failures
 reach the log that ``pdserve diagnose`` reads; with ``sglang.pdserve_kernels`` on, the switches of our SGLang
 plugin (``pd.kernels.sglang_plugin.worker_env``: ``SGLANG_PLUGINS`` naming ``pdserve``, ``PDSERVE_KERNELS=1``
 and one ``PDSERVE_*`` per kernel). A group's ``env`` still overrides single switches; its
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import ipaddress
 import json
 import os
 import sys
@@ -46,6 +52,26 @@ from pd.commands.command import EngineCommand
 from pd.config import PDConfig
 from pd.kernels.sglang_plugin import PLUGIN_ALLOW_LIST
 from pd.kernels.sglang_plugin import worker_env as plugin_env
+
+# What sglang/srt/utils/network.py get_local_ip_auto() reads, in order, before guessing from the routes.
+HOST_IP_ENV = ("SGLANG_HOST_IP", "HOST_IP", "SGLANG_LOCAL_IP_NIC")
+
+
+def kv_host_env(host: str, group_env: dict[str, str]) -> dict[str, str]:
+    """``{"SGLANG_HOST_IP": host}``: the address SGLang's KV manager and Mooncake register
+    (``get_local_ip_auto()`` in sglang/srt/utils/network.py) pinned to the worker's ``--host``.
+
+    Empty when ``host`` is not an IP literal (a hostname: SGLang would put it where an IP goes) or is a wildcard
+    (``0.0.0.0`` / ``::``: not an address peers can reach), and when ``group_env`` names any of
+    :data:`HOST_IP_ENV` (the group's own choice stands).
+    """
+    if any(k in group_env for k in HOST_IP_ENV):
+        return {}
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return {}
+    return {} if ip.is_unspecified else {"SGLANG_HOST_IP": str(ip)}
 
 
 class SGLangArgError(ValueError):
@@ -145,7 +171,7 @@ def sglang_command(cfg: PDConfig, role: str, host: str, port: int, bootstrap_por
         files[path] = json.dumps({"api-key": api_key}) + "\n"  # JSON is YAML, and quotes any key safely
         argv += ["--config", path]
     argv += g.extra_args
-    env = {"NCCL_DEBUG": "WARN"}
+    env = {"NCCL_DEBUG": "WARN", **kv_host_env(host, g.env)}
     if cfg.transfer.protocol == "tcp":
         env["MC_FORCE_TCP"] = "1"
     kernels = s.pdserve_kernels

@@ -3,7 +3,8 @@
 config.json keys read (the model directory's, and the draft directory's when
 ``sglang.speculative.draft_model_path`` is set):
 
-- ``architectures[0]``, ``hidden_size``, ``max_position_embeddings``, ``num_nextn_predict_layers``
+- ``architectures[0]``, ``model_type`` (``deepseek_v41``: DeepSeek-V4.1, which SGLang tells apart from V4
+  by it alone), ``hidden_size``, ``max_position_embeddings``, ``num_nextn_predict_layers``
   (> 0: the checkpoint carries its own MTP draft layers), ``index_topk`` (present: a DSA
   lightning indexer; DeepSeek-V4 / V3.2 architectures are treated the same).
 - ``quantization_config.quant_method``: what SGLang auto-detects for ``--quantization``. When it
@@ -49,6 +50,7 @@ class ModelInfo:
 
     path: str
     architecture: Optional[str] = None
+    model_type: Optional[str] = None
     hidden_size: Optional[int] = None
     max_position_embeddings: Optional[int] = None
     mtp_layers: int = 0
@@ -104,6 +106,7 @@ def read_model_info(path: str | os.PathLike) -> ModelInfo:
     arch = archs[0] if archs and isinstance(archs[0], str) else None
     info = ModelInfo(
         path=str(d), architecture=arch,
+        model_type=c.get("model_type") if isinstance(c.get("model_type"), str) else None,
         hidden_size=c.get("hidden_size") if isinstance(c.get("hidden_size"), int) else None,
         max_position_embeddings=(c.get("max_position_embeddings")
                                  if isinstance(c.get("max_position_embeddings"), int) else None),

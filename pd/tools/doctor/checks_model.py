@@ -6,7 +6,9 @@ Two things the pinned SGLang imposes on DeepSeek-V4:
 - on CUDA it runs 256-token KV pages: its model override replaces any ``--page-size`` (the last
   declaration wins over the command line, with only an info log) and the dsv4 attention metadata
   asserts 256;
-- with EAGLE it requires ``--speculative-eagle-topk 1``.
+- speculative decoding: only ``EAGLE`` (with ``--speculative-eagle-topk 1``) or ``DSPARK``, checked on the
+  algorithm as given, before SGLang resolves its ``NEXTN`` alias to EAGLE; DeepSeek-V4.1 only ``DSPARK``
+  (:func:`check_model_speculative`).
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ def check_quantization(ctx: Context) -> list[Finding]:
 
 def check_speculative_draft(ctx: Context) -> list[Finding]:
     """Speculative decoding needs a draft (MTP layers or a draft dir) whose hidden size matches the
-    target's; DeepSeek-V4 EAGLE needs eagle_topk 1."""
+    target's (what the model itself allows: :func:`check_model_speculative`)."""
     if not ctx.sglang or not ctx.spec_roles():
         return []
     out = []
@@ -125,12 +127,6 @@ def check_speculative_draft(ctx: Context) -> list[Finding]:
                            f"({d.path}/config.json) differs from the target's {m.hidden_size} ({m.path}/config.json); "
                            "EAGLE feeds the target's hidden states to the draft (and PD ships them with the KV)",
                            "use the draft trained for this target (same hidden_size)"))
-    if m is not None and (m.architecture or "").startswith("DeepseekV4"):
-        for topk, rs in ctx.by_value("speculative_eagle_topk", ctx.spec_roles()).items():
-            if topk not in (None, 1) and ctx.value(rs[0], "speculative_algorithm") in ("EAGLE", "NEXTN"):
-                out.append(Finding("error", "draft", f"{ctx.where('speculative_eagle_topk', rs)} is {topk}: the "
-                                   f"pinned SGLang supports only eagle_topk 1 for {m.architecture}",
-                                   f"set {ctx.spec_key('eagle_topk')}: 1"))
     if not out:
         if m is None:
             out.append(Finding("ok", "draft", "skipped: the checkpoint's config.json was not read"))
@@ -139,6 +135,75 @@ def check_speculative_draft(ctx: Context) -> list[Finding]:
         else:
             src = f"draft {d.path}" if d is not None else f"{m.mtp_layers} built-in MTP layer(s)"
             out.append(Finding("ok", "draft", f"draft: {src}"))
+    return out
+
+
+# What the pinned SGLang (0.5.23) lets DeepSeek-V4 speculate with. sglang/srt/arg_groups/model_hook.py runs
+# deepseek_v4_hook.apply_deepseek_v4_defaults for architectures[0] == DeepseekV4ForCausalLM before
+# speculative_hook.handle_speculative_decoding upper-cases the algorithm and resolves NEXTN to EAGLE, so
+# the hook's assert sees the algorithm exactly as the command line gives it.
+DSV4_SPEC_ARCH = "DeepseekV4ForCausalLM"
+DSV4_SPEC_ALGORITHMS = ("EAGLE", "DSPARK")  # apply_deepseek_v4_defaults; EAGLE only with eagle_topk 1
+DSV41_MODEL_TYPE = "deepseek_v41"  # config.json model_type of DeepSeek-V4.1 (same architecture)
+DSV41_SPEC_ALGORITHMS = ("DSPARK",)  # validate_deepseek_v41_features, compared upper-cased
+
+
+def check_model_speculative(ctx: Context) -> list[Finding]:
+    """Refuse the speculative settings the pinned SGLang refuses for the target model at start, naming the
+    config key and the values allowed.
+
+    Rules (sglang/srt/arg_groups/deepseek_v4_hook.py, for ``architectures[0]`` DeepseekV4ForCausalLM):
+
+    - ``apply_deepseek_v4_defaults``: ``--speculative-algorithm`` must be exactly ``EAGLE`` or ``DSPARK``. It
+      runs before ``speculative_hook._resolve_speculative_algorithm_alias`` turns ``NEXTN`` into ``EAGLE``, so
+      ``NEXTN`` (and ``EAGLE3``, lower case) are refused; ``EAGLE`` needs ``--speculative-eagle-topk 1``.
+    - ``validate_deepseek_v41_features``: config.json ``model_type`` ``deepseek_v41`` (DeepSeek-V4.1) allows
+      no algorithm but ``DSPARK`` (compared upper-cased).
+
+    Other models and the reference engine keep ``NEXTN``. When config.json was not read and the model_path
+    only names DeepSeek-V4, the findings are warnings (the guess could be wrong; V4.1 cannot be told).
+    """
+    if not ctx.sglang or not ctx.spec_roles():
+        return []
+    m = ctx.model
+    if m is not None:
+        dsv4, guessed, src = m.architecture == DSV4_SPEC_ARCH, False, f"config.json architectures[0]={m.architecture}"
+    else:
+        dsv4, guessed, src = ctx.dsv4()
+    if not dsv4:
+        if m is None:
+            return [Finding("ok", "spec-model", f"skipped: {ctx.model_note or 'config.json not read'}")]
+        return [Finding("ok", "spec-model", f"{src}: no model-specific speculative rule known")]
+    level, out = ("warning" if guessed else "error"), []
+    v41 = m is not None and m.model_type == DSV41_MODEL_TYPE
+    for alg, rs in ctx.by_value("speculative_algorithm", ctx.spec_roles()).items():
+        where = ctx.where("speculative_algorithm", rs)
+        if v41 and str(alg).upper() not in DSV41_SPEC_ALGORITHMS:
+            out.append(Finding(level, "spec-model",
+                               f"{where} is {alg} on {roles_text(rs)}: SGLang refuses speculative decoding other "
+                               f"than {' or '.join(DSV41_SPEC_ALGORITHMS)} for DeepSeek-V4.1 (config.json model_type "
+                               f"{DSV41_MODEL_TYPE}; arg_groups/deepseek_v4_hook.py validate_deepseek_v41_features)",
+                               f"remove {ctx.spec_key()} (speculative.algorithm offers no DSPARK; a group's "
+                               "extra_args --speculative-algorithm DSPARK is the only way)"))
+        elif alg not in DSV4_SPEC_ALGORITHMS:
+            alias = (", before it resolves the NEXTN alias to EAGLE" if str(alg).upper() == "NEXTN" else "")
+            out.append(Finding(level, "spec-model",
+                               f"{where} is {alg} on {roles_text(rs)}: the pinned SGLang allows only "
+                               f"{' or '.join(DSV4_SPEC_ALGORITHMS)} for {DSV4_SPEC_ARCH} ({src}) and asserts it "
+                               f"at start (arg_groups/deepseek_v4_hook.py apply_deepseek_v4_defaults){alias}",
+                               f"set {ctx.spec_key('algorithm')}: EAGLE (the checkpoint's MTP layer as the draft, "
+                               "what NEXTN means)"))
+    eagle = [r for r in ctx.spec_roles() if ctx.value(r, "speculative_algorithm") == "EAGLE" and not v41]
+    for topk, rs in ctx.by_value("speculative_eagle_topk", eagle).items():
+        if topk != 1:
+            out.append(Finding(level, "spec-model",
+                               f"{ctx.where('speculative_eagle_topk', rs)} is {topk} on {roles_text(rs)}: SGLang "
+                               f"allows EAGLE only with eagle_topk 1 for {DSV4_SPEC_ARCH} ({src}; "
+                               "arg_groups/deepseek_v4_hook.py apply_deepseek_v4_defaults)",
+                               f"set {ctx.spec_key('eagle_topk')}: 1"))
+    if not out:
+        alg = ctx.value(ctx.spec_roles()[0], "speculative_algorithm")
+        out.append(Finding("ok", "spec-model", f"speculative algorithm {alg} is one SGLang allows for {src}"))
     return out
 
 
