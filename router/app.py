@@ -5,8 +5,11 @@ Routes:
 
 - client routes (``api_key`` when set): POST /generate, /v1/completions, /v1/chat/completions (PD
   dispatch, pd.router.dispatch, served on bare ASGI in front of FastAPI: pd.router.front); GET
-  /v1/models, /get_model_info (/model_info), /get_server_info (/server_info), proxied to an
-  available decode worker (pd.router.client);
+  /v1/models, /get_model_info (/model_info), proxied to an available decode worker (pd.router.client);
+- GET /get_server_info (/server_info), proxied the same way but behind the admin key (pd.router.auth:
+  SGLang's answer is its whole configuration). Every proxied info answer is scrubbed of secrets
+  (pd.util.redact.scrub: ``api_key``, ``admin_api_key``, ``--api-key`` in ``launch_command``, any field
+  ending in api_key/token/secret/password, the worker's key itself);
 - open routes: GET /health (the router is up), /health_generate (every worker can generate),
   /metrics (Prometheus);
 - admin routes (pd.router.admin): /workers, /workers/drain, /workers/activate.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 
@@ -39,12 +43,15 @@ from pd.router.health import HealthMonitor
 from pd.router.metrics import RouterMetrics
 from pd.router.upstream import UpstreamClient
 from pd.router.workers import WorkerPool
+from pd.util.redact import redact_text, scrub
 
 log = logging.getLogger("pd.router")
 
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 SHUTDOWN_DRAIN = 5.0  # seconds to let prefill reads and aborts finish at shutdown
 PROXY_TIMEOUT = 30.0  # seconds for a proxied info request
+INFO_ROUTES = ("/v1/models", "/get_model_info", "/model_info", "/get_server_info", "/server_info")
+ADMIN_INFO_ROUTES = ("/get_server_info", "/server_info")  # SGLang's whole configuration: operators only
 
 
 class Router:
@@ -82,12 +89,18 @@ class Router:
             await self.client.close()
 
     async def proxy_get(self, request: Request) -> Response:
-        """GET the same path on an available decode worker and relay status and body; 502/504
-        naming the worker, 503 when there is none."""
+        """GET the same path on an available decode worker and relay status and body, scrubbed of secrets
+        (``/get_server_info``, ``/server_info``: admin key only); 502/504 naming the worker, 503 when there
+        is none."""
         path = request.url.path
         t0 = time.perf_counter()
         status, kind = 200, None
-        if not self.auth.client_ok(request):
+        if path in ADMIN_INFO_ROUTES and not self.auth.admin_ok(request):
+            status, kind = (401 if self.auth.admin_api_key or self.auth.api_key else 403), "unauthorized"
+            resp = error_response(status, f"{path} needs the admin key ('Authorization: Bearer ADMIN_KEY')"
+                                  if status == 401 else f"{path} without an admin key is only open to loopback "
+                                  "clients (start the router with --admin-api-key)")
+        elif not self.auth.client_ok(request):
             status, kind = 401, "unauthorized"
             resp = error_response(401, "missing or invalid API key (send 'Authorization: Bearer KEY')")
         else:
@@ -99,7 +112,8 @@ class Router:
                 try:
                     r = await fetch(self.http, "GET", worker.url + path, PROXY_TIMEOUT, headers=worker.headers)
                     status = r.status_code
-                    resp = Response(r.content, status_code=status, media_type=content_type(r))
+                    resp = Response(self._scrubbed(r.content, worker), status_code=status,
+                                    media_type=content_type(r))
                 except UPSTREAM_ERRORS as e:
                     timeout = isinstance(e, TIMEOUT_ERRORS)
                     status, kind = (504, "decode_timeout") if timeout else (502, "decode_connect")
@@ -112,6 +126,18 @@ class Router:
         m.e2e.labels(path).observe(time.perf_counter() - t0)
         return resp
 
+    def _scrubbed(self, body: bytes, worker) -> bytes:
+        """A worker's info answer without secrets (pd.util.redact): JSON scrubbed field by field, anything else
+        as text; the worker's own key and the router's keys are removed wherever they appear."""
+        c = self.config
+        keys = [c.api_key, c.admin_api_key, c.worker_api_key]
+        _, _, token = worker.headers.get("Authorization", "").partition(" ")
+        keys.append(token or None)
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return redact_text(body.decode(errors="replace"), keys).encode()
+        return json.dumps(scrub(data, keys)).encode()
 
     async def flush_cache(self, request: Request) -> Response:
         """GET/POST /flush_cache: SGLang's route, sent to every worker (prefill and decode) concurrently with
@@ -169,7 +195,7 @@ def create_app(config: RouterConfig) -> GenerationFront:
         return error_response(exc.status_code, msg)
 
     routes = app.router.routes
-    for path in ("/v1/models", "/get_model_info", "/model_info", "/get_server_info", "/server_info"):
+    for path in INFO_ROUTES:
         routes.append(Route(path, router.proxy_get, methods=["GET"]))
     routes.extend(router.admin.routes())
     routes.append(Route("/flush_cache", router.flush_cache, methods=["GET", "POST"]))

@@ -9,6 +9,8 @@ import pytest
 from engines import ROOT
 from pd.util.wait import wait_until
 
+pytestmark = pytest.mark.cluster  # starts Ray (conftest.py: test tiers)
+
 FAKE = [sys.executable, os.path.join(ROOT, "tests", "fake_sglang", "launch_server.py")]
 
 
@@ -22,7 +24,7 @@ def ray_local():
     ray.shutdown()
 
 
-def worker(ray, tmp_path, scenario, **overrides):
+def worker(ray, tmp_path, scenario, api_key=None, **overrides):
     from pd.cluster.worker import EngineWorker
     from pd.config import parse_config
 
@@ -36,7 +38,7 @@ def worker(ray, tmp_path, scenario, **overrides):
         **overrides,
     })
     actor = ray.remote(EngineWorker).options(num_cpus=0, num_gpus=4).remote("prefill-0", "prefill", cfg.model_dump(),
-                                                                            None, "127.0.0.1")
+                                                                            None, "127.0.0.1", api_key)
     return actor
 
 
@@ -108,3 +110,43 @@ def test_restart_limit_marks_the_worker_failed(ray_local, tmp_path):
     finally:
         ray.get(actor.stop.remote())
         ray.kill(actor)
+
+
+def ray_logs(ray) -> dict[str, str]:
+    """Every file under this Ray session's log directory (the job log: the actors' stdout/stderr), by path."""
+    logs = ray._private.worker._global_node.get_logs_dir_path()
+    out = {}
+    for root, _, files in os.walk(logs):
+        for name in files:
+            path = os.path.join(root, name)
+            try:
+                with open(path, "rb") as f:
+                    out[path] = f.read().decode(errors="replace")
+            except OSError:
+                pass
+    return out
+
+
+def test_the_worker_key_never_reaches_the_job_log(ray_local, tmp_path):
+    """SGLang logs ``server_args`` with ``api_key`` in clear; a crash then puts the log's last lines into the
+    diagnosis the worker prints and keeps. None of it may carry the key."""
+    ray = ray_local
+    key = "pdserve-cluster-KEY-7f3a9c"
+    actor = worker(ray, tmp_path, "crash_later,ready", api_key=key)
+    try:
+        ray.get(actor.start.remote(), timeout=60)
+        info = wait_for(ray, actor, lambda i: i["restarts"] == 1 and i["state"] == "ready")
+        tail = ray.get(actor.log.remote(400))
+
+        def forwarded():  # the actor's stdout file has both starts' server_args lines
+            return "\n".join(ray_logs(ray).values()).count("[prefill-0] [") and \
+                sum(t.count("server_args={") for t in ray_logs(ray).values()) >= 2
+
+        wait_until(forwarded, 30, interval=0.2, what="both server_args lines in the job log", retry=())
+    finally:
+        ray.get(actor.stop.remote())
+        ray.kill(actor)
+    leaked = [path for path, text in ray_logs(ray).items() if key in text]
+    assert not leaked, f"the worker key is in {leaked}"
+    assert key not in "\n".join(tail) and key not in (info["diagnosis"] or "")
+    assert sum("'api_key': '<redacted>'" in line for line in tail) == 2  # both starts logged it, redacted

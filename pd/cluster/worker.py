@@ -2,7 +2,8 @@
 
 One Ray actor per engine instance, placed in that worker's placement group. It picks free ports
 on its node, starts the engine as a child process (which dies with the actor), forwards the
-engine's log to the job log as ``[prefill-0] ...``, waits for readiness, and restarts the engine
+engine's log to the job log as ``[prefill-0] ...`` (secrets redacted: pd.util.redact; SGLang logs its
+``server_args`` with ``api_key`` in clear), waits for readiness, and restarts the engine
 with bounded exponential backoff when it exits unexpectedly. ``info()`` reports its state.
 
 States: ``created`` -> ``starting`` -> ``ready``; on a crash ``restarting`` -> ``ready``, or
@@ -25,6 +26,7 @@ from pd.commands.build import engine_command
 from pd.commands.command import EngineCommand
 from pd.config import PDConfig
 from pd.util.ports import free_port
+from pd.util.redact import redact_text
 from pd.util.wait import async_wait_until
 
 LOG_TAIL_LINES = 20000  # engine log lines kept for diagnosis (a TP4 SGLang crash is a few hundred)
@@ -197,7 +199,7 @@ class EngineWorker:
             raw = await proc.stdout.readline()
             if not raw:
                 return
-            line = raw.decode(errors="replace").rstrip()
+            line = self._redact(raw.decode(errors="replace").rstrip())
             self.log_tail.append(line)
             if ready_line in line:
                 self._ready_line_seen = True
@@ -264,5 +266,10 @@ class EngineWorker:
             "\n".join(list(self.log_tail)[-20:])
         return "diagnosis: " + self.diagnosis
 
+    def _redact(self, text: str) -> str:
+        """``text`` without secrets (pd.util.redact: key fields and flags, and this worker's key itself)."""
+        return redact_text(text, [self.api_key])
+
     def _print(self, msg: str) -> None:
+        msg = self._redact(msg)
         print("\n".join(f"[{self.name}] pdserve: {line}" for line in msg.splitlines()), flush=True)

@@ -11,10 +11,15 @@ the server (the count is kept in ``FAKE_SGLANG_STATE``; the last entry repeats):
 - ``crash_later``: becomes ready, then after ``FAKE_SGLANG_CRASH_AFTER`` seconds (default 1) TP2
   runs out of memory during a decode step; the parent gets SIGQUIT and exits with 1.
 - ``hang``: prints loading lines and never becomes ready.
+
+Like SGLang, it logs its ``server_args`` at start as the dict SGLang prints (``server_args={...}``,
+sglang/srt/entrypoints/engine.py), ``api_key`` in clear: read from ``--api-key`` or the ``api-key`` of the
+``--config`` file (SGLang merges the file's keys into its flags).
 """
 
 import argparse
 import http.server
+import json
 import os
 import sys
 import threading
@@ -97,10 +102,19 @@ def main():
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--disaggregation-mode", default="null")
+    p.add_argument("--api-key")
+    p.add_argument("--admin-api-key")
+    p.add_argument("--config")
     args, _ = p.parse_known_args()
+    if args.config:
+        with open(args.config) as f:
+            args.api_key = json.load(f).get("api-key", args.api_key)
     what = scenario()
-    log(None, f"server_args=ServerArgs(host='{args.host}', port={args.port}, tp_size={args.tp_size}, "
-              f"disaggregation_mode='{args.disaggregation_mode}') scenario={what}")
+    server_args = {"model_path": "/models/none", "host": args.host, "port": args.port, "tp_size": args.tp_size,
+                   "disaggregation_mode": args.disaggregation_mode, "ssl_keyfile_password": None,
+                   "api_key": args.api_key, "admin_api_key": args.admin_api_key, "max_total_tokens": None}
+    log(None, f"server_args={server_args}")
+    log(None, f"scenario={what}")
     if what == "crash_at_start":
         crash_at_start(args.tp_size)
     load(args.tp_size)
