@@ -6,7 +6,7 @@ PIP    := $(VENV)/bin/pip
 # torch 2.13.0 (CPU build) is what this machine's pip serves from disk; a bare `torch` would pull CUDA.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install lock serve lint test bench-kv bench-router clean
+.PHONY: install lock serve lint test test-fast bench-kv bench-router clean
 
 # SGLang's import-only dependencies for the live plugin test, kept apart from the venv's site-packages
 # (tests/sglang_live_requirements.txt says why).
@@ -67,8 +67,14 @@ serve: install
 lint: install
 	$(VENV)/bin/ruff check .
 
+# Two xdist workers (conftest.py: a module stays on one worker, the Ray and namespace modules run in turn on one);
+# `make test TEST_WORKERS=0` runs in one process. test-fast: no Ray, no namespaces, nothing slow, for the edit loop.
+TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=10 tests
+
+test-fast: install
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not cluster and not slow" tests
 
 bench-kv: install
 	$(PY) benchmarks/kv_transfer.py

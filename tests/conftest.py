@@ -65,3 +65,29 @@ def spec_engines(model_cache, tmp_path_factory):
         for e in started.values():
             e.stop()
 
+
+
+# Test tiers (pyproject's markers): `make test` runs everything on two xdist workers, `make test-fast` leaves out
+# `cluster` and `slow`. The kernel modules' interpreter runs and ahead-of-time compiles are slow by rule; other slow
+# tests carry the mark themselves.
+KERNEL_MODULES = {"test_mxfp4_moe", "test_indexer", "test_sparse_mla_decode"}
+
+
+def _compiles_or_interprets(item) -> bool:
+    if item.module.__name__ not in KERNEL_MODULES:
+        return False
+    if "interp_results" in getattr(item, "fixturenames", ()) or "aot" in item.name:
+        return True
+    from triton_aot import AOT_REASON
+
+    return any(m.kwargs.get("reason") == AOT_REASON for m in item.iter_markers("skipif"))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _compiles_or_interprets(item):
+            item.add_marker(pytest.mark.slow)
+        # xdist --dist loadgroup: a module's tests stay on one worker (its module and session fixtures start once
+        # there); every `cluster` module shares one group, so Ray heads and namespaces never start side by side.
+        group = "cluster" if item.get_closest_marker("cluster") else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))

@@ -139,6 +139,7 @@ def assert_good(outcomes: list) -> None:
 
 
 # ---- the table --------------------------------------------------------------------------------------
+@pytest.mark.slow
 async def test_every_bad_input_is_a_4xx_through_the_router(engines, router):
     cases = [c for c in CASES if c.router]
     assert len(cases) > 300
@@ -220,6 +221,7 @@ def bodies(draw):
 
 @settings(max_examples=100, derandomize=True, database=None, deadline=timedelta(seconds=10),
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@pytest.mark.slow
 @given(case=bodies())
 def test_fuzz_request_schemas_never_5xx(engines, router, case):
     route, raw = case

@@ -147,6 +147,7 @@ def test_rate_sweep_with_constant_arrivals_paces_requests(stub):
     assert result["max_request_rate_meeting_slo"] == 20.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inherited", [signal.SIG_DFL, signal.SIG_IGN], ids=["terminal", "background-job"])
 def test_ctrl_c_writes_what_was_measured(stub, tmp_path, inherited):
     """SIGINT stops the run and writes what was measured, also in a background job (`pdserve bench ... &` in a
@@ -184,6 +185,7 @@ def _pdserve_without_matplotlib(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_bench_without_matplotlib_writes_the_json_and_names_the_extra_for_the_png(stub, tmp_path):
     r = _pdserve_without_matplotlib("bench", "--help")
     assert r.returncode == 0 and "usage: pdserve bench" in r.stdout, r.stdout + r.stderr

@@ -18,6 +18,8 @@ from netns import local_address
 from pd.engines.auth import API_KEY_ENV
 from ray_cluster import RayHead
 
+pytestmark = pytest.mark.cluster  # starts Ray (conftest.py: test tiers)
+
 MOONCAKE_PORTS = range(15000, 17001)  # Mooncake's RPC and TCP transport ports (MC_MIN/MAX_RPC_PORT defaults)
 GEN = {"text": "hi", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
 

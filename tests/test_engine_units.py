@@ -191,6 +191,7 @@ def test_engine_refuses_ports_outside_the_tcp_range(argv, says):
     assert str(e.value) == says
 
 
+@pytest.mark.slow
 def test_engine_ready_line_only_once_listening(model_cache):
     """SGLang's "fired up and ready to roll" line is what operators grep for: an engine whose port is
     taken must exit without it."""
@@ -328,6 +329,7 @@ def test_cpu_threads_must_be_positive(value):
     assert str(e.value) == f"--cpu-threads must be a positive integer, got {value}"
 
 
+@pytest.mark.slow
 def test_engine_applies_and_reports_cpu_threads(model_cache, tmp_path):
     import httpx
 

@@ -363,6 +363,7 @@ def _has_data(stack, values, exported, dash, panel, t) -> bool:
     pytest.fail(f"{dash['title']} / {panel['title']} / {t['refId']}: no data for\n  {expr}\n  result: {result}")
 
 
+@pytest.mark.slow
 def test_every_panel_query_and_recording_rule_returns_data(stack, traffic):
     exported = stack.exported()
     empty, checked = set(), 0

@@ -24,7 +24,8 @@ from netns import leftovers_of, namespaces_unavailable, sweep_leftovers
 from pd.util.wait import wait_until
 from ray_cluster import wait_pids_gone
 
-pytestmark = pytest.mark.skipif(bool(namespaces_unavailable()), reason=namespaces_unavailable() or "")
+pytestmark = [pytest.mark.cluster,
+              pytest.mark.skipif(bool(namespaces_unavailable()), reason=namespaces_unavailable() or "")]
 
 GEN = {"temperature": 0, "max_new_tokens": 12}
 PROMPTS = ["the quick brown fox", "multi-node prefill and decode", "bootstrap room 7", "KV pages over TCP"]

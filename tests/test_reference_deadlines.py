@@ -97,6 +97,7 @@ async def decode_registered(pair, c: httpx.AsyncClient, body: dict) -> asyncio.T
     return task
 
 
+@pytest.mark.slow
 async def test_hung_decode_fails_the_kv_write_at_its_deadline(pair):
     """The decode hangs after registering: the prefill's request fails at the transfer deadline, the room ends,
     its pages are held only while the transfer engine may still read them (counted as quarantined), and the
@@ -172,6 +173,7 @@ async def test_decode_that_never_registers_frees_the_room_at_the_bootstrap_deadl
     await assert_idle(pair)
 
 
+@pytest.mark.slow
 async def test_prefill_that_never_answers_frees_the_decode_pages(pair):
     """The prefill hangs: the decode's request fails at the waiting deadline, and its pages come back after
     SGLang's deferred KV release timeout, while the prefill is still hung (not when it recovers)."""

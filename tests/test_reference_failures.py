@@ -161,6 +161,7 @@ async def test_room_already_active_is_rejected(engines):
 
 
 # ---- timeouts ---------------------------------------------------------------------------------
+@pytest.mark.slow
 async def test_decode_times_out_without_prefill(engines):
     body = add_rooms({"text": "lonely decode", "sampling_params": {"max_new_tokens": 4}}, "127.0.0.1",
                      engines["prefill"].bootstrap_port, None)
@@ -174,6 +175,7 @@ async def test_decode_times_out_without_prefill(engines):
     await assert_idle(engines)
 
 
+@pytest.mark.slow
 async def test_prefill_times_out_without_decode(engines):
     body = add_rooms({"text": "lonely prefill", "sampling_params": {"max_new_tokens": 4}}, "127.0.0.1",
                      engines["prefill"].bootstrap_port, None)
@@ -267,6 +269,7 @@ async def test_abort_all(engines):
     await assert_idle(engines)
 
 
+@pytest.mark.slow
 async def test_abort_names_one_exact_id_and_abort_all_is_a_boolean(engines):
     """An id names one sequence: aborting "p" aborts the request "p" only, not "pdr-..." or "p_0" (SGLang's
     prefix match would take all three); those two end at their waiting timeout instead. abort_all "false"

@@ -271,6 +271,7 @@ print("RESULT " + json.dumps({"wrapped": sorted(k for k, f in wrapped.items() if
 """
 
 
+@pytest.mark.slow
 def test_sglang_load_plugins_applies_our_hooks():
     """SGLang's own loader in a fresh process: finds the installed entry point through SGLANG_PLUGINS, runs
     register(), patches every target, and a patched call reaches our kernel (CPU tensors, forced)."""

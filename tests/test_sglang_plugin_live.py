@@ -89,6 +89,7 @@ def one(live, name, **match):
 
 
 # ---- the targets and the loader ---------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_target_imports_with_the_pinned_sglang(live, target):
     r = one(live, "resolve", target=target)

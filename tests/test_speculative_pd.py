@@ -193,6 +193,7 @@ async def test_client_gone_mid_verify_frees_both_caches(spec_engines):
             await async_wait_until(lambda e=e, n=name: _zero(e, n), 20, what=f"{name} back to 0 on {e.mode}")
 
 
+@pytest.mark.slow
 async def test_decode_killed_mid_verify_leaves_the_prefill_clean(model_cache, spec_engines, tmp_path):
     """SIGKILL a speculative decode while it streams: the prefill holds no page of either cache afterwards."""
     decode = start_engine("decode", str(tmp_path), *SPEC_FLAGS)

@@ -18,6 +18,7 @@ from ray_cluster import wait_pids_gone
 from tcp_states import server_side_time_wait
 
 
+@pytest.mark.cluster  # starts Ray (conftest.py: test tiers)
 def test_pdserve_up_serves_and_ctrl_c_stops_everything(model_cache):
     """The embedded default, with the router moved by --port (the job gets the config text with the override)."""
     router_port, dashboard_port = free_port(), free_port()

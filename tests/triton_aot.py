@@ -14,8 +14,8 @@ import pytest
 SM120_SHARED_LIMIT = 101376  # bytes of shared memory per block on sm_120 (99 KiB)
 
 # AOT needs the real compiler; under TRITON_INTERPRET=1 the kernels are interpreted instead.
-aot = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
-                         reason="AOT compile needs the compiler, not the interpreter")
+AOT_REASON = "AOT compile needs the compiler, not the interpreter"
+aot = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason=AOT_REASON)
 
 
 def compile_for(fn, signature: dict, constexprs: dict, cc: int, num_warps: int = 4, num_stages: int = 2,
