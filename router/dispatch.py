@@ -37,7 +37,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Optional
 
-from pd.router import admission, jsonio, logprobs
+from pd.router import admission, fanout, jsonio, logprobs
 from pd.router.aborts import Aborter, aborted_indexes
 from pd.router.admission import FLAG as ADMISSION_FLAG
 from pd.router.admission import InFlightLimit
@@ -58,7 +58,7 @@ from pd.router.front import (
 )
 from pd.router.metrics import EndpointMetrics, RouterMetrics
 from pd.router.policies import routing_key
-from pd.router.retry import Failure, Retrier, answered, no_answer, no_worker, stream_start
+from pd.router.retry import Answer, Failure, Retrier, answered, no_answer, no_worker, stream_start
 from pd.router.rooms import assign_rids, new_rid, request_shape, stamp
 from pd.router.stream import Relay
 from pd.router.tokens import count as count_tokens
@@ -109,15 +109,6 @@ class PrefillOutcome:
     def ok(self) -> bool:
         """True when prefill answered with a 2xx status."""
         return _ok(self.status)
-
-
-class Answer:
-    """A whole (non-streaming) answer for the client."""
-
-    __slots__ = ("status", "body", "content_type")
-
-    def __init__(self, status: int, body: bytes, content_type: str):
-        self.status, self.body, self.content_type = status, body, content_type
 
 
 class Exchange:
@@ -306,26 +297,36 @@ class PDDispatcher:
         # bytes of a gone client silently): a decode would otherwise run to the end for nobody.
         watch = DisconnectWatch(receive)
         ex: Optional[Exchange] = None
-        relay: Optional[Relay] = None
+        relay: Optional[Relay | fanout.Merged] = None
 
-        async def attempt(number: int):
-            """Attempt ``number`` (1-based) on a fresh pair with fresh rooms: a Failure or a committed answer."""
-            nonlocal ex
-            prefill = self.pool.pick_prefill(key)
-            decode = self.pool.pick_decode(key) if prefill is not None else None
-            if prefill is None or decode is None:
-                return no_worker(self.pool.unavailable_reason("prefill" if prefill is None else "decode"))
-            rids = assign_rids(body, count, batch, n)
-            stamp(body, count, batch, prefill)
-            payload = jsonio.encode(body, fast_json)
-            ex = Exchange(route, em, prefill, decode, rids, count, stream, merge, drop_usage, payload,
-                          upstream_headers, arrival)
-            if number == 1:
-                em.queue.observe(ex.dispatched - arrival)
-            result = await self._attempt(ex)
-            if isinstance(result, Failure):
-                ex = None  # both sides are done with (answered, or aborted)
-            return result
+        def attempts_of(sub: dict, sub_count: int, sub_batch: bool, sub_n: int, sample: Optional[fanout.SampleMetrics]):
+            """The attempt function of request body ``sub``: the request's own (``sample`` None; kept in ``ex``
+            for aborting when the client leaves) or one fanned-out sample's (it aborts its own; its metrics
+            are ``sample``)."""
+            m = em if sample is None else sample
+
+            async def attempt(number: int):
+                """Attempt ``number`` (1-based) on a fresh pair with fresh rooms: a Failure or a committed answer."""
+                nonlocal ex
+                prefill = self.pool.pick_prefill(key)
+                decode = self.pool.pick_decode(key) if prefill is not None else None
+                if prefill is None or decode is None:
+                    return no_worker(self.pool.unavailable_reason("prefill" if prefill is None else "decode"))
+                rids = assign_rids(sub, sub_count, sub_batch, sub_n)
+                stamp(sub, sub_count, sub_batch, prefill)
+                payload = jsonio.encode(sub, fast_json)
+                x = Exchange(route, m, prefill, decode, rids, sub_count, stream, merge, drop_usage, payload,
+                             upstream_headers, arrival)
+                if sample is None:
+                    ex = x
+                if number == 1:
+                    m.queue.observe(x.dispatched - arrival)
+                result = await self._attempt(x)
+                if sample is None and isinstance(result, Failure):
+                    ex = None  # both sides are done with (answered, or aborted)
+                return result
+
+            return attempt
 
         def retrying(number: int, failure: Failure) -> None:
             em.retries.inc()
@@ -341,8 +342,20 @@ class PDDispatcher:
                     watch.disarm()
                     return await self._refuse_busy(send, em, arrival, refused, req_id, rid_header)
             admitted = time.perf_counter()
-            result, attempts = await self.retrier.run(attempt, retrying)
-            if isinstance(result, Relay):
+            if fanout.applies(route, body, shape):  # one single-sample request per sample, merged
+                samples_em = fanout.SampleMetrics(em)
+
+                def run_sample(sub: dict):
+                    return self.retrier.run(attempts_of(sub, shape.prompts, batch, 1, samples_em), retrying)
+
+                def record(status: int, kind: Optional[str]) -> None:
+                    self.record(em, arrival, status, kind)
+
+                result, attempts = await fanout.run(route, shape, fanout.split(route, body, shape), run_sample,
+                                                    record)
+            else:
+                result, attempts = await self.retrier.run(attempts_of(body, count, batch, n, None), retrying)
+            if isinstance(result, (Relay, fanout.Merged)):
                 relay = result
                 try:
                     await relay.run(send, rid_header)

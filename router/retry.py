@@ -35,6 +35,15 @@ _SSE_DATA = b"data: "
 T = TypeVar("T")
 
 
+class Answer:
+    """A whole (non-streaming) answer for the client."""
+
+    __slots__ = ("status", "body", "content_type")
+
+    def __init__(self, status: int, body: bytes, content_type: str):
+        self.status, self.body, self.content_type = status, body, content_type
+
+
 class Failure:
     """An attempt that ended without an answer for the client: what it would get, and whether
     another attempt may fix it.

@@ -22,11 +22,12 @@ other clients' ids (``"p"`` matches every ``pdr-...``) and have the router abort
 disconnects. So a client's ``rid`` is replaced like its bootstrap fields, and the router sends one id
 per sequence: ``pdr-<hex>`` (128 random bits) for a single sequence, a list ``pdr-<hex>-<i>`` for a
 batch with ``n`` 1 (``i`` zero-padded to one width: no id is a prefix of another, so a
-prefix-matching abort of one never hits a sibling). With ``n > 1`` a list is not portable (SGLang
-wants one id per prompt, the reference engine one per sequence), so the router sends a scalar
-``pdr-<hex>``, which both expand to ``pdr-<hex>_<i>`` (SGLang then replaces the ids of parallel
-samples by random ones: those can only be aborted by closing the connection). The client's
-request id is the ``X-Request-Id`` header (``--request-id-headers``), which reaches both workers.
+prefix-matching abort of one never hits a sibling). The router never sends ``n > 1``: it fans such a
+request out into ``n`` single-sample requests (pd.router.fanout), because SGLang gives every sample
+of a prompt that prompt's one room and renames the samples' ids; so every sequence sent has its own
+room and an id the router can abort. (Called with ``n > 1``, ``assign_rids`` sends a scalar
+``pdr-<hex>``, which both engines expand to ``pdr-<hex>_<i>``.) The client's request id is the
+``X-Request-Id`` header (``--request-id-headers``), which reaches both workers.
 """
 
 from __future__ import annotations

@@ -434,6 +434,7 @@ def test_cli_rejects_missing_workers():
     assert r.returncode == 2 and "--prefill" in r.stderr
 
 
+@pytest.mark.slow
 async def test_flush_cache_reaches_every_worker(routers, engines):
     """sglang.bench_serving's --flush-cache: POST /flush_cache through the router flushes both engines (and the
     engine refuses while requests run, as SGLang does); a worker that cannot be reached makes it a 502 naming

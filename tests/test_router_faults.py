@@ -211,6 +211,7 @@ SHAPES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 async def test_one_room_per_sequence_same_on_both_sides(si, routers, stream):
     r = routers("main")
@@ -219,16 +220,19 @@ async def test_one_room_per_sequence_same_on_both_sides(si, routers, stream):
             p.reset()
         resp = await call(r, route, dict(body, stream=stream), AUTH)
         assert resp.status_code == 200, resp.text
-        pre = [q for name in ("p0", "p1") for q in si[name].state()["requests"]]
-        dec = [q for name in ("d0", "d1") for q in si[name].state()["requests"]]
-        assert len(pre) == len(dec) == 1, route
-        (p,), (d,) = pre, dec
-        rooms = p["rooms"] if count > 1 else [p["rooms"]]
-        assert d["rooms"] == p["rooms"] and d["rid"] == p["rid"], route
+        # n > 1 is fanned out: one request per sample, each with n 1 and its own rooms (pd.router.fanout)
+        n = body.get("n") or body.get("sampling_params", {}).get("n", 1)
+        pre = [(q, si[name]) for name in ("p0", "p1") for q in si[name].state()["requests"]]
+        dec = {str(q["rid"]): q for name in ("d0", "d1") for q in si[name].state()["requests"]}
+        assert len(pre) == len(dec) == n, route
+        rooms = []
+        for p, prefill in pre:
+            d = dec[str(p["rid"])]
+            assert d["rooms"] == p["rooms"] and p["count"] == count // n, route
+            rooms += p["rooms"] if isinstance(p["rooms"], list) else [p["rooms"]]
+            ports = p["ports"] if isinstance(p["ports"], list) else [p["ports"]]
+            assert set(ports) == {prefill.bootstrap_port} and len(ports) == count // n
         assert len(rooms) == count and len(set(rooms)) == count, route
-        prefill = si["p0"] if si["p0"].state()["requests"] else si["p1"]
-        ports = p["ports"] if count > 1 else [p["ports"]]
-        assert set(ports) == {prefill.bootstrap_port} and len(ports) == count
         answer = parse_sse(resp.content) if stream else resp.json()
         if route == "/generate":
             items = [c for c in answer[:-1] if c["meta_info"]["finish_reason"]] if stream else answer
@@ -275,10 +279,10 @@ async def test_prefill_aborting_some_rooms_aborts_just_those_on_decode(si, route
     for p in si.values():
         p.reset()
     si["p0"].fault("abort_rooms")
-    resp = await call(r, "/v1/completions", {"prompt": "x", "n": 4, "max_tokens": 2})
+    resp = await call(r, "/v1/completions", {"prompt": ["w", "x", "y", "z"], "max_tokens": 2})
     assert [c["finish_reason"] for c in resp.json()["choices"]] == ["length", "abort"] * 2
-    rid = si["d0"].state()["requests"][0]["rid"]
-    assert sorted(si["d0"].state()["aborts"]) == [f"{rid}_1", f"{rid}_3"]
+    rids = si["d0"].state()["requests"][0]["rid"]
+    assert sorted(si["d0"].state()["aborts"]) == [rids[1], rids[3]]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -555,6 +559,7 @@ async def test_health_checks_take_a_worker_out_and_put_it_back(si, routers):
     assert len(si["d0"].state()["requests"]) == n0 + 2
 
 
+@pytest.mark.slow
 async def test_per_stage_timeouts(si, routers):
     r = routers("timeouts")
     # prefill: no answer within timeouts.prefill (1.5 s) -> 504, decode aborted; the stall itself
@@ -640,7 +645,7 @@ async def test_requests_over_the_caps_get_400_and_touch_no_engine(si, routers):
     # at the caps: served
     resp = await call(r, "/generate", {"text": ["a"] * 4, "sampling_params": {"max_new_tokens": 2, "n": 4}})
     assert resp.status_code == 200 and len(resp.json()) == 16
-    assert [len(q["rooms"]) for q in si["d0"].state()["requests"]] == [16]
+    assert [len(q["rooms"]) for q in si["d0"].state()["requests"]] == [4] * 4  # one request per sample
 
 
 async def test_api_key_request_id_and_token_metrics(si, routers):
@@ -789,6 +794,7 @@ async def test_policies_least_load_decode_and_cache_aware_prefill(si, routers):
     assert metric(r, "pdserve_router_policy_decisions_total", role="decode", policy="least_load") >= 6
 
 
+@pytest.mark.slow
 async def test_launcher_membership_follows_workers_and_drains(si, routers, logs):
     """What pd.launch does through the admin API: swap a worker that came back on other ports,
     drop one that failed for good, put one back after a restart, drain everything on stop."""
