@@ -42,6 +42,9 @@ ABORT_TIMEOUT = 5.0  # seconds for one /abort_request; best effort, it never blo
 # ends once the request reaches the engine; an engine that took the abort ends the request well within the
 # first wait even on a loaded machine, so an abort that worked is never sent twice.
 RESEND = (0.25, 0.5, 1.0)
+# How a worker refuses a list of rids: the pinned SGLang answers a request that fails validation (its
+# AbortReq's ``rid`` is one string) with 400 (its RequestValidationError handler), FastAPI's default is 422.
+LIST_REFUSED = frozenset({400, 422})
 
 
 class Aborter:
@@ -95,7 +98,7 @@ class Aborter:
             return
         if len(rids) > 1 and worker.url not in self.single_rid:
             status, error = await self._post(worker, rids)
-            if status not in (400, 422):
+            if status not in LIST_REFUSED:
                 if error is not None or status >= 300:
                     log.warning("abort of %d of %d rid(s) on %s %s failed (first: %s: %s)", len(rids), len(rids),
                                 worker.role, worker.url, rids[0],

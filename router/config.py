@@ -210,14 +210,18 @@ class TimeoutConfig(_Strict):
     prefill: Optional[float] = Field(None, gt=0)
     """dispatch -> the prefill's response fully read."""
     first_token: Optional[float] = Field(300.0, gt=0)
-    """dispatch -> the first byte of decode's body for streams, its whole answer otherwise (the
-    part of a request that may be retried). The default is SGLang's PD waiting timeout
-    (SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s): a decode that has not started by then has failed."""
+    """dispatch -> the first byte of decode's body for streams; for a non-stream answer, dispatch ->
+    the decode accepted it (the prefill answered 2xx: its KV reached the decode, which is generating;
+    SGLang sends a non-stream answer's headers only with its last byte). Passing it is a worker failure,
+    retried. The rest of a non-stream answer is bounded by ``request`` only, and that passing is a 504
+    that is not retried and does not count against the decode's circuit breaker (a long answer is no
+    broken worker). The default is SGLang's PD waiting timeout (SGLANG_DISAGGREGATION_WAITING_TIMEOUT,
+    300 s): a decode that has not started by then has failed."""
     stream_idle: Optional[float] = Field(60.0, gt=0)
     """longest silence between two chunks of a decode stream (a healthy stream's longest gap is one
     decode step under load: well under a second)."""
     request: float = Field(1800.0, gt=0, json_schema_extra=flag("--request-timeout-secs", "--request-timeout"))
-    """one upstream request in total, streams included."""
+    """one upstream request in total, streams included: the bound of a long non-stream answer."""
 
 
 class CacheAwareConfig(_Strict):

@@ -25,6 +25,9 @@ rules and the loop; here: the attempts); the side that did not fail is aborted a
 prompt over the context length) goes to the client as the worker sent it, after the other side
 was aborted. Sequences one side ends as aborted (finish reason ``abort``) are aborted on the
 other side too. Connection errors, timeouts and 5xx count against the worker's circuit breaker.
+A non-stream answer is bounded by ``timeouts.first_token`` only until the decode accepted it (the
+prefill answered 2xx), then by ``timeouts.request``: passing that is a 504 that is neither retried
+nor counted against the breaker (``PDDispatcher._exchange``).
 A client that goes away before the answer starts gets both sides aborted; after it started, see
 pd.router.stream.
 """
@@ -44,7 +47,7 @@ from pd.router.admission import InFlightLimit
 from pd.router.auth import Auth
 from pd.router.background import TaskSet
 from pd.router.config import RouterSettings
-from pd.router.errors import UPSTREAM_ERRORS, error_body, error_json
+from pd.router.errors import TIMEOUT_ERRORS, UPSTREAM_ERRORS, error_body, error_json
 from pd.router.front import (
     BodyTimeout,
     ClientGone,
@@ -116,7 +119,7 @@ class Exchange:
 
     __slots__ = ("route", "em", "prefill", "decode", "rids", "seqs", "stream", "merge", "drop_usage", "payload",
                  "headers", "arrival", "dispatched", "prefill_task", "decode_task", "prefill_aborted",
-                 "decode_aborted", "_decode_open")
+                 "decode_aborted", "accepted", "_decode_open")
 
     def __init__(self, route: str, em: EndpointMetrics, prefill: Worker, decode: Worker, rids: list[str], seqs: int,
                  stream: bool, merge: bool, drop_usage: bool, payload: bytes, headers: dict, arrival: float):
@@ -130,6 +133,9 @@ class Exchange:
         self.prefill_task: Optional[asyncio.Task] = None
         self.decode_task: Optional[asyncio.Task] = None
         self.prefill_aborted = self.decode_aborted = False
+        # a non-stream answer the decode accepted (the prefill answered 2xx: its KV reached the decode,
+        # which is generating): bounded by timeouts.request only, and not retried when that passes
+        self.accepted = False
         self._decode_open = False
 
     def decode_begin(self) -> None:
@@ -391,10 +397,8 @@ class PDDispatcher:
         ex.prefill_task = self.tasks.spawn(self._read_prefill(ex))
         ex.decode_task = asyncio.get_running_loop().create_task(self._open_decode(ex))
         try:
-            if self.first_token_timeout is None:
-                return await self._exchange(ex)
-            async with asyncio.timeout(self.first_token_timeout):
-                return await self._exchange(ex)
+            async with asyncio.timeout(self.first_token_timeout) as deadline:  # None: no deadline
+                return await self._exchange(ex, deadline)
         except TimeoutError:
             # the first-token deadline passed: blame the side still working
             side = ex.prefill if not ex.prefill_task.done() else ex.decode
@@ -406,7 +410,16 @@ class PDDispatcher:
             self._abort_both(ex)
             raise
 
-    async def _exchange(self, ex: Exchange):
+    async def _exchange(self, ex: Exchange, deadline: asyncio.Timeout):
+        """The attempt under ``deadline`` (timeouts.first_token): a committed answer or a Failure.
+
+        A non-stream answer is accepted by the decode once the prefill answered 2xx while the decode
+        request still runs: SGLang's prefill answers only after its KV reached the decode, which needs
+        the decode to hold the request (it registered the room and allocated the KV), so the decode is
+        generating. SGLang sends a non-stream answer's headers only with its last byte, so nothing
+        the decode sends tells this earlier. From then on ``deadline`` is lifted: the answer is bounded
+        by timeouts.request (the decode request's own limit) and that passing is not retried.
+        """
         decode_task = ex.decode_task
         await _first_done(ex.prefill_task, decode_task)
         if not decode_task.done():
@@ -415,13 +428,15 @@ class PDDispatcher:
                 # Decode has produced nothing yet: abort it, answer with the prefill's failure.
                 self._abort_decode(ex)
                 return self._prefill_failure(ex, pre)
+            if not ex.stream:
+                ex.accepted = True
+                deadline.reschedule(None)
             await _first_done(decode_task, decode_task)
         try:
             resp = decode_task.result()
         except UPSTREAM_ERRORS as e:
             self._abort_prefill(ex)
-            ex.decode.breaker.record_failure()
-            return self._decode_error(ex, e)
+            return self._decode_failed(ex, e)
         if not _ok(resp.status):
             return await self._decode_status(ex, resp)
         if ex.stream:
@@ -552,6 +567,27 @@ class PDDispatcher:
             return no_answer("prefill", timeout, msg)
         return answered("prefill", pre.status, pre.body, pre.content_type)
 
+    def _decode_failed(self, ex: Exchange, exc: BaseException) -> Failure:
+        """The decode request raised ``exc`` (no answer, or its body broke off): the Failure to answer with.
+
+        A non-stream answer the decode accepted (``Exchange.accepted``) that ran past timeouts.request
+        gets a 504 that is not retried (a retry would redo the whole generation, past the bound the
+        client was promised) and does not count against the decode's circuit breaker (a long answer
+        is no sign of a broken worker); the decode's sequences are aborted. Any other error counts
+        against the breaker and is retried as usual (502 unreachable or broken, 504 timed out).
+        """
+        if ex.accepted and isinstance(exc, TIMEOUT_ERRORS):
+            w = ex.decode
+            if not ex.decode_aborted:
+                ex.decode_aborted = True
+                self.aborter.abort(w, ex.rids)
+            msg = (f"decode worker {w.url} did not finish its answer on {ex.route} within {self.request_timeout:g}s "
+                   f"(timeouts.request); not retried: the decode had accepted the request")
+            log.warning("%s", msg)
+            return Failure.router(504, msg, "decode_timeout", False)
+        ex.decode.breaker.record_failure()
+        return self._decode_error(ex, exc)
+
     def _decode_error(self, ex: Exchange, exc: BaseException) -> Failure:
         """502 (unreachable, connection broken) or 504 (timed out) naming the decode worker."""
         w = ex.decode
@@ -598,8 +634,7 @@ class PDDispatcher:
             resp.close()
             ex.decode_end()
             self._abort_prefill(ex)
-            ex.decode.breaker.record_failure()
-            return None, self._decode_error(ex, e)
+            return None, self._decode_failed(ex, e)
         except BaseException:
             resp.close()
             ex.decode_end()

@@ -133,6 +133,11 @@ ROUTER_FLAGS = {
     "timeouts": (("p0",), ("d0",), ["--disable-retries", "--health-check-interval-secs", "0",
                                     "--prefill-timeout-secs", "1.5", "--first-token-timeout-secs", "3",
                                     "--stream-idle-timeout-secs", "1"]),
+    # a short first-token timeout, a request timeout a little longer, default retries, and a circuit breaker
+    # that a single counted failure opens (the only decode's)
+    "long_answers": (("p0",), ("d0",), ["--health-check-interval-secs", "0", "--retry-initial-backoff-ms", "10",
+                                        "--first-token-timeout-secs", "1.5", "--request-timeout-secs", "6",
+                                        "--cb-failure-threshold", "1"]),
     # a short body-read timeout
     "slow_body": (("p0",), ("d0",), ["--disable-retries", "--health-check-interval-secs", "0",
                                      "--body-read-timeout-secs", "1"]),
@@ -570,11 +575,11 @@ async def test_per_stage_timeouts(si, routers):
     assert resp.status_code == 504 and "timeouts.prefill" in resp.json()["error"]["message"]
     assert 1.4 < time.monotonic() - t0 < 6
     await until(lambda: not si["p0"].state()["live"] and not si["d0"].state()["live"], what="both released")
-    # first token: decode silent past timeouts.first_token (3 s) -> 504, both sides aborted; the
-    # delay itself is 30 s
+    # first token: a stream's decode silent past timeouts.first_token (3 s) -> 504, both sides aborted;
+    # the delay itself is 30 s (a non-stream answer: test_a_long_non_stream_answer_...)
     si["d0"].fault("delay", seconds=30)
     t0 = time.monotonic()
-    resp = await call(r, "/generate", gen())
+    resp = await call(r, "/generate", gen(stream=True))
     assert resp.status_code == 504 and "timeouts.first_token" in resp.json()["error"]["message"]
     assert 2.9 < time.monotonic() - t0 < 10
     await until(lambda: not si["d0"].state()["live"], what="decode released")
@@ -587,6 +592,41 @@ async def test_per_stage_timeouts(si, routers):
     timeouts = sum(metric(r, "pdserve_router_errors_total", endpoint="/generate", kind=k)
                    for k in ("prefill_timeout", "decode_timeout"))
     assert timeouts == 3
+
+
+@pytest.mark.slow
+async def test_a_long_non_stream_answer_is_bounded_by_the_request_timeout_only(si, routers):
+    """Once the decode accepted a non-stream request (its prefill answered), timeouts.first_token no
+    longer applies: the answer may take up to timeouts.request, and passing that is one 504, not retried,
+    with the decode's circuit breaker left closed."""
+    r = routers("long_answers")
+    d0 = si["d0"].url
+    retries0 = metric(r, "pdserve_router_retries_total", endpoint="/generate")
+    # past timeouts.first_token (1.5 s), within timeouts.request (6 s): served by the first attempt
+    si["d0"].fault("delay", seconds=3.5)
+    t0 = time.monotonic()
+    resp = await call(r, "/generate", gen())
+    assert resp.status_code == 200, resp.text
+    assert len(si["p0"].state()["requests"]) == 1 and len(si["d0"].state()["requests"]) == 1  # one attempt
+    assert resp.json()["meta_info"]["completion_tokens"] == 3
+    assert time.monotonic() - t0 >= 3.4  # the delayed answer itself, not a retry's
+    assert metric(r, "pdserve_router_retries_total", endpoint="/generate") == retries0
+    assert metric(r, "pdserve_router_worker_circuit_state", worker=d0) == 0
+    # past timeouts.request: a 504 naming it, one attempt, the decode aborted, the breaker still closed
+    si["d0"].fault("delay", seconds=60)
+    t0 = time.monotonic()
+    resp = await call(r, "/generate", gen())
+    elapsed = time.monotonic() - t0
+    assert resp.status_code == 504, resp.text
+    assert "timeouts.request" in resp.json()["error"]["message"]
+    assert 5.9 < elapsed < 15
+    assert len(si["p0"].state()["requests"]) == 2 and len(si["d0"].state()["requests"]) == 2
+    assert metric(r, "pdserve_router_retries_total", endpoint="/generate") == retries0
+    assert metric(r, "pdserve_router_worker_circuit_state", worker=d0) == 0
+    await until(lambda: not si["d0"].state()["live"], what="decode released")
+    assert metric(r, "pdserve_router_errors_total", endpoint="/generate", kind="decode_timeout") == 1
+    # the router still serves with its only decode
+    assert (await call(r, "/generate", gen())).status_code == 200
 
 
 # ---- bad input, keys, request ids, metrics -------------------------------------------------------

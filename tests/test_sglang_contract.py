@@ -309,3 +309,47 @@ def test_the_kv_address_env_follows_the_host_unless_the_group_picks_one():
         env = sglang_command(own, "decode", "192.168.7.2", 31000, None).env
         assert env[var] == "x" and (var == "SGLANG_HOST_IP" or "SGLANG_HOST_IP" not in env)
         assert sglang_command(own, "prefill", "192.168.7.2", 31000, 1).env["SGLANG_HOST_IP"] == "192.168.7.2"
+
+
+def test_sglang_refuses_a_list_rid_to_abort_request_with_a_status_the_router_falls_back_on():
+    """The pinned SGLang's /abort_request takes one string ``rid`` and answers 400 to a list: the
+    router's Aborter then aborts each id with a call of its own (pd.router.aborts), as the stand-in
+    engine's ``abort_lists`` off models."""
+    from typing import Optional
+
+    import msgspec
+    from pydantic import TypeAdapter, ValidationError
+    from sglang.srt.utils.msgspec_utils import msgspec_struct_pydantic_core_schema
+
+    from pd.router.aborts import LIST_REFUSED
+
+    tree = ast.parse((sglang_srt() / "managers" / "io_struct.py").read_text())
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+
+    def fields(cls: str) -> dict[str, tuple[str, str]]:
+        return {f.target.id: (ast.unparse(f.annotation), ast.unparse(f.value)) for f in classes[cls].body
+                if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name)}
+
+    abort = classes["AbortReq"]
+    assert [ast.unparse(b) for b in abort.bases] == ["BaseReq"]
+    assert "rid" not in fields("AbortReq") and fields("BaseReq")["rid"] == ("Optional[str]", "None")
+
+    class Rid(msgspec.Struct, kw_only=True):  # AbortReq's rid, validated by SGLang's own schema builder
+        rid: Optional[str] = None
+
+        @classmethod
+        def __get_pydantic_core_schema__(cls, source, handler):
+            return msgspec_struct_pydantic_core_schema(cls, handler)
+
+    check = TypeAdapter(Rid)
+    assert check.validate_json('{"rid": "pdr-1"}').rid == "pdr-1"
+    with pytest.raises(ValidationError):
+        check.validate_json('{"rid": ["pdr-1", "pdr-2"]}')
+    # a validation error on /abort_request: the handler's last answer, 400 (its special cases are other paths)
+    handler = next(n for n in ast.parse((sglang_srt() / "entrypoints" / "http_server.py").read_text()).body
+                   if isinstance(n, ast.AsyncFunctionDef)
+                   and any("exception_handler(RequestValidationError)" in ast.unparse(d) for d in n.decorator_list))
+    last = ast.unparse(handler.body[-1])
+    assert "status_code=400" in last, last
+    assert "abort" not in ast.unparse(handler)
+    assert 400 in LIST_REFUSED
