@@ -83,6 +83,7 @@ def _compiles_or_interprets(item) -> bool:
     return any(m.kwargs.get("reason") == AOT_REASON for m in item.iter_markers("skipif"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if _compiles_or_interprets(item):

@@ -72,8 +72,9 @@ def test_positions_continue_from_the_cache(pair):
     cache = draft.new_cache()
     a_logits, a_out = draft.forward(ids[1:8], hidden[:7], cache)
     b_logits, b_out = draft.forward(ids[8:], hidden[7:12], cache)
-    assert torch.allclose(torch.cat((a_logits, b_logits)), logits, atol=1e-5)
-    assert torch.allclose(torch.cat((a_out, b_out)), out, atol=1e-5)
+    # fp32 sums in another order: up to 1.9e-4 apart (logits up to 9) with torch 2.14.1's CPU kernels, 1e-5 with 2.13
+    assert torch.allclose(torch.cat((a_logits, b_logits)), logits, atol=1e-3)
+    assert torch.allclose(torch.cat((a_out, b_out)), out, atol=1e-3)
 
 
 def test_crop_then_rerun_gives_the_same_outputs(pair):
