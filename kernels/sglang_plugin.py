@@ -17,7 +17,7 @@ variable                    default  meaning
 ``PDSERVE_INDEXER``         ``1``    DSA/C4 lightning-indexer scores + top-k -> ``pd.kernels.indexer``
 ``PDSERVE_MXFP4_MOE``       ``1``    MTP draft MXFP4 MoE method -> ``pd.kernels.mxfp4_moe``
 ``PDSERVE_KERNELS_FORCE``   ``0``    also take calls on GPUs other than the sm_120 family (testing)
-``SGLANG_PLUGINS``          (all)    SGLang's allow-list; when set it must contain ``pdserve``
+``SGLANG_PLUGINS``          (all)    SGLang's allow-list; when set, pdserve adds itself to it
 ==========================  =======  ==============================================================
 
 Values: 1/true/yes/on or 0/false/no/off (anything else is a ValueError naming the variable). The per-kernel
@@ -133,6 +133,18 @@ def selected_hooks(env: Optional[Mapping[str, str]] = None) -> list[HookSpec]:
     return [h for h in HOOKS if h.kernel in on]
 
 
+def allow_list_with_plugin(allow_list: Optional[str]) -> Optional[str]:
+    """``allow_list`` (an ``SGLANG_PLUGINS`` value) extended with ``pdserve``, or None when it is unset or
+    empty: SGLang then loads every installed plugin, ours among them, and naming ours alone would turn the
+    others off (``sglang.srt.plugins.load_plugins_by_group`` treats a non-empty value as the only ones)."""
+    names = [p.strip() for p in (allow_list or "").split(",") if p.strip()]
+    if not names:
+        return None
+    if PLUGIN_NAME not in names:
+        names.append(PLUGIN_NAME)
+    return ",".join(names)
+
+
 def worker_env(kernels: Mapping[str, bool], force: bool = False,
                allow_list: Optional[str] = None) -> dict[str, str]:
     """Environment that switches the plugin on in an SGLang worker.
@@ -140,8 +152,9 @@ def worker_env(kernels: Mapping[str, bool], force: bool = False,
     Args:
         kernels: kernel name -> on/off (keys from KERNEL_FLAGS; missing keys stay on).
         force: take calls on any GPU architecture, not only sm_120.
-        allow_list: the worker's own SGLANG_PLUGINS value, if it sets one; ``pdserve`` is added to it
-            (an empty allow-list means "all plugins" to SGLang, so ours is then named alone).
+        allow_list: the worker's own SGLANG_PLUGINS value, if it sets one; ``pdserve`` is added to it. Unset,
+            the result sets no SGLANG_PLUGINS, so every installed plugin keeps loading (a value the node's
+            own environment holds is extended where the engine starts: :func:`allow_list_with_plugin`).
 
     Raises:
         ValueError: an unknown kernel name.
@@ -149,10 +162,10 @@ def worker_env(kernels: Mapping[str, bool], force: bool = False,
     unknown = set(kernels) - set(KERNEL_FLAGS)
     if unknown:
         raise ValueError(f"unknown pdserve kernel(s) {sorted(unknown)}; known: {sorted(KERNEL_FLAGS)}")
-    names = [p.strip() for p in (allow_list or "").split(",") if p.strip()]
-    if PLUGIN_NAME not in names:
-        names.append(PLUGIN_NAME)
-    env = {PLUGIN_ALLOW_LIST: ",".join(names), MASTER_FLAG: "1"}
+    env = {MASTER_FLAG: "1"}
+    allowed = allow_list_with_plugin(allow_list)
+    if allowed is not None:
+        env[PLUGIN_ALLOW_LIST] = allowed
     for k, flag in KERNEL_FLAGS.items():
         env[flag] = "1" if kernels.get(k, True) else "0"
     if force:

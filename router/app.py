@@ -52,6 +52,9 @@ SHUTDOWN_DRAIN = 5.0  # seconds to let prefill reads and aborts finish at shutdo
 PROXY_TIMEOUT = 30.0  # seconds for a proxied info request
 INFO_ROUTES = ("/v1/models", "/get_model_info", "/model_info", "/get_server_info", "/server_info")
 ADMIN_INFO_ROUTES = ("/get_server_info", "/server_info")  # SGLang's whole configuration: operators only
+# Clients may use either name; workers are asked by the current one (SGLang 0.5.23 logs a deprecation warning
+# for each /get_*_info call, entrypoints/http_server.py).
+WORKER_INFO_PATH = {"/get_model_info": "/model_info", "/get_server_info": "/server_info"}
 
 
 class Router:
@@ -89,7 +92,8 @@ class Router:
             await self.client.close()
 
     async def proxy_get(self, request: Request) -> Response:
-        """GET the same path on an available decode worker and relay status and body, scrubbed of secrets
+        """GET the path (its current name, ``WORKER_INFO_PATH``) on an available decode worker and relay status
+        and body, scrubbed of secrets
         (``/get_server_info``, ``/server_info``: admin key only); 502/504 naming the worker, 503 when there
         is none."""
         path = request.url.path
@@ -110,7 +114,8 @@ class Router:
                 resp = error_response(503, self.pool.unavailable_reason("decode"))
             else:
                 try:
-                    r = await fetch(self.http, "GET", worker.url + path, PROXY_TIMEOUT, headers=worker.headers)
+                    r = await fetch(self.http, "GET", worker.url + WORKER_INFO_PATH.get(path, path), PROXY_TIMEOUT,
+                                    headers=worker.headers)
                     status = r.status_code
                     resp = Response(self._scrubbed(r.content, worker), status_code=status,
                                     media_type=content_type(r))

@@ -40,7 +40,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Optional
 
-from pd.router import admission, fanout, jsonio, logprobs
+from pd.router import admission, fanout, jsonio, logprobs, unsupported
 from pd.router.aborts import Aborter, aborted_indexes
 from pd.router.admission import FLAG as ADMISSION_FLAG
 from pd.router.admission import InFlightLimit
@@ -82,12 +82,6 @@ WATCH_DELAY = 0.05  # seconds into a request (after its body) from which a clien
 
 def _ok(status: Optional[int]) -> bool:
     return status is not None and 200 <= status < 300
-
-
-def _truthy(value) -> bool:
-    if isinstance(value, str):  # pydantic (the engines) accepts "true"/"false" strings
-        return value.strip().lower() in ("1", "true", "yes", "on", "t", "y")
-    return bool(value)
 
 
 class PrefillOutcome:
@@ -292,9 +286,13 @@ class PDDispatcher:
         over = admission.check(route, shape, self.settings, body)
         if over is not None:  # before any worker is touched, and never retried
             return await self._reject(send, em, arrival, 400, "over_limit", over.message, rid_header, over.param)
+        refused = unsupported.check(route, body)
+        if refused is not None:
+            return await self._reject(send, em, arrival, 400, "invalid_request", refused.message, rid_header,
+                                      refused.param)
         count, batch, n = shape.sequences, shape.batch, shape.n
         key = routing_key(route, body) if self.pool.needs_key else None
-        stream = _truthy(body.get("stream", False))
+        stream = jsonio.truthy(body.get("stream", False))
         merge = logprobs.wants_input_logprobs(route, body)
         drop_usage = stream and route != "/generate" and wants_usage_injected(body)
         upstream_headers = b"%sX-Request-Id: %s\r\n" % (self.worker_headers, rid_header[1])

@@ -40,3 +40,11 @@ def encode(obj: Any, fast: bool = True) -> bytes:
         except TypeError:
             pass
     return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def truthy(value) -> bool:
+    """A request field's truth as the engines' pydantic models read it: ``"true"``/``"false"`` strings
+    included (``bool("false")`` would be True)."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on", "t", "y")
+    return bool(value)

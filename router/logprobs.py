@@ -1,8 +1,9 @@
 """Merging the prefill's prompt logprobs into decode's answer (/generate with ``return_logprob``).
 
 In PD mode only the prefill runs the prompt, so only its answer carries
-``meta_info.input_token_logprobs`` (and ``input_top_logprobs`` with ``top_logprobs_num``); the
-decode's lists are empty. The router prepends the prefill's lists to decode's, per sequence:
+``meta_info.input_token_logprobs`` (and ``input_top_logprobs`` with ``top_logprobs_num``,
+``input_token_ids_logprobs`` with ``token_ids_logprob``: SGLang's tokenizer_manager.py names); the decode's
+lists are empty. The router prepends the prefill's lists to decode's, per sequence:
 by position for a non-streaming batch (both sides answer in the same prompt-major order), by
 ``index`` for streams (each decode chunk carries the cumulative meta_info of its sequence).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-INPUT_KEYS = ("input_token_logprobs", "input_top_logprobs")
+INPUT_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 
 SSE_DATA = b"data: "
 SSE_DONE = b"data: [DONE]"

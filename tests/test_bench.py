@@ -49,7 +49,7 @@ class StubServer:
         app = web.Application()
         app.router.add_post("/generate", self.generate)
         app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/get_model_info", self.model_info)
+        app.router.add_get("/model_info", self.model_info)
         self._runner = web.AppRunner(app)
         self._loop.run_until_complete(self._runner.setup())
         self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())

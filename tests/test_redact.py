@@ -158,16 +158,17 @@ def test_secret_names():
 
 # ---- the router --------------------------------------------------------------------------------------------
 class _Engine(http.server.BaseHTTPRequestHandler):
-    """SGLang's info routes, with the key required as SGLang does."""
+    """SGLang's info routes, with the key required as SGLang does; only their current names (SGLang 0.5.23
+    deprecates ``/get_server_info`` and ``/get_model_info``): the router must ask by those."""
 
     info: dict = {}
 
     def do_GET(self):
         if self.headers.get("Authorization") != f"Bearer {WORKER_KEY}" and self.path != "/health":
             return self._send(401, {"error": "Unauthorized"})
-        if self.path in ("/server_info", "/get_server_info"):
+        if self.path == "/server_info":
             return self._send(200, self.info)
-        if self.path in ("/get_model_info", "/model_info"):
+        if self.path == "/model_info":
             return self._send(200, {"model_path": self.info["model_path"], "is_generation": True,
                                     "has_image_understanding": False, "weight_version": "default"})
         if self.path == "/v1/models":

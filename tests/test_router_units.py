@@ -135,14 +135,19 @@ def test_assign_rids_per_sequence():
 # ---- logprobs -------------------------------------------------------------------------------
 def test_merge_full_and_stream_events():
     pre = [{"meta_info": {"input_token_logprobs": [[None, 1, None], [-1.0, 2, None]]}},
-           {"meta_info": {"input_token_logprobs": [[None, 3, None]], "input_top_logprobs": [None]}}]
+           {"meta_info": {"input_token_logprobs": [[None, 3, None]], "input_top_logprobs": [None],
+                          "input_token_ids_logprobs": [None, [[-2.0, 7, None]]]}}]
     dec = [{"text": "a", "meta_info": {"input_token_logprobs": [], "output_token_logprobs": [[-0.5, 9, None]]}},
-           {"text": "b", "meta_info": {"input_token_logprobs": [], "input_top_logprobs": []}}]
+           {"text": "b", "meta_info": {"input_token_logprobs": [], "input_top_logprobs": [],
+                                       "input_token_ids_logprobs": [], "output_token_ids_logprobs": [[[-1.5, 7, None]]]}}]
     inputs = prefill_inputs(json.dumps(pre).encode(), stream=False)
     merged = json.loads(merge_full(json.dumps(dec).encode(), inputs))
     assert merged[0]["meta_info"]["input_token_logprobs"] == [[None, 1, None], [-1.0, 2, None]]
     assert merged[0]["meta_info"]["output_token_logprobs"] == [[-0.5, 9, None]]
     assert merged[1]["meta_info"]["input_top_logprobs"] == [None]
+    # token_ids_logprob: the prompt's come from the prefill too
+    assert merged[1]["meta_info"]["input_token_ids_logprobs"] == [None, [[-2.0, 7, None]]]
+    assert merged[1]["meta_info"]["output_token_ids_logprobs"] == [[[-1.5, 7, None]]]
     sse = b"".join(b"data: " + json.dumps(dict(p, index=i)).encode() + b"\n\n" for i, p in enumerate(pre))
     sse = b'data: {"index": 0, "meta_info": {"input_token_logprobs": []}}\n\n' + sse + b"data: [DONE]\n\n"
     inputs = prefill_inputs(sse, stream=True)
@@ -578,3 +583,21 @@ def test_lock_free_metrics_expose_what_prometheus_client_would():
     c.remove("/a", 200)
     with pytest.raises(KeyError):
         c.remove("/a", 200)
+
+
+# ---- requests a PD pair cannot serve ---------------------------------------------------------------
+@pytest.mark.parametrize("route,body,param", [
+    ("/v1/completions", {"prompt": "a", "echo": True, "logprobs": 0}, "echo"),
+    ("/v1/completions", {"prompt": "a", "echo": True, "logprobs": 3}, "echo"),
+    ("/v1/completions", {"prompt": "a", "echo": True}, None),
+    ("/v1/completions", {"prompt": "a", "logprobs": 3}, None),
+    ("/v1/completions", {"prompt": "a", "echo": False, "logprobs": 3}, None),
+    ("/generate", {"text": "a", "return_logprob": True, "logprob_start_len": 0}, None),
+])
+def test_echo_with_logprobs_is_refused_naming_echo(route, body, param):
+    from pd.router import unsupported
+
+    refused = unsupported.check(route, body)
+    assert (refused.param if refused else None) == param
+    if refused:
+        assert "/generate" in refused.message and "logprob_start_len" in refused.message

@@ -353,3 +353,24 @@ def test_sglang_refuses_a_list_rid_to_abort_request_with_a_status_the_router_fal
     assert "status_code=400" in last, last
     assert "abort" not in ast.unparse(handler)
     assert 400 in LIST_REFUSED
+
+
+def test_the_prompt_logprob_keys_the_router_merges_are_sglangs():
+    """Each list the router moves from the prefill's answer to decode's is one SGLang's tokenizer manager fills."""
+    from pd.router.logprobs import INPUT_KEYS
+
+    src = (sglang_srt() / "managers" / "tokenizer_manager.py").read_text()
+    filled = set(re.findall(r'meta_info\["(input_\w+)"\]\s*=', src))
+    assert set(INPUT_KEYS) == filled, (INPUT_KEYS, filled)
+
+
+def test_the_router_asks_workers_by_the_info_routes_current_names():
+    """SGLang 0.5.23 serves /model_info and /server_info and marks the /get_* names deprecated; the router
+    asks workers by the current names whichever the client used."""
+    from pd.router.app import WORKER_INFO_PATH
+
+    src = (sglang_srt() / "entrypoints" / "http_server.py").read_text()
+    for old, new in WORKER_INFO_PATH.items():
+        assert re.search(rf'@app\.(api_route|get)\("{new}"', src), new
+        route = src[src.index(f'"{old}"'):]
+        assert "deprecated" in route[:600], old

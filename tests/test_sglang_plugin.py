@@ -367,11 +367,34 @@ def test_worker_env_extends_an_allow_list():
     assert P.worker_env({}, allow_list="pdserve")["SGLANG_PLUGINS"] == "pdserve"
 
 
+@pytest.mark.parametrize("allow_list", [None, "", " , "])
+def test_without_an_allow_list_every_installed_plugin_still_loads(monkeypatch, allow_list):
+    """Naming ``pdserve`` alone would make SGLang skip every other installed plugin: with no allow-list of the
+    worker's own, none is set, and SGLang's own loader then takes a second installed plugin next to ours."""
+    from importlib.metadata import EntryPoint
+
+    import sglang.srt.plugins as loader
+
+    env = P.worker_env({}, allow_list=allow_list)
+    assert P.PLUGIN_ALLOW_LIST not in env and env[P.MASTER_FLAG] == "1"
+    ours = [e for e in loader.entry_points(group=P.ENTRY_POINT_GROUP) if e.name == P.PLUGIN_NAME]
+    other = EntryPoint(name="other_vendor", value="json:dumps", group=P.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(loader, "entry_points", lambda group: [*ours, other] if group == P.ENTRY_POINT_GROUP else [])
+    monkeypatch.delenv(P.PLUGIN_ALLOW_LIST, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert set(loader.load_plugins_by_group(P.ENTRY_POINT_GROUP)) == {P.PLUGIN_NAME, "other_vendor"}
+    # a node whose own environment holds an allow-list gets ours added where the engine starts
+    assert P.allow_list_with_plugin("other_vendor") == "other_vendor,pdserve"
+    monkeypatch.setenv(P.PLUGIN_ALLOW_LIST, P.allow_list_with_plugin("other_vendor"))
+    assert set(loader.load_plugins_by_group(P.ENTRY_POINT_GROUP)) == {P.PLUGIN_NAME, "other_vendor"}
+
+
 def test_the_dsv4_profile_switches_every_hook_on_in_both_roles():
     cfg = load_config(DSV4_PROFILE)
     for role, bport in (("prefill", 9000), ("decode", None)):
         env = sglang_command(cfg, role, "h", 1, bport).env
-        assert "pdserve" in env["SGLANG_PLUGINS"].split(",")
+        assert "SGLANG_PLUGINS" not in env  # every installed plugin loads, ours among them
         assert P.selected_hooks(env) == list(P.HOOKS)
         assert P.FORCE_FLAG not in env  # sm_120 only
 
@@ -385,7 +408,7 @@ def test_config_switches_reach_the_worker_env():
                         "decode": {"env": {"SGLANG_PLUGINS": "other", "PDSERVE_SPARSE_MLA": "0"}}})
     dec = sglang_command(cfg, "decode", "h", 1, None).env
     pre = sglang_command(cfg, "prefill", "h", 2, 3).env
-    assert dec["SGLANG_PLUGINS"] == "other,pdserve" and pre["SGLANG_PLUGINS"] == "pdserve"
+    assert dec["SGLANG_PLUGINS"] == "other,pdserve" and "SGLANG_PLUGINS" not in pre
     assert P.enabled_kernels(dec) == {"indexer"}  # the group's own switch wins
     assert P.enabled_kernels(pre) == {"sparse_mla", "indexer"} and pre[P.FORCE_FLAG] == "1"
     on = parse_config({**base, "sglang": {"quantization": "fp8", "pdserve_kernels": True}})

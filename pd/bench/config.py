@@ -80,7 +80,7 @@ class BenchConfig:
     model: Optional[str] = _opt(None, "model name sent to OpenAI routes (default: the first of GET /v1/models), and "
                                 "the tokenizer when --tokenizer is not given", sglang=True)
     tokenizer: Optional[str] = _opt(None, "tokenizer: a local directory or builtin:NAME (default: --model, else the "
-                                    "server's /get_model_info tokenizer_path or model_path); never downloaded",
+                                    "server's /model_info tokenizer_path or model_path); never downloaded",
                                     sglang=True)
     # workload
     dataset_name: str = _opt("sharegpt", "sharegpt: conversations from a ShareGPT-format JSON file (--dataset-path; "

@@ -28,7 +28,7 @@ from pd.bench.report import table
 from pd.bench.sglang_serving import serving, sglang_args
 from pd.util.wait import wait_until
 
-INFO_TIMEOUT = 10.0  # seconds for each /v1/models or /get_model_info request
+INFO_TIMEOUT = 10.0  # seconds for each /v1/models or /model_info request
 
 
 class BenchError(RuntimeError):
@@ -84,7 +84,7 @@ def _local(path: str) -> str:
 
 def resolve_model(cfg: BenchConfig) -> tuple[str, str]:
     """``(model id for OpenAI requests, tokenizer path)``: ``--model`` / ``--tokenizer`` when given, else the
-    server's ``/v1/models`` (first id) and ``/get_model_info`` (``tokenizer_path`` when it is a local
+    server's ``/v1/models`` (first id) and ``/model_info`` (``tokenizer_path`` when it is a local
     directory, else ``model_path``).
 
     Raises:
@@ -98,11 +98,11 @@ def resolve_model(cfg: BenchConfig) -> tuple[str, str]:
         model_id = data[0].get("id") or "default"
     tok = cfg.tokenizer or cfg.model
     if tok is None:
-        info = _get_json(cfg.url + "/get_model_info", headers) or {}
+        info = _get_json(cfg.url + "/model_info", headers) or {}
         path = info.get("tokenizer_path")
         tok = path if path and os.path.isdir(path) else info.get("model_path")
     if not tok:
-        raise BenchError("no tokenizer: give --tokenizer DIR (or builtin:NAME); /get_model_info named none")
+        raise BenchError("no tokenizer: give --tokenizer DIR (or builtin:NAME); /model_info named none")
     return model_id, tok
 
 

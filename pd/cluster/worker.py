@@ -25,6 +25,7 @@ from pd.cluster.procs import die_with_parent
 from pd.commands.build import engine_command
 from pd.commands.command import EngineCommand
 from pd.config import PDConfig
+from pd.kernels import sglang_plugin as plugin
 from pd.util.ports import free_port
 from pd.util.redact import redact_text
 from pd.util.wait import async_wait_until
@@ -154,6 +155,10 @@ class EngineWorker:
             with os.fdopen(fd, "w") as f:
                 f.write(text)
         env = dict(os.environ, PYTHONUNBUFFERED="1", **cmd.env)
+        if cmd.env.get(plugin.MASTER_FLAG) == "1":  # the node's own SGLANG_PLUGINS allow-list must name ours too
+            allowed = plugin.allow_list_with_plugin(env.get(plugin.PLUGIN_ALLOW_LIST))
+            if allowed is not None:
+                env[plugin.PLUGIN_ALLOW_LIST] = allowed
         env["CUDA_VISIBLE_DEVICES"] = self.cuda_visible_devices
         self._ready_line_seen = False
         self.proc = await asyncio.create_subprocess_exec(

@@ -32,9 +32,10 @@ named by ``SGLANG_LOCAL_IP_NIC``, else the default route's interface, else the h
 node may be another NIC than the one peers reach; a group's ``env`` naming any of those three keeps its choice.
 ``MC_FORCE_TCP=1`` when no RDMA device is configured; ``NCCL_DEBUG=WARN`` so NCCL failures
 reach the log that ``pdserve diagnose`` reads; with ``sglang.pdserve_kernels`` on, the switches of our SGLang
-plugin (``pd.kernels.sglang_plugin.worker_env``: ``SGLANG_PLUGINS`` naming ``pdserve``, ``PDSERVE_KERNELS=1``
-and one ``PDSERVE_*`` per kernel). A group's ``env`` still overrides single switches; its
-``SGLANG_PLUGINS`` allow-list is extended with ``pdserve`` rather than replacing it.
+plugin (``pd.kernels.sglang_plugin.worker_env``: ``PDSERVE_KERNELS=1`` and one ``PDSERVE_*`` per kernel). A
+group's ``env`` still overrides single switches. ``SGLANG_PLUGINS`` is left unset (SGLang then loads every
+installed plugin); an allow-list the group's ``env`` (or, at spawn, the node's environment) sets is extended
+with ``pdserve`` rather than replaced.
 """
 
 from __future__ import annotations

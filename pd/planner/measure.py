@@ -22,7 +22,7 @@ What is measured, on SGLang's native ``/generate`` with random ``input_ids`` (no
   per request and per output token. Without ``--pd-url``, give ``--kv-bytes-per-token`` and
   ``--transfer-bandwidth-gb-s`` (numbers measured elsewhere; the profile names them as given by hand).
 
-Engine limits come from ``/get_server_info``: the reference engine runs one prompt at a time (prefill batch 1) and
+Engine limits come from ``/server_info``: the reference engine runs one prompt at a time (prefill batch 1) and
 its KV pool size; SGLang's ``max_running_requests`` and ``chunked_prefill_size``. A reference engine's
 ``--cpu-threads`` become the TP entry's ``engine_args``. An existing ``--output`` keeps its other TP entries (one
 run per TP size builds a multi-TP profile).
@@ -230,8 +230,8 @@ async def measure(args) -> dict:
     url = args.url.rstrip("/")
     now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     async with httpx.AsyncClient(timeout=args.request_timeout, trust_env=False) as client:
-        info = (await client.get(url + "/get_server_info")).json()
-        model = (await client.get(url + "/get_model_info")).json()
+        info = (await client.get(url + "/server_info")).json()
+        model = (await client.get(url + "/model_info")).json()
         prober = Prober(client, (lo, hi), args.seed)
         reference = info.get("engine") == "pdserve-reference"
         for _ in range(2):  # the first requests pay lazy initialisation
@@ -278,7 +278,7 @@ async def measure(args) -> dict:
             if admit:
                 entry["decode"]["admit_points"] = admit
                 # the reference decode's pool bounds the running sequences' KV
-                dinfo = (await client.get(args.decode_url.rstrip("/") + "/get_server_info")).json()
+                dinfo = (await client.get(args.decode_url.rstrip("/") + "/server_info")).json()
                 pool = dinfo.get("scheduler_info", {}).get("max_total_num_tokens")
                 if pool:
                     entry["decode"]["max_kv_tokens"] = int(pool)
