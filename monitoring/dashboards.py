@@ -37,6 +37,8 @@ WORKERS_UID = "pdserve-workers"
 # The panels `pdserve render-dashboard` draws (titles in the PD overview).
 MAIN_PANELS = ("Per-stage latency p50", "Per-stage latency p99", "Mean time per stage", "Requests by status")
 
+# Panels under a row whose title starts so read metrics SGLang does not export: empty against SGLang workers.
+REFERENCE_ONLY_ROW = "Reference engine only"
 SPEC_STEP = "pdserve_spec_step_seconds"  # the reference engine's histogram of a speculative step's phases
 ENGINE_GAUGE = "sglang:num_running_reqs"  # every engine exports it from start: the variables' source
 PREFILL = 'engine_type="prefill"'
@@ -260,7 +262,19 @@ def workers() -> dict:
                      [g.target(f"max by (engine_type, instance) ({_eng('sglang:num_used_tokens')})",
                                "{{engine_type}} {{instance}}")],
                      w=12),
-        g.row("Speculative decoding (reference engine with --speculative-algorithm)"),
+        g.row("Speculative decoding (--speculative-algorithm; empty without it)"),
+        g.timeseries("Verify steps per second",
+                     [g.target(f"sum by (engine_type, instance) (rate({_eng('sglang:spec_verify_calls_total')}"
+                               f"[{RATE}]))", "{{engine_type}} {{instance}}")],
+                     unit="ops", w=12, description="Speculative verify steps (one target forward each) per decode "
+                     "worker, counted when a request finishes (SGLang's spec_verify_calls)."),
+        g.timeseries("Speculative depth (steps / draft tokens)",
+                     [g.target(f"max by (instance) ({_eng('sglang:spec_num_steps')})", "steps {{instance}}"),
+                      g.target(f"max by (instance) ({_eng('sglang:spec_num_draft_tokens')})",
+                               "draft tokens {{instance}}")],
+                     w=12, description="The depth each decode worker speculates at now: "
+                     "speculative_num_steps and speculative_num_draft_tokens."),
+        g.row(f"{REFERENCE_ONLY_ROW}: speculative step phases and the draft's KV pool"),
         g.timeseries("Speculative step time (draft / verify / extend)",
                      [g.target(f"sum by (instance, phase) (rate({_eng(SPEC_STEP + '_sum')}[{RATE}])) / "
                                f"sum by (instance, phase) (rate({_eng(SPEC_STEP + '_count')}[{RATE}]))",

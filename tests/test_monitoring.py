@@ -11,6 +11,7 @@ import ast
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -44,7 +45,8 @@ SGLANG_SRT = (Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.v
 SGLANG_ONLY_PANELS: set[str] = set()
 SPEC_STEPS = 3
 SPEC_PANELS = {"pdserve: PD overview": ("Speculative accept length", "Speculative accept rate"),
-               "pdserve: Workers": ("Speculative step time (draft / verify / extend)", "Draft KV pages held")}
+               "pdserve: Workers": ("Verify steps per second", "Speculative depth (steps / draft tokens)",
+                                    "Speculative step time (draft / verify / extend)", "Draft KV pages held")}
 SYNTHETIC = {"up"}  # made by Prometheus itself for every target
 TEST_RATE_INTERVAL = "1m"  # $__rate_interval for the checks (Grafana gives 40s at a 10s scrape interval)
 
@@ -460,6 +462,35 @@ def test_every_metric_name_is_exported_somewhere(stack, traffic):
     # Engine names the reference engine exports are SGLang's own (same dashboards on both engines).
     ours = {n for n in used if n.startswith("sglang:")}
     assert ours <= sglang, ours - sglang
+
+
+def test_panels_against_sglang_workers_have_data_or_say_they_cannot():
+    """Every panel that reads an engine metric the reference engine alone exports sits under a row titled
+    "Reference engine only": against SGLang workers, the rest of the dashboards are never empty for want of
+    a name (the names SGLang defines are checked above)."""
+    from pd.engines.metrics import EngineMetrics
+    from pd.monitoring.dashboards import REFERENCE_ONLY_ROW
+
+    families = {m.name for m in EngineMetrics("m", "decode").registry.collect()}
+    reference_only = {n for n in families if not n.startswith("sglang:")}
+    assert {"pdserve_spec_step_seconds", "pdserve_draft_kv_pages_held"} <= reference_only
+
+    def family(sample: str) -> str:
+        return re.sub(r"_(bucket|sum|count|total)$", "", sample) if sample not in families else sample
+
+    flagged, wrong = [], []
+    for path in DASHBOARDS:
+        dash = json.loads(path.read_text())
+        row = ""
+        for panel in dash["panels"]:
+            if panel["type"] == "row":
+                row = panel["title"]
+                continue
+            names = {family(n) for t in panel.get("targets", []) for n in metric_names(t["expr"])}
+            if names & reference_only:
+                (flagged if row.startswith(REFERENCE_ONLY_ROW) else wrong).append((panel["title"], row))
+    assert not wrong, f"panels empty against SGLang workers outside a '{REFERENCE_ONLY_ROW}' row: {wrong}"
+    assert len(flagged) == 2, flagged
 
 
 def sglang_metric_names() -> set[str]:

@@ -374,3 +374,12 @@ def test_the_router_asks_workers_by_the_info_routes_current_names():
         assert re.search(rf'@app\.(api_route|get)\("{new}"', src), new
         route = src[src.index(f'"{old}"'):]
         assert "deprecated" in route[:600], old
+
+
+def test_launch_server_is_still_a_supported_entry_point():
+    """Workers start with ``python -m sglang.launch_server`` (the worker's own interpreter); the pinned release
+    warns that it is "still supported" and recommends the ``sglang serve`` console script, which has no
+    ``python -m`` form. A release that drops the entry point fails here, not on a GPU box."""
+    src = (sglang_srt().parent / "launch_server.py").read_text()
+    assert "is still supported" in src and 'if __name__ == "__main__":' in src
+    assert 'if __name__ == "__main__"' not in (sglang_srt().parent / "cli" / "main.py").read_text()

@@ -357,7 +357,7 @@ class EngineCore:
         seq.spec_draft_width = self.spec.config.num_draft_tokens - 1
         seq.spec_correct_drafts += min(emitted, step.accepted_drafts)
         self.metrics.observe_spec_step(step.accepted_drafts + 1, self.spec.config.num_draft_tokens - 1,
-                                       step.draft_s, step.verify_s, step.extend_s)
+                                       step.draft_s, step.verify_s, step.extend_s, self.spec.config.num_steps)
 
     async def _run_prefill(self, seq: Sequence) -> None:
         b = seq.spec.bootstrap

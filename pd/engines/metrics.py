@@ -114,6 +114,12 @@ class EngineMetrics:
                                       names, registry=r)
         self.spec_verify_calls = Counter("sglang:spec_verify_calls", "Number of speculative decoding verification "
                                          "calls.", req, registry=r)
+        self.spec_num_steps = Gauge("sglang:spec_num_steps", "Currently active speculative_num_steps.", names,
+                                    registry=r)
+        self.spec_num_draft_tokens = Gauge("sglang:spec_num_draft_tokens", "Currently active "
+                                           "speculative_num_draft_tokens (decouples from steps under topk>1).",
+                                           names, registry=r)
+        # Ours alone (SGLang exports neither): the dashboards keep their panels in a "reference engine only" row.
         self.spec_step = Histogram("pdserve_spec_step_seconds", "Time of one speculative step's phases: draft (the "
                                    "chain), verify (one target forward over the window + acceptance), extend (the "
                                    "draft on the accepted tokens).", names + ["phase"], buckets=STAGE_BUCKETS,
@@ -163,11 +169,14 @@ class EngineMetrics:
             self.spec_verify_calls.labels(**self.request_labels).inc(spec_verify_ct)
 
     def observe_spec_step(self, accept_length: int, proposed: int, draft_s: float, verify_s: float,
-                          extend_s: float, window: int = 40) -> None:
+                          extend_s: float, num_steps: int, window: int = 40) -> None:
         """One speculative verify step: ``accept_length`` tokens emitted-or-accepted (drafts + the bonus),
-        ``proposed`` drafts, and its phase times in seconds. The gauges are means over the last ``window`` steps
-        (SGLang: accept length = accepted tokens / forwards, accept rate = accepted drafts / (forwards x
-        (num_draft_tokens - 1)), over its decode-log interval)."""
+        ``proposed`` drafts (``num_draft_tokens - 1`` with topk 1), its phase times in seconds, and the depth it
+        ran at (``num_steps``). The accept gauges are means over the last ``window`` steps (SGLang: accept
+        length = accepted tokens / forwards, accept rate = accepted drafts / (forwards x (num_draft_tokens - 1)),
+        over its decode-log interval); the depth gauges are the step's own, SGLang's "currently active" values."""
+        self.spec_num_steps.labels(**self.labels).set(num_steps)
+        self.spec_num_draft_tokens.labels(**self.labels).set(proposed + 1)
         self._spec_window.append((accept_length, proposed))
         del self._spec_window[:-window]
         tokens = sum(a for a, _ in self._spec_window)
