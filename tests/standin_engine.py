@@ -21,8 +21,9 @@ Control (tests only): ``POST /control`` with any of
 ``{"faults": [...], "clear_faults": true, "health": STATUS, "propagate_aborts": bool,
 "token_interval": seconds, "abort_lists": bool}`` appends faults (after clearing the pending ones) /
 sets values; ``POST /control/reset`` clears faults and the records;
-``GET /control`` returns ``{"requests": [...], "aborts": [rid...], "abort_calls": [[rid...] per
-/abort_request call, [] for a refused one], "live": [rid...], "aborted": [rid...], "finished": n}``.
+``GET /control`` returns ``{"requests": [...] (each with the whole ``body`` as received), "aborts": [rid...],
+"abort_calls": [[rid...] per /abort_request call, [] for a refused one], "abort_bodies": [body per
+/abort_request call], "live": [rid...], "aborted": [rid...], "finished": n}``.
 A fault is ``{"kind": K, "count": N (default 1), ...}``,
 used by the next N generation requests:
 
@@ -91,6 +92,7 @@ class StandIn:
         self.requests: list[dict] = []
         self.aborts: list[str] = []
         self.abort_calls: list[list[str]] = []
+        self.abort_bodies: list = []  # every /abort_request body as received, refused ones too
         self.abort_lists = True
         self.live: dict[str, Seq] = {}
         self.aborted: list[str] = []
@@ -305,7 +307,8 @@ class StandIn:
                               "x_request_id": request.headers.get("X-Request-Id"),
                               "authorization": request.headers.get("Authorization"),
                               "stream": bool(body.get("stream")), "count": len(seqs),
-                              "stream_options": body.get("stream_options"), "fault": fault and fault["kind"]})
+                              "stream_options": body.get("stream_options"), "fault": fault and fault["kind"],
+                              "body": body})
         if fault and fault["kind"] == "status":
             status = fault.get("status", 503)
             return web.json_response(error_json(status, fault.get("message", f"stand-in fault {status}")),
@@ -354,6 +357,7 @@ class StandIn:
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await request.json()
+        self.abort_bodies.append(body)
         rid = body.get("rid", "")
         if isinstance(rid, list) and not self.abort_lists:
             self.abort_calls.append([])
@@ -373,13 +377,15 @@ class StandIn:
     async def control(self, request: web.Request) -> web.Response:
         if request.method == "GET":
             return web.json_response({"requests": self.requests, "aborts": self.aborts,
-                                      "abort_calls": self.abort_calls, "live": list(self.live),
+                                      "abort_calls": self.abort_calls, "abort_bodies": self.abort_bodies,
+                                      "live": list(self.live),
                                       "aborted": self.aborted, "finished": self.finished})
         if request.path.endswith("/reset"):
             self.faults.clear()
             self.requests.clear()
             self.aborts.clear()
             self.abort_calls.clear()
+            self.abort_bodies.clear()
             self.abort_lists = True
             self.aborted.clear()
             self.finished = 0

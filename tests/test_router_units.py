@@ -139,7 +139,8 @@ def test_merge_full_and_stream_events():
                           "input_token_ids_logprobs": [None, [[-2.0, 7, None]]]}}]
     dec = [{"text": "a", "meta_info": {"input_token_logprobs": [], "output_token_logprobs": [[-0.5, 9, None]]}},
            {"text": "b", "meta_info": {"input_token_logprobs": [], "input_top_logprobs": [],
-                                       "input_token_ids_logprobs": [], "output_token_ids_logprobs": [[[-1.5, 7, None]]]}}]
+                                       "input_token_ids_logprobs": [],
+                                       "output_token_ids_logprobs": [[[-1.5, 7, None]]]}}]
     inputs = prefill_inputs(json.dumps(pre).encode(), stream=False)
     merged = json.loads(merge_full(json.dumps(dec).encode(), inputs))
     assert merged[0]["meta_info"]["input_token_logprobs"] == [[None, 1, None], [-1.0, 2, None]]
