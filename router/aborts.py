@@ -117,7 +117,7 @@ class Aborter:
         """One /abort_request: (HTTP status, None), or (None, the error) instead of raising it."""
         try:
             r = await fetch(self.client, "POST", worker.url + "/abort_request", ABORT_TIMEOUT, json={"rid": rid},
-                            headers={**self.headers, **worker.headers}, follow_redirects=False)
+                            headers={**self.headers, **worker.headers})
         except UPSTREAM_ERRORS as e:
             return None, e
         return r.status_code, None

@@ -34,7 +34,7 @@ from starlette.routing import Route
 
 from pd.router.admin import AdminAPI
 from pd.router.auth import Auth
-from pd.router.client import content_type, fetch, make_client
+from pd.router.client import WorkerRedirect, content_type, fetch, make_client
 from pd.router.config import RouterConfig
 from pd.router.dispatch import PDDispatcher
 from pd.router.errors import TIMEOUT_ERRORS, UPSTREAM_ERRORS, error_response
@@ -122,8 +122,9 @@ class Router:
                 except UPSTREAM_ERRORS as e:
                     timeout = isinstance(e, TIMEOUT_ERRORS)
                     status, kind = (504, "decode_timeout") if timeout else (502, "decode_connect")
-                    resp = error_response(status, f"decode worker {worker.url} "
-                                                  f"{'timed out' if timeout else 'is unreachable'} on {path}: {e!r}")
+                    what = "timed out" if timeout else \
+                        "answered a redirect" if isinstance(e, WorkerRedirect) else "is unreachable"
+                    resp = error_response(status, f"decode worker {worker.url} {what} on {path}: {e}")
         m = self.metrics
         m.requests.labels(path, str(status)).inc()
         if kind is not None:

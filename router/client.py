@@ -28,25 +28,34 @@ def make_client(config: RouterConfig) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=config.max_connections,
                           keepalive_expiry=KEEPALIVE)
     timeout = httpx.Timeout(config.timeouts.request, connect=config.timeouts.connect)
-    client = httpx.AsyncClient(limits=limits, timeout=timeout, follow_redirects=True)
+    client = httpx.AsyncClient(limits=limits, timeout=timeout, follow_redirects=False)
     # Bodies are relayed byte for byte: ask for no compression, and send no client name.
     del client.headers["accept-encoding"]
     del client.headers["user-agent"]
     return client
 
 
+class WorkerRedirect(httpx.HTTPError):
+    """A worker answered a redirect (3xx). The router follows none: a worker could point it at any host (one
+    the admin API refuses, or a cloud metadata address) and have that host's answer relayed or trusted."""
+
+
 async def fetch(client: httpx.AsyncClient, method: str, url: str, total: float, *,
-                  headers: Optional[dict] = None, json: object = None,
-                  follow_redirects: bool = True) -> httpx.Response:
+                headers: Optional[dict] = None, json: object = None) -> httpx.Response:
     """``method url`` on ``client`` with its body read, bounded by ``total`` seconds in all (pool
     wait, connect, send, the whole answer): httpx's own timeouts bound each phase, not the sum.
 
     Raises:
         TimeoutError: ``total`` passed (httpx's own phase timeouts raise ``httpx.TimeoutException``).
+        WorkerRedirect: the answer is a 3xx (never followed).
         httpx.HTTPError: the request failed (no connection, broken connection, protocol error).
     """
     async with asyncio.timeout(total):
-        return await client.request(method, url, headers=headers, json=json, follow_redirects=follow_redirects)
+        r = await client.request(method, url, headers=headers, json=json, follow_redirects=False)
+    if r.is_redirect or 300 <= r.status_code < 400:
+        raise WorkerRedirect(f"{url} answered {r.status_code}, a redirect (to {r.headers.get('location', '?')!r}); "
+                             f"the router follows no redirect from a worker")
+    return r
 
 
 def content_type(resp: httpx.Response) -> str:

@@ -327,7 +327,8 @@ class RouterSettings(_Strict):
     ``*`` for any host. Empty: only the cluster's nodes."""
     request_id_headers: tuple[str, ...] = ("x-request-id",)
     """request headers a client's request id is taken from, first match wins; it is passed to both
-    workers and returned as ``X-Request-Id``."""
+    workers and returned as ``X-Request-Id``. A value over 128 characters or with anything but visible ASCII
+    is replaced by a fresh id."""
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
     """Python logging level name."""
 

@@ -77,6 +77,7 @@ log = logging.getLogger("pd.router")
 
 PREFILL_VERDICT_WAIT = 0.25  # seconds a decode error waits for the prefill's outcome (the likelier root cause)
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request" (only ever seen in metrics)
+MAX_REQUEST_ID = 128  # characters of a client's X-Request-Id the router keeps (longer: a fresh id)
 WATCH_DELAY = 0.05  # seconds into a request (after its body) from which a client leaving is watched for
 
 
@@ -247,8 +248,8 @@ class PDDispatcher:
             if value:
                 req_id = value.decode("latin-1")
                 break
-        if not req_id or "\r" in req_id or "\n" in req_id:
-            req_id = new_rid()
+        if not req_id or len(req_id) > MAX_REQUEST_ID or not req_id.isprintable() or not req_id.isascii():
+            req_id = new_rid()  # a client's id is echoed and forwarded: bounded, visible ASCII only
         rid_header = (b"x-request-id", req_id.encode("latin-1"))
         if not self.auth.client_header_ok(headers.get(b"authorization")):
             return await self._reject(send, em, arrival, 401, "unauthorized", "missing or invalid API key "
@@ -563,7 +564,7 @@ class PDDispatcher:
             msg = f"prefill worker {w.url} {what} on {ex.route}: {pre.detail}"
             log.warning("%s", msg)
             return no_answer("prefill", timeout, msg)
-        return answered("prefill", pre.status, pre.body, pre.content_type)
+        return answered("prefill", ex.prefill.url, pre.status, pre.body, pre.content_type)
 
     def _decode_failed(self, ex: Exchange, exc: BaseException) -> Failure:
         """The decode request raised ``exc`` (no answer, or its body broke off): the Failure to answer with.
@@ -620,7 +621,7 @@ class PDDispatcher:
             # was not our abort that cut the connection
             if not pre.ok and (pre.status is not None or not ex.prefill_aborted):
                 return self._prefill_failure(ex, pre)
-        return answered("decode", resp.status, data, resp.content_type)
+        return answered("decode", ex.decode.url, resp.status, data, resp.content_type)
 
     async def _read_decode(self, ex: Exchange, resp: UpstreamResponse, read):
         """``await read()`` on decode's 2xx response -> (bytes, None). On an upstream error the decode

@@ -76,8 +76,13 @@ def no_answer(side: str, timed_out: bool, message: str) -> Failure:
     return Failure.router(502, message, f"{side}_connect", True)
 
 
-def answered(side: str, status: int, body: bytes, content_type: str) -> Failure:
-    """``side``'s own non-2xx answer, kind ``{side}_status``: retryable for 408, 429 and 5xx but 501."""
+def answered(side: str, url: str, status: int, body: bytes, content_type: str) -> Failure:
+    """``side``'s own non-2xx answer, kind ``{side}_status``: retryable for 408, 429 and 5xx but 501. A 3xx is
+    no answer to relay: the router follows no redirect from a worker (one could point it, or the client, at
+    any host), so it is a retryable 502 naming the worker."""
+    if 300 <= status < 400:
+        return Failure.router(502, f"{side} worker {url} answered {status}, a redirect; the router follows no "
+                              f"redirect from a worker", f"{side}_status", True)
     return Failure(status, body, f"{side}_status", status in RETRYABLE_STATUS, content_type)
 
 

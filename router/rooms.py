@@ -33,28 +33,55 @@ room and an id the router can abort. (Called with ``n > 1``, ``assign_rids`` sen
 from __future__ import annotations
 
 import os
-import random
 from typing import NamedTuple, Optional
 
 from pd.router.workers import Worker
 
 ROOM_LIMIT = 2**63  # rooms are drawn from [0, 2^63): they fit a signed 64-bit int everywhere
+_POOL_BYTES = 4096  # one getrandom() per 4 KiB: ~170 single-sequence requests (a room and an id each)
 
-# Seeded from the OS once per process (routers started together never share a sequence), then
-# Mersenne Twister: a SystemRandom draw is a getrandom() syscall, several per request.
-_rng = random.Random(os.urandom(32))
-_getrandbits = _rng.getrandbits
-os.register_at_fork(after_in_child=lambda: _rng.seed(os.urandom(32)))
+
+class _Entropy:
+    """Bytes of the OS's CSPRNG (``os.urandom``), read 4 KiB at a time and handed out once each.
+
+    Rooms and ids must be unguessable: a room a third party predicts can be registered first on a
+    prefill's bootstrap server (SGLang's takes no key), and ids come back to every client in
+    ``X-Request-Id``. With a Mersenne Twister, 156 ids revealed its state and so every later room and
+    id. Bytes of a CSPRNG reveal nothing of the others. One syscall per 4 KiB keeps the cost off the hot
+    path (a ``secrets`` call per draw is a syscall each, several per request). A forked child drops the
+    buffer its parent holds, so the two never hand out the same bytes.
+    """
+
+    __slots__ = ("buf", "pos")
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.pos = 0
+
+    def take(self, n: int) -> bytes:
+        """``n`` (<= 4096) fresh bytes."""
+        if self.pos + n > len(self.buf):
+            self.buf, self.pos = os.urandom(_POOL_BYTES), 0
+        out = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def drop(self) -> None:
+        self.buf, self.pos = b"", 0
+
+
+_entropy = _Entropy()
+os.register_at_fork(after_in_child=_entropy.drop)
 
 
 def new_room() -> int:
-    """A fresh random bootstrap room in [0, 2^63)."""
-    return _getrandbits(63)
+    """A fresh bootstrap room in [0, 2^63) from the OS's CSPRNG."""
+    return int.from_bytes(_entropy.take(8), "little") >> 1
 
 
 def new_rid() -> str:
-    """A router-generated request id: ``pdr-`` and 32 hex digits (128 random bits)."""
-    return f"pdr-{_getrandbits(128):032x}"
+    """A router-generated request id: ``pdr-`` and 32 hex digits (128 bits of the OS's CSPRNG)."""
+    return "pdr-" + _entropy.take(16).hex()
 
 
 def _as_n(value) -> Optional[int]:
@@ -164,8 +191,8 @@ def stamp(body: dict, count: int, batch: bool, prefill: Worker) -> None:
     if count == 1 and not batch:
         body["bootstrap_host"] = prefill.bootstrap_host
         body["bootstrap_port"] = prefill.bootstrap_port
-        body["bootstrap_room"] = _getrandbits(63)
+        body["bootstrap_room"] = new_room()
     else:
         body["bootstrap_host"] = [prefill.bootstrap_host] * count
         body["bootstrap_port"] = [prefill.bootstrap_port] * count
-        body["bootstrap_room"] = [_getrandbits(63) for _ in range(count)]
+        body["bootstrap_room"] = [new_room() for _ in range(count)]

@@ -50,7 +50,7 @@ def test_no_answer_is_retried_as_502_or_504(side):
 
 @pytest.mark.parametrize("status", [400, 401, 403, 404, 408, 413, 422, 429, 500, 501, 502, 503, 504])
 def test_worker_answers_retry_for_408_429_and_5xx(status):
-    f = answered("decode", status, b'{"error": "x"}', "application/json")
+    f = answered("decode", "http://d:1", status, b'{"error": "x"}', "application/json")
     assert f.retryable == (status in (408, 429, 500, 502, 503, 504)) and f.kind == "decode_status"
     assert (f.status, f.body) == (status, b'{"error": "x"}')  # the worker's own answer, as it was
     assert RETRYABLE_STATUS == {408, 429, 500, 502, 503, 504}
@@ -104,7 +104,7 @@ def retrier(attempts: Attempts, **kw) -> Retrier:
                    sleep=attempts.sleep)
 
 
-BUSY = answered("decode", 503, b"busy", "text/plain")
+BUSY = answered("decode", "http://d:1", 503, b"busy", "text/plain")
 
 
 @pytest.mark.parametrize("max_retries", [1, 2, 5])
@@ -127,7 +127,7 @@ async def test_a_committed_answer_is_never_retried():
 
 
 async def test_a_failure_that_cannot_be_fixed_is_not_retried():
-    bad = answered("prefill", 400, b"prompt too long", "application/json")
+    bad = answered("prefill", "http://p:1", 400, b"prompt too long", "application/json")
     a = Attempts(BUSY, bad)
     outcome, n = await retrier(a).run(a, a.on_retry)
     assert outcome is bad and n == 2 and a.retried == [(1, "decode_status")]
