@@ -12,9 +12,11 @@
    The caller keeps only ``[0]`` (out [T, 1, H, 512] bf16).
    Adapter: same semantics as ours (FlashMLA's), so it only renames ``extra_indices_in_kvcache`` ->
    ``extra_indices``, adds the query axis to 3-D q / 2-D indices, makes indices/lengths int32 contiguous,
-   flattens lengths to [T], cuts attn_sink to H and makes it fp32. Calls whose caches our kernel does not
-   read (another bytes-per-token layout, e.g. DSv4.1's 528/288; a page size outside
-   ``sparse_mla_decode.SUPPORTED_PAGE_SIZES`` - the c128 cache has 256/128 = 2 tokens per page), a
+   flattens lengths to [T], cuts attn_sink to H and makes it fp32. Every DSv4 layer's call is ours: the SWA
+   cache (256-token pages), and the compressed cache of c4 layers (64-token pages) and of c128 layers (256/128 =
+   2 tokens per page; ``sparse_mla_decode.SUPPORTED_PAGE_SIZES`` is (2, 64, 256); on an H100, SGLang's Triton
+   kernel took 14-181x our time on c128 calls, benchmarks/results/sparse_mla_c128.md). Calls whose caches our
+   kernel does not read (another bytes-per-token layout, e.g. DSv4.1's 528/288; any other page size), a
    head_dim_v other than 512, a head count that is not a multiple of 16, or anything else the kernel's own
    checks refuse (ValueError, raised before any launch) go to SGLang's function; when
    that function's FlashInfer decode needs 64 padded heads (see 2.) the adapter pads q and attn_sink with

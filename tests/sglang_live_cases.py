@@ -297,7 +297,7 @@ def run_sparse_mla() -> None:
     ours = _counting(smd, "sparse_mla_decode")
     cases = {"decode_c4_swa256": dict(seq_lens=[150, 37], q_len=1, swa_page=256, extra_ratio=4),
              "verify_c4_swa64": dict(seq_lens=[131], q_len=2, swa_page=64, extra_ratio=4),
-             "decode_c128_fallback": dict(seq_lens=[140], q_len=1, swa_page=256, extra_ratio=128)}
+             "decode_c128_swa256": dict(seq_lens=[140], q_len=1, swa_page=256, extra_ratio=128)}
     for name, spec in cases.items():
         kw, rkw = sparse_mla_inputs(**spec)
         # A call ours does not take must reach SGLang's function unchanged, whichever backend that runs: its torch

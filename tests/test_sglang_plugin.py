@@ -504,8 +504,8 @@ def test_sparse_mla_calls_ours_cannot_serve_go_to_sglang_padded_to_64_heads(forc
     monkeypatch.setattr(fm, "_sm120_default_backend", "flashinfer")
     monkeypatch.setattr(fm, "flashinfer_dsv4_decode_supports_num_heads", lambda h, t: False)
     kw = sglang_style_call()
-    # a c128 layer: 256 / 128 = 2 tokens per page of the compressed cache
-    kw["extra_k_cache"] = _paged(8, 2, 5)
+    # a page size ours does not read (SUPPORTED_PAGE_SIZES: 2, 64, 256)
+    kw["extra_k_cache"] = _paged(64, 32, 5)
     got = {}
 
     def stock(**k):

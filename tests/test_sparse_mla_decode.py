@@ -24,15 +24,35 @@ LSE_TOL = 1e-3
 @pytest.fixture(scope="module")
 def interp_results():
     env = dict(os.environ, TRITON_INTERPRET="1", TRITON_DEFAULT_FP_FUSION="1")
-    p = subprocess.run([sys.executable, os.path.join(HERE, "sparse_mla_interp_cases.py")], env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return {r["name"]: r for r in map(json.loads, filter(None, p.stdout.splitlines()))}
+    out = {}
+    # the shared cases, then this file's c128-layout cases (its __main__ block, below)
+    for script in ("sparse_mla_interp_cases.py", os.path.basename(__file__)):
+        p = subprocess.run([sys.executable, os.path.join(HERE, script)], env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 0, p.stderr[-4000:]
+        out.update((r["name"], r) for r in map(json.loads, filter(None, p.stdout.splitlines())))
+    return out
 
 
 CASE_NAMES = ["s1_h16", "s2_h32_holes_len", "s2_h16_len0_sink", "s1_h32_split3_sink", "s2_h16_extra_sink_split2",
               "s1_h16_extra_direct_len0", "s1_h16_page256_2d", "chunked_s2_h64_holes_len_sink",
               "chunked_s1_h32_extra_split2_len0", "pipelined_s2_h64_holes_len_sink_split2"]
+# A c128 layer's call (DeepseekV4AttnBackend._forward_attention): the SWA cache (256-token pages, 128-wide window)
+# plus the layer's compressed cache with 256 / 128 = 2 tokens per page, addressed as [pages, 2, 1, 584] views or
+# (the 2-D form) a contiguous [pages, 1728] byte buffer; each of the three kernels reads the 2-token pages once.
+C128_CASES = {
+    # default path under the interpreter: 16-head programs -> the pipelined kernel
+    "c128_pipelined_s1_h16_page2_holes_len_sink": dict(b=2, s=1, h=16, etopk=128, elens=[128, 37], splits=None,
+                                                       block_h=None, config=None, view2d=False),
+    # 32-head programs -> the plain kernel; the compressed cache as the 2-D byte buffer (page stride 1728)
+    "c128_plain_s2_h32_page2_2d_split2": dict(b=2, s=2, h=32, etopk=64, elens=[64, 1], splits=2, block_h=32,
+                                              config=None, view2d=True),
+    # the chunked kernel, forced
+    "c128_chunked_s1_h64_page2_direct": dict(b=1, s=1, h=64, etopk=80, elens=[77], splits=1, block_h=64,
+                                             config={"BLOCK_N": 16, "num_warps": 4, "num_stages": 1,
+                                                     "CHUNKED": True}, view2d=False),
+}
+CASE_NAMES += list(C128_CASES)
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)
@@ -139,14 +159,14 @@ SM90_SHARED_LIMIT = 232448  # bytes of shared memory per block on sm_90 (227 KiB
 SM90_SHARED_PER_SM = 233472  # bytes of shared memory per SM on sm_90 (228 KiB; each block also reserves 1 KiB)
 
 
-def _compile(bh, cfg, cc, direct=False, chunked=False, pipeline=None):
+def _compile(bh, cfg, cc, direct=False, chunked=False, pipeline=None, page_size=64):
     from pd.kernels.sparse_mla_decode import (
         _sparse_mla_fwd_chunked_kernel,
         _sparse_mla_fwd_kernel,
         _sparse_mla_fwd_pipelined_kernel,
     )
 
-    const = dict(HAS_LEN=True, HAS_SINK=True, DIRECT=direct, PAGE_SIZE=64, BLOCK_H=bh, DOT_F32=False,
+    const = dict(HAS_LEN=True, HAS_SINK=True, DIRECT=direct, PAGE_SIZE=page_size, BLOCK_H=bh, DOT_F32=False,
                  DOT_PREC="tf32", BLOCK_N=cfg.kwargs["BLOCK_N"])
     # split programs release the combine launch early (programmatic dependent launch), as the default path runs them
     const["PDL"] = not direct
@@ -236,6 +256,23 @@ def test_aot_pipelined_configs_sm120a_and_sm90a(i):
             assert need <= SM90_SHARED_PER_SM, (c, k.metadata.shared)
 
 
+@aot
+def test_aot_page2_sm120a():
+    """The c128 layers' 2-token pages. PAGE_SIZE is a constexpr, so each page size is its own build; the
+    enumerations above compile page 64 only (page 256, like page 2, differs in two integer constants). This
+    compiles, for page 2 only, the two sm_120 programs a c128 layer's compressed cache runs by default: the 16-head
+    pipelined two-per-SM config (H=16 at TP4, B >= 33) and the 32-head plain one (H=64): still cp.async-gathered,
+    mma.sync, within sm_120's shared memory (4.7 s on a 2-core CI-like machine, instead of a second pass over
+    every config)."""
+    from pd.kernels.sparse_mla_decode import DEFAULT_CONFIG, TWO_PER_SM_CONFIG_16
+
+    c = TWO_PER_SM_CONFIG_16
+    k = _compile(16, _cfg(c), 120, pipeline=c["PIPELINE"], page_size=2)
+    assert "cp.async" in k.asm["ptx"] and _sync_record_loads(k) == 0
+    assert_sm120_ok(k)
+    assert_sm120_ok(_compile(32, _cfg(DEFAULT_CONFIG[32]), 120, page_size=2))
+
+
 def test_sm120_defaults_are_unchunked_and_sm90_only_picks_64():
     from pd.kernels.sparse_mla_decode import (
         DEFAULT_CONFIG,
@@ -303,3 +340,46 @@ def test_default_configs_are_compile_tested_configs():
         else:
             assert any(c.kwargs["BLOCK_N"] == d["BLOCK_N"] and c.num_warps == d["num_warps"]
                        and c.num_stages == d["num_stages"] for c in CONFIGS[bh]), (bh, d)
+
+
+# ---------------------------------------------------------------- c128-layout interpreter cases (subprocess)
+
+def _c128_case(name, b, s, h, etopk, elens, splits, block_h, config, view2d, seed):
+    """One c128-layer call in the interpreter vs the fp64 reference: main cache 256-token pages with a 128-token
+    window (topk_length <= 128, -1 holes), compressed cache 2-token pages (64 pages; extra_topk_length per row,
+    -1 past it and a few inside), sink. Returns the JSON row ``test_interpreter_matches_reference`` checks."""
+    from pd.kernels.sparse_mla_decode import sparse_mla_decode
+    from pd.kernels.sparse_mla_reference import BYTES_PER_TOKEN, quantize_kv, sparse_mla_decode_ref
+
+    g = torch.Generator().manual_seed(seed)
+
+    def cache(pages, ps):
+        kc = quantize_kv(torch.randn(pages * ps, 512, generator=g) * 0.7, ps)
+        return kc, kc[:, : ps * BYTES_PER_TOKEN].view(pages, ps, 1, BYTES_PER_TOKEN)
+
+    kc, kc4 = cache(2, 256)
+    ekc, ekc4 = cache(64, 2)
+    q = torch.randn(b, s, h, 512, generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, 512, (b, s, 128), generator=g, dtype=torch.int32)
+    idx[torch.rand(idx.shape, generator=g) < 0.1] = -1
+    lens = torch.tensor([128] + [70] * (b - 1), dtype=torch.int32)
+    eidx = torch.randint(0, 128, (b, s, etopk), generator=g, dtype=torch.int32)
+    eidx[..., 5] = -1
+    elen = torch.tensor(elens, dtype=torch.int32)
+    eidx[(torch.arange(etopk).view(1, 1, -1) >= elen.view(b, 1, 1)).expand(b, s, etopk)] = -1  # SGLang: -1 pad
+    sink = torch.randn(h, generator=g)
+    kw = dict(topk_length=lens, attn_sink=sink, extra_indices=eidx, extra_topk_length=elen)
+    out, lse = sparse_mla_decode(q, kc4, idx, extra_k_cache=ekc if view2d else ekc4, num_splits=splits,
+                                 block_h=block_h, config=config, **kw)
+    ro, rl = sparse_mla_decode_ref(q, kc, idx, extra_k_cache=ekc, page_size=256, extra_page_size=2, **kw)
+    fin = torch.isfinite(rl)
+    return dict(name=name, rel=((out.float() - ro).norm() / ro.norm()).item(),
+                lse_err=(lse[fin] - rl[fin]).abs().max().item() if fin.any() else 0.0,
+                same_inf=bool(torch.equal(torch.isinf(lse), torch.isinf(rl))), nan=bool(torch.isnan(out).any()),
+                empty_rows_zero=bool((out.float()[torch.isinf(rl).transpose(1, 2)] == 0).all()))
+
+
+if __name__ == "__main__":  # run by the interp_results fixture with TRITON_INTERPRET=1
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    for i, (case, kw) in enumerate(C128_CASES.items()):
+        print(json.dumps(_c128_case(case, seed=100 + i, **kw)), flush=True)

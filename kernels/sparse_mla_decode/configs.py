@@ -15,7 +15,13 @@ from typing import Any
 
 import triton
 
-SUPPORTED_PAGE_SIZES = (64, 256)
+# Tokens per page of the caches the kernels read. 64 and 256: SGLang's SWA (main) pool and the c4 layers' compressed
+# cache; 2: the c128 layers' compressed cache (SGLang's 256-token page / 128). The address math is generic in the
+# constexpr PAGE_SIZE (token t: page t // P, record at page * page_stride + (t % P) * 576, scales at
+# page * page_stride + P * 576 + (t % P) * 8); page_stride_bytes(2) = 1728 keeps every record 16-byte and every
+# scale word 8-byte aligned, and the three page strides (1728, 37440, 149760) tell a 2-D buffer's page size apart.
+# No tile assumes a page holds BLOCK_N tokens: each token of a tile is addressed on its own.
+SUPPORTED_PAGE_SIZES = (2, 64, 256)
 
 # Autotune configs per heads-per-program. Each fits sm_120's 99 KiB of shared memory (tests check it): the
 # q tile (BLOCK_H x 576 bf16) plus operand copies of the dequantized KV tile (BLOCK_N x 576 bf16).

@@ -60,9 +60,10 @@ def _cache_view(name, k_cache):
         stride = k_cache.shape[1]
         sizes = {page_stride_bytes(p): p for p in SUPPORTED_PAGE_SIZES}
         if stride not in sizes or not k_cache.is_contiguous():
+            pss = "/".join(map(str, SUPPORTED_PAGE_SIZES))
             raise ValueError(
                 f"{name} as a 2-D byte buffer must be contiguous (pages, page_stride) with page_stride in "
-                f"{sorted(sizes)} (page_size 64/256), got {tuple(k_cache.shape)}"
+                f"{sorted(sizes)} (page_size {pss}), got {tuple(k_cache.shape)}"
             )
         page_size = sizes[stride]
     else:
