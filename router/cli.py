@@ -26,6 +26,8 @@ from pydantic import ValidationError
 from pd.router.app import create_app
 from pd.router.config import CONFIG_ENV, DEFAULT_BOOTSTRAP_PORT, PrefillWorkerConfig, RouterConfig
 from pd.router.flags import SettingsFlags, set_path
+from pd.util.connection_guard import REASONS as CONNECTION_REFUSALS
+from pd.util.connection_guard import ConnectionGuard
 
 log = logging.getLogger("pd.router")
 
@@ -190,9 +192,19 @@ def make_server(config: RouterConfig) -> uvicorn.Server:
     ``server.run()`` to block)."""
     # uvloop + httptools named (not "auto": a missing one must fail, not silently cost 2x CPU);
     # no access log and no X-Forwarded-* processing on the hot path.
-    ucfg = uvicorn.Config(create_app(config), host=config.host, port=config.port, loop="uvloop",
-                          http="httptools", proxy_headers=False, log_level=config.log_level, access_log=False,
-                          timeout_graceful_shutdown=5, backlog=4096)
+    # Client connections pass a guard (pd.util.connection_guard) built on uvicorn's httptools protocol.
+    app = create_app(config)
+    metrics = app.state.router.metrics
+    refused = {r: metrics.connections_refused.labels(r) for r in CONNECTION_REFUSALS}
+    gauge = metrics.client_connections.labels()
+    limits = config.client.limits()
+    guard = ConnectionGuard(limits, on_refuse=lambda reason: refused[reason].inc(), on_change=gauge.set)
+    log.info("client connections: at most %d, %d per address; headers within %gs, %d bytes, %d fields",
+             limits.max_connections, limits.max_connections_per_address, limits.header_timeout,
+             limits.max_header_bytes, limits.max_headers)
+    ucfg = uvicorn.Config(app, host=config.host, port=config.port, loop="uvloop",
+                          http=guard.protocol(), proxy_headers=False, log_level=config.log_level, access_log=False,
+                          timeout_graceful_shutdown=5, backlog=4096, timeout_keep_alive=limits.keep_alive_timeout)
     return _Server(ucfg)
 
 

@@ -124,6 +124,37 @@ class PrefillWorkerConfig(_Strict):
         return urlsplit(self.url).hostname
 
 
+class ClientConnectionConfig(_Strict):
+    """Limits on client connections, enforced before uvicorn parses a byte (pd.util.connection_guard): a
+    client that holds connections or trickles headers cannot use up the router's file descriptors."""
+
+    FLAG: ClassVar[str] = "--client-{}"
+
+    max_connections: int = Field(0, ge=0)
+    """open client connections in all; over it a new connection is reset at once. 0 = the open-file limit
+    (raised to its hard limit at start) less 1024, at most 65,536."""
+    max_connections_per_address: int = Field(0, ge=0)
+    """open client connections from one source address, so one address cannot take them all; 0 = half of
+    ``max_connections``. A load balancer in front of the router is one address: raise it there."""
+    header_timeout_secs: float = Field(10.0, gt=0)
+    """seconds for a request's header block, from the connection's opening (or the request's first byte on a
+    reused connection); then 408 and close. A connection that sends nothing is closed after it too."""
+    max_header_bytes: int = Field(64 * 1024, ge=1024)
+    """bytes of a request's header block, request line included; 431 and close above it."""
+    max_headers: int = Field(100, ge=8)
+    """header fields of a request; 431 and close above it."""
+    keep_alive_timeout_secs: float = Field(5.0, gt=0)
+    """seconds an idle connection (no request in flight) is kept open between requests."""
+
+    def limits(self):
+        """These settings as pd.util.connection_guard.ConnectionLimits, the automatic caps resolved."""
+        from pd.util.connection_guard import ConnectionLimits
+
+        return ConnectionLimits.auto(self.max_connections, self.max_connections_per_address,
+                                     header_timeout=self.header_timeout_secs, max_header_bytes=self.max_header_bytes,
+                                     max_headers=self.max_headers, keep_alive_timeout=self.keep_alive_timeout_secs)
+
+
 class RetryConfig(_Strict):
     """Retries of a request that failed before its first byte reached the client, each on a fresh
     (prefill, decode) pair with fresh bootstrap rooms (``--retry-*`` flags of sglang-router)."""
@@ -267,6 +298,8 @@ class RouterSettings(_Strict):
     """active health checks."""
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
     """timeouts (seconds)."""
+    client: ClientConnectionConfig = Field(default_factory=ClientConnectionConfig)
+    """limits on client connections."""
     max_payload_size: int = Field(32 * 1024 * 1024, ge=1)
     """largest request body in bytes (413 above it). The default, 32 MiB, is the reference engine's
     own limit (``--max-body-bytes``): a larger body would pass the router only to get a 413 from both

@@ -41,6 +41,8 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
+from pd.util.connection_guard import REASONS as CONNECTION_REFUSALS
+
 # Seconds. The router's own work is sub-millisecond, so queue buckets start at 50 us.
 QUEUE_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 # Prefill and TTFT span a tiny CPU model (ms) up to long prompts on a loaded cluster (minutes).
@@ -293,12 +295,21 @@ class RouterMetrics:
                               "Circuit breaker of the worker: 0 closed, 1 half-open, 2 open.", wl)
         self.decisions = Family("counter", "pdserve_router_policy_decisions", "Workers picked by the pairing policy.",
                                 ["role", "policy", "worker"])
+        self.client_connections = Family("gauge", "pdserve_router_client_connections",
+                                         "Client connections open now (--client-max-connections).")
+        self.connections_refused = Family("counter", "pdserve_router_client_connections_refused",
+                                          "Client connections closed by a connection limit, by reason: total, "
+                                          "per_address, header_timeout, header_too_large, too_many_headers.",
+                                          ["reason"])
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total: the planner's per-request CPU
         self.registry.register(_Collector([self.queue, self.prefill, self.ttft, self.itl, self.e2e, self.requests,
                                            self.errors, self.retries, self.prompt_tokens, self.completion_tokens,
                                            self.in_flight, self.queued, self.inflight, self.healthy, self.circuit,
-                                           self.decisions]))
+                                           self.decisions, self.client_connections, self.connections_refused]))
+        self.client_connections.labels()
+        for reason in CONNECTION_REFUSALS:
+            self.connections_refused.labels(reason)
         self.endpoints = {e: EndpointMetrics(self, e) for e in endpoints}
 
     def endpoint(self, endpoint: str) -> EndpointMetrics:

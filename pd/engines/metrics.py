@@ -101,6 +101,9 @@ class EngineMetrics:
         self.num_requests = Counter("sglang:num_requests_total", "The number of requests.", req + ["is_streaming"],
                                     registry=r)
         self.num_aborted = Counter("sglang:num_aborted_requests_total", "Number of requests aborted.", req, registry=r)
+        self.connections_refused = Counter("pdserve_engine_client_connections_refused_total",
+                                           "Client connections closed by a connection limit, by reason "
+                                           "(pd.util.connection_guard).", ["reason"], registry=r)
         self.aborted = Counter("pdserve_engine_aborted_requests_total", "Requests aborted, by reason.",
                                names + ["reason"], registry=r)
 

@@ -36,10 +36,11 @@ from pd.engines.errors import EngineError, bad_request
 from pd.engines.limits import RequestLimits
 from pd.engines.metrics import EngineMetrics
 from pd.engines.model_runner import ModelRunner
-from pd.engines.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from pd.engines.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, check_unsupported
 from pd.engines.sequence import Sequence
 from pd.engines.speculative import SpecDecoder
 from pd.util import jsonbody
+from pd.util.connection_guard import ConnectionGuard, ConnectionLimits
 
 log = logging.getLogger("pd.engine")
 HEALTH_CHECK_TIMEOUT = 20.0  # seconds, SGLang's SGLANG_HEALTH_CHECK_TIMEOUT
@@ -226,7 +227,9 @@ class EngineServer:
 
         @app.post("/generate")
         async def generate(request: Request):
-            req = parse(GenerateRequest, await read_json(request, limit))
+            body = await read_json(request, limit)
+            req = parse(GenerateRequest, body)
+            check_unsupported("/generate", body)
             caps.check_generate(req)
             specs, is_single = generate_api.specs_from_generate(req, self.runner)
             renderers = self._generate_renderers(specs, is_single, req.return_text_in_logprobs)
@@ -234,7 +237,9 @@ class EngineServer:
 
         @app.post("/v1/completions")
         async def completions(request: Request):
-            req = parse(CompletionRequest, await read_json(request, limit))
+            body = await read_json(request, limit)
+            req = parse(CompletionRequest, body)
+            check_unsupported("/v1/completions", body)
             caps.check_completion(req)
             openai_api.check_model(req.model, self._model_names())
             specs = openai_api.specs_from_completion(req, self.runner)
@@ -242,7 +247,9 @@ class EngineServer:
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request):
-            req = parse(ChatCompletionRequest, await read_json(request, limit))
+            body = await read_json(request, limit)
+            req = parse(ChatCompletionRequest, body)
+            check_unsupported("/v1/chat/completions", body)
             caps.check_chat(req)
             openai_api.check_model(req.model, self._model_names())
             specs = openai_api.specs_from_chat(req, self.runner)
@@ -435,5 +442,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                 log.info("The server is fired up and ready to roll! (%s mode, model %s, port %d)",
                          args.disaggregation_mode, server.served_name, args.port)
 
+    # The router's limits on client connections (pd.util.connection_guard), at their defaults.
+    limits = ConnectionLimits.auto()
+    refused = server.metrics.connections_refused
+    guard = ConnectionGuard(limits, on_refuse=lambda reason: refused.labels(reason=reason).inc())
     _Server(uvicorn.Config(server.app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                           timeout_graceful_shutdown=5, access_log=False)).run()
+                           timeout_graceful_shutdown=5, access_log=False, http=guard.protocol(), loop="uvloop",
+                           timeout_keep_alive=limits.keep_alive_timeout)).run()
