@@ -24,8 +24,21 @@ late arrival fails at once instead of waiting for its timeout.
 
 The server is a Starlette app on an embedded ``uvicorn.Server`` in the engine's event loop (the
 engine's own HTTP server is FastAPI on uvicorn); the decode's calls go through the engine's one
-``httpx.AsyncClient``. Neither cancels a long poll when the peer disconnects: only a result, a
-timeout or an abort ends it.
+``httpx.AsyncClient``. A long poll ends with a result, the waiting timeout, an abort, or its
+client's disconnect: a decode that closes its ``/pd/register`` connection gives the room up, and the
+prefill aborts the room at once (as an ``/pd/abort`` would) instead of holding it until the timeout.
+
+Validation: pd.engines.bootstrap_checks (strict models, size caps tied to the engine and the request).
+
+The binding rule: the first valid registration of a room binds it, for the room's life, to that
+decode (its transfer-engine ``session_id`` and page lists): the prefill writes the room's KV there and
+nowhere else. A second registration of a live room, from anyone, is refused with 409 (param
+``room``) and changes nothing about the first; nor can an invalid registration alter a room. A room
+the prefill aborted or failed stays refused (tombstoned) for ``tombstone_ttl`` seconds. Who may
+register is not checked beyond ``--api-key``: as in SGLang (whose bootstrap server has no key at
+all), what keeps a stranger from binding a victim's room is that rooms are 63-bit CSPRNG values drawn
+by the router per request (pd.router; unguessable, and never reused), and that the bootstrap port is
+reachable only by the cluster's nodes (a firewall's job: it is plain HTTP).
 """
 
 from __future__ import annotations
@@ -47,12 +60,23 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from pd.engines.auth import ApiKeyMiddleware, auth_headers
+from pd.engines.bootstrap_checks import (
+    MAX_ABORT_BODY_BYTES,
+    AbortBody,
+    BadBody,
+    RegisterBody,
+    RegistrationLimits,
+    check_prompt,
+    check_registration,
+    parse_body,
+    truncate_reason,
+)
 from pd.engines.errors import EngineError
+from pd.util.connection_guard import ConnectionGuard, ConnectionLimits
 from pd.util.wait import async_wait_until
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 64 * 1024 * 1024  # a registration lists every page address of the room's prompt
 SHUTDOWN_GRACE = 5.0  # s the server waits for open requests when it stops, then cancels them
 # s a decode's /pd/abort may take (it waits for in-flight KV writes); the engine passes its own, SGLang's
 # SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT (30 s)
@@ -93,6 +117,7 @@ class Room:
     no_transfer_in_flight: asyncio.Event = field(default_factory=asyncio.Event)
     on_abort: Optional[Callable[[str], None]] = None
     write: Optional[object] = None  # the prefill's KV write into the decode's pages while it may still run
+    prompt_tokens: Optional[int] = None  # the prefill request's prompt length, once it is attached
 
     def __post_init__(self) -> None:
         self.no_transfer_in_flight.set()
@@ -106,12 +131,16 @@ class BootstrapServer:
         waiting_timeout: seconds a registration may wait for the prefill request (s).
         tombstone_ttl: seconds an aborted room is remembered.
         api_key: the engine's ``--api-key`` (None = open).
+        limits: what a registration may ask (the engine's context length, page size, verify window).
     """
 
     def __init__(self, host: str, port: int, waiting_timeout: float, tombstone_ttl: float,
-                 api_key: Optional[str] = None):
+                 api_key: Optional[str] = None, limits: Optional[RegistrationLimits] = None,
+                 on_refused_connection: Optional[Callable[[str], None]] = None):
         self.host = host
         self.api_key = api_key
+        self.limits = limits or RegistrationLimits()
+        self._on_refused_connection = on_refused_connection
         self.port = port
         self.waiting_timeout = waiting_timeout
         self.tombstone_ttl = tombstone_ttl
@@ -135,8 +164,11 @@ class BootstrapServer:
             Route("/health", self._handle_health, methods=["GET"]),
         ])
         sockets = _listen(self.host, self.port)  # bound here, so a taken port raises instead of exiting
+        # the engines' limits on client connections (pd.util.connection_guard), at their defaults
+        guard = ConnectionGuard(ConnectionLimits.auto(), on_refuse=self._on_refused_connection)
         config = uvicorn.Config(ApiKeyMiddleware(app, self.api_key), lifespan="off", log_config=None,
-                                access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE)
+                                access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE, http=guard.protocol(),
+                                timeout_keep_alive=guard.limits.keep_alive_timeout)
         self._server = _EmbeddedServer(config)
         self._serving = asyncio.get_running_loop().create_task(self._server.serve(sockets=sockets))
 
@@ -176,8 +208,9 @@ class BootstrapServer:
         return entry[0]
 
     # ---- prefill-side API ---------------------------------------------------------------
-    def attach(self, room: int, on_abort: Callable[[str], None]) -> Room:
-        """Claim ``room`` for a prefill request.
+    def attach(self, room: int, on_abort: Callable[[str], None], prompt_tokens: Optional[int] = None) -> Room:
+        """Claim ``room`` for a prefill request of ``prompt_tokens`` prompt tokens (a registration that comes
+        later must match it; one already there is checked by ``wait_registration``).
 
         Raises:
             EngineError: 409 when a prefill request already holds the room.
@@ -193,20 +226,26 @@ class BootstrapServer:
             raise EngineError(409, f"bootstrap room {room} is already active on this prefill", "bootstrap_room")
         rec.prefill_attached = True
         rec.on_abort = on_abort
+        rec.prompt_tokens = prompt_tokens
         return rec
 
     async def wait_registration(self, rec: Room, timeout: float) -> Registration:
         """Wait for the decode to say where to write.
 
         Raises:
-            RoomFailed: the decode aborted, or did not register within ``timeout`` seconds.
+            RoomFailed: the decode aborted, did not register within ``timeout`` seconds, or registered a
+                different prompt length than the prefill request's (the room then fails with that reason).
         """
         try:
-            return await asyncio.wait_for(asyncio.shield(rec.registered), timeout)
+            reg = await asyncio.wait_for(asyncio.shield(rec.registered), timeout)
         except asyncio.TimeoutError:
             raise RoomFailed(
                 f"bootstrap room {rec.room}: no decode registered within {timeout:g}s (bootstrap timeout)"
             ) from None
+        problem = check_prompt(reg, rec.prompt_tokens) if rec.prompt_tokens is not None else None
+        if problem:
+            raise RoomFailed(problem)
+        return reg
 
     def finish(self, rec: Room, meta: Optional[dict], reason: Optional[str] = None) -> None:
         """Resolve the decode's long poll (``meta`` on success, ``reason`` on failure) and forget
@@ -234,38 +273,49 @@ class BootstrapServer:
 
     async def _handle_register(self, request: Request) -> Response:
         try:
-            body = await _read_json(request)
-            reg = Registration(**{k: body[k] for k in Registration.__dataclass_fields__ if k in body})
-        except _TooLarge as e:
-            return _json({"status": "failed", "reason": str(e)}, status=413)
-        except (ValueError, KeyError, TypeError) as e:
-            return _json({"status": "failed", "reason": f"bad registration: {e!r}"}, status=400)
+            body = parse_body(RegisterBody, await _read_body(request, self.limits.max_body_bytes))
+            check_registration(body, self.limits)
+        except BadBody as e:
+            return _refusal(e, status_key="status", status_value="failed")
+        reg = Registration(**body.model_dump())
         reason = self.tombstone_reason(reg.room)
         if reason is not None:
             return _json({"status": "failed", "reason": f"room {reg.room} was aborted by the prefill: {reason}"})
         rec = self.rooms.get(reg.room)
+        if rec is not None and rec.registered.done():
+            return _refusal(BadBody(409, f"room {reg.room} already has a decode registered (a room binds to its "
+                                         "first registration)", "room"), status_key="status", status_value="failed")
+        if rec is not None and rec.prompt_tokens is not None:
+            problem = check_prompt(reg, rec.prompt_tokens)
+            if problem:
+                return _refusal(BadBody(400, f"num_tokens: {problem}", "num_tokens"),
+                                status_key="status", status_value="failed")
         if rec is None:
             rec = self.rooms[reg.room] = Room(reg.room)
-        if rec.registered.done():
-            return _json({"status": "failed", "reason": f"room {reg.room} already has a decode registered"}, status=409)
         rec.registered.set_result(reg)
+        left = asyncio.ensure_future(_disconnected(request))
         try:
-            result = await asyncio.wait_for(asyncio.shield(rec.result), self.waiting_timeout)
-        except asyncio.TimeoutError:
-            result = {"status": "failed",
-                      "reason": f"room {reg.room}: no prefill request arrived within {self.waiting_timeout:g}s"}
+            done, _ = await asyncio.wait({rec.result, left}, timeout=self.waiting_timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left.cancel()
+        if rec.result.done():
+            return _json(rec.result.result())
+        if left in done:  # the decode gave the room up: abort it now, not at the waiting timeout
+            if self.rooms.get(reg.room) is rec:
+                self._abort_room(reg.room, "its /pd/register connection closed")
+            return _json({"status": "failed", "reason": "the registration's connection closed"})
+        if self.rooms.get(reg.room) is rec:
             self._abort_room(reg.room, "decode waiting timeout")
-        return _json(result)
+        return _json({"status": "failed",
+                      "reason": f"room {reg.room}: no prefill request arrived within {self.waiting_timeout:g}s"})
 
     async def _handle_abort(self, request: Request) -> Response:
         try:
-            body = await _read_json(request)
-            room = int(body["room"])
-            reason = str(body.get("reason", "aborted by decode"))
-        except _TooLarge as e:
-            return _json({"ok": False, "reason": str(e)}, status=413)
-        except (ValueError, KeyError, TypeError) as e:
-            return _json({"ok": False, "reason": f"bad abort: {e!r}"}, status=400)
+            body = parse_body(AbortBody, await _read_body(request, MAX_ABORT_BODY_BYTES))
+        except BadBody as e:
+            return _refusal(e, status_key="ok", status_value=False)
+        room, reason = body.room, truncate_reason(body.reason)
         rec = self._abort_room(room, reason) or self.draining.get(room)
         if rec is not None:
             await rec.no_transfer_in_flight.wait()
@@ -276,6 +326,8 @@ class BootstrapServer:
         rec = self.rooms.pop(room, None)
         if rec is None:
             return None
+        if not rec.no_transfer_in_flight.is_set():  # a later /pd/abort must still wait for the write
+            self.draining[room] = rec
         if not rec.registered.done():
             rec.registered.set_exception(RoomFailed(f"bootstrap room {room} was aborted by the decode: {reason}"))
             rec.registered.exception()  # mark retrieved; the prefill may never await it
@@ -297,10 +349,6 @@ class _EmbeddedServer(uvicorn.Server):
 
     def install_signal_handlers(self) -> None:  # uvicorn < 0.29 calls this instead
         pass
-
-
-class _TooLarge(Exception):
-    """A request body over ``MAX_BODY_BYTES``."""
 
 
 def _listen(host: str, port: int) -> list[socket.socket]:
@@ -328,19 +376,37 @@ def _listen(host: str, port: int) -> list[socket.socket]:
     return sockets
 
 
-async def _read_json(request: Request):
-    """The request body parsed as JSON.
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The raw request body, refused over ``limit`` bytes before it is parsed (by its Content-Length at once,
+    else as it streams in).
 
     Raises:
-        _TooLarge: the body is over ``MAX_BODY_BYTES``.
-        ValueError: the body is not JSON (or not UTF-8).
+        BadBody: 413 over ``limit``.
     """
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BadBody(413, f"request body of {declared} bytes exceeds the bootstrap server's limit of {limit} bytes")
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise _TooLarge(f"request body exceeds {MAX_BODY_BYTES} bytes")
-    return json.loads(body)
+        if len(body) > limit:
+            raise BadBody(413, f"request body exceeds the bootstrap server's limit of {limit} bytes")
+    return bytes(body)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client of ``request`` (whose body was read) disconnects: uvicorn's receive() then
+    answers ``http.disconnect`` (it blocks until then, or until the response is sent)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _refusal(e: BadBody, status_key: str, status_value) -> Response:
+    """A refused request: HTTP ``e.status`` with the engine's error body (pd.engines.errors.EngineError: the
+    message and the field at fault) and the route's own failure keys (``status: failed`` or ``ok: false``,
+    ``reason``), which the decode's client reads."""
+    body = EngineError(e.status, e.message, e.param).body()
+    return _json({status_key: status_value, "reason": e.message, **body}, status=e.status)
 
 
 def _json(obj, status: int = 200) -> Response:
@@ -382,8 +448,11 @@ async def register_with_prefill(
         raise RoomFailed(f"bootstrap room {reg.room}: prefill bootstrap server {host}:{port} unreachable: "
                          f"{e!r}") from None
     if not isinstance(body, dict) or body.get("status") != "ok":
-        reason = body.get("reason", "failed on the prefill") if isinstance(body, dict) else "failed on the prefill"
-        raise RoomFailed(f"bootstrap room {reg.room}: {reason}")
+        reason = body.get("reason") if isinstance(body, dict) else None
+        if not isinstance(reason, str):
+            error = body.get("error") if isinstance(body, dict) else None
+            reason = error.get("message") if isinstance(error, dict) else None
+        raise RoomFailed(f"bootstrap room {reg.room}: {reason if isinstance(reason, str) else 'failed on the prefill'}")
     return body
 
 

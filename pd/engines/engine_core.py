@@ -32,6 +32,7 @@ import torch
 from pd.engines.bootstrap import (
     BootstrapServer,
     Registration,
+    RegistrationLimits,
     RoomFailed,
     abort_on_prefill,
     make_client,
@@ -133,7 +134,10 @@ class EngineCore:
         if self.mode == "prefill":
             self.bootstrap = BootstrapServer(
                 a.host, a.disaggregation_bootstrap_port, a.waiting_timeout,
-                tombstone_ttl=max(60.0, 2 * a.waiting_timeout), api_key=a.api_key
+                tombstone_ttl=max(60.0, 2 * a.waiting_timeout), api_key=a.api_key,
+                limits=RegistrationLimits(self.runner.context_length, self.pool.page_size,
+                                          self.spec.config.num_draft_tokens if self.spec is not None else 0),
+                on_refused_connection=lambda reason: self.metrics.connections_refused.labels(reason=reason).inc(),
             )
             await self.bootstrap.start()
         log.info("%s engine: KV pool %d pages x %d tokens (%.1f MB), transfer session %s",
@@ -230,7 +234,8 @@ class EngineCore:
             if self.mode == "decode":
                 self.decode_rooms.add(spec.bootstrap.room)
             elif self.mode == "prefill":
-                seq.room = self.bootstrap.attach(spec.bootstrap.room, lambda reason, s=seq: self.cancel(s, reason))
+                seq.room = self.bootstrap.attach(spec.bootstrap.room, lambda reason, s=seq: self.cancel(s, reason),
+                                                 len(spec.prompt_ids))
             self.sequences.add(seq)
             seq.task = asyncio.get_running_loop().create_task(self._run(seq))
             seq.task.add_done_callback(lambda _t, s=seq: self._finalize(s))
