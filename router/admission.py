@@ -20,6 +20,8 @@ import sys
 from collections import deque
 from typing import NamedTuple, Optional
 
+from pydantic import TypeAdapter, ValidationError
+
 from pd.router.config import RouterSettings
 from pd.router.flags import SettingsFlags
 from pd.router.rooms import Shape
@@ -55,14 +57,37 @@ def _prompt_tokens(prompt) -> int:
     return len(prompt) if isinstance(prompt, list) else 0
 
 
-def _length(value) -> int:
-    """An output length as the engines read it: an int (or an integral float); None (up to the
-    context) and anything the engine rejects count 0."""
-    if value is None:
-        return 0
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+_INT = TypeAdapter(int)
+
+
+def parsed_int(value, strict: bool) -> Optional[int]:
+    """``value`` as the engines' pydantic models read an int field, or None where they refuse it.
+
+    The OpenAI routes' models (SGLang's CompletionRequest / ChatCompletionRequest and the reference
+    engine's) are lax: ``"40"``, ``" +40 "``, ``"40.0"``, ``"1_000"``, ``40.0`` and ``true`` are ints there
+    (40, 40, 40, 1000, 40, 1), so the router counts them as those numbers; /generate's ``sampling_params``
+    (SGLang's JSON contract, the reference engine's strict SamplingParams) takes only a JSON integer.
+    The same pydantic the engines run decides, so the two can never read one value differently."""
+    if value is None or isinstance(value, (dict, list)):
+        return None
+    try:
+        return _INT.validate_python(value, strict=strict)
+    except (ValidationError, TypeError, ValueError):
+        return None
+
+
+def _length(value, strict: bool = False) -> int:
+    """An output length as the engines read it (``parsed_int``); None (up to the context) and anything the
+    engine rejects (not an int, <= 0: the engine answers 400 and generates nothing) count 0."""
+    n = parsed_int(value, strict)
+    return n if n is not None and n > 0 else 0
+
+
+def _openai_length(body: dict, key: str, default: int) -> int:
+    """``body[key]`` counted as the OpenAI models read it; absent or null is the route's default (the
+    reference engine reads a null ``max_tokens`` as unset)."""
+    value = body.get(key)
+    return default if value is None else _length(value)
 
 
 def _chat_prompt_tokens(messages) -> int:
@@ -96,22 +121,39 @@ def request_tokens(route: str, body: dict, shape: Shape) -> int:
         total = 0
         for i, prompt in enumerate(prompts):
             p = params[i] if i < len(params) else None
-            new = _length(p.get("max_new_tokens", default)) if isinstance(p, dict) else default
+            new = _length(p.get("max_new_tokens", default), strict=True) if isinstance(p, dict) else default
             total += _prompt_tokens(prompt) + new
         return total * n
     if route == "/v1/completions":
         prompt = body.get("prompt")
         prompts = prompt if shape.batch else [prompt]
-        new = _length(body.get("max_tokens", default))
+        new = _openai_length(body, "max_tokens", default)
         return sum(_prompt_tokens(p) + new for p in prompts) * n
-    new = body.get("max_completion_tokens")
-    new = _length(new if new is not None else body.get("max_tokens", default))
+    # SGLang: ``max_completion_tokens or max_tokens`` (a 0 falls back to max_tokens; the reference engine
+    # refuses a max_completion_tokens <= 0, so counting max_tokens then only ever counts more)
+    new = _length(body.get("max_completion_tokens")) or _openai_length(body, "max_tokens", default)
     return (_chat_prompt_tokens(body.get("messages")) + new) * n
+
+
+def _n_mismatch(route: str, body: dict, shape: Shape) -> Optional[OverLimit]:
+    """A refusal when the OpenAI models read ``n`` as a number other than the shape's (``"+3"``, ``"3.0"``,
+    ``"1_0"``: pydantic takes them, pd.router.rooms counts 1): the caps and the rooms would count fewer
+    sequences than the engine makes."""
+    if route == "/generate":
+        return None  # sampling_params.n: the engines take a JSON integer only, rooms reads those exactly
+    value = body.get("n")
+    n = parsed_int(value, strict=False)
+    if n is not None and n >= 1 and n != shape.n:
+        return OverLimit(f"n = {value!r}: give n as a JSON integer", "n")
+    return None
 
 
 def check(route: str, shape: Shape, settings: RouterSettings, body: Optional[dict] = None) -> Optional[OverLimit]:
     """None when the request is within every cap of ``settings``, else the first cap it is over
     (``n``, then the batch size, then prompts x n, then its tokens when ``body`` is given)."""
+    mismatch = _n_mismatch(route, body, shape) if body is not None else None
+    if mismatch is not None:
+        return mismatch
     if shape.n > settings.max_n:
         param = "sampling_params.n" if route == "/generate" else "n"
         return OverLimit(f"{param} = {shape.n} is over the router's limit of {settings.max_n} ({FLAG['max_n']})",

@@ -9,7 +9,9 @@ never disturbed.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 from typing import TYPE_CHECKING, Optional
+from urllib.parse import urlsplit
 
 from pd.router.auth import worker_auth_headers
 from pd.router.circuit import OPEN, STATE_NAMES, CircuitBreaker
@@ -21,6 +23,29 @@ if TYPE_CHECKING:
     from pd.router.metrics import RouterMetrics
 
 ROLES = ("prefill", "decode")
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def canonical_url(url: str) -> str:
+    """One spelling per endpoint: ``normalize_url``'s checks, then the scheme and host in lower case, an IP
+    literal in its standard form (``[::0001]`` is ``[::1]``), a host's trailing dot dropped, the port as a
+    plain number (``:031002`` is ``:31002``) and left out when it is the scheme's default (``http://h:80`` is
+    ``http://h``). Two spellings of one worker therefore compare equal (the pool keys workers by it).
+
+    Raises:
+        ValueError: what ``normalize_url`` refuses.
+    """
+    parts = urlsplit(normalize_url(url))
+    scheme = parts.scheme.lower()
+    host = (parts.hostname or "").lower().rstrip(".")  # hostname: lower case, IPv6 without brackets
+    try:
+        host = str(ipaddress.ip_address(host))
+    except ValueError:
+        pass  # a name
+    if ":" in host:
+        host = f"[{host}]"
+    port = parts.port
+    return f"{scheme}://{host}" if port is None or port == DEFAULT_PORTS[scheme] else f"{scheme}://{host}:{port}"
 
 
 class Worker:
@@ -173,8 +198,8 @@ class WorkerPool:
         return any(p.uses_key for p in self.policies.values())
 
     def get(self, url: str) -> Optional[Worker]:
-        """The worker with this URL (normalized), or None."""
-        url = normalize_url(url)
+        """The worker with this URL (any spelling of it, ``canonical_url``), or None."""
+        url = canonical_url(url)
         for w in self.prefill + self.decode:
             if w.url == url:
                 return w
@@ -185,12 +210,10 @@ class WorkerPool:
         ``api_key``: the key every call to it carries (none without one).
 
         Raises:
-            ValueError: bad URL or role, a prefill without a bootstrap port, or the URL is
-                already a worker.
+            ValueError: bad URL or role, a prefill without a bootstrap port, or the URL (in any
+                spelling, ``canonical_url``) is already a worker.
         """
-        from urllib.parse import urlsplit
-
-        url = normalize_url(url)
+        url = canonical_url(url)
         if role not in ROLES:
             raise ValueError(f"worker_type must be one of {ROLES}, got {role!r}")
         if self.get(url) is not None:

@@ -16,6 +16,7 @@ from typing import Optional
 from pd.engines.errors import EngineError, bad_request
 from pd.engines.model_runner import ModelRunner
 from pd.engines.protocol import ChatCompletionRequest, CompletionRequest, SeqSpec, check_logprobs, expand
+from pd.engines.sampling import SEED_MAX, SEED_MIN
 from pd.engines.sequence import Sequence
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and SGLang's default for /v1/completions
@@ -33,6 +34,8 @@ def _check_common(req) -> None:
         raise bad_request(f"max_tokens must be at least 1, got {req.max_tokens}", "max_tokens")
     if req.n < 1:
         raise bad_request(f"n must be at least 1, got {req.n}", "n")
+    if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:  # SGLang's sampling_seed check
+        raise bad_request(f"seed must be in [-2**63, 2**63 - 1], got {req.seed}", "seed")
 
 
 def specs_from_completion(req: CompletionRequest, runner: ModelRunner) -> list[SeqSpec]:
@@ -87,7 +90,16 @@ def _message_text(content) -> str:
 
 def specs_from_chat(req: ChatCompletionRequest, runner: ModelRunner) -> list[SeqSpec]:
     """Raises EngineError 400 for no messages, max_tokens <= 0, n < 1, non-text content."""
-    if req.max_completion_tokens is not None and req.max_tokens is None:
+    if req.max_completion_tokens is not None:
+        # SGLang reads ``max_completion_tokens or max_tokens`` (a router counts the same): the newer field wins.
+        # A different max_tokens beside it would be silently ignored, so it is refused instead.
+        if req.max_tokens is not None and req.max_tokens != req.max_completion_tokens:
+            raise bad_request(f"max_tokens = {req.max_tokens} and max_completion_tokens = {req.max_completion_tokens}"
+                              " disagree: give max_completion_tokens only (max_tokens is its deprecated name)",
+                              "max_tokens")
+        if req.max_completion_tokens <= 0:
+            raise bad_request(f"max_completion_tokens must be at least 1, got {req.max_completion_tokens}",
+                              "max_completion_tokens")
         req.max_tokens = req.max_completion_tokens
     _check_common(req)
     if not req.messages:

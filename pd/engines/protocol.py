@@ -9,6 +9,38 @@ Expansion of a batch of P prompts with ``n`` samples (``expand``) is prompt-majo
 ``i = p * n + s``, the order SGLang's TokenizerManager sends and returns them in); a list of
 bootstrap rooms has ``P * n`` distinct entries indexed by ``i``; a scalar room ``r`` gives item
 ``i`` the room ``r + i``.
+
+Fields the reference engine does not implement (``check_unsupported``): the models below read only what
+the engine honours and ignore other keys (``extra="ignore"``, as SGLang's own OpenAI models do: pydantic's
+default), so every other field of SGLang 0.5.23's request models is listed in ``UNSUPPORTED`` and refused
+with a 400 naming it whenever it is set to anything but its default (null, false, 0, an empty list or
+object: SDKs send defaults), rather than accepted and silently ignored:
+
+- output constraints: ``response_format`` other than ``{"type": "text"}`` (json_schema, json_object,
+  structural tags), ``json_schema``, ``regex``, ``ebnf``, ``stop_regex``; tools: ``tools`` (non-empty),
+  ``tool_choice`` other than ``auto`` / ``none`` (nothing to call without tools);
+- sampling the engine does not do: ``best_of`` > 1, ``suffix`` (insertion), ``custom_logit_processor``,
+  ``custom_params``, ``watermark``, ``lora_path``; sessions (``session_id``, ``session_params``); chat
+  template options (``chat_template_kwargs``, ``reasoning_effort``, ``reasoning``, ``thinking``, ``task``,
+  ``continue_final_message``) and pre-tokenized chat ``input_ids``; multimodal inputs and processor knobs;
+- extra outputs it never returns: ``return_hidden_states``, ``return_routed_experts`` (and a non-zero
+  ``routed_experts_start_len``), ``return_token_ids``, ``return_prompt_token_ids``, ``return_meta_info``,
+  the sglext / flat-logprob / sampling-mask switches, ``return_cached_tokens_details``,
+  ``return_spec_tokens_details``, ``token_ids_logprob``, ``stream_options.continuous_usage_stats``;
+- placement it cannot honour: ``extra_key`` / ``cache_salt`` (prefix-cache isolation), a data-parallel
+  rank other than 0 (it has one), ``decode_tp_size`` other than 1, ``bootstrap_pair_key``, ``kv_hints``,
+  ``max_thinking_tokens``, ``require_reasoning``;
+- /v1/completions ``top_logprobs``: not a field of SGLang's CompletionRequest (OpenAI's completions API
+  counts top logprobs with an integer ``logprobs``), which would drop it; refused, naming ``logprobs: N``.
+
+Fields that pass although the engine does nothing with them, because for a single-model server they
+change no output: ``user``, ``priority`` (a scheduling hint), ``custom_labels`` (metric labels),
+``routing_key`` (a router's), ``parallel_tool_calls`` and ``return_flat_raw_top_logprobs_b64`` (no effect
+without tools / the flat logprobs, both refused), ``separate_reasoning`` / ``stream_reasoning`` (no
+effect without a reasoning parser, as in SGLang without ``--reasoning-parser``). Keys in none of
+SGLang's models (OpenAI's ``metadata``, ``store``, ...) are ignored, as SGLang's models ignore them.
+``sampling_params`` keys of /generate are pd.engines.sampling's (an unknown one is refused there, as
+SGLang's /generate contract does).
 """
 
 from __future__ import annotations
@@ -17,7 +49,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, field_validator
 
 from pd.engines.errors import bad_request
 from pd.engines.sampling import SamplingParams
@@ -43,6 +75,115 @@ class GenerateRequest(BaseModel):
     bootstrap_host: Optional[Union[str, list[Optional[str]]]] = None
     bootstrap_port: Optional[Union[int, list[Optional[int]]]] = None
     bootstrap_room: Optional[Union[int, list[Optional[int]]]] = None
+
+
+# ---- fields the reference engine does not implement (see the module docstring) ----------------------
+_BOOL = TypeAdapter(bool)
+_INT = TypeAdapter(int)
+
+
+def _off(v: Any) -> bool:
+    """Null or false as a lax pydantic bool reads it (``false``, ``0``, ``"no"``), or a list of those."""
+    if isinstance(v, list):
+        return all(_off(x) for x in v)
+    if v is None:
+        return True
+    try:
+        return _BOOL.validate_python(v) is False
+    except ValidationError:
+        return False
+
+
+def _empty(v: Any) -> bool:
+    """Null, ``""``, ``{}``, ``[]`` or a list of those (``lora_path: [null, null]``)."""
+    if isinstance(v, list):
+        return all(_empty(x) for x in v)
+    return v is None or (isinstance(v, (str, dict)) and not v)
+
+
+def _int_is(*allowed: int):
+    def check(v: Any) -> bool:
+        if isinstance(v, list):
+            return all(check(x) for x in v)
+        if v is None:
+            return True
+        try:
+            return _INT.validate_python(v) in allowed
+        except ValidationError:
+            return False
+    return check
+
+
+def _text_format(v: Any) -> bool:
+    return v is None or (isinstance(v, dict) and v.get("type") == "text")
+
+
+def _no_tool_call(v: Any) -> bool:
+    return v is None or v in ("auto", "none")
+
+
+_OUTPUTS = {name: _off for name in ("return_hidden_states", "return_routed_experts", "return_cached_tokens_details",
+                                    "return_spec_tokens_details", "return_token_ids")}
+_OPENAI_COMMON = {
+    **_OUTPUTS, "routed_experts_start_len": _int_is(0),
+    "response_format": _text_format, "regex": _empty, "ebnf": _empty, "stop_regex": _empty,
+    "lora_path": _empty, "session_id": _empty, "session_params": _empty, "custom_params": _empty,
+    "custom_logit_processor": _empty, "watermark": _empty, "images_config": _empty,
+    "mm_processor_kwargs": _empty, "extra_key": _empty, "cache_salt": _empty,
+    "routed_dp_rank": _int_is(0), "data_parallel_rank": _int_is(0), "disagg_prefill_dp_rank": _int_is(0),
+}
+
+# route -> field -> whether the value is one the engine serves as asked (its default, or a no-op value)
+UNSUPPORTED: dict[str, dict[str, Any]] = {
+    "/v1/completions": {
+        **_OPENAI_COMMON, "best_of": _int_is(1), "suffix": _empty, "json_schema": _empty,
+        "top_logprobs": lambda v: v is None,
+    },
+    "/v1/chat/completions": {
+        **_OPENAI_COMMON, "tools": _empty, "tool_choice": _no_tool_call,
+        **{name: _off for name in ("return_prompt_token_ids", "return_meta_info", "return_input_ids_in_sglext",
+                                   "return_output_ids_in_sglext", "return_sampling_mask",
+                                   "return_flat_raw_output_top_logprobs", "continue_final_message",
+                                   "use_audio_in_video")},
+        "sampling_logprobs_mode": _empty, "reasoning_effort": _empty, "reasoning": _empty, "thinking": _empty,
+        "task": _empty, "chat_template_kwargs": _empty, "max_dynamic_patch": _empty, "min_dynamic_patch": _empty,
+        "video_config": _empty, "input_ids": _empty,
+    },
+    "/generate": {
+        **{name: _off for name in ("return_hidden_states", "require_reasoning", "return_prompt_token_ids",
+                                   "return_sampling_mask")},
+        **{name: _empty for name in ("token_ids_logprob", "image_data", "video_data", "audio_data", "mm_hashes",
+                                     "modalities", "images_config", "lora_path", "session_params", "session_id",
+                                     "custom_logit_processor", "kv_hints", "max_thinking_tokens", "extra_key",
+                                     "cache_salt", "bootstrap_pair_key")},
+        "routed_experts_start_len": _int_is(0), "routed_dp_rank": _int_is(0), "disagg_prefill_dp_rank": _int_is(0),
+        "decode_tp_size": _int_is(1),
+    },
+}
+
+_HINTS = {
+    "top_logprobs": " on /v1/completions (SGLang's CompletionRequest has no such field): ask for N top logprobs "
+                    "per token with an integer logprobs: N",
+    "best_of": " (best_of > 1)",
+    "response_format": " (only {\"type\": \"text\"})",
+    "tool_choice": " (only \"auto\" or \"none\": tools are not supported)",
+}
+
+
+def check_unsupported(route: str, body: dict) -> None:
+    """Refuse a field of SGLang's request model for ``route`` that the reference engine does not implement,
+    when it is set to anything but its default (``UNSUPPORTED``; the module docstring lists them and why).
+
+    Raises:
+        EngineError: 400 ``"<field> is not supported by the reference engine"`` naming the field.
+    """
+    for name, served in UNSUPPORTED[route].items():
+        if name in body and not served(body[name]):
+            raise bad_request(f"{name} is not supported by the reference engine{_HINTS.get(name, '')}", name)
+    options = body.get("stream_options") if route != "/generate" else None
+    if isinstance(options, dict) and not _off(options.get("continuous_usage_stats")):
+        raise bad_request("stream_options.continuous_usage_stats is not supported by the reference engine",
+                          "stream_options.continuous_usage_stats")
 
 
 class StreamOptions(BaseModel):
@@ -160,7 +301,8 @@ class SeqSpec:
         prompt_index / sample_index: which prompt and which of its ``n`` samples.
         prompt_ids: token ids of the prompt.
         seed: sampling seed (request ``seed`` / ``sampling_seed``, else random; sample ``s`` of a
-            seeded request uses ``seed + s`` so parallel samples differ).
+            seeded request uses ``seed + s`` wrapped into int64, as a router that fans ``n`` out stamps
+            it, so parallel samples differ).
         logprob_start_len: first prompt position whose logprob is returned; -1 = none of the prompt.
     """
 
@@ -268,7 +410,8 @@ def expand(
             seed = sp.sampling_seed if sp.sampling_seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "big")
             specs.append(SeqSpec(
                 index=i, prompt_index=p, sample_index=s, prompt_ids=list(prompt), params=sp, rid=rids[i],
-                seed=seed + s, return_logprob=return_logprob[p], logprob_start_len=logprob_start_len[p],
+                seed=(seed + s + 2**63) % 2**64 - 2**63, return_logprob=return_logprob[p],
+                logprob_start_len=logprob_start_len[p],
                 top_logprobs_num=top_logprobs_num[p], bootstrap=boots[i], extra={"stream": stream},
             ))
     return specs

@@ -8,12 +8,15 @@ single (``null`` mode) engine samples with the same seed.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Optional, Sequence, Union
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
+# SGLang's accepted sampling_seed range (sglang/srt/sampling/sampling_params.py verify): a signed 64-bit integer
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 # Every key SGLang 0.5.23's /generate accepts in ``sampling_params`` (the API fields of
 # sglang/srt/sampling/sampling_params.py; its JSON contract, sglang/api/v1, rejects any other key with a
@@ -108,6 +111,9 @@ class SamplingParams(BaseModel):
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN too
                 raise bad_request(f"logit_bias: the value of {key!r} must be within +-{MAX_LOGIT_BIAS:g}, got {bias!r}",
                                   "logit_bias")
+        if self.sampling_seed is not None and not SEED_MIN <= self.sampling_seed <= SEED_MAX:
+            raise bad_request(f"sampling_seed must be in [-2**63, 2**63 - 1], got {self.sampling_seed}.",
+                              "sampling_seed")
         for t in self.stop_token_ids or []:
             if not 0 <= t < vocab_size:
                 raise bad_request(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})", "stop_token_ids")
@@ -176,11 +182,22 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs
 
 
+def step_seed(seed: int, step: int, stream: int = 0) -> int:
+    """The 64-bit seed of one (request seed, output step, stream): a BLAKE2b hash of all three, so every bit
+    of the request's seed counts (an affine map folded modulo 2^32 made 0, 2^32, 2^63 and -2^63 one stream:
+    the CPU generator's Mersenne Twister keeps only the low 32 bits of what it is seeded with)."""
+    key = seed.to_bytes(16, "little", signed=True) + step.to_bytes(8, "little") + stream.to_bytes(1, "little")
+    digest = hashlib.blake2b(key, digest_size=8, person=b"pd.sampling").digest()
+    # the low 32 bits seed the generator: fold the high half in so the whole digest counts
+    value = int.from_bytes(digest, "little")
+    return (value ^ (value >> 32)) & 0xFFFFFFFF
+
+
 def step_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
-    """The generator of output ``step``'s draws (counter-based, see the module docstring). ``stream`` 0 is
-    the plain sampler's; speculative decoding draws its draft, accept and residual samples from streams 1-3
-    so they never reuse one another's numbers."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + step + stream * 7_919_000_011) % (2**63))
+    """The generator of output ``step``'s draws (counter-based, see the module docstring), seeded by
+    :func:`step_seed`. ``stream`` 0 is the plain sampler's; speculative decoding draws its draft, accept and
+    residual samples from streams 1-3 so they never reuse one another's numbers."""
+    return torch.Generator().manual_seed(step_seed(seed, step, stream))
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int, banned: list[int],
