@@ -62,7 +62,7 @@ from pd.router.front import (
 from pd.router.metrics import EndpointMetrics, RouterMetrics
 from pd.router.policies import routing_key
 from pd.router.retry import Answer, Failure, Retrier, answered, no_answer, no_worker, stream_start
-from pd.router.rooms import assign_rids, new_rid, request_shape, stamp
+from pd.router.rooms import assign_rids, client_request_id, new_rid, request_shape, stamp
 from pd.router.stream import Relay
 from pd.router.tokens import count as count_tokens
 from pd.router.tokens import wants_usage_injected
@@ -77,7 +77,6 @@ log = logging.getLogger("pd.router")
 
 PREFILL_VERDICT_WAIT = 0.25  # seconds a decode error waits for the prefill's outcome (the likelier root cause)
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request" (only ever seen in metrics)
-MAX_REQUEST_ID = 128  # characters of a client's X-Request-Id the router keeps (longer: a fresh id)
 WATCH_DELAY = 0.05  # seconds into a request (after its body) from which a client leaving is watched for
 
 
@@ -246,10 +245,10 @@ class PDDispatcher:
         for h in self.id_headers:
             value = headers.get(h)
             if value:
-                req_id = value.decode("latin-1")
+                req_id = client_request_id(value)
                 break
-        if not req_id or len(req_id) > MAX_REQUEST_ID or not req_id.isprintable() or not req_id.isascii():
-            req_id = new_rid()  # a client's id is echoed and forwarded: bounded, visible ASCII only
+        if req_id is None:
+            req_id = new_rid()
         rid_header = (b"x-request-id", req_id.encode("latin-1"))
         if not self.auth.client_header_ok(headers.get(b"authorization")):
             return await self._reject(send, em, arrival, 401, "unauthorized", "missing or invalid API key "

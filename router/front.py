@@ -15,10 +15,15 @@ deadlines, a whole response).
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Awaitable, Callable, Iterable, Optional
 
 from pd.router.errors import error_json
-from pd.router.rooms import new_rid
+from pd.router.rooms import client_request_id, new_rid
+
+# A path separator spelled percent-encoded (%2F, %5C): uvicorn decodes it into the path, which would make
+# /v1%2fcompletions the route /v1/completions (and such a path reach whatever a proxy in front did not filter).
+_ENCODED_SEPARATOR = re.compile(rb"%(2f|5c)", re.IGNORECASE)
 
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
@@ -147,13 +152,15 @@ class GenerationFront:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             path = scope["path"]
+            raw = scope.get("raw_path") or b""
+            if b"%" in raw and _ENCODED_SEPARATOR.search(raw):  # uvicorn decoded it: /v1%2fcompletions is no route
+                return await send_whole(send, 404, error_json(404, f"no route {scope['method']} "
+                                                                   f"{raw.decode('latin-1')}"))
             if path in self.routes:
                 if scope["method"] == "POST":
                     return await self.handle(scope, receive, send, path)
                 # the client's X-Request-Id back, or a fresh one, as on every answer of these routes
-                rid = request_headers(scope).get(b"x-request-id") or new_rid().encode()
-                if b"\r" in rid or b"\n" in rid:
-                    rid = new_rid().encode()
+                rid = client_request_id(request_headers(scope).get(b"x-request-id")) or new_rid()
                 return await send_whole(send, 405, error_json(405, f"no route {scope['method']} {path}"),
-                                        extra=[(b"allow", b"POST"), (b"x-request-id", rid)])
+                                        extra=[(b"allow", b"POST"), (b"x-request-id", rid.encode())])
         await self.app(scope, receive, send)

@@ -84,6 +84,19 @@ def new_rid() -> str:
     return "pdr-" + _entropy.take(16).hex()
 
 
+MAX_REQUEST_ID = 128  # characters of a client's X-Request-Id the router keeps (longer: a fresh id)
+
+
+def client_request_id(value: Optional[bytes]) -> Optional[str]:
+    """A client's ``X-Request-Id`` header value as the id to echo and forward, or None (then the router makes
+    one): kept only up to ``MAX_REQUEST_ID`` characters of visible ASCII, since it is echoed in every answer
+    and sent to both workers."""
+    if not value or len(value) > MAX_REQUEST_ID:
+        return None
+    text = value.decode("latin-1")
+    return text if text.isascii() and text.isprintable() else None
+
+
 def _as_n(value) -> Optional[int]:
     """``n`` as an int when it is one the engines take as one: an int, an integral float or a string of
     digits (the OpenAI routes' pydantic models coerce those), else None (a bool, ``"three"``, ``0``: left

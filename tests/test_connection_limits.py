@@ -200,3 +200,20 @@ def test_the_guarded_protocol_follows_uvicorns_own_data_received():
                 else:
                     self._unsupported_upgrade_warning()
         ''')
+
+
+@pytest.mark.parametrize("path", ["/v1%2fcompletions", "/v1%2Fchat%2fcompletions", "/%2e%2e%2fgenerate",
+                                  "/v1%5ccompletions"])
+def test_a_percent_encoded_separator_is_no_route(strict, path):
+    r = httpx.post(strict.url + path, json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 404 and "no route" in r.json()["error"]["message"]
+
+
+def test_a_client_request_id_is_echoed_only_when_short_and_visible(strict):
+    ok = "req-" + "a" * 124
+    for sent, echoed in ((ok, True), ("x" * 8000, False), ("a\tb", False), ("\xe9", False)):
+        r = httpx.post(strict.url + "/generate", json=BODY, headers={"X-Request-Id": sent.encode("latin-1")},
+                       timeout=30)
+        assert r.status_code == 200, r.text
+        got = r.headers["x-request-id"]
+        assert (got == sent) is echoed and (echoed or re.fullmatch(r"pdr-[0-9a-f]{32}", got)), got
