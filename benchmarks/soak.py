@@ -466,6 +466,12 @@ def latency(results: list[Result], in_fault: bool) -> dict:
             "non_streaming": len(e2e), "e2e_ms_p50": pct(e2e, 50), "e2e_ms_p99": pct(e2e, 99)}
 
 
+
+def targets_of(checks: dict[str, bool]) -> dict:
+    """The results' ``targets`` object: one entry per requirement, its value whether it held."""
+    return {name: {"value": ok, "goal": "holds", "met": ok} for name, ok in checks.items()}
+
+
 async def soak(args) -> dict:
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     wall0 = time.perf_counter()
@@ -578,7 +584,7 @@ async def soak(args) -> dict:
                      "seed": args.seed, "health_check_interval_s": args.health_check_interval,
                      "kinds_weights": KINDS, "bad_input_cases": len(bad), "fault_plan": plan,
                      "commands": cluster.commands},
-        "headline": headline, "requirements": checks, "failed": failed,
+        "headline": headline, "requirements": checks, "failed": failed, "targets": targets_of(checks),
         "outcomes": dict(outcomes), "outcomes_by_kind": by_kind,
         "outcomes_in_fault_windows": dict(Counter(r.outcome for r in results if r.in_fault)),
         "outcomes_outside": dict(Counter(r.outcome for r in results if not r.in_fault)),
