@@ -6,7 +6,7 @@ user's laptop would. Every Ray process of a host lives in that host's namespace,
 SIGKILL to the namespace's PIDs and a partition is its link going down.
 
 Ray's node health check is shortened on the head (Ray's defaults: every 3 s, dead after 5 misses, so
-about 15 s) so a lost node is declared dead in about 3 s; README "Multi-node" names the same settings.
+about 15 s) so a lost node is declared dead in about 3 s; docs/cluster.md "Multi-node" names the same settings.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class RayNode:
 
     def supervise(self, restart_sec: float = 1.0) -> "Supervisor":
         """Start this node again whenever it exits, ``restart_sec`` later, until ``stop()``: what a systemd
-        unit with ``Restart=always`` does for `ray start --block` (README "Multi-node")."""
+        unit with ``Restart=always`` does for `ray start --block` (docs/cluster.md "Multi-node")."""
         return Supervisor(self, restart_sec)
 
 

@@ -233,7 +233,7 @@ def test_config_needing_more_gpus_than_the_cluster_fails_clearly(ray_head):
 
 
 def test_bundle_no_node_can_hold_is_named_at_once(ray_head):
-    """The README's multi-node example on a one-node head: the job log names the missing custom resource right
+    """The multi-node example of docs/cluster.md on a one-node head: the job log names the missing custom resource right
     away (the launcher keeps waiting for an autoscaler to add such a node; the test stops it)."""
     path = os.path.join(ROOT, "deploy", f".test-placement-{free_port()}.yaml")
     with open(path, "w") as f:

@@ -1,7 +1,7 @@
 """The embedded default deployed on a Ray node whose address is not loopback (as `ray start --head` gives
 by default): the cluster's key reaches every engine and the router but no command line, the engines
 refuse calls without it, and nothing of ours listens on a non-loopback address (Mooncake's own ports
-aside: it always binds every interface, README "Security")."""
+aside: it always binds every interface, docs/security.md "What listens where")."""
 
 import contextlib
 import ipaddress
