@@ -89,7 +89,7 @@ RX_CHILD_EXIT = re.compile(
     r"Subprocess (\S+) \(pid=\d+\) crashed with exit code (-?\d+)"
 )
 # Literal first (a leading path group would make the search quadratic on long garbage lines); the
-# path is then read around the match (rules._model_path).
+# path is then read around the match (evidence.model_path).
 RX_MODEL_PATH = re.compile(r"--model-path \S+: no (?:such directory|config\.json)|Repo id must be in the form"
                             r"| is not a local folder and is not a valid model identifier"
                             r"| does not appear to have a file named config\.json")
