@@ -21,6 +21,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pd.util import request_caps as caps
+
 # SGLang's default --disaggregation-bootstrap-port: a prefill given without one listens here.
 DEFAULT_BOOTSTRAP_PORT = 8998
 # Where `pdserve router` reads its keys when no flag gives them (``ps`` shows flags, not these).
@@ -300,19 +302,19 @@ class RouterSettings(_Strict):
     """timeouts (seconds)."""
     client: ClientConnectionConfig = Field(default_factory=ClientConnectionConfig)
     """limits on client connections."""
-    max_payload_size: int = Field(32 * 1024 * 1024, ge=1)
+    max_payload_size: int = Field(caps.MAX_BODY_BYTES, ge=1)
     """largest request body in bytes (413 above it). The default, 32 MiB, is the reference engine's
     own limit (``--max-body-bytes``): a larger body would pass the router only to get a 413 from both
     workers. sglang-router's 512 MiB is larger than any engine here accepts; SGLang's HTTP server
     documents no limit of its own."""
-    max_n: int = Field(16, ge=1)
+    max_n: int = Field(caps.MAX_N, ge=1)
     """largest ``n`` (samples per prompt: ``n`` of the OpenAI routes, ``sampling_params.n`` of
     /generate); a request over it gets 400 before any worker sees it. 16 covers best-of-n and
     self-consistency sampling while one request stays a small share of a DeepSeek-V4 decode's batch."""
-    max_batch_size: int = Field(256, ge=1)
+    max_batch_size: int = Field(caps.MAX_BATCH_SIZE, ge=1)
     """most prompts in one batch request (a list ``text`` / ``input_ids`` of /generate, a list
     ``prompt`` of /v1/completions); 400 above it, before any worker sees it."""
-    max_sequences_per_request: int = Field(512, ge=1)
+    max_sequences_per_request: int = Field(caps.MAX_SEQUENCES_PER_REQUEST, ge=1)
     """most sequences one request generates (prompts x n): each is a bootstrap room, a KV
     allocation on both sides and an abort per side when it fails; 400 above it, before any worker
     sees it. 512 is about one DeepSeek-V4 decode instance's running batch."""

@@ -108,3 +108,20 @@ def test_engine_caps_must_be_positive(flag):
 
     with pytest.raises(SystemExit, match=flag):
         finalize(build_parser().parse_args([flag, "0"]))
+
+
+def test_the_engine_and_the_router_share_one_default_per_cap():
+    """pd.util.request_caps is the one place the defaults live: the engine's flags, its RequestLimits and the
+    router's settings all read it."""
+    from pd.engines.limits import RequestLimits
+    from pd.engines.server import build_parser
+    from pd.router.config import RouterSettings
+    from pd.util import request_caps as caps
+
+    engine = build_parser().parse_args([])
+    router = RouterSettings()
+    want = {"max_n": caps.MAX_N, "max_batch_size": caps.MAX_BATCH_SIZE,
+            "max_sequences_per_request": caps.MAX_SEQUENCES_PER_REQUEST}
+    for name, value in want.items():
+        assert getattr(engine, name) == getattr(router, name) == getattr(RequestLimits(), name) == value, name
+    assert engine.max_body_bytes == router.max_payload_size == caps.MAX_BODY_BYTES

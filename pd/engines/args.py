@@ -23,6 +23,7 @@ from pd.engines.auth import API_KEY_ENV
 from pd.engines.builtin_model import BUILTIN_MODELS, BUILTIN_PREFIX
 from pd.engines.spec_config import check_draft_shape, resolve_spec_config
 from pd.engines.transfer import default_transfer_timeout
+from pd.util import request_caps as caps
 
 
 def _env_float(name: str, default: float) -> float:
@@ -98,15 +99,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Torch intra-op (and inter-op) threads for the model, set before it loads. Default: the "
                         "cores this process may run on (its CPU affinity) minus one for the HTTP server thread, "
                         "at least 1.")
-    p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
+    p.add_argument("--max-body-bytes", type=int, default=caps.MAX_BODY_BYTES,
                    help="Largest request body accepted, in bytes (larger gets HTTP 413). Default: 32 MiB.")
     # Caps on one generation request (400 above them, before anything is tokenized); SGLang has none, so the
     # names are the router's (sglang-router style), with the router's defaults (pd.router.config).
-    p.add_argument("--max-n", type=int, default=16,
+    p.add_argument("--max-n", type=int, default=caps.MAX_N,
                    help="Largest n (samples per prompt; sampling_params.n on /generate). Default: 16.")
-    p.add_argument("--max-batch-size", type=int, default=256,
+    p.add_argument("--max-batch-size", type=int, default=caps.MAX_BATCH_SIZE,
                    help="Most prompts in one batch request. Default: 256.")
-    p.add_argument("--max-sequences-per-request", type=int, default=512,
+    p.add_argument("--max-sequences-per-request", type=int, default=caps.MAX_SEQUENCES_PER_REQUEST,
                    help="Most sequences (prompts x n) one request generates. Default: 512.")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                    help="Key every request must carry as 'Authorization: Bearer KEY' (SGLang's flag; /health*, "

@@ -11,15 +11,16 @@ import argparse
 from dataclasses import dataclass
 
 from pd.engines.errors import bad_request
+from pd.util import request_caps as caps
 
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """The caps (defaults: the router's, pd.router.config.RouterSettings)."""
+    """The caps (defaults: pd.util.request_caps, the router's too)."""
 
-    max_n: int = 16
-    max_batch_size: int = 256
-    max_sequences_per_request: int = 512
+    max_n: int = caps.MAX_N
+    max_batch_size: int = caps.MAX_BATCH_SIZE
+    max_sequences_per_request: int = caps.MAX_SEQUENCES_PER_REQUEST
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RequestLimits":
