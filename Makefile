@@ -79,17 +79,20 @@ test-fast: install
 bench-kv: install
 	$(PY) benchmarks/kv_transfer.py
 
-# Router vs SGLang's Rust gateway and mini_lb (benchmarks/router.py). Its contenders and load generator
-# are installed for the benchmark only, never as project dependencies: Debian's wrk, and PyPI
-# sglang-router (+ setproctitle, which its launcher imports) and py-spy (the profile) into the
-# git-ignored .bench/.
+# Router vs SGLang's Rust gateway and mini_lb, and the Shepherd Model Gateway (benchmarks/router.py). Its
+# contenders and load generator are installed for the benchmark only, never as project dependencies: Debian's
+# wrk, and PyPI sglang-router and smg (each + setproctitle, which their launchers import) and py-spy (the
+# profile) into the git-ignored .bench/.
 SGLANG_ROUTER ?= sglang-router==0.3.2
+SMG ?= smg==1.13.0
 bench-router: install
 	@command -v wrk >/dev/null || { [ "$$(id -u)" = "0" ] && \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk); } || \
 	  { echo "bench-router needs wrk: apt-get install wrk"; exit 1; }
 	test -f .bench/sglang-router/sglang_router/launch_router.py || \
 	  $(PIP) install -q --no-deps --target .bench/sglang-router "$(SGLANG_ROUTER)" setproctitle
+	test -f .bench/smg/smg/launch_router.py || \
+	  $(PIP) install -q --no-deps --target .bench/smg "$(SMG)" setproctitle
 	test -x $(VENV)/bin/py-spy || test -x .bench/tools/bin/py-spy || \
 	  $(PIP) install -q --no-deps --target .bench/tools py-spy
 	$(PY) benchmarks/router.py $(ARGS)

@@ -1,5 +1,5 @@
-"""PD router throughput, added latency and memory: pdserve's router vs SGLang's Rust gateway vs
-SGLang's Python mini_lb vs no router at all, on the same stub engines, in one run.
+"""PD router throughput, added latency and memory: pdserve's router vs SGLang's Rust gateway vs the
+Shepherd Model Gateway vs SGLang's Python mini_lb vs no router at all, on the same stub engines, in one run.
 
 What is measured
 ----------------
@@ -10,6 +10,8 @@ What is measured
   ``gateway`` - SGLang's Rust gateway, ``python -m sglang_router.launch_router --pd-disaggregation
   --prefill URL BOOTSTRAP_PORT --decode URL --policy round_robin`` (PyPI ``sglang-router``; the
   same pairing policy as ours; log level warn);
+  ``smg``     - the Shepherd Model Gateway (PyPI ``smg`` 1.13.0, the Rust gateway's successor, formerly
+  sgl-model-gateway): ``python -m smg.launch_router`` with the gateway's flags exactly (same CLI);
   ``mini_lb`` - SGLang's Python PD balancer from the same package (``launch_router --mini-lb``,
   as shipped: random pairing, a new HTTP session per request, uvicorn access log on).
 * **Stub engines** (``benchmarks/stub_engine.py``): one prefill and one decode process, uvloop +
@@ -57,9 +59,11 @@ for the benchmark only; ``make bench-router`` does all of it)
 --------------------------------------------------------------------------------------------------
     apt-get install -y wrk                                           # Debian's wrk 4.1
     .venv/bin/pip install --no-deps --target .bench/sglang-router sglang-router==0.3.2 setproctitle
+    .venv/bin/pip install --no-deps --target .bench/smg smg==1.13.0 setproctitle
     .venv/bin/pip install --no-deps --target .bench/tools py-spy     # optional: the profile
-(``.bench/`` is git-ignored; the gateway and mini_lb run with ``PYTHONPATH=.bench/sglang-router``
-on the venv's Python, which already has their runtime dependencies aiohttp, fastapi, uvicorn and
+(``.bench/`` is git-ignored; the gateway and mini_lb run with ``PYTHONPATH=.bench/sglang-router``,
+smg with ``PYTHONPATH=.bench/smg`` (its Rust core is the wheel's ``smg_rs.abi3.so``; the module needs only
+setproctitle) on the venv's Python, which already has their runtime dependencies aiohttp, fastapi, uvicorn and
 orjson.) The script stops with a message naming the missing piece when one is missing.
 
 Reproduce
@@ -92,7 +96,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from router_contenders import CONTENDERS, INSTALL_HINT, SGLANG_ROUTER_DIR, pdserve_snapshot
+from router_contenders import CONTENDERS, INSTALL_HINT, SGLANG_ROUTER_DIR, SMG_DIR, SMG_INSTALL_HINT, pdserve_snapshot
 from router_load import compare
 from router_memory import memory
 from router_procs import REPO, parse_cpus, stop_on_signal
@@ -187,6 +191,11 @@ def preflight(args) -> None:
         if not (args.sglang_router_dir / "setproctitle").exists():
             sys.exit(f"router bench: setproctitle (needed by sglang_router.launch_router) is not in "
                      f"{args.sglang_router_dir}; {INSTALL_HINT}")
+    if "smg" in args.contenders + args.memory_contenders:
+        for need in ("smg/launch_router.py", "setproctitle"):
+            if not (SMG_DIR / need).exists():
+                sys.exit(f"router bench: the Shepherd Model Gateway (PyPI smg) lacks {need} in {SMG_DIR}; "
+                         f"{SMG_INSTALL_HINT}")
     has_pyspy = find_pyspy() is not None
     if args.profile and not has_pyspy:
         sys.exit("router bench: --profile needs py-spy: `make bench-router` installs it into .bench/tools, or "

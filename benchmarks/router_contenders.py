@@ -1,5 +1,6 @@
 """The router benchmark's contenders (benchmarks/router.py): the stub engines, pdserve's router, SGLang's Rust
-gateway and mini_lb, or no router at all (``direct``), each started the same way and checked with one streaming and
+gateway and mini_lb (sglang-router 0.3.2), the Shepherd Model Gateway (``smg``, the Rust gateway's successor), or no
+router at all (``direct``), each started the same way and checked with one streaming and
 one non-streaming request before it is measured."""
 
 from __future__ import annotations
@@ -22,7 +23,16 @@ SGLANG_ROUTER_DIR = REPO / ".bench" / "sglang-router"
 SGLANG_ROUTER_PIN = "sglang-router==0.3.2"
 INSTALL_HINT = (f"install it for the benchmark only (not a project dependency): `make bench-router`, or\n"
                 f"  .venv/bin/pip install --no-deps --target .bench/sglang-router {SGLANG_ROUTER_PIN} setproctitle")
-CONTENDERS = ("direct", "pdserve", "gateway", "mini_lb")
+# The Shepherd Model Gateway (PyPI smg; formerly sgl-model-gateway): the same Rust gateway lineage and the same
+# launch_router CLI, shipped as the module smg.launch_router with the Rust core in smg/smg_rs.abi3.so.
+SMG_DIR = REPO / ".bench" / "smg"
+SMG_PIN = "smg==1.13.0"
+SMG_INSTALL_HINT = (f"install it for the benchmark only (not a project dependency): `make bench-router`, or\n"
+                    f"  .venv/bin/pip install --no-deps --target .bench/smg {SMG_PIN} setproctitle")
+CONTENDERS = ("direct", "pdserve", "gateway", "smg", "mini_lb")
+# The Rust gateways pdserve is held to (req/s >= 1.0x in every cell), each with the package it comes from.
+GATEWAYS = {"gateway": f"SGLang's Rust gateway ({SGLANG_ROUTER_PIN})", "smg": f"Shepherd Model Gateway ({SMG_PIN})"}
+REFERENCES = (*GATEWAYS, "mini_lb")  # the routers every other contender's req/s, p99 and CPU/req are compared to
 TOKENS = 64
 
 
@@ -104,10 +114,16 @@ def contender_argv(name: str, stubs: Stubs, port: int, sglang_router_dir: Path,
         # -P: the snapshot on PYTHONPATH, not the working tree (cwd), is what gets imported.
         return ([sys.executable, "-P", "-c", "from pd.cli import main; main()", *flags],
                 dict(os.environ, PYTHONPATH=str(pdserve_tree)))
+    pd_flags = ["--pd-disaggregation", "--prefill", stubs.prefill_url, str(stubs.bootstrap_port), "--decode",
+                stubs.decode_url, "--host", "127.0.0.1", "--port", str(port)]
+    if name == "smg":
+        # Same flags as the gateway (smg keeps launch_router's CLI): round_robin, its own metrics port, warn.
+        metrics_port = free_port(exclude=(port,))
+        return ([sys.executable, "-m", "smg.launch_router", *pd_flags, "--policy", "round_robin",
+                 "--prometheus-port", str(metrics_port), "--log-level", "warn"],
+                dict(os.environ, PYTHONPATH=str(SMG_DIR)))
     env = dict(os.environ, PYTHONPATH=str(sglang_router_dir))
-    common = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill",
-              stubs.prefill_url, str(stubs.bootstrap_port), "--decode", stubs.decode_url, "--host", "127.0.0.1",
-              "--port", str(port)]
+    common = [sys.executable, "-m", "sglang_router.launch_router", *pd_flags]
     if name == "gateway":
         metrics_port = free_port(exclude=(port,))  # not the router's own port, picked just before
         return common + ["--policy", "round_robin", "--prometheus-port", str(metrics_port), "--log-level", "warn"], env

@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from router_contenders import Contender, Stubs, request_body
+from router_contenders import REFERENCES, Contender, Stubs, request_body
 from router_procs import child_setup, group_cpu_seconds, machine_busy_seconds, median
 
 WRK_LUA = """-- written by benchmarks/router.py
@@ -152,9 +152,9 @@ def summarize(cells: list[dict], args) -> list[dict]:
                 rows.append(row)
     # Ratios of pdserve (and any --custom router) to the references in the same cell.
     for row in rows:
-        if row["contender"] in ("direct", "gateway", "mini_lb"):
+        if row["contender"] in ("direct", *REFERENCES):
             continue
-        for other in ("gateway", "mini_lb"):
+        for other in REFERENCES:
             o = next((r for r in rows if (r["mode"], r["concurrency"], r["contender"]) ==
                       (row["mode"], row["concurrency"], other)), None)
             if o and o["rps"]:

@@ -12,11 +12,12 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from router_contenders import SGLANG_ROUTER_DIR, TOKENS, request_body
+from router_contenders import GATEWAYS, SGLANG_ROUTER_DIR, SMG_DIR, TOKENS, request_body
 from router_procs import REPO, median, rnd
 
 FOREIGN_CPU_LIMIT = 0.1  # cores used by other processes on average, above which a run is preliminary
-GOALS = {"rps_vs_gateway": 1.0, "rps_vs_mini_lb": 5.0, "p99_vs_gateway_max": 1.5, "memory_added_mb_max": 150.0}
+GOALS = {"rps_vs_gateway": 1.0, "rps_vs_smg": 1.0, "rps_vs_mini_lb": 5.0, "p99_vs_gateway_max": 1.5,
+         "memory_added_mb_max": 150.0}
 
 
 def machine() -> dict:
@@ -38,12 +39,12 @@ def versions() -> dict:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             out[dist] = None
-    try:
-        out["sglang-router"] = metadata.version("sglang-router")  # only when installed into the venv
-    except metadata.PackageNotFoundError:
-        found = [d.version for d in metadata.distributions(path=[str(SGLANG_ROUTER_DIR)])
-                 if d.metadata["Name"] == "sglang-router"]
-        out["sglang-router"] = found[0] if found else None
+    for dist, where in (("sglang-router", SGLANG_ROUTER_DIR), ("smg", SMG_DIR)):
+        try:
+            out[dist] = metadata.version(dist)  # only when installed into the venv
+        except metadata.PackageNotFoundError:
+            found = [d.version for d in metadata.distributions(path=[str(where)]) if d.metadata["Name"] == dist]
+            out[dist] = found[0] if found else None
     try:
         out["wrk"] = subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout.split("[")[0].strip()
     except OSError:
@@ -56,6 +57,25 @@ def versions() -> dict:
     out["pdserve_commit"] = git("rev-parse", "--short", "HEAD")
     out["pdserve_router_last_commit"] = git("log", "-1", "--format=%h %cI", "--", "router")
     out["pdserve_router_uncommitted_changes"] = bool(git("status", "--porcelain", "--", "router"))
+    # every tracked file that differs from the commit (what "commit X with the working-tree changes" means), the
+    # benchmark results themselves (outputs) aside
+    changed = git("diff", "--name-only", "HEAD")
+    out["pdserve_working_tree_changes"] = sorted(
+        f for f in changed.splitlines() if not f.startswith("benchmarks/results/")) if changed else []
+    return out
+
+
+def targets(summary: list[dict]) -> dict:
+    """One target per (gateway, mode, concurrency): pdserve's req/s over that gateway's in the same cell, >= 1.0x."""
+    out = {}
+    for r in summary:
+        if r["contender"] != "pdserve":
+            continue
+        for gw in GATEWAYS:
+            x = r.get(f"rps_vs_{gw}")
+            if x is not None:
+                out[f"pdserve_rps_vs_{gw}_{r['mode']}_c{r['concurrency']}"] = {
+                    "value": rnd(x), "goal": f">= {GOALS['rps_vs_' + gw]:.1f}x", "met": x >= GOALS["rps_vs_" + gw]}
     return out
 
 
@@ -87,7 +107,7 @@ def build_result(args, argv: list[str], now, res: dict, mem: list[dict], loadavg
                    "memory_streams": args.memory_streams, "memory_token_interval_s": args.memory_token_interval,
                    "memory_settle_s": args.memory_settle,
                    "memory_waves": args.memory_waves},
-        "goals": GOALS,
+        "goals": GOALS, "targets": targets(res["summary"]),
         "contender_commands": res["commands"], "custom_contenders": args.custom or None,
         "summary": [{k: (rnd(v) if isinstance(v, float) else v) for k, v in r.items()} for r in res["summary"]],
         "memory": mem, "profile": res["profile"],
@@ -101,19 +121,20 @@ def fmt(x, nd=1, dash="-"):
 
 
 def headline(result: dict) -> str:
-    """One line: pdserve's req/s and p99 against the Rust gateway per mode, and the memory added at peak."""
+    """One line: pdserve's req/s and p99 against each Rust gateway per mode, and the memory added at peak."""
     def span(xs: list[float]) -> str:
         lo, hi = f"{min(xs):.2f}", f"{max(xs):.2f}"
         return lo if lo == hi else f"{lo}-{hi}"
 
     parts = []
     for mode in result["config"]["modes"]:
-        rows = [r for r in result["summary"] if r["contender"] == "pdserve" and r["mode"] == mode
-                and r.get("rps_vs_gateway") is not None]
-        if rows:
-            rps = [r["rps_vs_gateway"] for r in rows]
-            p99 = [r["p99_vs_gateway"] for r in rows if r.get("p99_vs_gateway") is not None]
-            parts.append(f"{mode}: pdserve {span(rps)}x the gateway's req/s" + (f", p99 {span(p99)}x" if p99 else ""))
+        for gw in GATEWAYS:
+            rows = [r for r in result["summary"] if r["contender"] == "pdserve" and r["mode"] == mode
+                    and r.get(f"rps_vs_{gw}") is not None]
+            if rows:
+                rps = [r[f"rps_vs_{gw}"] for r in rows]
+                p99 = [r[f"p99_vs_{gw}"] for r in rows if r.get(f"p99_vs_{gw}") is not None]
+                parts.append(f"{mode}: pdserve {span(rps)}x {gw}'s req/s" + (f", p99 {span(p99)}x" if p99 else ""))
     for mm in result.get("memory") or []:
         if mm.get("added_mb_peak") is not None:
             parts.append(f"{mm['contender']} +{mm['added_mb_peak']:.1f} MB at peak under {mm['streams']} slow streams")
@@ -126,10 +147,14 @@ def markdown(result: dict) -> str:
              f"- Device: {m['cpu_model']}, {m['cpu_cores']} cores, {m['mem_gib']} GiB; contender on CPU "
              f"{cfg['router_cpus']}, stubs + wrk on CPU {cfg['load_cpus']}",
              f"- Date: {result['date']}",
-             f"- Measured at commit {v.get('pdserve_commit')} (router measured: {v.get('pdserve_router_measured')})",
+             f"- Measured at commit {v.get('pdserve_commit')}"
+             + (f" with the working-tree changes listed: {', '.join(v['pdserve_working_tree_changes'])}"
+                if v.get("pdserve_working_tree_changes") else "")
+             + f" (router measured: {v.get('pdserve_router_measured')})",
              f"- Command: `{result['command']}`",
-             f"- Anchors, same run: no router (`direct`), SGLang's Rust gateway and its Python mini_lb (sglang-router "
-             f"{v.get('sglang-router')}), on the same stub engines",
+             f"- Anchors, same run: no router (`direct`), SGLang's Rust gateway (`gateway`) and its Python mini_lb "
+             f"(sglang-router {v.get('sglang-router')}), the Shepherd Model Gateway (`smg`, smg {v.get('smg')}; the "
+             f"Rust gateway's successor, same launch_router flags), on the same stub engines",
              f"- Load: wrk, closed loop, POST /generate max_new_tokens {TOKENS}; `stream` = {TOKENS}-event SSE "
              f"streams (req/s = streams/s); {cfg['rounds']} interleaved rounds x {cfg['duration_s']:.0f} s, medians",
              "", f"Headline: {headline(result)}.", "",
@@ -149,16 +174,25 @@ def markdown(result: dict) -> str:
                      f"| {fmt(r['router_cpu_us_per_request'], 0)} | {fmt(r['cpu_contender'], 2)} "
                      f"| {fmt(r['cpu_load'], 2)} | {fmt(r['cpu_foreign'], 2)} "
                      f"| {r['errors']} | {'ok' if r['dispatch_check_ok'] else 'FAIL'} |")
-    lines += ["", "Ratios to the references (same cell): req/s ratio, p99 ratio; goals: >= 1.0x gateway req/s, "
-              ">= 5x mini_lb, p99 <= 1.5x gateway. CPU/req = the router's CPU time per request relative to the "
-              "gateway's (robust to other load on the machine: < 1 means cheaper).", "",
-              "| router | mode | conc | req/s vs gateway | req/s vs mini_lb | p99 vs gateway | CPU/req vs gateway |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "Ratios to the references (same cell): req/s ratio, p99 ratio; goals: >= 1.0x the req/s of both Rust "
+              "gateways (`gateway` = sglang-router 0.3.2, `smg`), >= 5x mini_lb, p99 <= 1.5x gateway. CPU/req = the "
+              "router's CPU time per request relative to that gateway's (robust to other load on the machine: < 1 "
+              "means cheaper).", "",
+              "| router | mode | conc | req/s vs gateway | req/s vs smg | req/s vs mini_lb | p99 vs gateway "
+              "| p99 vs smg | CPU/req vs gateway | CPU/req vs smg |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["summary"]:
-        if "rps_vs_gateway" in r or "rps_vs_mini_lb" in r:
+        if any(f"rps_vs_{o}" in r for o in (*GATEWAYS, "mini_lb")):
             x = lambda k: fmt(r.get(k), 2) + ("x" if r.get(k) is not None else "")  # noqa: E731
             lines.append(f"| {r['contender']} | {r['mode']} | {r['concurrency']} | {x('rps_vs_gateway')} "
-                         f"| {x('rps_vs_mini_lb')} | {x('p99_vs_gateway')} | {x('cpu_per_request_vs_gateway')} |")
+                         f"| {x('rps_vs_smg')} | {x('rps_vs_mini_lb')} | {x('p99_vs_gateway')} | {x('p99_vs_smg')} "
+                         f"| {x('cpu_per_request_vs_gateway')} | {x('cpu_per_request_vs_smg')} |")
+    if result.get("targets"):
+        met = [k for k, t in result["targets"].items() if t["met"]]
+        lines += ["", f"Targets (pdserve req/s >= 1.0x each gateway, every cell): {len(met)} of "
+                  f"{len(result['targets'])} met" + (": missed " + ", ".join(
+                      f"{k} {t['value']:.2f}x" for k, t in result["targets"].items() if not t["met"])
+                      if len(met) < len(result["targets"]) else "") + "."]
     if result.get("memory"):
         lines += ["", "Memory: N concurrent slow streams (one token per "
                   f"{cfg['memory_token_interval_s']} s, {TOKENS} tokens) through a fresh router; RSS in MB "

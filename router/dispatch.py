@@ -395,7 +395,7 @@ class PDDispatcher:
         ex.prefill_task = self.tasks.spawn(self._read_prefill(ex))
         ex.decode_task = asyncio.get_running_loop().create_task(self._open_decode(ex))
         try:
-            async with asyncio.timeout(self.first_token_timeout) as deadline:  # None: no deadline
+            async with _Deadline(self.first_token_timeout) as deadline:  # None: no deadline
                 return await self._exchange(ex, deadline)
         except TimeoutError:
             # the first-token deadline passed: blame the side still working
@@ -408,7 +408,7 @@ class PDDispatcher:
             self._abort_both(ex)
             raise
 
-    async def _exchange(self, ex: Exchange, deadline: asyncio.Timeout):
+    async def _exchange(self, ex: Exchange, deadline: "_Deadline"):
         """The attempt under ``deadline`` (timeouts.first_token): a committed answer or a Failure.
 
         A non-stream answer is accepted by the decode once the prefill answered 2xx while the decode
@@ -654,6 +654,47 @@ class PDDispatcher:
             return failure
         ex.decode.breaker.record_success()
         return Relay(self, ex, resp, first)
+
+
+class _Deadline:
+    """``asyncio.timeout(delay)`` for an attempt, as asyncio 3.11-3.13's ``Timeout`` behaves (the task is cancelled
+    at the deadline and the CancelledError leaving the block becomes TimeoutError, unless another cancel came too;
+    ``reschedule(None)`` lifts it), with less bookkeeping per request: no state machine, no second loop lookup.
+    ``delay`` None: no deadline."""
+
+    __slots__ = ("delay", "task", "handle", "expired", "cancelling")
+
+    def __init__(self, delay: Optional[float]):
+        self.delay = delay
+        self.handle: Optional[asyncio.TimerHandle] = None
+        self.expired = False
+
+    async def __aenter__(self) -> "_Deadline":
+        task = self.task = asyncio.current_task()
+        self.cancelling = task.cancelling()
+        if self.delay is not None:
+            loop = task.get_loop()
+            when = loop.time() + self.delay
+            self.handle = loop.call_soon(self._expire) if self.delay <= 0 else loop.call_at(when, self._expire)
+        return self
+
+    def reschedule(self, when: None) -> None:
+        """Lift the deadline (the only rescheduling an attempt does)."""
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+
+    def _expire(self) -> None:
+        self.handle = None
+        self.expired = True
+        self.task.cancel()
+
+    async def __aexit__(self, exc_type, exc_val, exc_tb) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+        if self.expired and self.task.uncancel() <= self.cancelling and exc_type is asyncio.CancelledError:
+            raise TimeoutError from exc_val
 
 
 async def _first_done(a: asyncio.Future, b: asyncio.Future) -> None:

@@ -129,6 +129,12 @@ class HistogramValue:
         self.counts[bisect_left(self.upper, value)] += 1
         self.sum += value
 
+    def observe_repeated(self, value: float, times: int) -> None:
+        """Count ``times`` observations of ``value`` at once (as many ``observe`` calls; the sum may round
+        differently unless ``value`` is 0)."""
+        self.counts[bisect_left(self.upper, value)] += times
+        self.sum += value * times
+
 
 class Family:
     """A metric and its series by label values (in creation order, as prometheus_client lists them).

@@ -61,6 +61,11 @@ class UsageTap:
         self.drop_usage = drop_usage
         self.prompt = self.completion = 0
 
+    def quiet(self, data: bytes) -> bool:
+        """True when ``event`` would neither count nor drop any of the events in ``data`` (one or more): the
+        same search as ``event``'s, once over all of them."""
+        return (_FINISHED if self.generate else _USAGE).search(data) is None
+
     def event(self, event: bytes) -> bool:
         """Look at one SSE data event; False when it must not reach the client."""
         if self.generate:

@@ -70,7 +70,7 @@ class Response:
     """
 
     __slots__ = ("status", "headers", "content_type", "complete", "_conn", "_chunks", "_buffered", "_paused", "_exc",
-                 "_waiter", "_keep_alive", "_timer", "_done", "_until_close")
+                 "_waiter", "_keep_alive", "_deadline", "_done", "_until_close", "_idle_due", "_idle_timer")
 
     def __init__(self, conn: "_Connection"):
         self._conn = conn
@@ -84,9 +84,11 @@ class Response:
         self._exc: Optional[BaseException] = None
         self._waiter: Optional[asyncio.Future] = None
         self._keep_alive = False
-        self._timer: Optional[asyncio.TimerHandle] = None
+        self._deadline: Optional[float] = None  # loop time by which the whole response must have arrived
         self._done = False  # released or closed
         self._until_close = False  # the body ends when the server closes the connection
+        self._idle_due: Optional[float] = None  # loop time by which the readany() waiting now must get bytes
+        self._idle_timer: Optional[asyncio.TimerHandle] = None
 
     # ---- reading ----------------------------------------------------------------------------------
     async def _wait(self) -> None:
@@ -102,18 +104,36 @@ class Response:
                 raise self._exc
             await self._wait()
 
-    async def readany(self) -> bytes:
+    async def readany(self, idle: Optional[float] = None) -> bytes:
         """The body bytes that arrived since the last read (waits for some); b"" at the end.
+
+        Args:
+            idle: seconds this call may wait (None: no limit of its own), as ``asyncio.timeout(idle)`` around it
+                would bound it, without a timer made and cancelled per call: one timer per response stays armed
+                and re-arms for the current call's deadline when it fires early.
 
         Raises:
             UpstreamError / TimeoutError: the connection broke or the request timed out first.
+            TimeoutError: ``idle`` seconds passed with no bytes (the response stays open).
         """
+        due = None
         while not self._chunks:
             if self._exc is not None:
                 raise self._exc
             if self.complete:
                 return b""
-            await self._wait()
+            if idle is None:
+                await self._wait()
+                continue
+            if due is None:
+                due = self._conn.loop.time() + idle
+            self._idle_due = due
+            if self._idle_timer is None:
+                self._idle_timer = self._conn.loop.call_at(due, self._idle_check)
+            try:
+                await self._wait()
+            finally:
+                self._idle_due = None
         chunks = self._chunks
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self._chunks = []
@@ -168,9 +188,10 @@ class Response:
 
     def _end(self) -> None:
         self._done = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._deadline = None
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         self._conn.response = None
 
     # ---- fed by the connection --------------------------------------------------------------------
@@ -190,9 +211,7 @@ class Response:
     def _finish(self, keep_alive: bool) -> None:
         self.complete = True
         self._keep_alive = keep_alive
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._deadline = None
         self._wake()
 
     def _fail(self, exc: BaseException) -> None:
@@ -201,8 +220,20 @@ class Response:
         self._exc = exc
         self._wake()
 
+    def _idle_check(self) -> None:
+        """The idle timer: fail the waiting readany() whose deadline passed, or re-arm for the one waiting now."""
+        self._idle_timer = None
+        due, w = self._idle_due, self._waiter
+        if due is None or w is None or w.done() or self._done:
+            return
+        loop = self._conn.loop
+        if loop.time() < due:
+            self._idle_timer = loop.call_at(due, self._idle_check)
+        else:
+            w.set_exception(TimeoutError())
+
     def _timed_out(self) -> None:
-        self._timer = None
+        self._deadline = None
         if not self.complete:
             self._fail(TimeoutError(f"upstream request to {self._conn.origin} timed out"))
             self._conn.close()
@@ -222,6 +253,29 @@ class _Connection(asyncio.Protocol):
         self.counted = True  # holds one of the client's ``limit`` slots
         self.idle_since = 0.0
         self._headers: list[tuple[bytes, bytes]] = []
+        # The request deadline's timer: armed by a request, left armed when it ends in time (the next request on
+        # this connection reuses it), checked against the current response's deadline when it fires.
+        self._timer: Optional[asyncio.TimerHandle] = None
+        self._timer_at = 0.0
+
+    def arm(self, deadline: float) -> None:
+        """The current response times out at ``deadline`` (loop time)."""
+        if self._timer is not None:
+            if self._timer_at <= deadline:
+                return  # fires first; re-arms for the deadline then
+            self._timer.cancel()
+        self._timer_at = deadline
+        self._timer = self.loop.call_at(deadline, self._check_deadline)
+
+    def _check_deadline(self) -> None:
+        self._timer = None
+        r = self.response
+        if r is None or r._deadline is None:
+            return  # ended in time: the next request arms it again
+        if self.loop.time() < r._deadline:
+            self.arm(r._deadline)
+        else:
+            r._timed_out()
 
     # ---- asyncio.Protocol -------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -246,6 +300,9 @@ class _Connection(asyncio.Protocol):
             self.close()
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self.closed = True
         self.client._lost(self)
         r = self.response
@@ -280,6 +337,9 @@ class _Connection(asyncio.Protocol):
 
     # ---- ---------------------------------------------------------------------------------------------
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if not self.closed:
             self.closed = True
             if self.transport is not None:
@@ -362,7 +422,8 @@ class UpstreamClient:
             else:
                 conn.transport.writelines((head, body))
             if deadline is not None:
-                r._timer = self.loop.call_at(deadline, r._timed_out)
+                r._deadline = deadline
+                conn.arm(deadline)
             await r._head()
         except BaseException:
             r.close()

@@ -21,6 +21,11 @@ client's request (``/health`` included) then failed. So every connection passes 
 Every refusal is counted by reason (``on_refuse``). The guard is a subclass of uvicorn's httptools protocol
 (:meth:`ConnectionGuard.protocol`, given to ``uvicorn.Config(http=...)``); its ``data_received`` follows
 uvicorn 0.55's own, which the lock pins (tests/test_connection_limits.py checks uvicorn's is unchanged).
+
+Two costs per request are saved on the way (the same bytes, the same deadlines): a response's head (status
+line and headers, uvicorn's write for ``http.response.start``) goes out with the first body write in one
+send, not two (:class:`_HeadWithBody`); and the header timer of a reused connection is not made and cancelled
+per request: one timer stays armed and, when it fires, compares with the current request's deadline.
 """
 
 from __future__ import annotations
@@ -134,6 +139,9 @@ class ConnectionGuard:
         return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"guard": self})
 
 
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"  # uvicorn's interim answer to Expect: 100-continue
+
+
 class _Refused(Exception):
     """Raised from a parser callback to stop parsing; the refusal is on the protocol."""
 
@@ -172,8 +180,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._reading_headers = True
         self._header_bytes = 0
         self._header_count = 0
+        # this request's deadline; a timer armed for an earlier request stays and re-arms for this one (below)
+        self._headers_due = self.loop.time() + self.guard.limits.header_timeout
         if self._header_timer is None:
-            self._header_timer = self.loop.call_later(self.guard.limits.header_timeout, self._header_timeout)
+            self._header_timer = self.loop.call_at(self._headers_due, self._header_timeout)
 
     def _stop_header_timer(self) -> None:
         if self._header_timer is not None:
@@ -183,6 +193,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _header_timeout(self) -> None:
         self._header_timer = None
         if self._reading_headers and not self.transport.is_closing():
+            if self.loop.time() < self._headers_due:  # armed for an earlier request: wait for this one's deadline
+                self._header_timer = self.loop.call_at(self._headers_due, self._header_timeout)
+                return
             self._refuse(408, f"the request's headers did not arrive within {self.guard.limits.header_timeout:g}s",
                          "header_timeout")
 
@@ -233,6 +246,69 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
-        self._reading_headers = False
-        self._stop_header_timer()
+        self._reading_headers = False  # the header timer, if it fires before the next request, does nothing
+        cycle = self.cycle
         super().on_headers_complete()
+        if self.cycle is not cycle:  # a request to answer (not an upgrade): its head waits for its first body bytes
+            self.cycle.transport = _HeadWithBody(self.cycle, self.transport, self.loop)
+
+
+class _HeadWithBody:
+    """The transport of one request's ``RequestResponseCycle``: the response head (uvicorn's first write other
+    than ``100 Continue``) is held until the next write, which takes it along in one send; so a whole answer
+    (start + body) leaves in one segment instead of two. A head that no write follows before the event loop's
+    next turn (a stream waiting for its first chunk, a HEAD answer) is sent on its own then. Once the head is
+    out the cycle writes to the real transport again. Everything else is the transport's."""
+
+    __slots__ = ("_cycle", "_transport", "_loop", "_head", "_flush", "_sent")
+
+    def __init__(self, cycle, transport, loop):
+        self._cycle = cycle
+        self._transport = transport
+        self._loop = loop
+        self._head: Optional[bytes] = None
+        self._flush = None
+        self._sent = False
+
+    def write(self, data: bytes) -> None:
+        head = self._head
+        if head is None:
+            if data == _CONTINUE or self._sent:
+                self._transport.write(data)
+                return
+            self._head = data
+            self._flush = self._loop.call_soon(self._send_head)
+            return
+        self._done()
+        if len(data) < 65536:
+            self._transport.write(head + data)
+        else:  # no copy of a large body: one writev
+            self._transport.writelines((head, data))
+
+    def _done(self) -> None:
+        self._head = None
+        self._sent = True
+        self._flush.cancel()
+        self._cycle.transport = self._transport
+
+    def _send_head(self) -> None:
+        head = self._head
+        if head is not None:
+            self._head = None
+            self._sent = True
+            self._cycle.transport = self._transport
+            if not self._transport.is_closing():
+                self._transport.write(head)
+
+    def close(self) -> None:
+        if self._head is not None:
+            head = self._head
+            self._done()
+            self._transport.write(head)
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
