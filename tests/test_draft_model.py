@@ -238,7 +238,7 @@ def test_speculation_equals_greedy_and_pays(pair, tmp_path):
     verify step, and the same draft before its fit (seeded weights) accepts almost nothing."""
     from pd.engines import builtin_draft
     from pd.engines.draft_model import DraftModel
-    from pd.engines.spec_simulator import greedy_decode, random_prompts, speculative_greedy
+    from spec_simulator import greedy_decode, random_prompts, speculative_greedy
 
     target, draft = pair
     prompts = random_prompts(ACCEPT_PROMPTS, target.vocab_size, seed=2024)

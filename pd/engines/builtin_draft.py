@@ -15,9 +15,9 @@ result little: 3.12 tokens per verify step after one round, 3.14 after three.
 
 Cost at first use on the 2-core CPU: about 1 s alone (generation and the three fits), 10 s while the cores
 are shared with running engines; the target itself is closed form (``pd.engines.builtin_model``, ~1 s to
-write). Result, by ``pd.engines.spec_simulator`` with 3 draft tokens at temperature 0 on 32 seeded random
-prompts of 8-64 tokens (32 new tokens each): 3.1 tokens per verify step (of the 326 steps, 187 accepted all
-three drafts); the same draft before the fit: 1.0 (nothing accepted).
+write). Result, by the offline simulator of tests/spec_simulator.py with 3 draft tokens at temperature 0 on 32
+seeded random prompts of 8-64 tokens (32 new tokens each): 3.1 tokens per verify step (of the 326 steps, 187
+accepted all three drafts); the same draft before the fit: 1.0 (nothing accepted).
 """
 
 from __future__ import annotations

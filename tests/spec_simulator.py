@@ -1,5 +1,5 @@
-"""Greedy chain speculation over a target and its draft, offline (no engine): the accept length the pair
-gives, and a check that speculation leaves greedy output unchanged.
+"""Tests only: greedy chain speculation over a target and its draft, offline (no engine): the accept length the
+pair gives, and a check that speculation leaves greedy output unchanged.
 
 One verify step, as SGLang's EAGLE worker runs it with ``speculative_eagle_topk = 1``
 (``srt/speculative/eagle_worker.py``): the draft proposes ``num_steps`` tokens d_1..d_s (d_1 from its
