@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pd.monitoring.promql import REQUEST_ENGINES, quantile, sel
+from pd.util.pd_stages import BY_LABEL
 
 # Labels the recorded bucket rates keep (besides ``le``). Everything else (SGLang's tp_rank,
 # pp_rank, moe_ep_rank, dp_rank, priority, is_streaming, custom labels) is summed away, so
@@ -123,20 +124,22 @@ class Stage:
         return expr if self.hist.scale == 1 else f"({expr}) * {self.hist.scale:g}"
 
 
-def _engine_stage(key: str, title: str) -> Stage:
-    return Stage(key, title, ENGINE_STAGE, (f'stage="{key}"',))
+def _engine_stage(label: str) -> Stage:
+    """The engine stage ``label`` of pd.util.pd_stages, with its title there."""
+    return Stage(label, BY_LABEL[label].title, ENGINE_STAGE, (f'stage="{label}"',))
 
 
 # The request's path through the system, in order.
 STAGES = (
     Stage("router_queue", "Router queue", ROUTER_QUEUE),
     Stage("router_prefill", "Prefill (router: dispatch to prefill done)", ROUTER_PREFILL),
-    _engine_stage("prefill_bootstrap", "Prefill waits for decode bootstrap"),
-    _engine_stage("prefill_forward", "Prefill forward"),
+    _engine_stage("prefill_bootstrap"),
+    _engine_stage("prefill_forward"),
+    # the prefill's KV write from its transfer histogram (milliseconds, every transfer) rather than the stage label
     Stage("kv_transfer", "KV transfer", ENGINE_KV_TRANSFER, ('engine_type="prefill"',)),
-    _engine_stage("decode_bootstrap", "Decode KV prealloc"),
-    _engine_stage("decode_transferred", "Decode waits for KV"),
-    _engine_stage("decode_waiting", "Decode queue"),
+    _engine_stage("decode_bootstrap"),
+    _engine_stage("decode_transferred"),
+    _engine_stage("decode_waiting"),
     Stage("ttft", "TTFT (router)", ROUTER_TTFT),
     Stage("inter_token", "Inter-token latency (router)", ROUTER_ITL),
     Stage("tpot", "TPOT (engine)", ENGINE_TPOT, (REQUEST_ENGINES,)),

@@ -39,15 +39,13 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pd.util.admin_key import find_admin_key_file, read_admin_key
+from pd.util.pd_stages import ENGINE_STAGES as PD_STAGES
 
 ROUTER_HISTOGRAMS = {"router_queue": "pdserve_router_queue_seconds", "router_prefill": "pdserve_router_prefill_seconds",
                      "router_ttft": "pdserve_router_ttft_seconds", "router_e2e": "pdserve_router_e2e_seconds"}
 STAGE_HISTOGRAM = "sglang:per_stage_req_latency_seconds"
-# Our stage name -> (role of the engines that observe it, SGLang's stage label value).
-ENGINE_STAGES = {"prefill_bootstrap": ("prefill", "prefill_bootstrap"), "prefill": ("prefill", "prefill_forward"),
-                 "kv_transfer": ("prefill", "prefill_transfer_kv_cache"),
-                 "decode_prealloc": ("decode", "decode_bootstrap"),
-                 "decode_kv_wait": ("decode", "decode_transferred"), "decode_wait": ("decode", "decode_waiting")}
+# Our stage name -> (role of the engines that observe it, SGLang's stage label value): pd.util.pd_stages.
+ENGINE_STAGES = {s.name: (s.role, s.label) for s in PD_STAGES}
 E2E_HISTOGRAM, TTFT_HISTOGRAM = "sglang:e2e_request_latency_seconds", "sglang:time_to_first_token_seconds"
 ORDER = ("router_queue", "prefill_bootstrap", "prefill", "kv_transfer", "decode_prealloc", "decode_kv_wait",
          "decode_wait", "decode", "router_prefill", "router_ttft", "router_e2e")

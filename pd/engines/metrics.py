@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
+from pd.util.pd_stages import ENGINE_STAGES
+
 # Bucket lists copied as facts from SGLang's collector (same boundaries -> comparable quantiles).
 TTFT_BUCKETS = [0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400]
 ITL_BUCKETS = [0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060, 0.080,
@@ -20,8 +22,7 @@ TRANSFER_MB_BUCKETS = (1, 5, 10, 50, 100, 500, 1000, 5000, 10000)
 TRANSFER_GBS_BUCKETS = (0.1, 0.5, 1, 5, 10, 25, 50, 100, 200, 400)
 
 # Stage label values of sglang:per_stage_req_latency_seconds (sglang/srt/observability/req_time_stats.py).
-STAGES = ("prefill_bootstrap", "prefill_forward", "prefill_transfer_kv_cache",
-          "decode_bootstrap", "decode_waiting", "decode_transferred")
+STAGES = tuple(s.label for s in ENGINE_STAGES)
 
 
 def _bool(flag: bool) -> str:
