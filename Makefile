@@ -6,7 +6,7 @@ PIP    := $(VENV)/bin/pip
 # torch 2.13.0 (CPU build) is what this machine's pip serves from disk; a bare `torch` would pull CUDA.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install lock serve lint test test-fast bench-kv bench-router clean
+.PHONY: install lock serve lint typecheck test test-fast bench-kv bench-router clean
 
 # SGLang's import-only dependencies for the live plugin test, kept apart from the venv's site-packages
 # (tests/sglang_live_requirements.txt says why).
@@ -66,6 +66,15 @@ serve: install
 # ruff's config is pyproject's [tool.ruff]; `make test` lints first.
 lint: install
 	$(VENV)/bin/ruff check .
+
+# mypy (pyproject's [tool.mypy]) on the packages below. It cannot see the editable install's import hook, so it reads
+# a tree of links laid out as installed: pd/ plus the top-level folders pyproject's package-dir maps under pd.
+TYPECHECKED := -p pd.router -p pd.util -p pd.engines -m pd.config
+typecheck: install
+	rm -rf .typecheck/pd && mkdir -p .typecheck/pd
+	for f in pd/*; do ln -s ../../$$f .typecheck/pd/; done
+	for d in router kernels monitoring deploy; do ln -s ../../$$d .typecheck/pd/$$d; done
+	cd .typecheck && ../$(PY) -m mypy --config-file ../pyproject.toml $(TYPECHECKED)
 
 # Two xdist workers (conftest.py: a module stays on one worker, the Ray and namespace modules run in turn on one);
 # `make test TEST_WORKERS=0` runs in one process. test-fast: no Ray, no namespaces, nothing slow, for the edit loop.
