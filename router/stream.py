@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Optional
 from pd.router import logprobs
 from pd.router.aborts import aborted_indexes
 from pd.router.errors import UPSTREAM_ERRORS, error_body
+from pd.router.exchange import Exchange, record_outcome
 from pd.router.front import Send, response_headers
 from pd.router.tokens import UsageTap
 
 if TYPE_CHECKING:
-    from pd.router.dispatch import Exchange, PDDispatcher
+    from pd.router.attempt import AttemptRunner
     from pd.router.upstream import Response as UpstreamResponse
 
 log = logging.getLogger("pd.router")
@@ -40,14 +41,14 @@ class Relay:
     everything exactly once, whether the stream ended or the client left (or never read a byte).
 
     Args:
-        dispatcher: the owner (metrics, aborts, timeouts).
+        runner: the attempt's runner (aborts, timeouts).
         ex: the attempt being answered.
         resp: decode's open response.
         first: the first chunk of its body, already read.
     """
 
-    def __init__(self, dispatcher: "PDDispatcher", ex: "Exchange", resp: "UpstreamResponse", first: bytes):
-        self.d = dispatcher
+    def __init__(self, runner: "AttemptRunner", ex: Exchange, resp: "UpstreamResponse", first: bytes):
+        self.runner = runner
         self.ex = ex
         self.resp = resp
         self.first = first
@@ -60,7 +61,7 @@ class Relay:
         stream to its end with plain ASGI messages. The caller must ``close(finished=False)``
         afterwards (a no-op when the stream ended here), also when this is cancelled."""
         ex, em, tap = self.ex, self.ex.em, self.tap
-        idle = self.d.stream_idle_timeout
+        idle = self.runner.stream_idle_timeout
         resp = self.resp
         readany = resp.readany
         now = time.perf_counter()
@@ -89,7 +90,7 @@ class Relay:
                                 if not tap.event(event):
                                     continue
                                 if b'"abort"' in event and not ex.prefill_task.done():
-                                    self.d.abort_prefill_sequences(ex, aborted_indexes(ex.route, event + b"\n\n",
+                                    self.runner.abort_prefill_sequences(ex, aborted_indexes(ex.route, event + b"\n\n",
                                                                                        True))
                                 if ex.merge:
                                     if inputs is None:
@@ -137,7 +138,7 @@ class Relay:
                 msg = f"decode worker {ex.decode.url} broke the stream on {ex.route}: {e!r}"
             log.warning("%s", msg)
             ex.decode.breaker.record_failure()
-            self.d.abort_after_break(ex, self.resp)
+            self.runner.abort_after_break(ex, self.resp)
             tail = b"data: " + json.dumps(error_body(502, msg)).encode() + b"\n\n" + _DONE + b"\n\n"
         await send({"type": "http.response.body", "body": tail, "more_body": False})
         self.close(finished=True)
@@ -155,10 +156,10 @@ class Relay:
         else:
             self.resp.close()
             status, self.kind = CLIENT_CLOSED, "client_disconnect"
-            self.d.abort_after_break(ex, self.resp)
+            self.runner.abort_after_break(ex, self.resp)
         ex.decode_end()
         if self.tap.prompt:
             em.prompt_tokens.inc(self.tap.prompt)
         if self.tap.completion:
             em.completion_tokens.inc(self.tap.completion)
-        self.d.record(em, ex.arrival, status, self.kind)
+        record_outcome(em, ex.arrival, status, self.kind)
