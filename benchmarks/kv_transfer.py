@@ -15,9 +15,9 @@ What is measured
   Throughput = bytes / latency of that request.
 * **Raw Mooncake throughput for the same bytes.** In this process, two
   ``mooncake.engine.TransferEngine``s (``"127.0.0.1", "P2PHANDSHAKE", "tcp", ""``) each register a KV
-  page pool of the same layout as the engines' (``pd.engines.kv_pool.KVPagePool``), and
+  page pool of the same layout as the engines' (``pd.engines.handoff.kv_pool.KVPagePool``), and
   ``batch_transfer_sync_write`` moves the same pages in the same segment layout the engine uses
-  (lowest free pages on both sides, coalesced with ``pd.engines.transfer.coalesce``). The raw writes
+  (lowest free pages on both sides, coalesced with ``pd.engines.handoff.transfer.coalesce``). The raw writes
   are interleaved with the engine requests, so both see the same machine state.
 * **Breakdown (diagnostic).** ``ModelRunner.export_kv`` (the KV store into pool pages at the end
   of the prefill forward) is timed in this process on a cache of the same shape, so the
@@ -143,7 +143,7 @@ def write_model(target: Path, args) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pd.engines.builtin_model import resolve_model_path
+    from pd.engines.models.builtin_model import resolve_model_path
 
     tiny = Path(resolve_model_path("builtin:tiny"))
     tiny_cfg = json.loads((tiny / "config.json").read_text())
@@ -226,7 +226,7 @@ class RawMooncake:
     def __init__(self, layout, page_size: int, max_tokens: int):
         from mooncake.engine import TransferEngine
 
-        from pd.engines.kv_pool import KVPagePool
+        from pd.engines.handoff.kv_pool import KVPagePool
 
         self.src_pool = KVPagePool(layout, page_size, max_tokens)
         self.dst_pool = KVPagePool(layout, page_size, max_tokens)
@@ -247,7 +247,7 @@ class RawMooncake:
     def segments(self, num_tokens: int) -> tuple[list[int], list[int], list[int]]:
         """The engine's layout for one request on idle engines: the lowest free pages on both
         sides (pages 0..k-1), coalesced."""
-        from pd.engines.transfer import coalesce
+        from pd.engines.handoff.transfer import coalesce
 
         k = self.src_pool.pages_for(num_tokens)
         src = [self.src_pool.page_addr(p) for p in range(k)]
@@ -324,7 +324,7 @@ def stage(m: dict, name: str) -> float:
 async def run(args, workdir: Path) -> dict:
     import httpx
 
-    from pd.engines.model_runner import ModelRunner
+    from pd.engines.models.model_runner import ModelRunner
 
     env = dict(os.environ, PDSERVE_CACHE=str(workdir / "cache"))
     os.environ["PDSERVE_CACHE"] = env["PDSERVE_CACHE"]

@@ -155,7 +155,7 @@ class StubProc:
 
 def tool_argv(tool: str, backend: str, url: str, args, out: Path, load: list[str]) -> list[str]:
     """The command line of one tool: the same flags for both (SGLang's names)."""
-    from pd.engines.builtin_model import resolve_model_path
+    from pd.engines.models.builtin_model import resolve_model_path
 
     module = "pd.cli" if tool == "pdserve" else "pd.bench.sglang_serving"
     argv = [sys.executable, "-m", module] + (["bench"] if tool == "pdserve" else [])

@@ -30,7 +30,7 @@ COMMANDS = (
             "(`pdserve plan CONFIG [--json]`)"),
     Command("doctor", "pd.tools.doctor:main", "preflight checks of a config; exit 1 on errors "
             "(`pdserve doctor CONFIG [--assume-gpu sm_120] [--json]`)"),
-    Command("engine", "pd.engines.server:main", "run the reference engine alone (SGLang's flags; see "
+    Command("engine", "pd.engines.api.server:main", "run the reference engine alone (SGLang's flags; see "
             "`pdserve engine --help`)", _ENGINE),
     Command("router", "pd.router.cli:main", "run the PD router alone, for engines started by hand (see "
             "`pdserve router --help`)"),
@@ -118,7 +118,7 @@ def model_path_main(argv: list[str]) -> int:
     if len(argv) != 1 or argv[0].startswith("-"):
         print("usage: pdserve model-path MODEL_PATH   (e.g. builtin:tiny)", file=sys.stderr)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
-    from pd.engines.builtin_model import resolve_model_path
+    from pd.engines.models.builtin_model import resolve_model_path
 
     try:
         print(resolve_model_path(argv[0]))

@@ -71,7 +71,7 @@ class Speculative(_Strict):
             engine refuses (it has no tree attention).
         num_draft_tokens: tokens per verify window (``--speculative-num-draft-tokens``); with
             ``eagle_topk`` 1 both engines use ``num_steps + 1`` whatever is set (SGLang adjusts it with a
-            warning, pd/engines/spec_config.py does the same).
+            warning, pd/engines/spec/config.py does the same).
         draft_model_path: the draft checkpoint; unset, SGLang uses the target's own MTP layers and the
             reference engine the built-in draft of ``builtin:tiny`` (other models need one).
         moe_runner_backend: the draft MoE's backend (``--speculative-moe-runner-backend``; SGLang workers
@@ -329,7 +329,7 @@ def check_layout(cfg: PDConfig) -> None:
         )
 
 
-# What the reference engine refuses at start (pd/engines/spec_config.py), refused here first, naming the key.
+# What the reference engine refuses at start (pd/engines/spec/config.py), refused here first, naming the key.
 REFERENCE_SPEC_ALGORITHMS = ("EAGLE", "NEXTN")
 SGLANG_ONLY_SPEC_KEYS = ("moe_runner_backend", "moe_a2a_backend")
 

@@ -15,7 +15,7 @@ PD_TIMEOUT = "4"
 def model_cache(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("pdserve-cache"))
     os.environ["PDSERVE_CACHE"] = cache
-    from pd.engines.builtin_model import resolve_model_path
+    from pd.engines.models.builtin_model import resolve_model_path
 
     resolve_model_path("builtin:tiny")
     return cache
@@ -48,7 +48,7 @@ SPEC_FLAGS = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3"
 def spec_engines(model_cache, tmp_path_factory):
     """A speculative null engine and a speculative prefill + decode pair (builtin:tiny with its built-in draft),
     shared by the session."""
-    from pd.engines.draft_model import resolve_draft_path
+    from pd.engines.spec.draft_model import resolve_draft_path
 
     resolve_draft_path("builtin:tiny", None)  # written once here, not by three engines at once
     logs = str(tmp_path_factory.mktemp("spec-engine-logs"))

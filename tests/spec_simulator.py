@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pd.engines.draft_model import crop_cache
+from pd.engines.spec.draft_model import crop_cache
 
 
 @dataclass

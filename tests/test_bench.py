@@ -60,7 +60,7 @@ class StubServer:
         return web.json_response({"data": [{"id": "stub"}]})
 
     async def model_info(self, request):
-        from pd.engines.builtin_model import resolve_model_path
+        from pd.engines.models.builtin_model import resolve_model_path
 
         return web.json_response({"model_path": "builtin:tiny", "tokenizer_path": resolve_model_path("builtin:tiny")})
 

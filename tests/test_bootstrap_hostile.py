@@ -1,5 +1,5 @@
-"""Hostile bodies on the prefill's bootstrap server (pd.engines.bootstrap): each is refused with a 4xx whose JSON
-names the field (never a 500 or a traceback, never a long poll), a live room stays bound to its first
+"""Hostile bodies on the prefill's bootstrap server (pd.engines.handoff.bootstrap): each is refused with a 4xx
+whose JSON names the field (never a 500 or a traceback, never a long poll), a live room stays bound to its first
 registration, a registration whose client left is dropped at once, and the engine still serves the same greedy
 output afterwards."""
 
@@ -12,14 +12,14 @@ import uuid
 import httpx
 import pytest
 
-from pd.engines.bootstrap import BootstrapServer
+from pd.engines.handoff.bootstrap import BootstrapServer
 from pd.util.ports import free_port
 from pd.util.wait import async_wait_until
 from pdclient import add_rooms, pd_post
 
 GREEDY = {"text": "the bootstrap survives", "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
 PAGE_SIZE = 16  # the engines' --page-size (its default)
-MAX_REASON_CHARS = 1024  # pd.engines.bootstrap.MAX_REASON_CHARS
+MAX_REASON_CHARS = 1024  # pd.engines.handoff.bootstrap.MAX_REASON_CHARS
 
 
 def registration(**over) -> dict:

@@ -60,7 +60,7 @@ def test_reference_engine_command():
     assert argv[-2:] == ["--max-total-tokens", "4096"]
     assert cmd.env["MC_FORCE_TCP"] == "1"
     # the argv parses with the engine's own parser
-    from pd.engines.server import build_parser
+    from pd.engines.api.server import build_parser
 
     args = build_parser().parse_args(argv[argv.index("engine") + 1:])
     assert args.port == 30000 and args.disaggregation_mode == "prefill" and args.max_total_tokens == 4096
@@ -85,8 +85,8 @@ SPEC_FLAGS = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3"
 
 def _engine_spec(argv):
     """The speculative settings the reference engine resolves from a generated argv (its own parser and check)."""
-    from pd.engines.server import build_parser
-    from pd.engines.spec_config import resolve_spec_config
+    from pd.engines.api.server import build_parser
+    from pd.engines.spec.config import resolve_spec_config
 
     return resolve_spec_config(build_parser().parse_args(argv[argv.index("engine") + 1:]))
 

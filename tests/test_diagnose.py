@@ -406,14 +406,14 @@ def test_reference_engine_failures():
     text = ("2025-11-02 10:00:00,101 INFO pd.engine: The server is fired up and ready to roll! (decode mode)\n"
             "2025-11-02 10:00:09,555 ERROR pd.engine: request r7 failed\n"
             "Traceback (most recent call last):\n"
-            '  File "/work/pd/engines/bootstrap.py", line 230, in register\n'
+            '  File "/work/pd/engines/handoff/bootstrap.py", line 230, in register\n'
             "    raise RoomFailed(...)\n"
-            "pd.engines.bootstrap.RoomFailed: bootstrap room 77: prefill bootstrap server 10.0.0.5:8998 "
+            "pd.engines.handoff.bootstrap.RoomFailed: bootstrap room 77: prefill bootstrap server 10.0.0.5:8998 "
             "unreachable: ConnectError('All connection attempts failed')\n")
     d = only(diagnose_text(text, source="decode-0 engine log"))
     assert d.category == "kv_transfer" and "10.0.0.5:8998" in d.cause and d.evidence[-1].line == 6
     text = ("Traceback (most recent call last):\n"
-            '  File "/work/pd/engines/transfer.py", line 64, in __init__\n'
+            '  File "/work/pd/engines/handoff/transfer.py", line 64, in __init__\n'
             "RuntimeError: Mooncake TransferEngine.initialize('10.0.0.5', P2PHANDSHAKE, 'rdma') returned -1\n")
     d = only(diagnose_text(text))
     assert d.category == "kv_transfer" and "Mooncake" in d.cause and "MC_FORCE_TCP" in d.fix

@@ -745,7 +745,7 @@ def test_reference_draft_hidden_size_must_be_the_targets(tmp_path):
 
 def test_builtin_draft_hidden_size_is_read_once_written(tmp_path, monkeypatch):
     """builtin:tiny's own draft: its written config.json when there is one (else the recipe: the target's)."""
-    from pd.engines import builtin_draft
+    from pd.engines.models import builtin_draft
 
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
     (ok,) = of(run(reference(speculative={}), NOGPU), "speculative")

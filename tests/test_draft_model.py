@@ -1,4 +1,4 @@
-"""The MTP draft model (pd.engines.draft_model) and builtin:tiny's fitted draft: shapes, positions, cache crop,
+"""The MTP draft model (pd.engines.spec.draft_model) and builtin:tiny's fitted draft: shapes, positions, cache crop,
 KV pages, the MXFP4 experts, checkpoint caching and determinism, and speculation's accept length."""
 
 import json
@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from pd.engines.kv_pool import KVPagePool
+from pd.engines.handoff.kv_pool import KVPagePool
 
 ACCEPT_PROMPTS = 12  # seeded random prompts of 8-64 tokens, 32 greedy tokens each
 
 
 @pytest.fixture(scope="module")
 def pair(model_cache):
-    from pd.engines.draft_model import DraftModel, resolve_draft_path
-    from pd.engines.model_runner import ModelRunner
+    from pd.engines.models.model_runner import ModelRunner
+    from pd.engines.spec.draft_model import DraftModel, resolve_draft_path
 
     target = ModelRunner("builtin:tiny")
     return target, DraftModel(resolve_draft_path("builtin:tiny", None), target)
@@ -54,7 +54,7 @@ def test_forward_shapes_dtypes_and_cache_growth(pair):
 
 
 def test_kv_dtype_follows_the_dtype_argument(pair):
-    from pd.engines.draft_model import DraftModel
+    from pd.engines.spec.draft_model import DraftModel
 
     target, draft = pair
     half = DraftModel(draft.path, target, dtype="bfloat16")
@@ -78,7 +78,7 @@ def test_positions_continue_from_the_cache(pair):
 
 
 def test_crop_then_rerun_gives_the_same_outputs(pair):
-    from pd.engines.draft_model import crop_cache
+    from pd.engines.spec.draft_model import crop_cache
 
     target, draft = pair
     ids = _prompt(15, seed=2)
@@ -140,7 +140,14 @@ def test_moe_equals_dense_computation_on_dequantized_experts(pair):
     """mtp_layer.moe (fused_moe_mxfp4_reference on the stored bytes, or its variant on the experts dequantized at
     load: the same bits) equals a dense torch SwiGLU MoE over the dequantized experts with the same router and
     bf16 rounding points; the draft's output depends on the experts."""
-    from pd.engines.mtp_layer import EXPERT_TENSORS, dequantized_experts, layer_forward, moe, prepare_experts, route
+    from pd.engines.spec.mtp_layer import (
+        EXPERT_TENSORS,
+        dequantized_experts,
+        layer_forward,
+        moe,
+        prepare_experts,
+        route,
+    )
 
     target, draft = pair
     experts = {k: draft.weights[f"decoder.mlp.experts.{n}"] for k, n in EXPERT_TENSORS.items()}
@@ -174,7 +181,7 @@ def test_moe_equals_dense_computation_on_dequantized_experts(pair):
 
 
 def test_mismatched_draft_is_refused_naming_the_flag(pair, tmp_path):
-    from pd.engines.draft_model import DraftModel
+    from pd.engines.spec.draft_model import DraftModel
 
     target, draft = pair
     for key, value in (("hidden_size", 32), ("vocab_size", 1000)):
@@ -190,7 +197,7 @@ def test_mismatched_draft_is_refused_naming_the_flag(pair, tmp_path):
 
 
 def test_resolve_draft_path(model_cache):
-    from pd.engines.draft_model import resolve_draft_path
+    from pd.engines.spec.draft_model import resolve_draft_path
 
     assert resolve_draft_path("/models/x", "/drafts/y") == "/drafts/y"
     assert resolve_draft_path("builtin:tiny", "/drafts/y") == "/drafts/y"
@@ -199,8 +206,8 @@ def test_resolve_draft_path(model_cache):
 
 
 def test_builtin_draft_is_written_once_and_reused(pair, monkeypatch):
-    from pd.engines import builtin_draft
-    from pd.engines.draft_model import resolve_draft_path
+    from pd.engines.models import builtin_draft
+    from pd.engines.spec.draft_model import resolve_draft_path
 
     _, draft = pair
     path = Path(draft.path)
@@ -220,7 +227,7 @@ def test_builtin_draft_is_written_once_and_reused(pair, monkeypatch):
 
 def test_fresh_caches_get_identical_checkpoints(tmp_path, monkeypatch):
     """Target and draft are deterministic: two empty cache directories end up with the same bytes."""
-    from pd.engines.draft_model import resolve_draft_path
+    from pd.engines.spec.draft_model import resolve_draft_path
 
     files = []
     for name in ("a", "b"):
@@ -236,8 +243,8 @@ def test_speculation_equals_greedy_and_pays(pair, tmp_path):
     """The offline chain-speculation simulator (3 draft tokens, topk 1) on seeded random prompts: the output
     is plain greedy decoding token for token, the fitted draft's mean accept length is >= 2.0 tokens per
     verify step, and the same draft before its fit (seeded weights) accepts almost nothing."""
-    from pd.engines import builtin_draft
-    from pd.engines.draft_model import DraftModel
+    from pd.engines.models import builtin_draft
+    from pd.engines.spec.draft_model import DraftModel
     from spec_simulator import greedy_decode, random_prompts, speculative_greedy
 
     target, draft = pair
@@ -262,8 +269,8 @@ def test_cuda_draft_uses_the_kernel_and_matches_cpu(pair):
     within bf16 rounding of the CPU reference, and the same greedy draft tokens."""
     import copy
 
-    from pd.engines import mtp_layer
-    from pd.engines.draft_model import DraftModel
+    from pd.engines.spec import mtp_layer
+    from pd.engines.spec.draft_model import DraftModel
 
     target, draft = pair
     ids = _prompt(33, seed=5)

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from pd.engines.errors import EngineError
-from pd.engines.kv_pool import KVPagePool, PoolExhausted
-from pd.engines.model_runner import KVLayout
-from pd.engines.protocol import CompletionRequest, SeqSpec, expand
+from pd.engines.handoff.kv_pool import KVPagePool, PoolExhausted
+from pd.engines.handoff.transfer import coalesce
+from pd.engines.models.model_runner import KVLayout
+from pd.engines.protocol import CompletionRequest, SeqRequest, expand
 from pd.engines.sampling import SamplingParams, sample
 from pd.engines.sequence import Sequence
-from pd.engines.transfer import coalesce
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32")
 
@@ -100,7 +100,7 @@ def test_sampling_params_validation_names_the_field(bad):
 
 
 def _seq(**params):
-    spec = SeqSpec(index=0, prompt_index=0, sample_index=0, prompt_ids=[1, 2], params=SamplingParams(**params),
+    spec = SeqRequest(index=0, prompt_index=0, sample_index=0, prompt_ids=[1, 2], params=SamplingParams(**params),
                    rid="r", seed=0)
     return Sequence(spec, eos_ids={1}, decode_fn=lambda ids, skip: "".join(chr(i) for i in ids if i != 1),
                     context_length=100)
@@ -135,19 +135,19 @@ def test_eos_min_tokens_and_length():
 
 def test_expand_is_prompt_major_with_a_room_per_sequence():
     req = CompletionRequest(prompt=["a", "b"], n=3, bootstrap_room=100, bootstrap_host="h", bootstrap_port=9)
-    specs = expand([[1], [2]], 3, [SamplingParams(sampling_seed=5)] * 2, req, "r", [False] * 2, [-1] * 2, [0] * 2,
+    reqs = expand([[1], [2]], 3, [SamplingParams(sampling_seed=5)] * 2, req, "r", [False] * 2, [-1] * 2, [0] * 2,
                    False)
-    assert [(s.prompt_index, s.sample_index) for s in specs] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
-    assert [s.bootstrap.room for s in specs] == list(range(100, 106))
-    assert [s.rid for s in specs] == [f"r_{i}" for i in range(6)]
-    assert [s.seed for s in specs] == [5, 6, 7, 5, 6, 7]
+    assert [(s.prompt_index, s.sample_index) for s in reqs] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert [s.bootstrap.room for s in reqs] == list(range(100, 106))
+    assert [s.rid for s in reqs] == [f"r_{i}" for i in range(6)]
+    assert [s.seed for s in reqs] == [5, 6, 7, 5, 6, 7]
     req = CompletionRequest(prompt=["a", "b"], n=3, bootstrap_room=[1, 2], bootstrap_host="h", bootstrap_port=9)
     with pytest.raises(EngineError, match="bootstrap_room has 2 entries; expected 6"):
         expand([[1], [2]], 3, [SamplingParams()] * 2, req, None, [False] * 2, [-1] * 2, [0] * 2, False)
 
 
 def test_engine_help_documents_every_flag():
-    from pd.engines.server import build_parser
+    from pd.engines.api.server import build_parser
 
     parser = build_parser()
     for action in parser._actions:
@@ -161,8 +161,8 @@ def test_engine_help_documents_every_flag():
 
 
 def test_engine_refuses_a_model_path_that_is_not_a_checkpoint_directory(tmp_path):
+    from pd.engines.api.server import build_parser
     from pd.engines.args import finalize
-    from pd.engines.server import build_parser
 
     def check(path):
         return finalize(build_parser().parse_args(["--model-path", path]))
@@ -183,8 +183,8 @@ def test_engine_refuses_a_model_path_that_is_not_a_checkpoint_directory(tmp_path
                                         (["--disaggregation-bootstrap-port", "70000"],
                                          "--disaggregation-bootstrap-port must be in 1..65535, got 70000")])
 def test_engine_refuses_ports_outside_the_tcp_range(argv, says):
+    from pd.engines.api.server import build_parser
     from pd.engines.args import finalize
-    from pd.engines.server import build_parser
 
     with pytest.raises(SystemExit) as e:
         finalize(build_parser().parse_args(argv))
@@ -230,7 +230,7 @@ def test_engine_ready_line_only_once_listening(model_cache):
 
 @pytest.mark.parametrize("num_tokens", [1, 16, 37])
 def test_kv_export_import_roundtrip(model_cache, num_tokens):
-    from pd.engines.model_runner import ModelRunner
+    from pd.engines.models.model_runner import ModelRunner
 
     runner = ModelRunner("builtin:tiny")
     cache = runner.new_cache()
@@ -248,14 +248,14 @@ def test_kv_export_import_roundtrip(model_cache, num_tokens):
 
 
 def test_completion_text_offsets_skip_special_tokens_like_the_text(model_cache):
-    from pd.engines.model_runner import ModelRunner
-    from pd.engines.openai_api import completion_logprobs
+    from pd.engines.api.openai_api import completion_logprobs
+    from pd.engines.models.model_runner import ModelRunner
 
     runner = ModelRunner("builtin:tiny")
     special = runner.tokenizer.convert_tokens_to_ids("<extra_id_118>")
     ids = runner.tokenizer.encode("ab", add_special_tokens=False) + [special] + \
         runner.tokenizer.encode("cd", add_special_tokens=False)
-    spec = SeqSpec(index=0, prompt_index=0, sample_index=0, prompt_ids=[5], params=SamplingParams(), rid="r", seed=0,
+    spec = SeqRequest(index=0, prompt_index=0, sample_index=0, prompt_ids=[5], params=SamplingParams(), rid="r", seed=0,
                    return_logprob=True)
     seq = Sequence(spec, set(), runner.decode, 4096)
     seq.output_ids = ids
@@ -276,7 +276,7 @@ def test_run_blocking_drops_queued_work_of_a_cancelled_caller_and_waits_for_runn
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from pd.engines.engine_core import run_blocking
+    from pd.engines.model_steps import run_blocking
     from pd.util.wait import async_wait_until
 
     ran = []
@@ -310,8 +310,8 @@ def test_run_blocking_drops_queued_work_of_a_cancelled_caller_and_waits_for_runn
 
 @pytest.mark.parametrize("cores, threads", [(1, 1), (2, 1), (8, 7)])
 def test_cpu_threads_default_leaves_a_core_to_the_server_thread(cores, threads, monkeypatch):
+    from pd.engines.api.server import build_parser
     from pd.engines.args import default_cpu_threads, finalize
-    from pd.engines.server import build_parser
 
     assert default_cpu_threads(cores) == threads
     monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(cores)), raising=False)
@@ -321,8 +321,8 @@ def test_cpu_threads_default_leaves_a_core_to_the_server_thread(cores, threads, 
 
 @pytest.mark.parametrize("value", ["0", "-2"])
 def test_cpu_threads_must_be_positive(value):
+    from pd.engines.api.server import build_parser
     from pd.engines.args import finalize
-    from pd.engines.server import build_parser
 
     with pytest.raises(SystemExit) as e:
         finalize(build_parser().parse_args(["--cpu-threads", value]))
@@ -350,7 +350,7 @@ def test_engine_applies_and_reports_cpu_threads(model_cache, tmp_path):
 def test_piece_bytes_reads_byte_level_pieces():
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    from pd.engines.model_runner import _byte_level_bpe_decoder, piece_bytes, undecodable_token_string
+    from pd.engines.models.model_runner import _byte_level_bpe_decoder, piece_bytes, undecodable_token_string
 
     assert _byte_level_bpe_decoder() == {c: b for b, c in bytes_to_unicode().items()}
     assert piece_bytes("\x80") == b"\x80"  # ByT5: one char per byte
@@ -361,7 +361,7 @@ def test_piece_bytes_reads_byte_level_pieces():
 
 
 def test_logprob_token_of_the_builtin_models_bytes(model_cache):
-    from pd.engines.model_runner import ModelRunner
+    from pd.engines.models.model_runner import ModelRunner
 
     runner = ModelRunner("builtin:tiny")
     byte = runner.tokenizer.convert_tokens_to_ids

@@ -12,7 +12,7 @@ from routers import pd_router
 
 def builtin_kv_bytes_per_token() -> int:
     """K and V of every layer of builtin:tiny, float32 (the reference engine's default dtype)."""
-    from pd.engines.builtin_model import TINY as c
+    from pd.engines.models.builtin_model import TINY as c
 
     head_dim = c["hidden_size"] // c["num_attention_heads"]
     return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim * 4

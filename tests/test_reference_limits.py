@@ -92,7 +92,7 @@ async def test_abort_request_takes_a_list_of_exact_rids(engines):
 
 
 def test_the_cluster_engine_command_carries_the_router_caps():
-    from pd.engines.server import build_parser
+    from pd.engines.api.server import build_parser
 
     cfg = parse_config({"router": {"max_n": 4, "max_batch_size": 8, "max_sequences_per_request": 20,
                                    "max_payload_size": 1000}})
@@ -103,8 +103,8 @@ def test_the_cluster_engine_command_carries_the_router_caps():
 
 @pytest.mark.parametrize("flag", ["--max-n", "--max-batch-size", "--max-sequences-per-request", "--max-body-bytes"])
 def test_engine_caps_must_be_positive(flag):
+    from pd.engines.api.server import build_parser
     from pd.engines.args import finalize
-    from pd.engines.server import build_parser
 
     with pytest.raises(SystemExit, match=flag):
         finalize(build_parser().parse_args([flag, "0"]))
@@ -113,8 +113,8 @@ def test_engine_caps_must_be_positive(flag):
 def test_the_engine_and_the_router_share_one_default_per_cap():
     """pd.util.request_caps is the one place the defaults live: the engine's flags, its RequestLimits and the
     router's settings all read it."""
-    from pd.engines.limits import RequestLimits
-    from pd.engines.server import build_parser
+    from pd.engines.api.limits import RequestLimits
+    from pd.engines.api.server import build_parser
     from pd.router.config import RouterSettings
     from pd.util import request_caps as caps
 

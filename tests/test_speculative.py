@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
+from pd.engines.api.server import build_parser
 from pd.engines.args import finalize
 from pd.engines.sampling import SamplingParams, step_generator
-from pd.engines.server import build_parser
-from pd.engines.spec_config import resolve_spec_config
-from pd.engines.speculative import accept_drafts, draft_token
+from pd.engines.spec.config import resolve_spec_config
+from pd.engines.spec.decoder import accept_drafts, draft_token
 
 
 def spec_args(*flags):

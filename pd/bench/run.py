@@ -76,7 +76,7 @@ def wait_ready(cfg: BenchConfig) -> None:
 
 def _local(path: str) -> str:
     if path.startswith("builtin:"):
-        from pd.engines.builtin_model import resolve_model_path
+        from pd.engines.models.builtin_model import resolve_model_path
 
         return resolve_model_path(path)
     return path

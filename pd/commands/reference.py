@@ -6,7 +6,7 @@ import sys
 
 from pd.commands.command import EngineCommand
 from pd.config import PDConfig
-from pd.engines.auth import API_KEY_ENV
+from pd.engines.api.auth import API_KEY_ENV
 
 
 def speculative_flags(cfg: PDConfig) -> list[str]:

@@ -19,10 +19,10 @@ import argparse
 import os
 import socket
 
-from pd.engines.auth import API_KEY_ENV
-from pd.engines.builtin_model import BUILTIN_MODELS, BUILTIN_PREFIX
-from pd.engines.spec_config import check_draft_shape, resolve_spec_config
-from pd.engines.transfer import default_transfer_timeout
+from pd.engines.api.auth import API_KEY_ENV
+from pd.engines.handoff.transfer import default_transfer_timeout
+from pd.engines.models.builtin_model import BUILTIN_MODELS, BUILTIN_PREFIX
+from pd.engines.spec.config import check_draft_shape, resolve_spec_config
 from pd.util import request_caps as caps
 
 
@@ -118,7 +118,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
-    """SGLang's ``--speculative-*`` flags (sglang/srt/server_args.py), checked in pd.engines.speculative."""
+    """SGLang's ``--speculative-*`` flags (sglang/srt/server_args.py), checked in pd.engines.spec.decoder."""
     p.add_argument("--speculative-algorithm", default=None, type=str.upper,
                    help="EAGLE (or NEXTN, SGLang's alias of it): MTP/EAGLE speculative decoding with a draft model. "
                         "Default: off.")

@@ -293,7 +293,7 @@ class Bootstrap:
 
 
 @dataclass
-class SeqSpec:
+class SeqRequest:
     """One generated sequence, the unit the engine core runs.
 
     Attributes:
@@ -377,7 +377,7 @@ def expand(
     logprob_start_len: list[int],
     top_logprobs_num: list[int],
     stream: bool,
-) -> list[SeqSpec]:
+) -> list[SeqRequest]:
     """Expand P prompts x ``n`` samples into sequences, prompt-major (item ``i = p * n + s``; the
     order SGLang's TokenizerManager sends, returns and indexes them in).
 
@@ -402,22 +402,22 @@ def expand(
         rids = per_item(rid, count, "rid")
     if len(set(rids)) != len(rids):
         raise bad_request("rid: duplicate request ids in one batch", "rid")
-    specs = []
+    reqs = []
     for p, prompt in enumerate(prompts):
         for s in range(n):
             i = p * n + s
             sp = params[p]
             seed = sp.sampling_seed if sp.sampling_seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "big")
-            specs.append(SeqSpec(
+            reqs.append(SeqRequest(
                 index=i, prompt_index=p, sample_index=s, prompt_ids=list(prompt), params=sp, rid=rids[i],
                 seed=(seed + s + 2**63) % 2**64 - 2**63, return_logprob=return_logprob[p],
                 logprob_start_len=logprob_start_len[p],
                 top_logprobs_num=top_logprobs_num[p], bootstrap=boots[i], extra={"stream": stream},
             ))
-    return specs
+    return reqs
 
 
-def check_logprobs(specs: list[SeqSpec], vocab_size: int, top_param: str = "top_logprobs_num") -> None:
+def check_logprobs(reqs: list[SeqRequest], vocab_size: int, top_param: str = "top_logprobs_num") -> None:
     """Refuse logprob requests that cannot be honoured rather than clamp them: more top logprobs per token
     than the vocabulary has (``top_param`` names the client's field: ``logprobs`` / ``top_logprobs`` on the
     OpenAI routes), or a ``logprob_start_len`` past the prompt (SGLang's scheduler refuses that too:
@@ -426,7 +426,7 @@ def check_logprobs(specs: list[SeqSpec], vocab_size: int, top_param: str = "top_
     Raises:
         EngineError: 400 naming the field.
     """
-    for s in specs:
+    for s in reqs:
         if not 0 <= s.top_logprobs_num <= vocab_size:
             raise bad_request(f"{top_param} must be in [0, {vocab_size}] (the vocabulary's size), "
                               f"got {s.top_logprobs_num}", top_param)

@@ -7,7 +7,7 @@ import time
 from typing import Optional
 
 from pd.engines.errors import EngineError
-from pd.engines.protocol import SeqSpec
+from pd.engines.protocol import SeqRequest
 
 TokenLogprob = tuple  # (logprob: float | None, token_id: int)
 
@@ -27,8 +27,8 @@ class Sequence:
         error: set when the sequence failed; the HTTP layer answers with it.
     """
 
-    def __init__(self, spec: SeqSpec, eos_ids: set[int], decode_fn, context_length: int):
-        self.spec = spec
+    def __init__(self, req: SeqRequest, eos_ids: set[int], decode_fn, context_length: int):
+        self.req = req
         self.eos_ids = eos_ids
         self._decode = decode_fn
         self.context_length = context_length
@@ -43,7 +43,7 @@ class Sequence:
         self.cache = None
         self.task: Optional[asyncio.Task] = None
         self.room = None  # prefill side: the bootstrap.Room this sequence holds
-        self.spec_state = None  # pd.engines.speculative.SpecState when the engine speculates
+        self.spec_state = None  # pd.engines.spec.decoder.SpecState when the engine speculates
         self.spec_verify_ct = 0  # verify steps (SGLang's Req.spec_verify_ct)
         self.spec_correct_drafts = 0  # drafts accepted and emitted (SGLang's spec_num_correct_drafts)
         self.spec_draft_width = 0  # drafts proposed per verify step (num_draft_tokens - 1)
@@ -53,7 +53,7 @@ class Sequence:
         self.last_token_time: Optional[float] = None
         self.finish_time: Optional[float] = None
         self.listener: Optional[asyncio.Queue] = None  # gets this sequence on every change
-        self._stop_strings = spec.params.stop_strings()
+        self._stop_strings = req.params.stop_strings()
         self._stop_cut: Optional[int] = None
         self._text_cache: tuple[int, str] = (0, "")  # (tokens decoded, their text)
 
@@ -66,10 +66,10 @@ class Sequence:
     def banned_tokens(self, step: int) -> list[int]:
         """Tokens that may not be sampled at output ``step`` (EOS and stop ids before
         ``min_new_tokens``)."""
-        if step >= self.spec.params.min_new_tokens:
+        if step >= self.req.params.min_new_tokens:
             return []
-        banned = set(self.spec.params.stop_token_ids or [])
-        if not self.spec.params.ignore_eos:
+        banned = set(self.req.params.stop_token_ids or [])
+        if not self.req.params.ignore_eos:
             banned |= self.eos_ids
         return sorted(banned)
 
@@ -87,7 +87,7 @@ class Sequence:
         self.signal()
 
     def _check_finished(self) -> None:
-        p = self.spec.params
+        p = self.req.params
         n = len(self.output_ids)
         if n >= p.min_new_tokens:
             last = self.output_ids[-1]
@@ -104,7 +104,7 @@ class Sequence:
                     return
         if p.max_new_tokens is not None and n >= p.max_new_tokens:
             self.finish_reason = {"type": "length", "length": p.max_new_tokens}
-        elif len(self.spec.prompt_ids) + n >= self.context_length:
+        elif len(self.req.prompt_ids) + n >= self.context_length:
             self.finish_reason = {"type": "length", "length": n}
 
     def finish(self, reason: dict) -> None:
@@ -130,7 +130,7 @@ class Sequence:
         """Decoded output (once per new token: the stop check and every stream chunk ask for it)."""
         n, text = self._text_cache
         if n != len(self.output_ids):
-            text = self._decode(self.output_ids, self.spec.params.skip_special_tokens)
+            text = self._decode(self.output_ids, self.req.params.skip_special_tokens)
             self._text_cache = (len(self.output_ids), text)
         return text
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from pd.engines.builtin_model import BUILTIN_MODELS, BUILTIN_PREFIX
+from pd.engines.models.builtin_model import BUILTIN_MODELS, BUILTIN_PREFIX
 
 from .context import ROLES, Context, roles_text
 from .findings import Finding

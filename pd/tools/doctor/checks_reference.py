@@ -3,9 +3,9 @@ parser, and speculative decoding is the same on both, a chain the engine drafts,
 is the target's.
 
 What each refusal stands for at run time (pd/engines): a flag set the engine refuses stops it at start
-(``pd.engines.spec_config``); speculation on one role only, or different settings, fails every request at the
+(``pd.engines.spec.config``); speculation on one role only, or different settings, fails every request at the
 bootstrap handshake ("speculative settings mismatch: decode has ..., prefill has ..."); a draft of another hidden
-size stops it at start (``pd.engines.draft_model.DraftModel``: the draft reads the target's hidden states, and PD
+size stops it at start (``pd.engines.spec.draft_model.DraftModel``: the draft reads the target's hidden states, and PD
 ships the last one with the KV).
 """
 
@@ -54,22 +54,22 @@ def _hidden_of(path: str) -> tuple[Optional[int], str]:
 
 def _target_hidden(model_path: str) -> tuple[Optional[int], str]:
     """The target's hidden size: builtin:tiny's from its written checkpoint, else from the recipe that writes it."""
-    from pd.engines import builtin_model
+    from pd.engines.models import builtin_model
 
     if not model_path.startswith(builtin_model.BUILTIN_PREFIX):
         return _hidden_of(model_path)
     written = builtin_model.tiny_dir() / "config.json"
     if written.is_file():
         return _hidden_of(str(written.parent))
-    return builtin_model.TINY["hidden_size"], f"{model_path} (pd.engines.builtin_model.TINY)"
+    return builtin_model.TINY["hidden_size"], f"{model_path} (pd.engines.models.builtin_model.TINY)"
 
 
 def _draft_hidden(model_path: str, draft_path: Optional[str], target: Optional[int]) -> tuple[Optional[int], str]:
     """The draft's hidden size. Unset path (builtin:tiny's own draft): its written config.json, else the target's
-    (``pd.engines.builtin_draft.draft_config`` copies the target's hidden_size)."""
+    (``pd.engines.models.builtin_draft.draft_config`` copies the target's hidden_size)."""
     if draft_path:
         return _hidden_of(draft_path)
-    from pd.engines import builtin_draft
+    from pd.engines.models import builtin_draft
 
     written = builtin_draft.draft_dir() / "config.json"
     if written.is_file():

@@ -1,6 +1,6 @@
 """The reference engine's argv of each role (``pd/commands/reference.py``, a group's ``extra_args`` included),
 parsed by the engine's own parser and its ``--speculative-*`` settings resolved as the engine resolves them at
-start (``pd.engines.spec_config.resolve_spec_config``), so the doctor and the engine refuse the same things.
+start (``pd.engines.spec.config.resolve_spec_config``), so the doctor and the engine refuse the same things.
 Neither imports torch: the doctor runs in the base install.
 """
 
@@ -35,7 +35,7 @@ class EngineArgs:
 
     args: Optional[argparse.Namespace] = None
     error: str = ""
-    spec: Optional[object] = None  # pd.engines.spec_config.SpecConfig
+    spec: Optional[object] = None  # pd.engines.spec.config.SpecConfig
     spec_error: str = ""
 
 
@@ -43,7 +43,7 @@ def parse_reference_args(cfg: PDConfig, role: str) -> EngineArgs:
     """Build ``role``'s reference-engine command from the config and parse it as ``pdserve engine`` would."""
     from pd.commands.reference import reference_command
     from pd.engines.args import add_engine_args
-    from pd.engines.spec_config import resolve_spec_config
+    from pd.engines.spec.config import resolve_spec_config
 
     cmd = reference_command(cfg, role, "127.0.0.1", 30000, 8998 if role == "prefill" else None)
     parser = _Parser(prog="pdserve engine", allow_abbrev=False, exit_on_error=False)

@@ -1,7 +1,7 @@
 """The MTP/EAGLE draft model of the reference engine: one DeepSeek-style MTP layer over the target's
-hidden states, sharing the target's embedding and LM head (math: ``pd.engines.mtp_layer``).
+hidden states, sharing the target's embedding and LM head (math: ``pd.engines.spec.mtp_layer``).
 
-A draft checkpoint is a directory with config.json (``pd.engines.builtin_draft.draft_config``) and
+A draft checkpoint is a directory with config.json (``pd.engines.models.builtin_draft.draft_config``) and
 model.safetensors holding ``model.enorm``, ``model.hnorm``, ``model.eh_proj``, ``model.decoder.*`` (one
 decoder layer; routed experts as MXFP4 bytes) and ``model.shared_head.norm``, the names of SGLang's
 NextN checkpoints (``srt/models/deepseek_nextn.py``). Like the target, it runs one sequence at a time
@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pd.engines.builtin_model import BUILTIN_MODELS
-from pd.engines.model_runner import DTYPES, KVLayout, export_cache_kv, import_cache_kv
-from pd.engines.mtp_layer import EXPERT_TENSORS, layer_forward, prepare_experts
+from pd.engines.models.builtin_model import BUILTIN_MODELS
+from pd.engines.models.model_runner import DTYPES, KVLayout, export_cache_kv, import_cache_kv
+from pd.engines.spec.mtp_layer import EXPERT_TENSORS, layer_forward, prepare_experts
 
 if TYPE_CHECKING:
-    from pd.engines.model_runner import ModelRunner
+    from pd.engines.models.model_runner import ModelRunner
 
 DRAFT_FLAG = "--speculative-draft-model-path"
 
@@ -31,7 +31,7 @@ def resolve_draft_path(model_path: str, draft_path: str | None) -> str:
 
     ``draft_path`` given: returned as is. None with ``builtin:tiny``: the built-in draft's directory
     (fitted and written on first use beside the target under ``builtin_model.cache_dir()``, atomically;
-    about 1 s on 2 CPU cores, see ``pd.engines.builtin_draft``).
+    about 1 s on 2 CPU cores, see ``pd.engines.models.builtin_draft``).
 
     Raises:
         ValueError: None for any other model (it has no built-in draft), naming the flag.
@@ -39,7 +39,7 @@ def resolve_draft_path(model_path: str, draft_path: str | None) -> str:
     if draft_path is not None:
         return draft_path
     if model_path in BUILTIN_MODELS:
-        from pd.engines.builtin_draft import ensure_builtin_draft
+        from pd.engines.models.builtin_draft import ensure_builtin_draft
 
         return str(ensure_builtin_draft())
     raise ValueError(f"{DRAFT_FLAG}: required for --model-path {model_path!r} (only {', '.join(BUILTIN_MODELS)} "

@@ -16,7 +16,7 @@ sglang/srt/disaggregation/mooncake/conn.py, we do it over one HTTP server on the
 - ``GET /health``.
 
 With the engine's ``--api-key``, ``/pd/register`` and ``/pd/abort`` need ``Authorization: Bearer KEY``
-(pd.engines.auth; 401 ``{"error": "Unauthorized"}`` otherwise, /health stays open), and the decode's
+(pd.engines.api.auth; 401 ``{"error": "Unauthorized"}`` otherwise, /health stays open), and the decode's
 client sends it: whoever reaches the port could otherwise name where a prefill writes KV or abort its rooms.
 
 A room aborted on either side is remembered for ``tombstone_ttl`` seconds, so the other side's
@@ -28,7 +28,7 @@ engine's own HTTP server is FastAPI on uvicorn); the decode's calls go through t
 client's disconnect: a decode that closes its ``/pd/register`` connection gives the room up, and the
 prefill aborts the room at once (as an ``/pd/abort`` would) instead of holding it until the timeout.
 
-Validation: pd.engines.bootstrap_checks (strict models, size caps tied to the engine and the request).
+Validation: pd.engines.handoff.bootstrap_checks (strict models, size caps tied to the engine and the request).
 
 The binding rule: the first valid registration of a room binds it, for the room's life, to that
 decode (its transfer-engine ``session_id`` and page lists): the prefill writes the room's KV there and
@@ -59,8 +59,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from pd.engines.auth import ApiKeyMiddleware, auth_headers
-from pd.engines.bootstrap_checks import (
+from pd.engines.api.auth import ApiKeyMiddleware, auth_headers
+from pd.engines.errors import EngineError
+from pd.engines.handoff.bootstrap_checks import (
     MAX_ABORT_BODY_BYTES,
     AbortBody,
     BadBody,
@@ -71,7 +72,6 @@ from pd.engines.bootstrap_checks import (
     parse_body,
     truncate_reason,
 )
-from pd.engines.errors import EngineError
 from pd.util.connection_guard import ConnectionGuard, ConnectionLimits
 from pd.util.wait import async_wait_until
 
@@ -99,7 +99,7 @@ class Registration:
     layout: dict
     num_tokens: int
     # With speculative decoding (SGLang registers the draft's KV pool next to the target's): where the draft's
-    # KV goes, its layout, and the decode's --speculative-* settings (pd.engines.spec_config.SpecConfig.handshake).
+    # KV goes, its layout, and the decode's --speculative-* settings (pd.engines.spec.config.SpecConfig.handshake).
     draft_page_addrs: list[int] = field(default_factory=list)
     draft_page_bytes: int = 0
     draft_layout: Optional[dict] = None

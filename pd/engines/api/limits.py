@@ -2,7 +2,7 @@
 ``--max-sequences-per-request`` (the router's names and defaults, pd.router.config; SGLang has no such
 caps). A request over one gets 400 naming the cap and its flag before any prompt is tokenized, so one
 small request cannot make the engine tokenize thousands of prompts or allocate KV for them. The body
-size cap is ``--max-body-bytes`` (pd.engines.server.read_json: 413).
+size cap is ``--max-body-bytes`` (pd.engines.api.server.read_json: 413).
 """
 
 from __future__ import annotations

@@ -32,7 +32,6 @@ from typing import Callable, Optional
 
 import torch
 
-from pd.engines.draft_model import crop_cache
 from pd.engines.sampling import (
     SamplingParams,
     is_greedy,
@@ -40,7 +39,8 @@ from pd.engines.sampling import (
     sampling_probs,
     step_generator,
 )
-from pd.engines.spec_config import SpecConfig
+from pd.engines.spec.config import SpecConfig
+from pd.engines.spec.draft_model import crop_cache
 
 # Random-number streams of sampling.step_generator used by speculative sampling.
 DRAFT_STREAM, ACCEPT_STREAM, RESIDUAL_STREAM = 1, 2, 3
@@ -145,8 +145,8 @@ class SpecDecoder:
     """Runs the draft next to a target ModelRunner (all on the engine's model thread).
 
     Args:
-        runner: the target (``pd.engines.model_runner.ModelRunner``).
-        draft: the draft (``pd.engines.draft_model.DraftModel``).
+        runner: the target (``pd.engines.models.model_runner.ModelRunner``).
+        draft: the draft (``pd.engines.spec.draft_model.DraftModel``).
         config: the resolved settings.
     """
 
@@ -198,7 +198,7 @@ class SpecDecoder:
             select: (logits row [vocab], token) -> (token, logprob, top): the logprob entries of a token already
                 chosen, from the request's logprob settings (EngineCore._logprob_entry).
         """
-        spec, params = seq.spec, seq.spec.params
+        spec, params = seq.req, seq.req.params
         out = seq.output_ids
         base = cache.get_seq_length()
         step0 = len(out)

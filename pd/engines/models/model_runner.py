@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from pd.engines.builtin_model import resolve_model_path
+from pd.engines.models.builtin_model import resolve_model_path
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 

@@ -14,7 +14,7 @@ before the fit, so the fit sees the experts the checkpoint stores. Being small, 
 result little: 3.12 tokens per verify step after one round, 3.14 after three.
 
 Cost at first use on the 2-core CPU: about 1 s alone (generation and the three fits), 10 s while the cores
-are shared with running engines; the target itself is closed form (``pd.engines.builtin_model``, ~1 s to
+are shared with running engines; the target itself is closed form (``pd.engines.models.builtin_model``, ~1 s to
 write). Result, by the offline simulator of tests/spec_simulator.py with 3 draft tokens at temperature 0 on 32
 seeded random prompts of 8-64 tokens (32 new tokens each): 3.1 tokens per verify step (of the 326 steps, 187
 accepted all three drafts); the same draft before the fit: 1.0 (nothing accepted).
@@ -28,7 +28,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pd.engines import builtin_model
+from pd.engines.models import builtin_model
 
 DRAFT_FORMAT = 1  # bumped whenever the draft's recipe changes (a cached draft of another recipe is not reused)
 DRAFT_SEED = builtin_model.SEED + 2
@@ -86,7 +86,7 @@ def init_weights(cfg: dict) -> dict:
     """Seeded weights (fp32 dense, MXFP4 experts) before the fit; names without the ``model.`` prefix."""
     import torch
 
-    from pd.engines.mtp_layer import EXPERT_TENSORS
+    from pd.engines.spec.mtp_layer import EXPERT_TENSORS
     from pd.kernels.mxfp4_moe_reference import quantize_mxfp4
 
     g = torch.Generator().manual_seed(DRAFT_SEED)
@@ -155,7 +155,7 @@ def fit_eh_proj(w: dict, cfg: dict, embed, seqs) -> None:
     import torch
     from transformers import DynamicCache
 
-    from pd.engines.mtp_layer import EXPERT_TENSORS, layer_forward, prepare_experts, rms_norm
+    from pd.engines.spec.mtp_layer import EXPERT_TENSORS, layer_forward, prepare_experts, rms_norm
 
     eps = cfg["rms_norm_eps"]
     zs = [torch.cat((rms_norm(embed[ids[1:]], w["enorm.weight"], eps), rms_norm(h[:-1], w["hnorm.weight"], eps)), -1)

@@ -1,6 +1,7 @@
 """The math of the MTP draft layer (DeepSeek-V3 tech report, section 2.2; SGLang's
 ``srt/models/deepseek_nextn.py``): pure functions over a dict of weights, shared by the draft model that
-serves (``pd.engines.draft_model``) and the code that fits the built-in draft (``pd.engines.builtin_draft``).
+serves (``pd.engines.spec.draft_model``) and the code that fits the built-in draft
+(``pd.engines.models.builtin_draft``).
 
 For draft position i with next token x_{i+1} and previous hidden h_i (the target's LM head input, or the
 draft's own when chaining):

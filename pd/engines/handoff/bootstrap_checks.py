@@ -24,7 +24,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints
 
 if TYPE_CHECKING:
-    from pd.engines.bootstrap import Registration
+    from pd.engines.handoff.bootstrap import Registration
 
 ROOM_LIMIT = 2**63  # rooms are ints in [0, 2^63): what the router (and SGLang's) draws
 ADDR_LIMIT = 2**64  # page addresses are the decode's uint64 virtual addresses
@@ -55,7 +55,7 @@ class RegistrationLimits:
     extra_tokens: int = 0
 
     def pages_for(self, num_tokens: int) -> int:
-        """KV pages for ``num_tokens`` tokens (at least one), as pd.engines.kv_pool.KVPagePool.pages_for."""
+        """KV pages for ``num_tokens`` tokens (at least one), as pd.engines.handoff.kv_pool.KVPagePool.pages_for."""
         return max(1, -(-num_tokens // self.page_size))
 
     @property

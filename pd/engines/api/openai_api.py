@@ -14,8 +14,8 @@ import uuid
 from typing import Optional
 
 from pd.engines.errors import EngineError, bad_request
-from pd.engines.model_runner import ModelRunner
-from pd.engines.protocol import ChatCompletionRequest, CompletionRequest, SeqSpec, check_logprobs, expand
+from pd.engines.models.model_runner import ModelRunner
+from pd.engines.protocol import ChatCompletionRequest, CompletionRequest, SeqRequest, check_logprobs, expand
 from pd.engines.sampling import SEED_MAX, SEED_MIN
 from pd.engines.sequence import Sequence
 
@@ -38,7 +38,7 @@ def _check_common(req) -> None:
         raise bad_request(f"seed must be in [-2**63, 2**63 - 1], got {req.seed}", "seed")
 
 
-def specs_from_completion(req: CompletionRequest, runner: ModelRunner) -> list[SeqSpec]:
+def requests_from_completion(req: CompletionRequest, runner: ModelRunner) -> list[SeqRequest]:
     """Raises EngineError 400 for an empty prompt list, max_tokens <= 0, n < 1, logprobs < 0, or echo
     with logprobs."""
     _check_common(req)
@@ -61,13 +61,13 @@ def specs_from_completion(req: CompletionRequest, runner: ModelRunner) -> list[S
                           "return_logprob and logprob_start_len 0", "echo")
     params = req.sampling(COMPLETIONS_DEFAULT_MAX_TOKENS)
     count = len(prompts)
-    specs = expand(
+    reqs = expand(
         prompts, req.n, [params] * count, req, req.rid,
         return_logprob=[req.logprobs is not None] * count, logprob_start_len=[-1] * count,
         top_logprobs_num=[req.logprobs or 0] * count, stream=req.stream,
     )
-    check_logprobs(specs, runner.vocab_size, "logprobs")
-    return specs
+    check_logprobs(reqs, runner.vocab_size, "logprobs")
+    return reqs
 
 
 def _message_text(content) -> str:
@@ -88,7 +88,7 @@ def _message_text(content) -> str:
     return "".join(parts)
 
 
-def specs_from_chat(req: ChatCompletionRequest, runner: ModelRunner) -> list[SeqSpec]:
+def requests_from_chat(req: ChatCompletionRequest, runner: ModelRunner) -> list[SeqRequest]:
     """Raises EngineError 400 for no messages, max_tokens <= 0, n < 1, non-text content."""
     if req.max_completion_tokens is not None:
         # SGLang reads ``max_completion_tokens or max_tokens`` (a router counts the same): the newer field wins.
@@ -109,12 +109,12 @@ def specs_from_chat(req: ChatCompletionRequest, runner: ModelRunner) -> list[Seq
     top = req.top_logprobs or 0
     if top and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    specs = expand(
+    reqs = expand(
         [prompt], req.n, [req.sampling(None)], req, req.rid,
         return_logprob=[req.logprobs], logprob_start_len=[-1], top_logprobs_num=[top], stream=req.stream,
     )
-    check_logprobs(specs, runner.vocab_size, "top_logprobs")
-    return specs
+    check_logprobs(reqs, runner.vocab_size, "top_logprobs")
+    return reqs
 
 
 def finish_fields(seq: Sequence) -> tuple[Optional[str], object]:
@@ -142,7 +142,7 @@ def echo_texts(req: CompletionRequest, runner: ModelRunner) -> Optional[list[str
 
 def usage(seqs: list[Sequence], n: int) -> dict:
     """Token usage; the prompt counts once per prompt, not per sample (SGLang's UsageProcessor)."""
-    prompt = sum(len(s.spec.prompt_ids) for s in seqs if s.spec.sample_index == 0)
+    prompt = sum(len(s.req.prompt_ids) for s in seqs if s.req.sample_index == 0)
     completion = sum(len(s.output_ids) for s in seqs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -156,11 +156,11 @@ def completion_logprobs(seq: Sequence, runner: ModelRunner, start: int) -> dict:
     the text leaves out adds nothing and slicing the text by offsets gives each token's share.
     """
     tokens, lps, tops, offsets = [], [], [], []
-    skip = seq.spec.params.skip_special_tokens
+    skip = seq.req.params.skip_special_tokens
     for k, ((lp, tid), top) in enumerate(zip(seq.output_logprobs[start:], seq.output_top[start:])):
         tokens.append(runner.logprob_token(tid)[0])
         lps.append(lp)
-        tops.append({runner.logprob_token(i)[0]: v for v, i in top} if seq.spec.top_logprobs_num else None)
+        tops.append({runner.logprob_token(i)[0]: v for v, i in top} if seq.req.top_logprobs_num else None)
         offsets.append(len(runner.decode(seq.output_ids[:start + k], skip_special_tokens=skip)))
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
@@ -209,19 +209,19 @@ class OpenAIResponder:
         choices = []
         for seq in seqs:
             reason, matched = finish_fields(seq)
-            choice = {"index": seq.spec.index, "finish_reason": reason, "matched_stop": matched}
+            choice = {"index": seq.req.index, "finish_reason": reason, "matched_stop": matched}
             if self.kind == "completion":
                 choice["text"] = self._echo(seq) + seq.text()
-                choice["logprobs"] = completion_logprobs(seq, self.runner, 0) if seq.spec.return_logprob else None
+                choice["logprobs"] = completion_logprobs(seq, self.runner, 0) if seq.req.return_logprob else None
             else:
                 choice["message"] = {"role": "assistant", "content": seq.text()}
-                choice["logprobs"] = chat_logprobs(seq, self.runner, 0) if seq.spec.return_logprob else None
+                choice["logprobs"] = chat_logprobs(seq, self.runner, 0) if seq.req.return_logprob else None
             choices.append(choice)
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage(seqs, self.n)}
 
     def _echo(self, seq: Sequence) -> str:
-        return self.echo[seq.spec.prompt_index] if self.echo else ""
+        return self.echo[seq.req.prompt_index] if self.echo else ""
 
     def chunk(self, choices: list[dict], usage_info: Optional[dict] = None) -> dict:
         """One streaming chunk object with ``choices`` and ``usage``: ``usage_info`` when given, else null
@@ -236,8 +236,8 @@ class OpenAIResponder:
                      first: bool, final: bool) -> dict:
         """One streamed choice: ``text_delta`` and the logprobs of tokens [lp_start:]."""
         reason, matched = finish_fields(seq) if final else (None, None)
-        choice: dict = {"index": seq.spec.index, "finish_reason": reason, "matched_stop": matched}
-        has_lp = seq.spec.return_logprob and lp_start < len(seq.output_ids)
+        choice: dict = {"index": seq.req.index, "finish_reason": reason, "matched_stop": matched}
+        has_lp = seq.req.return_logprob and lp_start < len(seq.output_ids)
         if self.kind == "completion":
             choice["text"] = (self._echo(seq) if first else "") + text_delta
             choice["logprobs"] = completion_logprobs(seq, self.runner, lp_start) if has_lp else None

@@ -12,7 +12,7 @@ import asyncio
 
 import torch
 
-from pd.engines.model_runner import KVLayout
+from pd.engines.models.model_runner import KVLayout
 
 
 class PoolExhausted(Exception):

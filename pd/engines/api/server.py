@@ -3,7 +3,7 @@
 Routes: POST /generate, /v1/completions, /v1/chat/completions, /abort_request; GET /v1/models,
 /health, /health_generate, /get_server_info (/server_info), /get_model_info (/model_info),
 /metrics. With ``--api-key`` every route but /health*, /ready* and /metrics needs the key
-(pd.engines.auth: 401 ``{"error": "Unauthorized"}`` without it, as SGLang's). Errors are HTTP 4xx/5xx
+(pd.engines.api.auth: 401 ``{"error": "Unauthorized"}`` without it, as SGLang's). Errors are HTTP 4xx/5xx
 with ``{"error": {"message", "type", "param", "code"}}``; inside a stream (after HTTP 200 was sent) as
 a ``data: {"error": ...}`` chunk before ``data: [DONE]``.
 """
@@ -28,22 +28,26 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pd
-from pd.engines import generate_api, openai_api
+from pd.engines.api import generate_api, openai_api
+from pd.engines.api.auth import ApiKeyMiddleware
+from pd.engines.api.limits import RequestLimits
 from pd.engines.args import add_engine_args, finalize
-from pd.engines.auth import ApiKeyMiddleware
 from pd.engines.engine_core import EngineCore
 from pd.engines.errors import EngineError, bad_request
-from pd.engines.limits import RequestLimits
+from pd.engines.handoff.decode_engine import DecodeEngineCore
+from pd.engines.handoff.prefill_engine import PrefillEngineCore
 from pd.engines.metrics import EngineMetrics
-from pd.engines.model_runner import ModelRunner
+from pd.engines.models.model_runner import ModelRunner
 from pd.engines.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, check_unsupported
 from pd.engines.sequence import Sequence
-from pd.engines.speculative import SpecDecoder
+from pd.engines.spec.decoder import SpecDecoder
 from pd.util import jsonbody
 from pd.util.connection_guard import ConnectionGuard, ConnectionLimits
 
 log = logging.getLogger("pd.engine")
 HEALTH_CHECK_TIMEOUT = 20.0  # seconds, SGLang's SGLANG_HEALTH_CHECK_TIMEOUT
+# The engine core of each --disaggregation-mode.
+CORES: dict[str, type[EngineCore]] = {"null": EngineCore, "prefill": PrefillEngineCore, "decode": DecodeEngineCore}
 
 
 def error_response(e: EngineError) -> JSONResponse:
@@ -132,7 +136,7 @@ def load_speculative(runner: ModelRunner, args: argparse.Namespace) -> SpecDecod
     Raises:
         ValueError: the draft does not fit the target (hidden size, vocabulary), naming the flag.
     """
-    from pd.engines.draft_model import DraftModel, resolve_draft_path
+    from pd.engines.spec.draft_model import DraftModel, resolve_draft_path
 
     cfg = args.speculative
     path = resolve_draft_path(args.model_path, cfg.draft_model_path)
@@ -151,7 +155,7 @@ class EngineServer:
         self.started = time.time()
         self.app = FastAPI(title="pdserve reference engine", lifespan=self._lifespan)
         self.app.add_exception_handler(EngineError, lambda _r, e: error_response(e))
-        self.app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)  # SGLang's --api-key (pd.engines.auth)
+        self.app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)  # SGLang's --api-key (pd.engines.api.auth)
         self._routes()
 
     @contextlib.asynccontextmanager
@@ -161,7 +165,7 @@ class EngineServer:
         spec = None
         if self.args.speculative is not None:
             spec = await loop.run_in_executor(None, load_speculative, self.runner, self.args)
-        self.core = EngineCore(self.runner, self.args, self.metrics, spec)
+        self.core = CORES[self.args.disaggregation_mode](self.runner, self.args, self.metrics, spec)
         await self.core.start()
         try:
             yield
@@ -169,9 +173,9 @@ class EngineServer:
             await self.core.stop()
 
     # ---- request plumbing ---------------------------------------------------------------
-    async def _run(self, request: Request, specs, stream: bool, full: Callable, chunks: Callable) -> Response:
+    async def _run(self, request: Request, reqs, stream: bool, full: Callable, chunks: Callable) -> Response:
         """Submit sequences and answer: one JSON body, or an SSE stream of ``chunks(seq)``."""
-        seqs = self.core.submit(specs)
+        seqs = self.core.submit(reqs)
         queue: asyncio.Queue = asyncio.Queue()
         for s in seqs:
             s.listener = queue
@@ -231,9 +235,9 @@ class EngineServer:
             req = parse(GenerateRequest, body)
             check_unsupported("/generate", body)
             caps.check_generate(req)
-            specs, is_single = generate_api.specs_from_generate(req, self.runner)
-            renderers = self._generate_renderers(specs, is_single, req.return_text_in_logprobs)
-            return await self._run(request, specs, req.stream, *renderers)
+            reqs, is_single = generate_api.requests_from_generate(req, self.runner)
+            renderers = self._generate_renderers(reqs, is_single, req.return_text_in_logprobs)
+            return await self._run(request, reqs, req.stream, *renderers)
 
         @app.post("/v1/completions")
         async def completions(request: Request):
@@ -242,8 +246,8 @@ class EngineServer:
             check_unsupported("/v1/completions", body)
             caps.check_completion(req)
             openai_api.check_model(req.model, self._model_names())
-            specs = openai_api.specs_from_completion(req, self.runner)
-            return await self._run(request, specs, req.stream, *self._openai_renderers("completion", req))
+            reqs = openai_api.requests_from_completion(req, self.runner)
+            return await self._run(request, reqs, req.stream, *self._openai_renderers("completion", req))
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request):
@@ -252,8 +256,8 @@ class EngineServer:
             check_unsupported("/v1/chat/completions", body)
             caps.check_chat(req)
             openai_api.check_model(req.model, self._model_names())
-            specs = openai_api.specs_from_chat(req, self.runner)
-            return await self._run(request, specs, req.stream, *self._openai_renderers("chat", req))
+            reqs = openai_api.requests_from_chat(req, self.runner)
+            return await self._run(request, reqs, req.stream, *self._openai_renderers("chat", req))
 
         @app.get("/v1/models")
         async def models():
@@ -348,7 +352,7 @@ class EngineServer:
         return {self.served_name, self.args.model_path}
 
     # ---- renderers ----------------------------------------------------------------------
-    def _generate_renderers(self, specs, is_single: bool, with_text: bool):
+    def _generate_renderers(self, reqs, is_single: bool, with_text: bool):
         runner = self.runner
 
         def full(seqs):
@@ -362,12 +366,12 @@ class EngineServer:
                 return []
             text = seq.stable_text()
             key = (len(seq.output_ids), text, seq.done)
-            if sent.get(seq.spec.index) == key or (not seq.output_ids and not seq.done):
+            if sent.get(seq.req.index) == key or (not seq.output_ids and not seq.done):
                 return []
-            sent[seq.spec.index] = key
+            sent[seq.req.index] = key
             out = generate_api.generate_result(seq, runner, with_text, text=text)
             if not is_single:
-                out["index"] = seq.spec.index
+                out["index"] = seq.req.index
             return [out]
 
         return full, chunks
@@ -385,7 +389,7 @@ class EngineServer:
                 if include_usage:
                     return [responder.chunk([], openai_api.usage(list(done_seqs.values()), req.n))]
                 return []
-            st = state.setdefault(seq.spec.index, {"text": "", "lp": 0, "first": True, "final": False})
+            st = state.setdefault(seq.req.index, {"text": "", "lp": 0, "first": True, "final": False})
             if st["final"]:
                 return []
             text = seq.stable_text()
@@ -396,7 +400,7 @@ class EngineServer:
             choice = responder.delta_choice(seq, delta, st["lp"], st["first"], final)
             st.update(text=st["text"] + delta, lp=len(seq.output_ids), first=False, final=final)
             if final:
-                done_seqs[seq.spec.index] = seq
+                done_seqs[seq.req.index] = seq
             return [responder.chunk([choice])]
 
         return responder.full, chunks

@@ -9,7 +9,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from pd.engines.builtin_model import BUILTIN_PREFIX
+from pd.engines.models.builtin_model import BUILTIN_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def check_draft_shape(model_path: str, draft_path: str) -> None:
     Raises:
         SystemExit: naming ``--speculative-draft-model-path`` and both values.
     """
-    from pd.engines.builtin_model import TINY
+    from pd.engines.models.builtin_model import TINY
 
     flag = "--speculative-draft-model-path"
     draft = _config_json(draft_path)

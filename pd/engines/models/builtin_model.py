@@ -16,7 +16,7 @@ of 8-64 tokens, 32 greedy tokens each: the greedy token is the table's successor
 cycle nor random (4 of 24 prompts settle into a short loop within 96 tokens, as small models do), and at
 temperature 1 the top token's median probability is about 0.25.
 Costs nothing at first use (no fitting); the built-in MTP draft is fitted to this target
-(``pd.engines.builtin_draft``).
+(``pd.engines.models.builtin_draft``).
 """
 
 from __future__ import annotations

@@ -16,17 +16,17 @@ from typing import Optional
 from pydantic import ValidationError
 
 from pd.engines.errors import bad_request
-from pd.engines.model_runner import ModelRunner
-from pd.engines.protocol import GenerateRequest, SeqSpec, check_logprobs, expand, per_item
+from pd.engines.models.model_runner import ModelRunner
+from pd.engines.protocol import GenerateRequest, SeqRequest, check_logprobs, expand, per_item
 from pd.engines.sampling import SGLANG_SAMPLING_KEYS, UNSUPPORTED_SAMPLING_KEYS, SamplingParams
 from pd.engines.sequence import Sequence
 
 
-def specs_from_generate(req: GenerateRequest, runner: ModelRunner) -> tuple[list[SeqSpec], bool]:
+def requests_from_generate(req: GenerateRequest, runner: ModelRunner) -> tuple[list[SeqRequest], bool]:
     """Expand a /generate body into sequences.
 
     Returns:
-        (specs, is_single): ``is_single`` when the answer is one object rather than a list.
+        (reqs, is_single): ``is_single`` when the answer is one object rather than a list.
 
     Raises:
         EngineError: 400 for a body with neither or both of text/input_ids, mismatched list
@@ -71,7 +71,7 @@ def specs_from_generate(req: GenerateRequest, runner: ModelRunner) -> tuple[list
         err = e.errors()[0]
         field = ".".join(["sampling_params", *(str(x) for x in err["loc"])])
         raise bad_request(f"{field}: {err['msg']}, got {reprlib.repr(err['input'])}", field) from None
-    specs = expand(
+    reqs = expand(
         prompts, n, params, req, req.rid,
         return_logprob=[bool(x) for x in per_item(req.return_logprob or False, count, "return_logprob")],
         logprob_start_len=[int(x) for x in per_item(-1 if req.logprob_start_len is None else req.logprob_start_len,
@@ -79,8 +79,8 @@ def specs_from_generate(req: GenerateRequest, runner: ModelRunner) -> tuple[list
         top_logprobs_num=[int(x) for x in per_item(req.top_logprobs_num or 0, count, "top_logprobs_num")],
         stream=req.stream,
     )
-    check_logprobs(specs, runner.vocab_size)
-    return specs, not is_batch and n == 1
+    check_logprobs(reqs, runner.vocab_size)
+    return reqs, not is_batch and n == 1
 
 
 def _lp_entries(entries, runner: ModelRunner, with_text: bool) -> list:
@@ -109,9 +109,9 @@ def generate_result(seq: Sequence, runner: ModelRunner, with_text: bool, text: O
     """One sequence as SGLang's /generate result object (cumulative; ``text`` overrides the text,
     e.g. the stop-safe prefix while streaming)."""
     meta = {
-        "id": seq.spec.rid,
+        "id": seq.req.rid,
         "finish_reason": seq.finish_reason if seq.done else None,
-        "prompt_tokens": len(seq.spec.prompt_ids),
+        "prompt_tokens": len(seq.req.prompt_ids),
         "completion_tokens": len(seq.output_ids),
         "cached_tokens": seq.cached_tokens,
         "weight_version": "default",
@@ -120,10 +120,10 @@ def generate_result(seq: Sequence, runner: ModelRunner, with_text: bool, text: O
         meta["e2e_latency"] = seq.finish_time - seq.arrival
     if seq.spec_verify_ct > 0:
         meta.update(spec_meta_info(seq))
-    if seq.spec.return_logprob:
+    if seq.req.return_logprob:
         meta["input_token_logprobs"] = _lp_entries(seq.input_logprobs, runner, with_text)
         meta["output_token_logprobs"] = _lp_entries(seq.output_logprobs, runner, with_text)
-        if seq.spec.top_logprobs_num > 0:
+        if seq.req.top_logprobs_num > 0:
             meta["input_top_logprobs"] = _top_entries(seq.input_top, runner, with_text)
             meta["output_top_logprobs"] = _top_entries(seq.output_top, runner, with_text)
     return {

@@ -1,0 +1,131 @@
+"""The prefill engine's lifecycle of one sequence (SGLang's ``--disaggregation-mode prefill``).
+
+Claim the bootstrap room, wait for the decode to register its pages (bootstrap timeout), run the prompt forward
+(it stores the prompt's KV into local pool pages), push them into the decode's pages with the Mooncake transfer
+engine, then resolve the decode's long poll with the first token (its logprobs, the cached-token count and, with
+speculation, the draft state). The HTTP answer carries the first token and the prompt logprobs, with
+``finish_reason {"type": "length", "length": 0}`` as SGLang's prefill gives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict
+from typing import Optional
+
+from pd.engines.errors import EngineError
+from pd.engines.handoff.bootstrap import BootstrapServer, Registration, RegistrationLimits, RoomFailed
+from pd.engines.handoff.kv_write import KVWriter
+from pd.engines.handoff.pd_engine import PDEngineCore
+from pd.engines.handoff.transfer import TransferError
+from pd.engines.sequence import Sequence
+from pd.engines.spec import pd_handoff
+
+
+class PrefillEngineCore(PDEngineCore):
+    """The engine core of a ``prefill`` engine: also runs the bootstrap server decodes register with."""
+
+    async def start(self) -> None:
+        """The pools and transfer engine, then the bootstrap server and the KV writer."""
+        await super().start()
+        a = self.args
+        self.bootstrap = BootstrapServer(
+            a.host, a.disaggregation_bootstrap_port, a.waiting_timeout,
+            tombstone_ttl=max(60.0, 2 * a.waiting_timeout), api_key=a.api_key,
+            limits=RegistrationLimits(self.runner.context_length, self.pool.page_size,
+                                      self.spec.config.num_draft_tokens if self.spec is not None else 0),
+            on_refused_connection=lambda reason: self.metrics.connections_refused.labels(reason=reason).inc(),
+        )
+        await self.bootstrap.start()
+        self.writer = KVWriter(self.transfer, self.transfer_exec, self.bootstrap, a.transfer_timeout)
+
+    def _admit(self, seq: Sequence) -> None:
+        seq.room = self.bootstrap.attach(seq.req.bootstrap.room, lambda reason, s=seq: self.cancel(s, reason),
+                                         len(seq.req.prompt_ids))
+
+    def _release(self, seq: Sequence) -> None:
+        room = seq.room
+        if room is not None and self.bootstrap.rooms.get(room.room) is room:
+            self.bootstrap.finish(room, None, seq.abort_reason or "prefill request ended")
+
+    async def _serve(self, seq: Sequence) -> None:
+        b = seq.req.bootstrap
+        room = seq.room
+        meta = None
+        reason = None
+        try:
+            t0 = time.perf_counter()
+            with self._gauge(self.metrics.prefill_bootstrap_queue):
+                reg = await self.bootstrap.wait_registration(room, self.args.bootstrap_timeout)
+            self._check_registration(reg, seq)
+            t1 = time.perf_counter()
+            self.metrics.observe_stage("prefill_bootstrap", t1 - t0)
+            pages = await self.pool.alloc(len(seq.req.prompt_ids))
+            self._update_pool_metrics()
+            draft_pages: list[int] = []
+            try:
+                if self.draft_pool is not None:
+                    draft_pages = await self.draft_pool.alloc(len(seq.req.prompt_ids))
+                    self._update_pool_metrics()
+                with self._gauge(self.metrics.queued):
+                    # The forward stores the prompt's KV into the pool pages, as SGLang's attention
+                    # backends do (set_kv_buffer); the transfer then reads the pages as they are.
+                    first = await self._compute(self.steps.prefill_forward, seq, (self.pool, pages),
+                                                (self.draft_pool, draft_pages) if draft_pages else None)
+                t2 = time.perf_counter()
+                self.metrics.observe_stage("prefill_forward", t2 - t1)
+                with self._gauge(self.metrics.running):
+                    nbytes = await self.writer.push(self.pool, pages, reg, room, self.draft_pool, draft_pages)
+            finally:
+                held = [(self.pool, pages)] + ([(self.draft_pool, draft_pages)] if draft_pages else [])
+                if room.write is not None:  # Mooncake may still read them: they go back once the write settles
+                    self.held.hold(held, self.writer.settled(room))
+                else:
+                    for pool, p in held:
+                        pool.free(p)
+                self._update_pool_metrics()
+            t3 = time.perf_counter()
+            self.metrics.observe_stage("prefill_transfer_kv_cache", t3 - t2)
+            self.metrics.observe_transfer(nbytes, t3 - t2)
+            token, lp, top = first
+            meta = {"first_token": {"id": token, "logprob": lp, "top": top}, "cached_tokens": 0, "bytes": nbytes}
+            if self.spec is not None:
+                meta["spec"] = pd_handoff.first_token_metadata(self.spec, seq)
+            self._emit(seq, token, lp, top)
+            seq.finish_reason = {"type": "length", "length": 0}
+            seq.finish(seq.finish_reason)
+        except asyncio.CancelledError:
+            reason = seq.abort_reason or "prefill request cancelled"
+            raise
+        except RoomFailed as e:
+            reason = str(e)
+            self.metrics.bootstrap_failed.labels(**self.metrics.labels).inc()
+            raise
+        except TransferError as e:
+            reason = str(e)
+            self.metrics.transfer_failed.labels(**self.metrics.labels).inc()
+            raise EngineError(500, f"Prefill transfer failed for request rid={seq.req.rid!r} "
+                                   f"bootstrap_room={b.room}: {e}") from None
+        except BaseException as e:
+            reason = f"prefill failed: {e}"
+            raise
+        finally:
+            self.bootstrap.finish(room, meta, reason)
+
+    def _check_registration(self, reg: Registration, seq: Sequence) -> None:
+        problem = pd_handoff.settings_mismatch(self.spec, self.draft_pool, reg) or self._layout_mismatch(reg, seq)
+        if problem:
+            raise RoomFailed(problem)
+
+    def _layout_mismatch(self, reg: Registration, seq: Sequence) -> Optional[str]:
+        ours = asdict(self.runner.layout)
+        n = len(seq.req.prompt_ids)
+        if reg.layout != ours or reg.page_size != self.pool.page_size or reg.page_bytes != self.pool.page_bytes:
+            return (f"KV layout mismatch: decode has {reg.layout} page_size={reg.page_size}, prefill has {ours} "
+                    f"page_size={self.pool.page_size} (--page-size and the model must match on both sides)")
+        need = self.pool.pages_for(n)
+        if reg.num_tokens != n or len(reg.page_addrs) < need or (self.spec and len(reg.draft_page_addrs) < need):
+            return (f"prompt mismatch: decode expects {reg.num_tokens} tokens in {len(reg.page_addrs)} pages, "
+                    f"prefill tokenized {n} (were both sides sent the same request?)")
+        return None
