@@ -2,6 +2,7 @@
 (TRITON_INTERPRET must be set before triton decorates the kernels, so it cannot share a process with the AOT
 tests; importing this module for CASES does not touch triton). Prints one JSON line per case."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -34,6 +35,7 @@ def run_case(name, t, h, inter, e, k, *, path, bm=16, splits=(1, 1), halves=Fals
     import torch
 
     from pd.kernels.mxfp4_moe import (
+        MoETile,
         default_config,
         fused_moe_mxfp4,
         mxfp4_max_scale_byte,
@@ -50,11 +52,11 @@ def run_case(name, t, h, inter, e, k, *, path, bm=16, splits=(1, 1), halves=Fals
         ids = ids.long()
     if wbf16:
         wts = wts.to(torch.bfloat16)
-    cfg = dict(default_config(t * k), path=path, BM=bm, split_gate_up=splits[0], split_down=splits[1],
-               gate_up_halves=halves, dequant=dequant)
-    if tiles:  # (gate_up, down) tile overrides
-        cfg = dict(cfg, gate_up=tiles[0], down=tiles[1])
-    cfg.update(extra or {})  # e.g. fold / pdl / prefetch options
+    over = dict(path=path, BM=bm, split_gate_up=splits[0], split_down=splits[1], gate_up_halves=halves,
+                dequant=dequant, **(extra or {}))  # extra: e.g. fold / pdl / prefetch options
+    if tiles:  # (gate_up, down) tile overrides, as dicts
+        over.update(gate_up=MoETile(**tiles[0]), down=MoETile(**tiles[1]))
+    cfg = dataclasses.replace(default_config(t * k), **over)  # checked once, as a whole
     out = torch.full((t, h), float("nan"), dtype=torch.bfloat16)  # poisoned: every element must be written
     kw = dict(swiglu_limit=limit, routed_scaling_factor=scaling, up_first=up_first)
     ws = mxfp4_moe_workspace(t, k, h, inter, device="cpu") if workspace else None
@@ -160,7 +162,7 @@ CASES = [
         dequant="bits", layout="sm90_bits", calls=2, extra=dict(fold=True),
         tiles=(dict(BN=16, BK=256, BK_DOT=64, num_warps=1, num_stages=3, maxnreg=40),
                dict(BN=32, BK=128, BK_DOT=64, num_warps=2, num_stages=3, maxnreg=40)))),
-    # stage_loads (s5c): the activation row (and with 3 the scales) read as one contiguous load per dequantize + dot
+    # stage_loads: the activation row (and with 3 the scales) read as one contiguous load per dequantize + dot
     # step (1) or per pipeline stage (2, 3), split into the prepared layout's value columns in registers. 3 with the
     # T <= 8 plan's halves and tiles (unsplit, so each program's K range is one BK 256 stage of two BK_DOT halves); 3
     # on the fused gate/up path with BK = BK_DOT (one half); 1 with BK_DOT 64 substeps and 2 on the sorted path with

@@ -2,6 +2,7 @@
 TRITON_INTERPRET must be set before triton decorates the kernels), the reference's layout, input validation, and
 AOT compilation of every tile config for sm_120a (mma.sync, no wgmma, <= 101376 B shared) and sm_90a."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -160,6 +161,7 @@ def test_default_configs_are_valid_and_cover_all_sizes():
         DEFAULT_CONFIGS,
         DEFAULT_CONFIGS_SM90_BITS,
         TILE_CONFIGS,
+        MoETile,
         _check_config,
         default_config,
     )
@@ -168,16 +170,16 @@ def test_default_configs_are_valid_and_cover_all_sizes():
         _check_config(cfg, 4096, 2048)
         _check_config(cfg, 4096, 256)  # DSv4 at TP 8
         for part in ("gate_up", "down"):
-            assert cfg[part] in TILE_CONFIGS, (part, cfg[part])
+            assert getattr(cfg, part) in TILE_CONFIGS, (part, getattr(cfg, part))
     for p in (1, 6, 96, 768, 10 ** 6):
-        assert default_config(p)["path"] in ("pair_token", "pair", "sorted")
-        assert default_config(p, "sm90_bits")["path"] == default_config(p)["path"]
-    assert default_config(96, "sm90_bits")["gate_up"] == dict(BN=64, BK=256, num_warps=2, num_stages=3)
-    assert default_config(96, "sm90_bits")["BM"] == 8
-    assert default_config(6, "sm90_bits")["BM"] == 1 and default_config(6, "sm90_bits")["fold"]
-    t1 = default_config(6, "sm90_bits")  # s5b: 16 weight rows per warp, the down launch a PDL dependent
-    assert t1["pdl"] and all(t1[p]["BN"] == 16 * t1[p]["num_warps"] for p in ("gate_up", "down"))
-    assert default_config(48, "sm90_bits") == t1 and default_config(49, "sm90_bits")["path"] == "sorted"
+        assert default_config(p).path in ("pair_token", "pair", "sorted")
+        assert default_config(p, "sm90_bits").path == default_config(p).path
+    assert default_config(96, "sm90_bits").gate_up == MoETile(BN=64, BK=256, num_warps=2, num_stages=3)
+    assert default_config(96, "sm90_bits").BM == 8
+    assert default_config(6, "sm90_bits").BM == 1 and default_config(6, "sm90_bits").fold
+    t1 = default_config(6, "sm90_bits")  # 16 weight rows per warp, the down launch a PDL dependent
+    assert t1.pdl and all(getattr(t1, p).BN == 16 * getattr(t1, p).num_warps for p in ("gate_up", "down"))
+    assert default_config(48, "sm90_bits") == t1 and default_config(49, "sm90_bits").path == "sorted"
 
 
 # ---------------------------------------------------------------------------------------------------- validation
@@ -262,23 +264,30 @@ def _aligned(sig, stride):  # what the launcher specializes for 16-byte-aligned 
     return tuple(n for n, ty in sig.items() if ty.startswith("*")) + (stride,)
 
 
-def _gate_up(cfg, cc, bm=16, sorted_=True, split=1, halves=False, deq=0, wl=0, fold=False, pdl=False, xs=0):
+def _gate_up(tile, cc, bm=16, sorted_=True, split=1, halves=False, deq=0, wl=0, fold=False, pdl=False, xs=0):
+    """_gate_up_kernel built for ``cc`` with the MoETile ``tile`` and the given constexprs."""
     from pd.kernels.mxfp4_moe import GATE_UP_SIGNATURE, _gate_up_kernel
 
     const = dict(DIMS, SORTED=sorted_, HAS_LIMIT=True, UP_FIRST=False, SPLIT=split, HALVES=halves, BM=bm,
-                 BN=cfg["BN"], BK=cfg["BK"], BKD=cfg.get("BK_DOT", cfg["BK"]), DEQ=deq, WL=wl,
-                 **dict(NO_FOLD, FOLD=fold, PDL=pdl, XS=xs))
-    return compile_for(_gate_up_kernel, GATE_UP_SIGNATURE, const, cc, cfg["num_warps"], cfg["num_stages"],
-                       aligned=_aligned(GATE_UP_SIGNATURE, "stride_xt"), maxnreg=cfg.get("maxnreg"))
+                 BN=tile.BN, BK=tile.BK, BKD=tile.bk_dot, DEQ=deq, WL=wl, **dict(NO_FOLD, FOLD=fold, PDL=pdl, XS=xs))
+    return compile_for(_gate_up_kernel, GATE_UP_SIGNATURE, const, cc, tile.num_warps, tile.num_stages,
+                       aligned=_aligned(GATE_UP_SIGNATURE, "stride_xt"), maxnreg=tile.maxnreg)
 
 
-def _down(cfg, cc, bm=16, mode=0, split=1, deq=0, wl=0, fold=False, pdl=False, xs=0):
+def _down(tile, cc, bm=16, mode=0, split=1, deq=0, wl=0, fold=False, pdl=False, xs=0):
+    """_down_kernel built for ``cc`` with the MoETile ``tile`` and the given constexprs."""
     from pd.kernels.mxfp4_moe import DOWN_SIGNATURE, _down_kernel
 
-    const = dict(DIMS, MODE=mode, SPLIT=split, BM=bm, BN=cfg["BN"], BK=cfg["BK"], BKD=cfg.get("BK_DOT", cfg["BK"]),
-                 DEQ=deq, WL=wl, **dict(NO_FOLD, FOLD=fold, PDL=pdl, XS=xs))
-    return compile_for(_down_kernel, DOWN_SIGNATURE, const, cc, cfg["num_warps"], cfg["num_stages"],
-                       aligned=_aligned(DOWN_SIGNATURE, "stride_ot"), maxnreg=cfg.get("maxnreg"))
+    const = dict(DIMS, MODE=mode, SPLIT=split, BM=bm, BN=tile.BN, BK=tile.BK, BKD=tile.bk_dot, DEQ=deq, WL=wl,
+                 **dict(NO_FOLD, FOLD=fold, PDL=pdl, XS=xs))
+    return compile_for(_down_kernel, DOWN_SIGNATURE, const, cc, tile.num_warps, tile.num_stages,
+                       aligned=_aligned(DOWN_SIGNATURE, "stride_ot"), maxnreg=tile.maxnreg)
+
+
+def _tile(**kw):
+    from pd.kernels.mxfp4_moe import MoETile
+
+    return MoETile(**kw)
 
 
 def _tile_configs():
@@ -289,7 +298,7 @@ def _tile_configs():
 
 
 def _tile_id(c):
-    return f"n{c['BN']}k{c['BK']}w{c['num_warps']}s{c['num_stages']}"
+    return f"n{c.BN}k{c.BK}w{c.num_warps}s{c.num_stages}"
 
 
 @aot
@@ -299,7 +308,7 @@ def test_aot_sm120a_every_tile_config(cfg):
     assert_sm120_ok(_gate_up(cfg, 120))
     assert_sm120_ok(_gate_up(cfg, 120, halves=True))
     assert_sm120_ok(_down(cfg, 120))
-    big = dict(cfg, BK=128, BK_DOT=min(cfg.get("BK_DOT", 128), 128))  # what _plan runs with BM > 16
+    big = dataclasses.replace(cfg, BK=128, BK_DOT=min(cfg.bk_dot, 128))  # what _plan runs with BM > 16
     assert_sm120_ok(_gate_up(big, 120, bm=64))
     assert_sm120_ok(_down(big, 120, bm=64))
 
@@ -308,7 +317,7 @@ def test_aot_sm120a_every_tile_config(cfg):
 def test_aot_sm120a_every_mode_and_split():
     from pd.kernels.mxfp4_moe import DEFAULT_CONFIGS
 
-    cfg = DEFAULT_CONFIGS[0][1]["gate_up"]
+    cfg = DEFAULT_CONFIGS[0][1].gate_up
     assert_sm120_ok(_gate_up(cfg, 120, sorted_=False, split=4))
     assert_sm120_ok(_down(cfg, 120, mode=1, split=4))
     assert_sm120_ok(_down(cfg, 120, mode=2))
@@ -339,13 +348,13 @@ def test_aot_sm90a_default_configs():
     from pd.kernels.mxfp4_moe import DEFAULT_CONFIGS
 
     for _, c in DEFAULT_CONFIGS:
-        bm = c.get("BM", 16)
-        halves, split_gu = c.get("gate_up_halves", False), c.get("split_gate_up", 1)
-        mode = {"sorted": 0, "pair": 1, "pair_token": 2}[c["path"]]
+        bm = c.BM
+        halves, split_gu = c.gate_up_halves, c.split_gate_up
+        mode = {"sorted": 0, "pair": 1, "pair_token": 2}[c.path]
         for deq in (0, 1):
-            assert "mma" in _gate_up(c["gate_up"], 90, bm=bm, sorted_=mode == 0, halves=halves, split=split_gu,
+            assert "mma" in _gate_up(c.gate_up, 90, bm=bm, sorted_=mode == 0, halves=halves, split=split_gu,
                                      deq=deq).asm["ptx"]
-            assert "mma" in _down(c["down"], 90, bm=bm, mode=mode, split=c.get("split_down", 1), deq=deq).asm["ptx"]
+            assert "mma" in _down(c.down, 90, bm=bm, mode=mode, split=c.split_down, deq=deq).asm["ptx"]
 
 
 @aot
@@ -357,14 +366,14 @@ def test_aot_sm90a_bits_every_tile_config(cfg):
         ptx = k.asm["ptx"]
         assert "mul.rn.bf16x2" in ptx and "min.u16x2" in ptx and "mma.sync" in ptx and "wgmma" not in ptx
         assert k.metadata.shared <= 232448
-    big = dict(cfg, BK=128, BK_DOT=min(cfg.get("BK_DOT", 128), 128))
+    big = dataclasses.replace(cfg, BK=128, BK_DOT=min(cfg.bk_dot, 128))
     for k in (_gate_up(big, 90, bm=64, deq=1), _down(big, 90, bm=64, deq=1)):
         assert "mma" in k.asm["ptx"] and k.metadata.shared <= 232448
 
 
 def _main_loop_sass_per_weight(kernel, weights_per_step: int, num_warps: int) -> float:
     """SASS instructions of the kernel's K loop (its longest loop) per weight per thread."""
-    from pd.kernels.sass_stats import longest_loop
+    from sass_stats import longest_loop
 
     n, _ = longest_loop(kernel.asm["cubin"])
     assert n > 0, "no loop found"
@@ -381,11 +390,11 @@ def test_sm90a_bits_path_issues_fewer_instructions_than_dot_scaled():
     from pd.kernels.mxfp4_moe import DEFAULT_CONFIGS
 
     c = DEFAULT_CONFIGS[1][1]
-    gu, dn = c["gate_up"], c["down"]
-    halves = c.get("gate_up_halves", False)
-    gu_w = (1 if halves else 2) * gu["BN"] * gu["BK"]
-    per_w = {deq: (_main_loop_sass_per_weight(_gate_up(gu, 90, halves=halves, deq=deq), gu_w, gu["num_warps"]),
-                   _main_loop_sass_per_weight(_down(dn, 90, deq=deq), dn["BN"] * dn["BK"], dn["num_warps"]))
+    gu, dn = c.gate_up, c.down
+    halves = c.gate_up_halves
+    gu_w = (1 if halves else 2) * gu.BN * gu.BK
+    per_w = {deq: (_main_loop_sass_per_weight(_gate_up(gu, 90, halves=halves, deq=deq), gu_w, gu.num_warps),
+                   _main_loop_sass_per_weight(_down(dn, 90, deq=deq), dn.BN * dn.BK, dn.num_warps))
              for deq in (0, 1)}
     for j in range(2):
         assert per_w[1][j] <= 5.0, per_w
@@ -634,37 +643,37 @@ def test_aot_sm90a_prepared_layout_default_configs_cut_the_loop():
     from pd.kernels.mxfp4_moe import DEFAULT_CONFIGS, DEFAULT_CONFIGS_SM90_BITS
 
     for _, c in DEFAULT_CONFIGS_SM90_BITS:
-        bm = c.get("BM", 16)
-        halves, split_gu = c.get("gate_up_halves", False), c.get("split_gate_up", 1)
-        mode = {"sorted": 0, "pair": 1, "pair_token": 2}[c["path"]]
-        fold, pdl, xs = c.get("fold", False), c.get("pdl", False), c.get("stage_loads", 0)
-        for k in (_gate_up(c["gate_up"], 90, bm=bm, sorted_=mode == 0, halves=halves, split=split_gu, deq=1, wl=1,
+        bm = c.BM
+        halves, split_gu = c.gate_up_halves, c.split_gate_up
+        mode = {"sorted": 0, "pair": 1, "pair_token": 2}[c.path]
+        fold, pdl, xs = c.fold, c.pdl, c.stage_loads
+        for k in (_gate_up(c.gate_up, 90, bm=bm, sorted_=mode == 0, halves=halves, split=split_gu, deq=1, wl=1,
                            fold=fold, pdl=pdl, xs=xs),
-                  _down(c["down"], 90, bm=bm, mode=mode, split=c.get("split_down", 1), deq=1, wl=1, fold=fold,
-                        pdl=pdl, xs=xs)):
+                  _down(c.down, 90, bm=bm, mode=mode, split=c.split_down, deq=1, wl=1, fold=fold, pdl=pdl,
+                        xs=xs)):
             ptx = k.asm["ptx"]
             assert "mma" in ptx and "mad.lo.u32" in ptx and "mul.rn.bf16x2" in ptx
             assert k.metadata.shared <= 232448 and ("atom." in ptx) == fold  # sm_90's 227 KiB; the fold's tickets
             assert ("griddepcontrol" in ptx) == pdl  # the T <= 8 plan's release (gate/up) and wait (down)
             assert bm > 16 or ("mma.sync" in ptx and "wgmma" not in ptx)  # 64-row blocks may take wgmma
     t1 = DEFAULT_CONFIGS_SM90_BITS[0][1]  # the prepared T <= 8 plan builds for sm_120a too (mma.sync, <= 99 KiB)
-    assert_sm120_ok(_gate_up(t1["gate_up"], 120, bm=1, sorted_=False, halves=True, split=t1["split_gate_up"], deq=1,
-                             wl=1, fold=True, pdl=t1["pdl"], xs=t1.get("stage_loads", 0)))
-    assert_sm120_ok(_down(t1["down"], 120, bm=1, mode=1, split=t1["split_down"], deq=1, wl=1, fold=True,
-                          pdl=t1["pdl"], xs=t1.get("stage_loads", 0)))
+    assert_sm120_ok(_gate_up(t1.gate_up, 120, bm=1, sorted_=False, halves=True, split=t1.split_gate_up, deq=1,
+                             wl=1, fold=True, pdl=t1.pdl, xs=t1.stage_loads))
+    assert_sm120_ok(_down(t1.down, 120, bm=1, mode=1, split=t1.split_down, deq=1, wl=1, fold=True, pdl=t1.pdl,
+                          xs=t1.stage_loads))
     c = DEFAULT_CONFIGS[1][1]
-    gu, dn = c["gate_up"], c["down"]
+    gu, dn = c.gate_up, c.down
     assert_sm120_ok(_gate_up(gu, 120, halves=True, deq=1, wl=1))
     assert_sm120_ok(_down(dn, 120, deq=1, wl=1))
-    per_w = {wl: (_main_loop_sass_per_weight(_gate_up(gu, 90, halves=True, deq=1, wl=wl), gu["BN"] * gu["BK"],
-                                             gu["num_warps"]),
-                  _main_loop_sass_per_weight(_down(dn, 90, deq=1, wl=wl), dn["BN"] * dn["BK"], dn["num_warps"]))
+    per_w = {wl: (_main_loop_sass_per_weight(_gate_up(gu, 90, halves=True, deq=1, wl=wl), gu.BN * gu.BK,
+                                             gu.num_warps),
+                  _main_loop_sass_per_weight(_down(dn, 90, deq=1, wl=wl), dn.BN * dn.BK, dn.num_warps))
              for wl in (0, 1)}
     for j in range(2):
         assert per_w[1][j] <= 0.92 * per_w[0][j], per_w
 
 
-# --------------------------------------------------------------- tiled prepared layout (sessions 6-7, sm90_tiled)
+# ---------------------------------------------------------------------------- tiled prepared layout (sm90_tiled)
 
 def _tiled_index(rows, row_len, tile_len):
     """Flat index, in tile_len-element units of a tiled tensor, of element m of row r: [rows, row_len]."""
@@ -711,12 +720,12 @@ def test_prepare_tiled_and_tile_scales_layout():
 
 
 def test_tiled_layout_plans_and_validation():
-    """sm90_tiled takes the sm90_bits plans except gate/up unsplit at T <= 8 (H200 s7); it refuses H or I that are
-    not whole tiles and the prefetch options; the s6 name of the layout is unknown now."""
+    """sm90_tiled takes the sm90_bits plans except gate/up unsplit at T <= 8 (faster on the H200); it refuses H or I
+    that are not whole tiles and the prefetch options; an earlier name of the layout is unknown now."""
     from pd.kernels.mxfp4_moe import default_config, fused_moe_mxfp4
 
     for p in (1, 6, 48):
-        assert default_config(p, "sm90_tiled") == dict(default_config(p, "sm90_bits"), split_gate_up=1)
+        assert default_config(p, "sm90_tiled") == dataclasses.replace(default_config(p, "sm90_bits"), split_gate_up=1)
     for p in (49, 96, 768, 10 ** 6):
         assert default_config(p, "sm90_tiled") == default_config(p, "sm90_bits")
     with pytest.raises(ValueError, match="multiples of 256"):  # H = I = 128: no whole tile
@@ -735,17 +744,15 @@ def test_aot_tiled_layout_keeps_the_k_loop_copies():
     addressing keeps the alignment Triton vectorizes on) and at most 5% more SASS (tile offsets; triton 3.9: 384-393
     vs 377-379 at T <= 8); the T <= 8 plan also for sm_120a."""
     from pd.kernels.mxfp4_moe import DEFAULT_CONFIGS_SM90_BITS, DEFAULT_CONFIGS_SM90_TILED
-    from pd.kernels.sass_stats import longest_loop
+    from sass_stats import longest_loop
 
     bits_loops = {}
     for wl, table in ((1, DEFAULT_CONFIGS_SM90_BITS), (2, DEFAULT_CONFIGS_SM90_TILED)):
         for n_plan, (_, c) in enumerate(table[:2]):
-            mode = {"sorted": 0, "pair": 1}[c["path"]]
-            kw = dict(fold=c.get("fold", False), pdl=c.get("pdl", False), xs=c.get("stage_loads", 0), deq=1,
-                      bm=c.get("BM", 16), wl=wl)
-            gu = _gate_up(c["gate_up"], 90, sorted_=mode == 0, halves=c.get("gate_up_halves", False),
-                          split=c.get("split_gate_up", 1), **kw)
-            dn = _down(c["down"], 90, mode=mode, split=c.get("split_down", 1), **kw)
+            mode = {"sorted": 0, "pair": 1}[c.path]
+            kw = dict(fold=c.fold, pdl=c.pdl, xs=c.stage_loads, deq=1, bm=c.BM, wl=wl)
+            gu = _gate_up(c.gate_up, 90, sorted_=mode == 0, halves=c.gate_up_halves, split=c.split_gate_up, **kw)
+            dn = _down(c.down, 90, mode=mode, split=c.split_down, **kw)
             assert all("mma.sync" in k.asm["ptx"] for k in (gu, dn))
             loops = [longest_loop(k.asm["cubin"]) for k in (gu, dn)]
             if wl == 1:
@@ -756,12 +763,12 @@ def test_aot_tiled_layout_keeps_the_k_loop_copies():
                 assert copies == {o: v for o, v in ops1.items() if o.startswith("LDGSTS")}, (n_plan, copies)
                 assert any(o.endswith(".128") for o in copies) and n <= 1.05 * n1, (n_plan, n, n1)
     t1 = DEFAULT_CONFIGS_SM90_TILED[0][1]
-    kw = dict(bm=1, fold=True, pdl=t1["pdl"], xs=t1["stage_loads"], deq=1, wl=2)
-    assert_sm120_ok(_gate_up(t1["gate_up"], 120, sorted_=False, halves=True, split=t1["split_gate_up"], **kw))
-    assert_sm120_ok(_down(t1["down"], 120, mode=1, split=t1["split_down"], **kw))
+    kw = dict(bm=1, fold=True, pdl=t1.pdl, xs=t1.stage_loads, deq=1, wl=2)
+    assert_sm120_ok(_gate_up(t1.gate_up, 120, sorted_=False, halves=True, split=t1.split_gate_up, **kw))
+    assert_sm120_ok(_down(t1.down, 120, mode=1, split=t1.split_down, **kw))
 
 
-# ------------------------------------------------------------------------- fold / PDL / L2 prefetch (session 5)
+# ------------------------------------------------------------------------------------- fold / PDL / L2 prefetch
 
 _PAIR = dict(path="pair", split_gate_up=2, split_down=2, gate_up_halves=True,
              gate_up=dict(BN=32, BK=128, num_warps=2, num_stages=3), down=dict(BN=32, BK=128, num_warps=2,
@@ -807,13 +814,13 @@ def test_aot_fold_pdl_prefetch_variants(cc, wl):
     prefetch_down 2), the gate/up release of programmatic dependent launch (after the K loop's loads, or with
     pdl_release "start" before them) and the down wait, the acq_rel tickets of the fold."""
     deq = 1 if cc == 90 else 0
-    tile = dict(BN=64, BK=256, BK_DOT=128, num_warps=2, num_stages=3)
+    tile = _tile(BN=64, BK=256, BK_DOT=128, num_warps=2, num_stages=3)
     const = dict(DIMS, SORTED=False, HAS_LIMIT=True, UP_FIRST=False, SPLIT=4, HALVES=True, BM=16, BN=64, BK=256,
                  BKD=128, DEQ=deq, WL=wl, **NO_FOLD)
     from pd.kernels.mxfp4_moe import DOWN_SIGNATURE, GATE_UP_SIGNATURE, _down_kernel, _gate_up_kernel
 
     def build(fn, sig, c, stride):
-        k = compile_for(fn, sig, c, cc, tile["num_warps"], tile["num_stages"], aligned=_aligned(sig, stride))
+        k = compile_for(fn, sig, c, cc, tile.num_warps, tile.num_stages, aligned=_aligned(sig, stride))
         if cc == 120:
             assert_sm120_ok(k)
         else:
@@ -843,7 +850,7 @@ def test_aot_fold_pdl_prefetch_variants(cc, wl):
         assert atoms and all("acq_rel" in ln and ".gpu" in ln and ".add" in ln for ln in atoms), atoms
 
 
-# ------------------------------------------------------------------ register cap (maxnreg) for one-wave grids (s5b)
+# ------------------------------------------------------------------------ register cap (maxnreg) for one-wave grids
 
 @pytest.mark.parametrize("tile_kw", [dict(maxnreg=31), dict(maxnreg=256), dict(maxnreg=True), dict(maxnreg=40.0),
                                      dict(maxnreg=None)])
@@ -862,25 +869,26 @@ def test_aot_register_cap_is_honoured_on_both_targets():
     with 3.8.0), and both at most 40 with maxnreg=40, so 12 / 25 blocks fit an SM and their 1536 / 3072 programs one
     wave. The capped tiles also build for
     sm_120a (mma.sync, no wgmma, <= 99 KiB) with the SGLang layout's dot_scaled."""
-    from pd.kernels.sass_stats import registers
+    from sass_stats import registers
 
-    gu = dict(BN=64, BK=256, BK_DOT=64, num_warps=4, num_stages=3)
-    dn = dict(BN=32, BK=128, BK_DOT=64, num_warps=2, num_stages=3)
+    gu = _tile(BN=64, BK=256, BK_DOT=64, num_warps=4, num_stages=3)
+    dn = _tile(BN=32, BK=128, BK_DOT=64, num_warps=2, num_stages=3)
     kw = dict(bm=1, deq=1, wl=1, fold=True)
     free = (registers(_gate_up(gu, 90, sorted_=False, halves=True, split=4, **kw).asm["cubin"]),
             registers(_down(dn, 90, mode=1, split=4, **kw).asm["cubin"]))
-    capped = (_gate_up(dict(gu, maxnreg=40), 90, sorted_=False, halves=True, split=4, **kw),
-              _down(dict(dn, maxnreg=40), 90, mode=1, split=4, **kw))
+    capped = (_gate_up(dataclasses.replace(gu, maxnreg=40), 90, sorted_=False, halves=True, split=4, **kw),
+              _down(dataclasses.replace(dn, maxnreg=40), 90, mode=1, split=4, **kw))
     regs = tuple(registers(k.asm["cubin"]) for k in capped)
     assert max(free) > 40 and max(regs) <= 40, (free, regs)
     for k in capped:
         ptx = k.asm["ptx"]
         assert ".maxnreg 40" in ptx and "mma.sync" in ptx and "wgmma" not in ptx and "atom." in ptx
-    assert_sm120_ok(_gate_up(dict(gu, maxnreg=40), 120, sorted_=False, halves=True, split=4, bm=1, fold=True))
-    assert_sm120_ok(_down(dict(dn, maxnreg=40), 120, mode=1, split=4, bm=1, fold=True))
+    assert_sm120_ok(_gate_up(dataclasses.replace(gu, maxnreg=40), 120, sorted_=False, halves=True, split=4, bm=1,
+                             fold=True))
+    assert_sm120_ok(_down(dataclasses.replace(dn, maxnreg=40), 120, mode=1, split=4, bm=1, fold=True))
 
 
-# ------------------------------------------------------- stage_loads: activation rows and scales through cp.async (s5c)
+# ------------------------------------------------------------- stage_loads: activation rows and scales through cp.async
 
 @pytest.mark.parametrize("kw, arg", [
     (dict(config=dict(_PAIR, BM=1, stage_loads=4)), "stage_loads"),
@@ -906,20 +914,20 @@ def test_aot_stage_loads_take_the_activation_and_scales_off_the_k_loop():
     (sm_90a SASS, triton 3.9: gate/up 54 registers instead of 62). Both build for sm_120a (mma.sync, no wgmma,
     <= 99 KiB)."""
     from pd.kernels.mxfp4_moe import DEFAULT_CONFIGS_SM90_BITS
-    from pd.kernels.sass_stats import longest_loop
+    from sass_stats import longest_loop
 
     t1 = DEFAULT_CONFIGS_SM90_BITS[0][1]
-    gu_kw = dict(bm=1, sorted_=False, halves=True, split=t1["split_gate_up"], deq=1, wl=1, fold=True, pdl=True)
-    dn_kw = dict(bm=1, mode=1, split=t1["split_down"], deq=1, wl=1, fold=True, pdl=True)
+    gu_kw = dict(bm=1, sorted_=False, halves=True, split=t1.split_gate_up, deq=1, wl=1, fold=True, pdl=True)
+    dn_kw = dict(bm=1, mode=1, split=t1.split_down, deq=1, wl=1, fold=True, pdl=True)
 
     def loop_loads(k):
         _, ops = longest_loop(k.asm["cubin"])
         return (sum(c for o, c in ops.items() if o.startswith("LDG.")),
                 sum(c for o, c in ops.items() if o.startswith("LDGSTS")))
 
-    base = (loop_loads(_gate_up(t1["gate_up"], 90, **gu_kw)), loop_loads(_down(t1["down"], 90, **dn_kw)))
-    staged = (_gate_up(t1["gate_up"], 90, xs=3, **gu_kw), _down(t1["down"], 90, xs=3, **dn_kw))
+    base = (loop_loads(_gate_up(t1.gate_up, 90, **gu_kw)), loop_loads(_down(t1.down, 90, **dn_kw)))
+    staged = (_gate_up(t1.gate_up, 90, xs=3, **gu_kw), _down(t1.down, 90, xs=3, **dn_kw))
     for (plain0, async0), (plain, asyncs) in zip(base, map(loop_loads, staged)):
         assert plain0 >= 4 and plain == 0 and asyncs > async0, (base, plain, asyncs)
-    assert_sm120_ok(_gate_up(t1["gate_up"], 120, xs=3, **gu_kw))
-    assert_sm120_ok(_down(t1["down"], 120, xs=3, **dn_kw))
+    assert_sm120_ok(_gate_up(t1.gate_up, 120, xs=3, **gu_kw))
+    assert_sm120_ok(_down(t1.down, 120, xs=3, **dn_kw))

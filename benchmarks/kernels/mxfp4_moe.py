@@ -67,11 +67,11 @@ def rel(a, b):
 
 
 def _tile(bn, bk, w, st, bk_dot=None):
-    return dict(BN=bn, BK=bk, num_warps=w, num_stages=st, **({} if bk_dot is None else dict(BK_DOT=bk_dot)))
+    return mx.MoETile(BN=bn, BK=bk, num_warps=w, num_stages=st, BK_DOT=bk_dot)
 
 
 def _tile_name(c):
-    return f"{c['BN']}k{c['BK']}{'d%d' % c['BK_DOT'] if 'BK_DOT' in c else ''}w{c['num_warps']}s{c['num_stages']}"
+    return f"{c.BN}k{c.BK}{'' if c.BK_DOT is None else 'd%d' % c.BK_DOT}w{c.num_warps}s{c.num_stages}"
 
 
 def variants(t):
@@ -81,8 +81,8 @@ def variants(t):
 
     def add(path, sg, sd, gu, dn, halves=True):
         name = f"{path}_s{sg}x{sd}{'_halves' if halves else ''}_gu{_tile_name(gu)}_dn{_tile_name(dn)}"
-        out.append((name, dict(path=path, BM=16, split_gate_up=sg, split_down=sd, gate_up_halves=halves,
-                               gate_up=gu, down=dn)))
+        out.append((name, mx.MoEPlan(path=path, BM=16, split_gate_up=sg, split_down=sd, gate_up_halves=halves,
+                                     gate_up=gu, down=dn)))
 
     t64, t128 = _tile(64, 128, 2, 3), _tile(128, 128, 2, 3)
     g256d128, g512d128, g256d64 = _tile(64, 256, 2, 3, 128), _tile(64, 512, 2, 2, 128), _tile(64, 256, 2, 3, 64)
@@ -203,8 +203,8 @@ def correctness(dev, weights, ts):
         ids[0, -1] = -1  # a skipped slot (expert on another rank)
         kinds, plans = set(), [("default", None)]
         for n, c in variants(t)[1:]:  # the first variant of each path / split / halves kind
-            kind = (c["path"], c["split_gate_up"] > 1, c["split_down"] > 1, c.get("gate_up_halves", False),
-                    c.get("dequant", "auto"), "BK_DOT" in c["gate_up"], "BK_DOT" in c["down"])
+            kind = (c.path, c.split_gate_up > 1, c.split_down > 1, c.gate_up_halves, c.dequant,
+                    c.gate_up.BK_DOT is not None, c.down.BK_DOT is not None)
             if kind not in kinds:
                 kinds.add(kind)
                 plans.append((n, c))
@@ -215,7 +215,7 @@ def correctness(dev, weights, ts):
                                swiglu_limit=LIMIT, out=out, config=cfg, max_scale_byte=msb)
             torch.cuda.synchronize()
             c = dict(T=t, plan=name, rel_err=rel(out, ref), nan=bool(torch.isnan(out).any()),
-                     dequant=(cfg or mx.default_config(t * K)).get("dequant", "auto"))
+                     dequant=(cfg or mx.default_config(t * K)).dequant)
             c["ok"] = c["rel_err"] <= 4e-3 and not c["nan"]
             cases.append(c)
             print("correct", c, flush=True)
@@ -238,7 +238,7 @@ def timing(dev, weights, deadline, sweep, ts, save):
                                                    swiglu_limit=LIMIT, out=outs[i], config=cfg, max_scale_byte=msb)
                     for i in range(ROT)]
 
-        row["default_config"] = mx.default_config(t * K)
+        row["default_config"] = mx.default_config(t * K).as_dict()
         row["ours_us"] = bench_graph(call(None), 60)
         row["ours_us_again"] = bench_graph(call(None), 60)  # the default timed twice: the run-to-run spread
         # stages of the default plan (each timed alone over the same ROT sets; inputs from a full run)
@@ -265,8 +265,9 @@ def timing(dev, weights, deadline, sweep, ts, save):
         best = min(good.items(), key=lambda kv: kv[1])
         row["best_variant"], row["best_us"] = best
         if best[0] != "default":  # the sweep's winner timed on its own, as the default was
-            row["best_config"] = dict(variants(t))[best[0]]
-            row["best_retimed_us"] = bench_graph(call(row["best_config"]), 60)
+            best_plan = dict(variants(t))[best[0]]
+            row["best_config"] = best_plan.as_dict()
+            row["best_retimed_us"] = bench_graph(call(best_plan), 60)
         b = time_baseline(row, sets, weights, lut, rep=120 if t < 64 else 250)
         x, ids, wts = sets[0]
         o = mx.fused_moe_mxfp4(x, w13, s13, w2, s2, wts, ids, swiglu_limit=LIMIT, max_scale_byte=msb)

@@ -32,6 +32,7 @@ mxfp4_moe_ab_ncu_t1.txt) to --out, the names of benchmarks/results/, and prints 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import importlib.util
 import json
@@ -87,12 +88,17 @@ def variants():
 
 
 def all_plans(head):
-    """{name: (layout key, config or None = the module's default, module key)}."""
+    """{name: (layout key, MoEPlan or None = the module's default, module key)}."""
     base = mx.default_config(K, "sm90_tiled")
     plans = {"head": ("bits", None, "head"), "bits": ("bits", None, "mx"), "tiled": ("tiled", None, "mx")}
     for name, lk, f in variants():
-        plans[name] = (lk, dict(base, **f), "mx")
+        plans[name] = (lk, dataclasses.replace(base, **f), "mx")
     return plans
+
+
+def plan_record(cfg):
+    """A plan as the JSON records hold it: the nested-dict form (a head tree from before ``MoEPlan`` gives dicts)."""
+    return cfg.as_dict() if hasattr(cfg, "as_dict") else cfg
 
 
 # ------------------------------------------------------------------------------------------------ precompile
@@ -399,7 +405,8 @@ def main():
     ts = [int(v) for v in args.ts.split(",")]
     res = dict(run_info(), torch=torch.__version__, triton=triton.__version__, expert_bytes=bm.EXPERT_BYTES,
                hbm_floor_bps=bm.HBM_BPS, rot_sets=bm.ROT, head=args.head,
-               plans={n: dict(layout=LAYOUTS[plans[n][0]], config=plans[n][1], module=plans[n][2]) for n in names})
+               plans={n: dict(layout=LAYOUTS[plans[n][0]], config=plan_record(plans[n][1]), module=plans[n][2])
+                      for n in names})
 
     def save():
         res["wall_s"] = time.time() - t0
@@ -497,8 +504,8 @@ def main():
         timed = {n: calls(n, sets, outs) for n in defaults + (chosen if t * K <= 48 else [])
                  if n not in bad}
         interleaved_rounds(row, timed, args.rounds, t_deadline, floor)
-        row["configs"] = {n: (mod_of(n).default_config(t * K, LAYOUTS[plans[n][0]]) if plans[n][1] is None
-                              else plans[n][1]) for n in timed}
+        row["configs"] = {n: plan_record(mod_of(n).default_config(t * K, LAYOUTS[plans[n][0]]) if plans[n][1] is None
+                                         else plans[n][1]) for n in timed}
         if args.baseline and left() > 15:
             bm.time_baseline(row, sets, (W.w13, W.s13, W.w2, W.s2), lut, rep=60)
         res["timing"].append(row)

@@ -102,6 +102,17 @@ def _aligned(sig, *extra):
 
 # ------------------------------------------------------------------------------------------------------ mxfp4 MoE
 
+def _as_dict(c):
+    """A plan or tile in its nested-dict form: kernels trees with ``MoEPlan`` / ``MoETile`` give ``as_dict()``,
+    older trees keep the tables as dicts."""
+    return c.as_dict() if hasattr(c, "as_dict") else dict(c)
+
+
+def _part(plan, part):
+    """The plan's gate_up / down tile, as the tree's own ``_fit_bk`` takes it (a ``MoETile`` or a dict)."""
+    return getattr(plan, part) if hasattr(plan, "as_dict") else plan[part]
+
+
 def mxfp4_moe(mod, b: Builds):
     """Both GEMM kernels of every default plan (SGLang layout: tl.dot_scaled and the bits dequantization; the
     prepared layouts: bits), with the constexprs ``fused_moe_mxfp4`` derives on a GPU of compute capability >= 9,
@@ -112,9 +123,11 @@ def mxfp4_moe(mod, b: Builds):
               ("sm90_bits", m.DEFAULT_CONFIGS_SM90_BITS, 1, (1,), (90,)),
               ("sm90_tiled", m.DEFAULT_CONFIGS_SM90_TILED, 2, (1,), (90,))]
     for layout, table, wl, deqs, archs in tables:
-        for bound, cfg in table:
+        for bound, plan in table:
+            cfg = _as_dict(plan)
             sp_gu, sp_dn = m._fit_split(cfg.get("split_gate_up", 1), h), m._fit_split(cfg.get("split_down", 1), inter)
-            gu, dn = m._fit_bk(cfg["gate_up"], h // sp_gu), m._fit_bk(cfg["down"], inter // sp_dn)
+            gu = _as_dict(m._fit_bk(_part(plan, "gate_up"), h // sp_gu))
+            dn = _as_dict(m._fit_bk(_part(plan, "down"), inter // sp_dn))
             bm = cfg.get("BM", 16)
             if cfg["path"] == "sorted" and bm > 16:
                 gu["BK"] = dn["BK"] = 128

@@ -21,9 +21,10 @@ Kernels (weights are never dequantized in memory):
     work and ~2.7-3.1 SASS per weight, the product computed transposed (converted weights as the mma A operand).
     ``"sm90_tiled"`` is the same elements stored as 32-row x 256-value tiles and the scales as 32-row x 8-byte
     tiles, so a pipeline stage reads one contiguous 4 KiB run (and one 256-byte run of scales) instead of 128 bytes
-    (and 8 bytes) from each of 32 rows: 1.05-1.07x over "sm90_bits" at T = 1..128 on the H200 (T = 1 30.1 us, 62% of
-    the weight-bandwidth floor; benchmarks/results/mxfp4_moe.md), what the SGLang method prepares on
-    sm_90 when H and I are multiples of 256.
+    (and 8 bytes) from each of 32 rows: the grid streams its experts in long runs instead of 128-byte pieces.
+    Faster than "sm90_bits" at every T timed on the H200 (the figures, against the weight-bandwidth floor:
+    benchmarks/results/mxfp4_moe.md), it is what the SGLang method prepares on sm_90 when H and I are multiples of
+    256.
     The epilogue rounds gate/up to bf16, clamps, applies SiLU(gate) * up and stores h (bf16).
   * ``_down_kernel``: the same over K = I for the down projection; multiplies by the routing weight and either
     stores the per-pair rows (fp32) for ``_topk_sum_kernel``, or (``pair_token`` path) loops over a token's k
@@ -42,8 +43,9 @@ capturable (no host sync). H200 numbers, profiles and the variants measured and 
 benchmarks/results/mxfp4_moe.md; the prepared layouts against each other: benchmarks/results/mxfp4_moe_ab.md.
 
 Modules: ``ptx`` (inline PTX), ``layouts`` (weight layouts and the sm_90 re-layouts), ``jit_helpers`` and ``kernels``
-(the ``@triton.jit`` code), ``configs`` (tuning tables), ``validation`` (argument checks), ``launch`` (the launcher
-and its planner). The torch reference is ``pd.kernels.mxfp4_moe_reference``.
+(the ``@triton.jit`` code), ``configs`` (the launch plan ``MoEPlan`` of two ``MoETile`` and the tuning tables),
+``validation`` (argument checks), ``launch`` (the launcher and its planner). The torch reference is
+``pd.kernels.mxfp4_moe_reference``.
 """
 
 from .configs import (
@@ -59,6 +61,9 @@ from .configs import (
                       SPLIT_CHOICES,
                       STAGE_LOADS_CHOICES,
                       TILE_CONFIGS,
+                      MoEPlan,
+                      MoETile,
+                      as_plan,
                       default_config,
 )
 from .kernels import (
@@ -98,11 +103,11 @@ from .validation import UE8M0_DTYPES, _check_config, as_ue8m0, mxfp4_max_scale_b
 __all__ = [
     "BITS_MAX_SCALE_BYTE", "BM_CHOICES", "DEFAULT_CONFIGS", "DEFAULT_CONFIGS_SM90_BITS",
     "DEFAULT_CONFIGS_SM90_TILED", "DEQUANT_CHOICES", "DEQ_BITS_ASM", "DEQ_BITS_TL", "DEQ_DOT_SCALED",
-    "DOWN_SIGNATURE", "GATE_UP_SIGNATURE", "GROUP", "MAXNREG_MIN", "PATHS", "PDL_RELEASE_CHOICES",
+    "DOWN_SIGNATURE", "GATE_UP_SIGNATURE", "GROUP", "MAXNREG_MIN", "MoEPlan", "MoETile", "PATHS", "PDL_RELEASE_CHOICES",
     "PREPARED_LAYOUTS", "SPLIT_CHOICES", "STAGE_LOADS_CHOICES", "TILE_CONFIGS", "TILE_ELEMS", "TILE_ROWS",
     "TILE_SCALES", "UE8M0_DTYPES", "WEIGHT_LAYOUTS", "WL_SGLANG", "WL_SM90_BITS", "WL_SM90_TILED", "_E2M1_BITS_ASM",
     "_E2M1_PREP_ASM", "_UE8M0_FACTOR_ASM", "_align_kernel", "_check_config", "_dequant_mode", "_down_kernel",
-    "_fit_bk", "_fit_split", "_gate_up_kernel", "_plan", "_swiglu_kernel", "_topk_sum_kernel", "as_ue8m0",
+    "_fit_bk", "_fit_split", "_gate_up_kernel", "_plan", "_swiglu_kernel", "_topk_sum_kernel", "as_plan", "as_ue8m0",
     "default_config", "fused_moe_mxfp4", "max_sorted_blocks", "mxfp4_max_scale_byte", "mxfp4_moe_workspace",
     "prepare_mxfp4_weights_sm90", "tile_mxfp4_scales",
 ]

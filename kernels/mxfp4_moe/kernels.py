@@ -150,7 +150,7 @@ def _gate_up_kernel(
                 w_ptrs = _next_stage(w_ptrs, BK // WV, WL)
                 sc_ptrs = _next_stage(sc_ptrs, BK // SK, WL)
             if PDL == 1:  # after the K loop: released at the start of a grid of several waves, the down programs
-                tl.extra.cuda.gdc_launch_dependents()  # crowded onto the SMs freed first (H200: down 1.5x slower)
+                tl.extra.cuda.gdc_launch_dependents()  # crowd onto the SMs freed first and run slower there
             acc = _acc_out(acc, WL)
             if UP_FIRST:  # part keeps [gate | up]
                 col = (w_row + I) % (2 * I)

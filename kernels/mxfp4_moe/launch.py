@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -9,7 +10,7 @@ import torch
 import triton
 
 from ..device_info import check_runnable
-from .configs import BITS_MAX_SCALE_BYTE, default_config
+from .configs import BITS_MAX_SCALE_BYTE, MoEPlan, MoETile, default_config
 from .kernels import _align_kernel, _down_kernel, _gate_up_kernel, _swiglu_kernel, _topk_sum_kernel
 from .layouts import PREPARED_LAYOUTS, WEIGHT_LAYOUTS, WL_SGLANG, WL_SM90_TILED
 from .ptx import DEQ_BITS_ASM, DEQ_BITS_TL, DEQ_DOT_SCALED
@@ -40,14 +41,13 @@ def _fit_split(split: int, k_dim: int) -> int:
     return split
 
 
-def _fit_bk(cfg: dict, k_len: int) -> dict:
-    """The config with BK halved until it divides the K range of one program (I = 128 n at any TP size), and
-    BK_DOT (default BK) at most BK."""
-    c = dict(cfg)
-    while k_len % c["BK"]:
-        c["BK"] //= 2
-    c["BK_DOT"] = min(c.get("BK_DOT", c["BK"]), c["BK"])
-    return c
+def _fit_bk(tile: MoETile, k_len: int) -> MoETile:
+    """The tile with BK halved until it divides the K range of one program (I = 128 n at any TP size), and
+    BK_DOT (default BK) set, at most BK."""
+    bk = tile.BK
+    while k_len % bk:
+        bk //= 2
+    return dataclasses.replace(tile, BK=bk, BK_DOT=min(tile.bk_dot, bk))
 
 
 def max_sorted_blocks(num_pairs: int, num_experts: int, bm: int) -> int:
@@ -105,7 +105,7 @@ def fused_moe_mxfp4(
     routed_scaling_factor: float | None = None,
     up_first: bool = False,
     out: torch.Tensor | None = None,
-    config: dict | None = None,
+    config: MoEPlan | dict | None = None,
     max_scale_byte: int | None = None,
     weight_layout: str = "sglang",
     workspace: torch.Tensor | None = None,
@@ -136,21 +136,12 @@ def fused_moe_mxfp4(
             refused. "sm90_tiled": w13 and w2 from ``prepare_mxfp4_weights_sm90(..., tiled=True)`` (rows in
             32-row x 256-value tiles) and the scales from ``tile_mxfp4_scales`` (32-row x 8-byte tiles), with the
             same needs, plus H and I multiples of 256; ``prefetch_*`` is refused.
-        config: launch plan override (benchmarks): {"path": "pair_token"|"pair"|"sorted", "BM": 16|32|64,
-            "split_gate_up": 1|2|4|8, "split_down": ..., "gate_up_halves": bool, "dequant": "auto"|"bits"|
-            "dot_scaled", "gate_up": {BN, BK, num_warps, num_stages[, BK_DOT, maxnreg]}, "down": {...}, "fold": bool,
-            "pdl": bool, "pdl_release": "k_loop"|"start", "prefetch_gate_up": 0|1|2, "prefetch_down": 0|1|2,
-            "stage_loads": 0..3}; default
-            ``default_config(T * k, weight_layout)``. BK: K per loop iteration (pipeline stage), 128/256/512;
-            BK_DOT: K per dequantize + dot step inside it (64/128/256, default BK); maxnreg: registers per thread
-            cap (32..255, the Triton launch option; more programs per SM). fold (path "pair"): the SwiGLU
-            and the sum over k are done by the last program of each group (atomic tickets in ``workspace``), so
-            a call is 2 launches instead of 4; pdl (with fold; compute capability >= 9, else ignored): the down
-            launch is a programmatic dependent of gate/up (its programs start during gate/up's last wave and wait
-            with griddepcontrol.wait), released after gate/up's K loop or (pdl_release="start") at its start;
-            prefetch_*: 1 = each program first prefetches its weight rows into L2, 2 (gate/up, pair paths) = also
-            a slice of its expert's down weights (evict_last) for the down launch, 2 (down) = its own rows with
-            evict_last; stage_loads: see ``STAGE_LOADS_CHOICES``.
+        config: launch plan override (benchmarks): a ``MoEPlan`` (its docstring lists the fields: path, BM, K
+            splits, tiles, fold / pdl / prefetch / stage_loads options), or its nested-dict form
+            {"path": ..., "gate_up": {"BN", "BK", "num_warps", "num_stages"[, "BK_DOT", "maxnreg"]}, "down": {...},
+            ...} read by ``MoEPlan.from_dict``; default ``default_config(T * k, weight_layout)``. fold plans keep
+            their tickets in ``workspace``; pdl's down programs start during gate/up's last wave and wait with
+            griddepcontrol.wait.
         workspace: int32 ticket counters for fold plans, from ``mxfp4_moe_workspace`` (zeroed once; every call
             leaves it zeroed). None: one buffer per device kept by this module, so two fold calls must not run
             at the same time on different streams without their own workspaces.
@@ -179,8 +170,7 @@ def _plan(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, swiglu_limit,
                                                                  topk_ids)
     dev = x.device
     scaling = _check_options(t, h, k, inter, dev, swiglu_limit, routed_scaling_factor, out, workspace, max_scale_byte)
-    cfg = config if config is not None else default_config(t * k, weight_layout)
-    _check_config(cfg, h, inter)
+    cfg = _check_config(config if config is not None else default_config(t * k, weight_layout), h, inter)
     wl, deq = _layout_and_dequant(cfg, weight_layout, h, inter, max_scale_byte, dev)
     if out is None:
         out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
@@ -255,53 +245,51 @@ def _check_options(t, h, k, inter, dev, swiglu_limit, routed_scaling_factor, out
     return scaling
 
 
-def _layout_and_dequant(cfg, weight_layout, h, inter, max_scale_byte, dev):
+def _layout_and_dequant(cfg: MoEPlan, weight_layout, h, inter, max_scale_byte, dev):
     """The kernels' WL and DEQ constexprs, after checking that the plan can read ``weight_layout``."""
     if weight_layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"weight_layout must be one of {tuple(WEIGHT_LAYOUTS)}, got {weight_layout!r}")
     wl = WEIGHT_LAYOUTS[weight_layout]
-    if cfg.get("stage_loads", 0) and wl == WL_SGLANG:
+    if cfg.stage_loads and wl == WL_SGLANG:
         raise ValueError(f"config: stage_loads needs a prepared weight_layout {PREPARED_LAYOUTS}")
     if wl >= WL_SM90_TILED:
         if h % 256 or inter % 256:
             raise ValueError(f"weight_layout={weight_layout!r} needs H and I multiples of 256 (whole tiles), got "
                              f"H {h}, I {inter}")
-        if cfg.get("prefetch_gate_up", 0) or cfg.get("prefetch_down", 0):
+        if cfg.prefetch_gate_up or cfg.prefetch_down:
             raise ValueError(f"config: prefetch_gate_up / prefetch_down read rows of weight_layout='sm90_bits', not "
                              f"{weight_layout!r}")
     if wl == WL_SGLANG:
-        return wl, _dequant_mode(cfg.get("dequant", "auto"), max_scale_byte, dev)
-    if cfg.get("dequant", "auto") == "dot_scaled":
+        return wl, _dequant_mode(cfg.dequant, max_scale_byte, dev)
+    if cfg.dequant == "dot_scaled":
         raise ValueError(f"config: dequant='dot_scaled' cannot read weight_layout={weight_layout!r} weights")
     if dev.type == "cuda" and not _INTERPRET and torch.cuda.get_device_capability(dev)[0] < 9:
         raise ValueError(f"weight_layout={weight_layout!r} needs compute capability >= 9.0 (mul.rn.bf16x2)")
     return wl, _dequant_mode("bits", max_scale_byte, dev)
 
 
-def _tiles(cfg, h, inter):
+def _tiles(cfg: MoEPlan, h: int, inter: int) -> tuple[int, int, MoETile, MoETile]:
     """(gate/up K splits, down K splits, gate/up tile, down tile) as launched: splits and BK fitted to the shapes,
     BK 128 for sorted blocks of more than 16 rows, small interpreter launches."""
-    sp_gu, sp_dn = _fit_split(cfg.get("split_gate_up", 1), h), _fit_split(cfg.get("split_down", 1), inter)
-    gu = _fit_bk(cfg["gate_up"], h // sp_gu)
-    dn = _fit_bk(cfg["down"], inter // sp_dn)
-    if cfg["path"] == "sorted" and cfg.get("BM", 16) > 16:  # the activation tile grows with BM: keep 99 KiB on sm_120
-        gu["BK"] = dn["BK"] = 128
-        gu["BK_DOT"], dn["BK_DOT"] = min(gu["BK_DOT"], 128), min(dn["BK_DOT"], 128)
+    sp_gu, sp_dn = _fit_split(cfg.split_gate_up, h), _fit_split(cfg.split_down, inter)
+    gu = _fit_bk(cfg.gate_up, h // sp_gu)
+    dn = _fit_bk(cfg.down, inter // sp_dn)
+    if cfg.path == "sorted" and cfg.BM > 16:  # the activation tile grows with BM: keep 99 KiB on sm_120
+        gu = dataclasses.replace(gu, BK=128, BK_DOT=min(gu.bk_dot, 128))
+        dn = dataclasses.replace(dn, BK=128, BK_DOT=min(dn.bk_dot, 128))
     if _INTERPRET:  # the interpreter's cost is per program step, not per byte (and it has no registers)
-        gu = dict(gu, num_warps=4, num_stages=1)
-        dn = dict(dn, num_warps=4, num_stages=1)
-        gu.pop("maxnreg", None)
-        dn.pop("maxnreg", None)
+        gu = dataclasses.replace(gu, num_warps=4, num_stages=1, maxnreg=None)
+        dn = dataclasses.replace(dn, num_warps=4, num_stages=1, maxnreg=None)
     return sp_gu, sp_dn, gu, dn
 
 
-def _launch_flags(cfg, dev):
+def _launch_flags(cfg: MoEPlan, dev):
     """(PDL, gate/up PF, down PF) constexprs: programmatic dependent launch needs compute capability >= 9, and
     neither it nor the prefetches' inline PTX runs in the interpreter."""
     on_gpu = dev.type == "cuda" and not _INTERPRET
-    pdl = cfg.get("pdl", False) and on_gpu and torch.cuda.get_device_capability(dev)[0] >= 9
-    pdl = (2 if cfg.get("pdl_release", "k_loop") == "start" else 1) if pdl else 0
-    return pdl, cfg.get("prefetch_gate_up", 0) if on_gpu else 0, cfg.get("prefetch_down", 0) if on_gpu else 0
+    pdl = cfg.pdl and on_gpu and torch.cuda.get_device_capability(dev)[0] >= 9
+    pdl = (2 if cfg.pdl_release == "start" else 1) if pdl else 0
+    return pdl, cfg.prefetch_gate_up if on_gpu else 0, cfg.prefetch_down if on_gpu else 0
 
 
 def _sorted_blocks(ids, p, n_exp, bm, dev):
@@ -322,19 +310,19 @@ def _stages(x, w13u, s13u, w2u, s2u, topk_weights, ids, out, workspace, cfg, t, 
     """The launches of a plan, in order: [align (sorted)], gate/up, [swiglu (two-pass, no fold)], down, [sum]."""
     dev = x.device
     p = t * k
-    path = cfg["path"]
-    xs = cfg.get("stage_loads", 0)
+    path = cfg.path
+    xs = cfg.stage_loads
     # the optional register cap: more resident programs per SM when a grid would otherwise spill into a second wave
-    gu_reg = {"maxnreg": gu["maxnreg"]} if "maxnreg" in gu else {}
-    dn_reg = {"maxnreg": dn["maxnreg"]} if "maxnreg" in dn else {}
+    gu_reg = {"maxnreg": gu.maxnreg} if gu.maxnreg is not None else {}
+    dn_reg = {"maxnreg": dn.maxnreg} if dn.maxnreg is not None else {}
     limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
     has_limit = swiglu_limit is not None
-    halves = cfg.get("gate_up_halves", False)
+    halves = cfg.gate_up_halves
     hbuf = torch.empty(p, inter, dtype=torch.bfloat16, device=dev)
     two_pass = halves or sp_gu > 1  # gate/up partial sums, then _swiglu_kernel
     part = torch.empty(sp_gu, p, 2 * inter, dtype=torch.float32, device=dev) if two_pass else hbuf
     common = dict(H=h, I=inter, TOPK=k, ROUND=_INTERPRET, DEQ=deq, WL=wl)
-    bm = cfg.get("BM", 16)
+    bm = cfg.BM
     stages = []
     sorted_mode = path == "sorted"
     if sorted_mode:
@@ -343,19 +331,19 @@ def _stages(x, w13u, s13u, w2u, s2u, topk_weights, ids, out, workspace, cfg, t, 
     else:
         sorted_ids, blk_exp, nblk = ids, ids, ids  # unused
         grid_m = p
-    fold = cfg.get("fold", False)
+    fold = cfg.fold
     pdl, pf_gu, pf_dn = _launch_flags(cfg, dev)
-    n_gu_tick = p * (inter // gu["BN"])
-    n_tick = n_gu_tick + t * (h // dn["BN"])
+    n_gu_tick = p * (inter // gu.BN)
+    n_tick = n_gu_tick + t * (h // dn.BN)
     if fold and workspace is not None:
         ticks = workspace
     else:
         ticks = _ticket_buffer(dev, n_tick) if fold else ids
     gu_ticks, dn_ticks = (ticks[:n_gu_tick], ticks[n_gu_tick:]) if fold else (ids, ids)
-    stages.append(("gate_up", lambda: _gate_up_kernel[(grid_m, (2 if halves else 1) * inter // gu["BN"], sp_gu)](
+    stages.append(("gate_up", lambda: _gate_up_kernel[(grid_m, (2 if halves else 1) * inter // gu.BN, sp_gu)](
         x, w13u, s13u, ids, sorted_ids, blk_exp, nblk, hbuf, part, gu_ticks, w2u, s2u, x.stride(0), limit, p, n_exp,
         SORTED=sorted_mode, HAS_LIMIT=has_limit, UP_FIRST=bool(up_first), SPLIT=sp_gu, HALVES=halves, BM=bm,
-        BN=gu["BN"], BK=gu["BK"], BKD=gu["BK_DOT"], num_warps=gu["num_warps"], num_stages=gu["num_stages"],
+        BN=gu.BN, BK=gu.BK, BKD=gu.BK_DOT, num_warps=gu.num_warps, num_stages=gu.num_stages,
         PF=pf_gu, FOLD=fold and two_pass, PDL=pdl, XS=xs, **common, **gu_reg)))
     if two_pass and not fold:
         blk = math.gcd(inter, 256)  # small blocks: enough programs at T = 1
@@ -363,16 +351,16 @@ def _stages(x, w13u, s13u, w2u, s2u, topk_weights, ids, out, workspace, cfg, t, 
             part, ids, hbuf, limit, p, n_exp, I=inter, SPLIT=sp_gu, HAS_LIMIT=has_limit, ROUND=_INTERPRET,
             BLOCK=blk, num_warps=4)))
     if path == "pair_token":
-        stages.append(("down", lambda: _down_kernel[(t, h // dn["BN"], 1)](
+        stages.append(("down", lambda: _down_kernel[(t, h // dn.BN, 1)](
             hbuf, w2u, s2u, ids, topk_weights, ids, ids, ids, out, out, ids, out.stride(0), float(scaling), p,
-            n_exp, MODE=2, SPLIT=1, BM=bm, BN=dn["BN"], BK=dn["BK"], BKD=dn["BK_DOT"], num_warps=dn["num_warps"],
-            num_stages=dn["num_stages"], **common, **dn_reg)))
+            n_exp, MODE=2, SPLIT=1, BM=bm, BN=dn.BN, BK=dn.BK, BKD=dn.BK_DOT, num_warps=dn.num_warps,
+            num_stages=dn.num_stages, **common, **dn_reg)))
         return stages
     y = torch.empty(sp_dn, p, h, dtype=torch.float32, device=dev)
-    stages.append(("down", lambda: _down_kernel[(grid_m, h // dn["BN"], sp_dn)](
+    stages.append(("down", lambda: _down_kernel[(grid_m, h // dn.BN, sp_dn)](
         hbuf, w2u, s2u, ids, topk_weights, sorted_ids, blk_exp, nblk, y, out, dn_ticks, out.stride(0),
-        float(scaling), p, n_exp, MODE=0 if sorted_mode else 1, SPLIT=sp_dn, BM=bm, BN=dn["BN"], BK=dn["BK"],
-        BKD=dn["BK_DOT"], num_warps=dn["num_warps"], num_stages=dn["num_stages"], PF=pf_dn, FOLD=fold, PDL=pdl,
+        float(scaling), p, n_exp, MODE=0 if sorted_mode else 1, SPLIT=sp_dn, BM=bm, BN=dn.BN, BK=dn.BK,
+        BKD=dn.BK_DOT, num_warps=dn.num_warps, num_stages=dn.num_stages, PF=pf_dn, FOLD=fold, PDL=pdl,
         XS=xs, **common, **dn_reg, **({"launch_pdl": True} if pdl else {}))))
     if fold:
         return stages

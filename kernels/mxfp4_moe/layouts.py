@@ -18,9 +18,9 @@ WL_SM90_BITS = 1  # the prepared layout above (bits dequantization only)
 # stored as K / 256 consecutive tiles of [32 rows x 64 elements] (4 KiB; a row's 256 values of one tile are 128
 # contiguous bytes), and the scale bytes in the same bands of [32 rows x 8 bytes] tiles (``tile_mxfp4_scales``).
 # Why: in WL 1 a program's pipeline stage reads one 128-byte piece (and 8 scale bytes) from each of its 32 rows, the
-# rows 1-2 KiB apart, so the whole grid streams its experts in 128-byte pieces (gate/up at 55% of DRAM peak on the
-# H200); here a 32-row, BK-256 stage is one contiguous 4 KiB run and 256 bytes of scales. The weight tiles alone gained
-# nothing, the scale tiles with them 1.03-1.11x, so only both together remain (benchmarks/results/mxfp4_moe_ab.md).
+# rows 1-2 KiB apart, so the whole grid streams its experts in 128-byte pieces, well below DRAM peak; here a 32-row,
+# BK-256 stage is one contiguous 4 KiB run and 256 bytes of scales. The weight tiles alone gained nothing, so the scale
+# tiles, which gained with them, are kept only together (the A/B: benchmarks/results/mxfp4_moe_ab.md).
 WL_SM90_TILED = 2
 WEIGHT_LAYOUTS = {"sglang": WL_SGLANG, "sm90_bits": WL_SM90_BITS, "sm90_tiled": WL_SM90_TILED}
 PREPARED_LAYOUTS = ("sm90_bits", "sm90_tiled")  # read with the sm90_bits element encoding

@@ -1,18 +1,13 @@
-"""Argument checks of the MXFP4 MoE launcher (tensors, scale bytes, launch plans); all raise ValueError."""
+"""Argument checks of the MXFP4 MoE launcher (tensors, scale bytes, launch plans: ``MoEPlan`` checks itself, here
+only against the shapes); all raise ValueError."""
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 
-from .configs import (
-    BM_CHOICES,
-    DEQUANT_CHOICES,
-    MAXNREG_MIN,
-    PATHS,
-    PDL_RELEASE_CHOICES,
-    SPLIT_CHOICES,
-    STAGE_LOADS_CHOICES,
-)
+from .configs import MoEPlan, as_plan
 
 
 def as_ue8m0(scale: torch.Tensor) -> torch.Tensor:
@@ -60,65 +55,15 @@ def _check_scale(name, s, shape, dev):
                         " (float scales: convert once with as_ue8m0)")
 
 
-def _check_config(cfg: dict, h: int, inter: int) -> None:
-    if not isinstance(cfg, dict) or cfg.get("path") not in PATHS:
-        raise ValueError(f"config: path must be one of {PATHS}, got {cfg!r}")
-    if cfg.get("BM", 16) not in BM_CHOICES:
-        raise ValueError(f"config: BM must be one of {BM_CHOICES}")
-    if cfg["path"] != "sorted" and cfg.get("BM", 16) > 16:
-        raise ValueError("config: the pair paths take BM <= 16 (one pair per program)")
-    for part, n_dim in (("gate_up", inter), ("down", h)):
-        c = cfg.get(part)
-        if not isinstance(c, dict) or not {"BN", "BK", "num_warps", "num_stages"} <= set(c) \
-                or not set(c) <= {"BN", "BK", "BK_DOT", "num_warps", "num_stages", "maxnreg"}:
-            raise ValueError(f"config: {part} must be a dict with BN, BK, num_warps, num_stages (and optional BK_DOT, "
-                             f"maxnreg)")
-        if "maxnreg" in c and (isinstance(c["maxnreg"], bool) or not isinstance(c["maxnreg"], int)
-                               or not MAXNREG_MIN <= c["maxnreg"] <= 255):
-            raise ValueError(f"config: {part} maxnreg must be an int in [{MAXNREG_MIN}, 255], got {c['maxnreg']!r}")
-        if c["BN"] not in (16, 32, 64, 128) or n_dim % c["BN"]:
-            raise ValueError(f"config: {part} BN must be 16/32/64/128 and divide {n_dim}, got {c['BN']}")
-        if c["BK"] not in (128, 256, 512):  # halved where it does not divide K / split (_fit_bk)
-            raise ValueError(f"config: {part} BK must be 128, 256 or 512, got {c['BK']}")
-        if c.get("BK_DOT", c["BK"]) not in (64, 128, 256) or c["BK"] % c.get("BK_DOT", c["BK"]):
-            raise ValueError(f"config: {part} BK_DOT must be 64, 128 or 256 and divide BK, got {c.get('BK_DOT')}")
-        if cfg.get(f"split_{part}", 1) not in SPLIT_CHOICES:
-            raise ValueError(f"config: split_{part} must be one of {SPLIT_CHOICES}, got {cfg.get(f'split_{part}')}")
-    if cfg.get("dequant", "auto") not in DEQUANT_CHOICES:
-        raise ValueError(f"config: dequant must be one of {DEQUANT_CHOICES}, got {cfg.get('dequant')!r}")
-    if not isinstance(cfg.get("gate_up_halves", False), bool):
-        raise ValueError("config: gate_up_halves must be a bool")
-    if cfg["path"] == "pair_token" and cfg.get("split_down", 1) != 1:
-        raise ValueError("config: the pair_token path sums over k in the down kernel, so split_down must be 1")
-    for key in ("fold", "pdl"):
-        if not isinstance(cfg.get(key, False), bool):
-            raise ValueError(f"config: {key} must be a bool")
-    if cfg.get("fold", False) and cfg["path"] != "pair":
-        raise ValueError("config: fold (ticket-folded SwiGLU and k-sum) needs path 'pair'")
-    if cfg.get("pdl", False) and not cfg.get("fold", False):
-        raise ValueError("config: pdl (the down launch as a programmatic dependent of gate/up) needs fold")
-    if cfg.get("prefetch_gate_up", 0) not in (0, 1, 2):
-        raise ValueError(f"config: prefetch_gate_up must be 0, 1 or 2, got {cfg.get('prefetch_gate_up')!r}")
-    if cfg.get("prefetch_gate_up", 0) == 2 and cfg["path"] == "sorted":
-        raise ValueError("config: prefetch_gate_up=2 (down weights fetched by gate/up) needs a pair path")
-    if cfg.get("prefetch_down", 0) not in (0, 1, 2):
-        raise ValueError(f"config: prefetch_down must be 0, 1 or 2, got {cfg.get('prefetch_down')!r}")
-    if cfg.get("pdl_release", "k_loop") not in PDL_RELEASE_CHOICES:
-        raise ValueError(f"config: pdl_release must be one of {PDL_RELEASE_CHOICES}, got {cfg.get('pdl_release')!r}")
-    if "pdl_release" in cfg and not cfg.get("pdl", False):
-        raise ValueError("config: pdl_release (where gate/up releases the down launch) needs pdl")
-    xs = cfg.get("stage_loads", 0)
-    if isinstance(xs, bool) or xs not in STAGE_LOADS_CHOICES:
-        raise ValueError(f"config: stage_loads must be one of {STAGE_LOADS_CHOICES}, got {xs!r}")
-    if xs and cfg.get("BM", 16) != 1:
-        raise ValueError("config: stage_loads (one contiguous activation row per load) needs BM=1")
-    if xs >= 2:
-        for part in ("gate_up", "down"):
-            c = cfg[part]
-            if c["BK"] > 2 * c.get("BK_DOT", c["BK"]):
-                raise ValueError(f"config: stage_loads={xs} needs {part} BK <= 2 * BK_DOT, got BK {c['BK']}, "
-                                 f"BK_DOT {c.get('BK_DOT')}")
+def _check_config(config: MoEPlan | Mapping, h: int, inter: int) -> MoEPlan:
+    """``config`` as a ``MoEPlan`` (a dict through ``MoEPlan.from_dict``) after the checks against H and I.
 
+    Raises:
+        ValueError: any ``MoEPlan`` check, or a tile's BN that does not divide its kernel's N.
+    """
+    plan = as_plan(config)
+    plan.check_dims(h, inter)
+    return plan
 
 
 def mxfp4_max_scale_byte(*scales: torch.Tensor) -> int:

@@ -1,8 +1,10 @@
 """SASS statistics of a compiled Triton kernel, for instruction-count checks that need no GPU.
 
-Used by tests/test_mxfp4_moe.py (regression bound on the MXFP4 MoE K loop) and
-benchmarks/kernels/mxfp4_moe_sass.py (the per-weight table in the results). The disassembler is the
-``cuobjdump`` that ships inside Triton's NVIDIA backend, so a CPU-only machine with Triton installed suffices.
+A test helper, not part of the shipped package: tests/test_mxfp4_moe.py (regression bounds on the MXFP4 MoE K loop)
+imports it from here (tests/ is on its path), and benchmarks/kernels/mxfp4_moe_sass.py (the per-weight table)
+puts tests/ on its path for it, as benchmarks/kernels/ptx_fingerprint.py does for tests/triton_aot.py. The
+disassembler is the ``cuobjdump`` that ships inside Triton's NVIDIA backend, so a CPU-only machine with Triton
+installed suffices.
 """
 
 from __future__ import annotations
