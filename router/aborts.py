@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import httpx
 
 from pd.router.background import TaskSet
-from pd.router.client import fetch
+from pd.router.client import fetch, started
 from pd.router.errors import UPSTREAM_ERRORS
 from pd.router.logprobs import SSE_DATA, SSE_DONE, sse_events
 
@@ -99,7 +99,7 @@ class Aborter:
         if len(rids) > 1 and worker.url not in self.single_rid:
             status, error = await self._post(worker, rids)
             if status not in LIST_REFUSED:
-                if error is not None or status >= 300:
+                if error is not None or status is None or status >= 300:  # no status only with an error
                     log.warning("abort of %d of %d rid(s) on %s %s failed (first: %s: %s)", len(rids), len(rids),
                                 worker.role, worker.url, rids[0],
                                 repr(error) if error is not None else f"HTTP {status}")
@@ -116,8 +116,8 @@ class Aborter:
     async def _post(self, worker, rid: str | list[str]) -> tuple[Optional[int], Optional[BaseException]]:
         """One /abort_request: (HTTP status, None), or (None, the error) instead of raising it."""
         try:
-            r = await fetch(self.client, "POST", worker.url + "/abort_request", ABORT_TIMEOUT, json={"rid": rid},
-                            headers={**self.headers, **worker.headers})
+            r = await fetch(started(self.client, "Aborter"), "POST", worker.url + "/abort_request", ABORT_TIMEOUT,
+                            json={"rid": rid}, headers={**self.headers, **worker.headers})
         except UPSTREAM_ERRORS as e:
             return None, e
         return r.status_code, None

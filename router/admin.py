@@ -24,7 +24,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
-from typing import Optional
+from typing import Optional, cast
 from urllib.parse import urlsplit
 
 from starlette.requests import Request
@@ -35,7 +35,7 @@ from pd.router.auth import Auth, valid_key
 from pd.router.config import RouterConfig, normalize_url
 from pd.router.errors import error_response
 from pd.router.health import HealthMonitor
-from pd.router.workers import WorkerPool
+from pd.router.workers import Worker, WorkerPool
 from pd.util import jsonbody
 
 log = logging.getLogger("pd.router")
@@ -137,33 +137,37 @@ class AdminAPI:
         return guarded
 
     @staticmethod
-    async def _body(request: Request) -> tuple[Optional[dict], Optional[Response]]:
+    async def _body(request: Request) -> dict | Response:
+        """The request's JSON object body, or the 400 to answer."""
         try:
             body = jsonbody.loads(await request.body() or b"{}")  # no NaN, no lone surrogates, any nesting
         except (ValueError, UnicodeDecodeError) as e:
-            return None, error_response(400, f"malformed JSON body: {e}")
+            return error_response(400, f"malformed JSON body: {e}")
         if not isinstance(body, dict):
-            return None, error_response(400, "the request body must be a JSON object")
-        return body, None
+            return error_response(400, "the request body must be a JSON object")
+        return body
 
-    async def _body_and_worker(self, request: Request) -> tuple[Optional[dict], Optional[object], Optional[Response]]:
+    async def _body_and_worker(self, request: Request) -> tuple[dict, Worker] | Response:
         """The JSON body of a request about one worker, and that worker (by the body's ``url``); or the 4xx."""
-        body, err = await self._body(request)
-        if err:
-            return None, None, err
-        w, err = self._find(body.get("url"))
-        return body, w, err
+        body = await self._body(request)
+        if isinstance(body, Response):
+            return body
+        w = self._find(body.get("url"))
+        if isinstance(w, Response):
+            return w
+        return body, w
 
-    def _find(self, url) -> tuple[Optional[object], Optional[Response]]:
+    def _find(self, url: object) -> Worker | Response:
+        """The worker with URL ``url``, or the 400 (no URL, a bad one) or 404 (no such worker) to answer."""
         if not isinstance(url, str) or not url:
-            return None, error_response(400, "url is required", "url")
+            return error_response(400, "url is required", "url")
         try:
             w = self.pool.get(url)
         except ValueError as e:
-            return None, error_response(400, str(e), "url")
+            return error_response(400, str(e), "url")
         if w is None:
-            return None, error_response(404, f"{url} is not a worker of this router", "url")
-        return w, None
+            return error_response(404, f"{url} is not a worker of this router", "url")
+        return w
 
     async def list_workers(self, request: Request) -> Response:
         """GET /workers: every worker's description and the per-role counts."""
@@ -174,9 +178,9 @@ class AdminAPI:
     async def add_worker(self, request: Request) -> Response:
         """POST /workers {url, worker_type|role, bootstrap_port?, api_key?}: add a worker; 400 naming the bad
         field, 403 for a host outside the cluster (``WorkerHosts``)."""
-        body, err = await self._body(request)
-        if err:
-            return err
+        body = await self._body(request)
+        if isinstance(body, Response):
+            return body
         url, role = body.get("url"), body.get("worker_type", body.get("role"))
         if not isinstance(url, str) or not url:
             return error_response(400, "url is required", "url")
@@ -193,7 +197,8 @@ class AdminAPI:
         if outside:
             return error_response(403, outside, "url")
         try:
-            w = self.pool.add(url, role, body.get("bootstrap_port"), api_key)
+            # pool.add refuses a role that is not one of ROLES (None and non-strings included) with a ValueError
+            w = self.pool.add(url, cast(str, role), body.get("bootstrap_port"), api_key)
         except ValueError as e:
             status = 409 if "already a worker" in str(e) else 400
             return error_response(status, str(e))
@@ -204,9 +209,9 @@ class AdminAPI:
 
     async def remove_worker(self, request: Request) -> Response:
         """DELETE /workers?url=: remove a worker at once (its in-flight requests finish); 404 if unknown."""
-        w, err = self._find(request.query_params.get("url"))
-        if err:
-            return err
+        w = self._find(request.query_params.get("url"))
+        if isinstance(w, Response):
+            return w
         self.pool.remove(w.url)
         log.warning("admin: removed %s worker %s (%d requests in flight finish on their own)", w.role, w.url,
                     w.inflight)
@@ -214,9 +219,10 @@ class AdminAPI:
 
     async def drain_worker(self, request: Request) -> Response:
         """POST /workers/drain {url, timeout_secs?}: stop new requests to a worker and wait for its in-flight ones."""
-        body, w, err = await self._body_and_worker(request)
-        if err:
-            return err
+        found = await self._body_and_worker(request)
+        if isinstance(found, Response):
+            return found
+        body, w = found
         timeout = body.get("timeout_secs", DEFAULT_DRAIN_TIMEOUT)
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0:
             return error_response(400, "timeout_secs must be a number >= 0", "timeout_secs")
@@ -231,9 +237,10 @@ class AdminAPI:
 
     async def activate_worker(self, request: Request) -> Response:
         """POST /workers/activate {url}: end a drain and reset the worker's circuit breaker."""
-        body, w, err = await self._body_and_worker(request)
-        if err:
-            return err
+        found = await self._body_and_worker(request)
+        if isinstance(found, Response):
+            return found
+        _, w = found
         w.draining = False
         w.breaker.reset()
         w.health_failures = w.health_successes = 0

@@ -8,7 +8,7 @@ for operators' scripts.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import httpx
 
@@ -52,7 +52,7 @@ class AdminClient:
     def add(self, url: str, role: str, bootstrap_port: Optional[int] = None, api_key: Optional[str] = None) -> dict:
         """Add a worker; ``api_key``: the key the router sends it (none without one). Raises AdminError (409 when
         it is already there, 400 for bad fields, 403 for a host outside the cluster)."""
-        body = {"url": url, "worker_type": role}
+        body: dict[str, Any] = {"url": url, "worker_type": role}
         if bootstrap_port is not None:
             body["bootstrap_port"] = bootstrap_port
         if api_key is not None:

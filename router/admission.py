@@ -126,9 +126,9 @@ def request_tokens(route: str, body: dict, shape: Shape) -> int:
         return total * n
     if route == "/v1/completions":
         prompt = body.get("prompt")
-        prompts = prompt if shape.batch else [prompt]
+        batch = prompt if shape.batch and isinstance(prompt, list) else [prompt]  # a batch: always a list
         new = _openai_length(body, "max_tokens", default)
-        return sum(_prompt_tokens(p) + new for p in prompts) * n
+        return sum(_prompt_tokens(p) + new for p in batch) * n
     # SGLang: ``max_completion_tokens or max_tokens`` (a 0 falls back to max_tokens; the reference engine
     # refuses a max_completion_tokens <= 0, so counting max_tokens then only ever counts more)
     new = _length(body.get("max_completion_tokens")) or _openai_length(body, "max_tokens", default)

@@ -34,7 +34,7 @@ from starlette.routing import Route
 
 from pd.router.admin import AdminAPI
 from pd.router.auth import Auth
-from pd.router.client import WorkerRedirect, content_type, fetch, make_client
+from pd.router.client import WorkerRedirect, content_type, fetch, make_client, started
 from pd.router.config import RouterConfig
 from pd.router.dispatch import PDDispatcher
 from pd.router.errors import TIMEOUT_ERRORS, UPSTREAM_ERRORS, error_response
@@ -114,8 +114,8 @@ class Router:
                 resp = error_response(503, self.pool.unavailable_reason("decode"))
             else:
                 try:
-                    r = await fetch(self.http, "GET", worker.url + WORKER_INFO_PATH.get(path, path), PROXY_TIMEOUT,
-                                    headers=worker.headers)
+                    r = await fetch(started(self.http, "Router"), "GET", worker.url + WORKER_INFO_PATH.get(path, path),
+                                    PROXY_TIMEOUT, headers=worker.headers)
                     status = r.status_code
                     resp = Response(self._scrubbed(r.content, worker), status_code=status,
                                     media_type=content_type(r))

@@ -17,7 +17,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import Optional
+from typing import Awaitable, Callable, Optional, Union
 
 from pd.router import logprobs
 from pd.router.aborts import Aborter, aborted_indexes
@@ -59,17 +59,24 @@ class AttemptRunner:
         self.first_token_timeout = t.first_token
         self.stream_idle_timeout = t.stream_idle
 
+    def _upstream(self) -> UpstreamClient:
+        """The upstream client. Raises RuntimeError before ``PDDispatcher.bind`` set it."""
+        client = self.client
+        if client is None:
+            raise RuntimeError("no upstream client: PDDispatcher.bind() must run before the first request")
+        return client
+
     # ---- one attempt -------------------------------------------------------------------------
-    async def run(self, ex: Exchange):
+    async def run(self, ex: Exchange) -> Union[Answer, Relay, Failure]:
         """Run one attempt: an Answer or a Relay for the client (committed), or a Failure."""
-        ex.prefill_task = self.tasks.spawn(self._read_prefill(ex))
-        ex.decode_task = asyncio.get_running_loop().create_task(self._open_decode(ex))
+        prefill_task = ex.prefill_task = self.tasks.spawn(self._read_prefill(ex))
+        decode_task = ex.decode_task = asyncio.get_running_loop().create_task(self._open_decode(ex))
         try:
             async with Deadline(self.first_token_timeout) as deadline:  # None: no deadline
-                return await self._exchange(ex, deadline)
+                return await self._exchange(ex, prefill_task, decode_task, deadline)
         except TimeoutError:
             # the first-token deadline passed: blame the side still working
-            side = ex.prefill if not ex.prefill_task.done() else ex.decode
+            side = ex.prefill if not prefill_task.done() else ex.decode
             self.abort_both(ex)
             side.breaker.record_failure()
             return no_answer(side.role, True, f"{side.role} worker {side.url} gave no first token within "
@@ -78,8 +85,11 @@ class AttemptRunner:
             self.abort_both(ex)
             raise
 
-    async def _exchange(self, ex: Exchange, deadline: "Deadline"):
-        """The attempt under ``deadline`` (timeouts.first_token): a committed answer or a Failure.
+    async def _exchange(self, ex: Exchange, prefill_task: asyncio.Task[PrefillOutcome],
+                        decode_task: asyncio.Task[UpstreamResponse],
+                        deadline: Deadline) -> Union[Answer, Relay, Failure]:
+        """The attempt (its sides' tasks, ``ex``'s own) under ``deadline`` (timeouts.first_token): a committed
+        answer or a Failure.
 
         A non-stream answer is accepted by the decode once the prefill answered 2xx while the decode
         request still runs: SGLang's prefill answers only after its KV reached the decode, which needs
@@ -88,10 +98,9 @@ class AttemptRunner:
         the decode sends tells this earlier. From then on ``deadline`` is lifted: the answer is bounded
         by timeouts.request (the decode request's own limit) and that passing is not retried.
         """
-        decode_task = ex.decode_task
-        await _first_done(ex.prefill_task, decode_task)
+        await _first_done(prefill_task, decode_task)
         if not decode_task.done():
-            pre = ex.prefill_task.result()
+            pre = prefill_task.result()
             if not pre.ok:
                 # Decode has produced nothing yet: abort it, answer with the prefill's failure.
                 self._abort_decode(ex)
@@ -109,18 +118,18 @@ class AttemptRunner:
             return await self._decode_status(ex, resp)
         if ex.stream:
             return await self._decode_stream(ex, resp)
-        data, failure = await self._read_decode(ex, resp, resp.read)
-        if failure is not None:
-            return failure
+        data = await self._read_decode(ex, resp, resp.read)
+        if isinstance(data, Failure):
+            return data
         resp.release()
         ex.decode_end()
         ex.decode.breaker.record_success()
-        if not ex.prefill_task.done() and b"abort" in data:
+        if not prefill_task.done() and b"abort" in data:
             self.abort_prefill_sequences(ex, aborted_indexes(ex.route, data, False))
         em = ex.em
         em.ttft.observe(time.perf_counter() - ex.arrival)
         if ex.merge:
-            pre = await asyncio.shield(ex.prefill_task)  # being cancelled must not cancel the prefill read
+            pre = await asyncio.shield(prefill_task)  # being cancelled must not cancel the prefill read
             if pre.ok:
                 data = logprobs.merge_full(data, logprobs.prefill_inputs(pre.body, stream=False))
         p, c = count_tokens(data)
@@ -136,7 +145,8 @@ class AttemptRunner:
         w.begin(ex.seqs)
         out: PrefillOutcome
         try:
-            resp = await self.client.post(w.url, ex.route, ex.payload, ex.headers + w.auth_line, self.prefill_timeout)
+            resp = await self._upstream().post(w.url, ex.route, ex.payload, ex.headers + w.auth_line,
+                                               self.prefill_timeout)
             try:
                 raw = await resp.read()
             except BaseException:
@@ -169,8 +179,8 @@ class AttemptRunner:
     async def _open_decode(self, ex: Exchange) -> UpstreamResponse:
         ex.decode_begin()
         try:
-            return await self.client.post(ex.decode.url, ex.route, ex.payload, ex.headers + ex.decode.auth_line,
-                                          self.request_timeout)
+            return await self._upstream().post(ex.decode.url, ex.route, ex.payload, ex.headers + ex.decode.auth_line,
+                                               self.request_timeout)
         except BaseException:
             ex.decode_end()
             raise
@@ -203,7 +213,7 @@ class AttemptRunner:
     def abort_prefill_sequences(self, ex: Exchange, indexes: set[int]) -> None:
         """Decode ended these sequences as aborted: if the prefill still works on the request,
         abort them there too (it would hold their KV until its bootstrap timeout)."""
-        if not indexes or ex.prefill_aborted or ex.prefill_task.done():
+        if not indexes or ex.prefill_aborted or ex.prefill_task is None or ex.prefill_task.done():
             return
         if len(indexes) >= ex.seqs:
             self._abort_prefill(ex)
@@ -283,6 +293,7 @@ class AttemptRunner:
         # A decode error is often only the echo of a failed prefill (its bootstrap server is gone):
         # give the prefill's answer a moment, so the client gets the root cause.
         task = ex.prefill_task
+        assert task is not None  # started with the decode request (run)
         if not task.done():
             await asyncio.wait((task,), timeout=PREFILL_VERDICT_WAIT)
         if task.done() and not task.cancelled():
@@ -293,28 +304,29 @@ class AttemptRunner:
                 return self._prefill_failure(ex, pre)
         return answered("decode", ex.decode.url, resp.status, data, resp.content_type)
 
-    async def _read_decode(self, ex: Exchange, resp: UpstreamResponse, read):
-        """``await read()`` on decode's 2xx response -> (bytes, None). On an upstream error the decode
-        side is closed and released, the prefill aborted and the decode's breaker told -> (None, the
-        failure to answer with). Anything else (cancellation) closes it and propagates."""
+    async def _read_decode(self, ex: Exchange, resp: UpstreamResponse,
+                           read: Callable[[], Awaitable[bytes]]) -> Union[bytes, Failure]:
+        """``await read()`` on decode's 2xx response -> the bytes. On an upstream error the decode
+        side is closed and released, the prefill aborted and the decode's breaker told -> the
+        failure to answer with. Anything else (cancellation) closes it and propagates."""
         try:
-            return await read(), None
+            return await read()
         except UPSTREAM_ERRORS as e:
             resp.close()
             ex.decode_end()
             self._abort_prefill(ex)
-            return None, self._decode_failed(ex, e)
+            return self._decode_failed(ex, e)
         except BaseException:
             resp.close()
             ex.decode_end()
             raise
 
-    async def _decode_stream(self, ex: Exchange, resp: UpstreamResponse):
+    async def _decode_stream(self, ex: Exchange, resp: UpstreamResponse) -> Union[Relay, Failure]:
         """Decode answered a stream with 2xx: read its first chunk before committing, so a stream
         that starts with an error is still retried."""
-        first, failure = await self._read_decode(ex, resp, resp.readany)
-        if failure is not None:
-            return failure
+        first = await self._read_decode(ex, resp, resp.readany)
+        if isinstance(first, Failure):
+            return first
         failure = stream_start(first)
         if failure is not None:
             if failure.status >= 500:

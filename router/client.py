@@ -35,6 +35,17 @@ def make_client(config: RouterConfig) -> httpx.AsyncClient:
     return client
 
 
+def started(client: Optional[httpx.AsyncClient], owner: str) -> httpx.AsyncClient:
+    """``client``, which its ``owner`` gets once the event loop runs (the router's lifespan).
+
+    Raises:
+        RuntimeError: ``client`` is still None (``owner`` was not started).
+    """
+    if client is None:
+        raise RuntimeError(f"{owner} has no HTTP client yet: the router's lifespan has not started it")
+    return client
+
+
 class WorkerRedirect(httpx.HTTPError):
     """A worker answered a redirect (3xx). The router follows none: a worker could point it at any host (one
     the admin API refuses, or a cloud metadata address) and have that host's answer relayed or trusted."""

@@ -16,7 +16,7 @@ section's ``FLAG`` rule (``RetryConfig.FLAG = "--retry-{}"``: ``retry.max_retrie
 from __future__ import annotations
 
 import ipaddress
-from typing import Any, ClassVar, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional, get_args
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -34,7 +34,7 @@ WORKER_KEY_ENV = "PDSERVE_ROUTER_WORKER_API_KEY"
 CONFIG_ENV = "PDSERVE_ROUTER_CONFIG"
 
 PolicyName = Literal["round_robin", "random", "least_load", "power_of_two", "cache_aware"]
-POLICY_NAMES: tuple[str, ...] = PolicyName.__args__
+POLICY_NAMES: tuple[str, ...] = get_args(PolicyName)
 
 
 def _is_ip(text: str) -> bool:
@@ -113,7 +113,7 @@ class PrefillWorkerConfig(_Strict):
     registers its KV pages there)."""
 
     url: str
-    bootstrap_port: int = Field(DEFAULT_BOOTSTRAP_PORT, ge=1, le=65535)
+    bootstrap_port: int = Field(default=DEFAULT_BOOTSTRAP_PORT, ge=1, le=65535)
 
     @field_validator("url")
     @classmethod
@@ -123,7 +123,9 @@ class PrefillWorkerConfig(_Strict):
     @property
     def bootstrap_host(self) -> str:
         """The prefill's host as the decode must reach it: the host part of its URL."""
-        return urlsplit(self.url).hostname
+        host = urlsplit(self.url).hostname
+        assert host is not None  # the url validator (normalize_url) refuses a URL without a host
+        return host
 
 
 class ClientConnectionConfig(_Strict):
@@ -132,20 +134,20 @@ class ClientConnectionConfig(_Strict):
 
     FLAG: ClassVar[str] = "--client-{}"
 
-    max_connections: int = Field(0, ge=0)
+    max_connections: int = Field(default=0, ge=0)
     """open client connections in all; over it a new connection is reset at once. 0 = the open-file limit
     (raised to its hard limit at start) less 1024, at most 65,536."""
-    max_connections_per_address: int = Field(0, ge=0)
+    max_connections_per_address: int = Field(default=0, ge=0)
     """open client connections from one source address, so one address cannot take them all; 0 = half of
     ``max_connections``. A load balancer in front of the router is one address: raise it there."""
-    header_timeout_secs: float = Field(10.0, gt=0)
+    header_timeout_secs: float = Field(default=10.0, gt=0)
     """seconds for a request's header block, from the connection's opening (or the request's first byte on a
     reused connection); then 408 and close. A connection that sends nothing is closed after it too."""
-    max_header_bytes: int = Field(64 * 1024, ge=1024)
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024)
     """bytes of a request's header block, request line included; 431 and close above it."""
-    max_headers: int = Field(100, ge=8)
+    max_headers: int = Field(default=100, ge=8)
     """header fields of a request; 431 and close above it."""
-    keep_alive_timeout_secs: float = Field(5.0, gt=0)
+    keep_alive_timeout_secs: float = Field(default=5.0, gt=0)
     """seconds an idle connection (no request in flight) is kept open between requests."""
 
     def limits(self):
@@ -163,16 +165,16 @@ class RetryConfig(_Strict):
 
     FLAG: ClassVar[str] = "--retry-{}"
 
-    max_retries: int = Field(5, ge=1, json_schema_extra=flag(switch=("--disable-retries", 1)))
+    max_retries: int = Field(default=5, ge=1, json_schema_extra=flag(switch=("--disable-retries", 1)))
     """attempts in all, the first included (sglang-router's meaning: 1 = no retry;
     ``--disable-retries`` sets 1)."""
-    initial_backoff_ms: float = Field(50, ge=0)
+    initial_backoff_ms: float = Field(default=50, ge=0)
     """wait before the 2nd attempt, in ms."""
-    max_backoff_ms: float = Field(30_000, ge=0)
+    max_backoff_ms: float = Field(default=30_000, ge=0)
     """cap of the wait between two attempts, in ms."""
-    backoff_multiplier: float = Field(1.5, ge=1)
+    backoff_multiplier: float = Field(default=1.5, ge=1)
     """growth of the wait per attempt."""
-    jitter_factor: float = Field(0.2, ge=0, le=1)
+    jitter_factor: float = Field(default=0.2, ge=0, le=1)
     """each wait is scaled by a uniform factor in [1 - j, 1 + j]."""
 
 
@@ -181,17 +183,17 @@ class CircuitBreakerConfig(_Strict):
 
     FLAG: ClassVar[str] = "--cb-{}"
 
-    enabled: bool = Field(True, json_schema_extra=flag(switch=("--disable-circuit-breaker", False),
+    enabled: bool = Field(default=True, json_schema_extra=flag(switch=("--disable-circuit-breaker", False),
                                                                 takes_value=False))
     """whether a worker's circuit opens at all; False = never."""
-    failure_threshold: int = Field(10, ge=1)
+    failure_threshold: int = Field(default=10, ge=1)
     """consecutive failed requests (connection error, timeout, HTTP 5xx) that open the circuit; a
     success resets the count."""
-    success_threshold: int = Field(3, ge=1)
+    success_threshold: int = Field(default=3, ge=1)
     """consecutive successes in half-open state that close it again."""
-    timeout_duration_secs: float = Field(60, gt=0)
+    timeout_duration_secs: float = Field(default=60, gt=0)
     """seconds an open circuit waits before letting trial requests through (half-open)."""
-    window_duration_secs: float = Field(120, gt=0)
+    window_duration_secs: float = Field(default=120, gt=0)
     """failures further apart than this (seconds) do not add up."""
 
 
@@ -202,15 +204,15 @@ class HealthCheckConfig(_Strict):
 
     FLAG: ClassVar[str] = "--health-check-{}"
 
-    interval_secs: float = Field(10, ge=0, json_schema_extra=flag("--health-check-interval-secs",
+    interval_secs: float = Field(default=10, ge=0, json_schema_extra=flag("--health-check-interval-secs",
                                                                   "--health-check-interval"))
     """seconds between probe rounds; 0 turns active checks off (a worker is then never taken out
     by them)."""
-    timeout_secs: float = Field(5, gt=0)
+    timeout_secs: float = Field(default=5, gt=0)
     """seconds one probe may take."""
-    failure_threshold: int = Field(3, ge=1, json_schema_extra=flag("--health-failure-threshold"))
+    failure_threshold: int = Field(default=3, ge=1, json_schema_extra=flag("--health-failure-threshold"))
     """failed probes in a row that take a worker out of routing."""
-    success_threshold: int = Field(2, ge=1, json_schema_extra=flag("--health-success-threshold"))
+    success_threshold: int = Field(default=2, ge=1, json_schema_extra=flag("--health-success-threshold"))
     """passed probes in a row that put it back."""
     endpoint: str = "/health"
     """the path probed on every worker."""
@@ -229,20 +231,20 @@ class TimeoutConfig(_Strict):
 
     FLAG: ClassVar[str] = "--{}-timeout-secs"
 
-    connect: float = Field(10.0, gt=0, json_schema_extra=flag("--connect-timeout-secs", "--connect-timeout"))
+    connect: float = Field(default=10.0, gt=0, json_schema_extra=flag("--connect-timeout-secs", "--connect-timeout"))
     """to open a connection to a worker."""
-    body_read: float = Field(30.0, gt=0)
+    body_read: float = Field(default=30.0, gt=0)
     """to receive a client's whole request body (a client that declares more than it sends, or sends
     it byte by byte, gets a 408 instead of holding a connection)."""
-    body_read_min_rate: float = Field(500.0, ge=0, json_schema_extra=flag("--body-read-min-rate"))
+    body_read_min_rate: float = Field(default=500.0, ge=0, json_schema_extra=flag("--body-read-min-rate"))
     """bytes per second a request body must keep up once ``body_read_grace`` has passed, or the
     client gets a 408 before ``body_read`` (Apache mod_reqtimeout's ``MinRate``, 500 there too: the
     deadline starts at the grace and each byte received extends it by 1/rate s); 0 turns it off."""
-    body_read_grace: float = Field(5.0, gt=0, json_schema_extra=flag("--body-read-grace-secs"))
+    body_read_grace: float = Field(default=5.0, gt=0, json_schema_extra=flag("--body-read-grace-secs"))
     """seconds a request body may take before the ``body_read_min_rate`` rule applies."""
-    prefill: Optional[float] = Field(None, gt=0)
+    prefill: Optional[float] = Field(default=None, gt=0)
     """dispatch -> the prefill's response fully read."""
-    first_token: Optional[float] = Field(300.0, gt=0)
+    first_token: Optional[float] = Field(default=300.0, gt=0)
     """dispatch -> the first byte of decode's body for streams; for a non-stream answer, dispatch ->
     the decode accepted it (the prefill answered 2xx: its KV reached the decode, which is generating;
     SGLang sends a non-stream answer's headers only with its last byte). Passing it is a worker failure,
@@ -250,28 +252,28 @@ class TimeoutConfig(_Strict):
     that is not retried and does not count against the decode's circuit breaker (a long answer is no
     broken worker). The default is SGLang's PD waiting timeout (SGLANG_DISAGGREGATION_WAITING_TIMEOUT,
     300 s): a decode that has not started by then has failed."""
-    stream_idle: Optional[float] = Field(60.0, gt=0)
+    stream_idle: Optional[float] = Field(default=60.0, gt=0)
     """longest silence between two chunks of a decode stream (a healthy stream's longest gap is one
     decode step under load: well under a second)."""
-    request: float = Field(1800.0, gt=0, json_schema_extra=flag("--request-timeout-secs", "--request-timeout"))
+    request: float = Field(default=1800.0, gt=0, json_schema_extra=flag("--request-timeout-secs", "--request-timeout"))
     """one upstream request in total, streams included: the bound of a long non-stream answer."""
 
 
 class CacheAwareConfig(_Strict):
     """The ``cache_aware`` policy (sglang-router's flags of the same names)."""
 
-    cache_threshold: float = Field(0.3, ge=0, le=1)
+    cache_threshold: float = Field(default=0.3, ge=0, le=1)
     """a worker whose tree matches at least this fraction of the prompt wins; below it the worker
     with the smallest tree (most free cache) is picked."""
-    balance_abs_threshold: int = Field(64, ge=0)
+    balance_abs_threshold: int = Field(default=64, ge=0)
     """when the busiest and idlest candidate differ by more than this many in-flight sequences AND
     by more than ``balance_rel_threshold`` times, the least loaded worker is picked instead (cache
     affinity must not pile up load)."""
-    balance_rel_threshold: float = Field(1.5, ge=1)
+    balance_rel_threshold: float = Field(default=1.5, ge=1)
     """the ratio half of that rule."""
-    eviction_interval_secs: float = Field(120, gt=0)
+    eviction_interval_secs: float = Field(default=120, gt=0)
     """how often (seconds) each tree is trimmed to ``max_tree_size``."""
-    max_tree_size: int = Field(2**26, ge=1)
+    max_tree_size: int = Field(default=2**26, ge=1)
     """characters kept per worker's tree (least recently used first out)."""
 
 
@@ -281,7 +283,7 @@ class RouterSettings(_Strict):
 
     host: str = "127.0.0.1"
     """address the router listens on."""
-    port: int = Field(30000, ge=0, le=65535)
+    port: int = Field(default=30000, ge=0, le=65535)
     """port the router listens on (0 = any free port)."""
     policy: PolicyName = "round_robin"
     """the pairing policy of both sides unless ``prefill_policy`` / ``decode_policy`` set one side's
@@ -302,23 +304,23 @@ class RouterSettings(_Strict):
     """timeouts (seconds)."""
     client: ClientConnectionConfig = Field(default_factory=ClientConnectionConfig)
     """limits on client connections."""
-    max_payload_size: int = Field(caps.MAX_BODY_BYTES, ge=1)
+    max_payload_size: int = Field(default=caps.MAX_BODY_BYTES, ge=1)
     """largest request body in bytes (413 above it). The default, 32 MiB, is the reference engine's
     own limit (``--max-body-bytes``): a larger body would pass the router only to get a 413 from both
     workers. sglang-router's 512 MiB is larger than any engine here accepts; SGLang's HTTP server
     documents no limit of its own."""
-    max_n: int = Field(caps.MAX_N, ge=1)
+    max_n: int = Field(default=caps.MAX_N, ge=1)
     """largest ``n`` (samples per prompt: ``n`` of the OpenAI routes, ``sampling_params.n`` of
     /generate); a request over it gets 400 before any worker sees it. 16 covers best-of-n and
     self-consistency sampling while one request stays a small share of a DeepSeek-V4 decode's batch."""
-    max_batch_size: int = Field(caps.MAX_BATCH_SIZE, ge=1)
+    max_batch_size: int = Field(default=caps.MAX_BATCH_SIZE, ge=1)
     """most prompts in one batch request (a list ``text`` / ``input_ids`` of /generate, a list
     ``prompt`` of /v1/completions); 400 above it, before any worker sees it."""
-    max_sequences_per_request: int = Field(caps.MAX_SEQUENCES_PER_REQUEST, ge=1)
+    max_sequences_per_request: int = Field(default=caps.MAX_SEQUENCES_PER_REQUEST, ge=1)
     """most sequences one request generates (prompts x n): each is a bootstrap room, a KV
     allocation on both sides and an abort per side when it fails; 400 above it, before any worker
     sees it. 512 is about one DeepSeek-V4 decode instance's running batch."""
-    max_total_tokens_per_request: int = Field(1 << 20, ge=1)
+    max_total_tokens_per_request: int = Field(default=1 << 20, ge=1)
     """most tokens one request may hold in flight: prompt tokens + ``max_new_tokens`` summed over its
     sequences (each sequence holds its prompt's KV and its own output's); 400 above it, before any
     worker sees it. The router does not tokenize: a token-id prompt counts its ids, a text prompt its
@@ -327,31 +329,31 @@ class RouterSettings(_Strict):
     counts SGLang's default (128 on /generate, 16 on /v1/completions, 0 on chat, whose length the
     engine bounds by the context). 2^20 = 16 samples (``max_n``) of the DeepSeek-V4 profile's whole
     64K-token context."""
-    max_concurrent_requests: int = Field(512, ge=-1)
+    max_concurrent_requests: int = Field(default=512, ge=-1)
     """generation requests in flight at once (a stream until its last byte); more wait in a FIFO
     queue of ``queue_size`` for up to ``queue_timeout_secs``, and get 429 with ``Retry-After`` when it
     is full or the wait ends. -1 or 0 = no limit (sgl-model-gateway's flag and meaning). 512 is one
     DeepSeek-V4 decode instance's running batch: the engines queue more themselves, holding the
     client's connection and KV it waits for."""
-    queue_size: int = Field(1024, ge=0)
+    queue_size: int = Field(default=1024, ge=0)
     """requests that may wait for an in-flight slot (0 = none wait: 429 at once when all are taken).
     A waiting request's body is held in memory, so this times ``max_payload_size`` bounds the queue's
     memory."""
-    queue_timeout_secs: float = Field(60.0, gt=0)
+    queue_timeout_secs: float = Field(default=60.0, gt=0)
     """longest wait in the queue, in seconds, then 429 (sgl-model-gateway answers 408 here; 429 tells
     clients and the OpenAI SDK to come back, which is what a full router means)."""
-    max_connections: int = Field(1024, ge=1)
+    max_connections: int = Field(default=1024, ge=1)
     """pooled upstream connections, all workers together, per client: the generation requests'
     client (pd.router.upstream) and the client of health checks, aborts and info proxies each
     keep at most this many."""
-    api_key: Optional[str] = Field(None, repr=False, json_schema_extra=flag(env=API_KEY_ENV))
+    api_key: Optional[str] = Field(default=None, repr=False, json_schema_extra=flag(env=API_KEY_ENV))
     """key clients must send as ``Authorization: Bearer KEY`` on client routes (generation and
     info); unless ``worker_api_key`` is set, the router also sends it to the workers it starts with
     (SGLang's ``--api-key``, as sglang-router does), never to a worker added through the admin API."""
-    admin_api_key: Optional[str] = Field(None, repr=False, json_schema_extra=flag(env=ADMIN_KEY_ENV))
+    admin_api_key: Optional[str] = Field(default=None, repr=False, json_schema_extra=flag(env=ADMIN_KEY_ENV))
     """key of the admin API (/workers); without it the admin API accepts the ``api_key``, and with
     neither only clients on a loopback address."""
-    worker_api_key: Optional[str] = Field(None, repr=False, json_schema_extra=flag(env=WORKER_KEY_ENV))
+    worker_api_key: Optional[str] = Field(default=None, repr=False, json_schema_extra=flag(env=WORKER_KEY_ENV))
     """key the router sends (``Authorization: Bearer KEY``) to the workers it starts with, in health
     checks, generation, abort and info calls: the engines' ``--api-key`` (a launched cluster's
     generated key). Unset: ``api_key``. A worker added through the admin API gets only the

@@ -14,13 +14,24 @@ class Deadline:
 
     __slots__ = ("delay", "task", "handle", "expired", "cancelling")
 
+    task: asyncio.Task  # the task in the block (set on entering)
+    cancelling: int  # its cancel requests on entering
+
     def __init__(self, delay: Optional[float]):
         self.delay = delay
-        self.handle: Optional[asyncio.TimerHandle] = None
+        self.handle: Optional[asyncio.Handle] = None
         self.expired = False
 
     async def __aenter__(self) -> "Deadline":
-        task = self.task = asyncio.current_task()
+        """Arm the deadline for the current task.
+
+        Raises:
+            RuntimeError: not entered inside a task (as ``asyncio.timeout``).
+        """
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("Deadline must be used inside a task")
+        self.task = task
         self.cancelling = task.cancelling()
         if self.delay is not None:
             loop = task.get_loop()

@@ -19,12 +19,18 @@ class DisconnectWatch:
 
     Args:
         receive: the request's ASGI receive, its body already read.
+
+    Raises:
+        RuntimeError: created outside a task.
     """
 
     __slots__ = ("task", "receive", "armed", "gone", "_timer")
 
     def __init__(self, receive: Receive):
-        self.task = asyncio.current_task()
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("DisconnectWatch must be created inside the request's task")
+        self.task: asyncio.Task = task
         self.receive = receive
         self.armed = True
         self.gone: Optional[asyncio.Task] = None

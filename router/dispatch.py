@@ -170,7 +170,7 @@ class PDDispatcher:
             return await self._reject(send, em, arrival, 401, "unauthorized", "missing or invalid API key "
                                       "(send 'Authorization: Bearer KEY')", rid_header)
         ctype = headers.get(b"content-type")
-        if not json_content_type(ctype):
+        if ctype is not None and not json_content_type(ctype):  # no Content-Type at all passes
             return await self._reject(send, em, arrival, 415, "invalid_request", f"Content-Type "
                                       f"{ctype.decode('latin-1')!r} is not JSON; send 'Content-Type: application/json'",
                                       rid_header)
@@ -257,10 +257,10 @@ class PDDispatcher:
         try:
             limit = self.admission
             if not limit.enter():
-                refused = await limit.wait()  # the disconnect watch is on: a client leaving leaves the queue
-                if refused is not None:
+                busy = await limit.wait()  # the disconnect watch is on: a client leaving leaves the queue
+                if busy is not None:
                     watch.disarm()
-                    return await self._refuse_busy(send, em, arrival, refused, req_id, rid_header)
+                    return await self._refuse_busy(send, em, arrival, busy, req_id, rid_header)
             admitted = time.perf_counter()
             if fanout.applies(route, body, shape):  # one single-sample request per sample, merged
                 samples_em = fanout.SampleMetrics(em)
@@ -295,7 +295,7 @@ class PDDispatcher:
         except asyncio.CancelledError:
             if not watch.client_left():
                 raise  # not the client leaving (e.g. shutdown)
-            asyncio.current_task().uncancel()
+            watch.task.uncancel()  # the watch's task is this one
             if relay is None:  # a relay records its own end
                 if ex is not None:
                     self.runner.abort_both(ex)

@@ -12,7 +12,9 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
+    from pd.router.fanout import SampleMetrics
     from pd.router.metrics import EndpointMetrics
+    from pd.router.upstream import Response as UpstreamResponse
     from pd.router.workers import Worker
 
 
@@ -21,7 +23,8 @@ def is_2xx(status: Optional[int]) -> bool:
     return status is not None and 200 <= status < 300
 
 
-def record_outcome(em: EndpointMetrics, arrival: float, status: int, kind: Optional[str] = None) -> None:
+def record_outcome(em: EndpointMetrics | SampleMetrics, arrival: float, status: int,
+                   kind: Optional[str] = None) -> None:
     """Count one answered request: its end-to-end latency since ``arrival`` (``time.perf_counter()``
     seconds), its HTTP ``status`` and, if not None, its failure ``kind``."""
     em.e2e.observe(time.perf_counter() - arrival)
@@ -61,8 +64,9 @@ class Exchange:
                  "headers", "arrival", "dispatched", "prefill_task", "decode_task", "prefill_aborted",
                  "decode_aborted", "accepted", "_decode_open")
 
-    def __init__(self, route: str, em: EndpointMetrics, prefill: Worker, decode: Worker, rids: list[str], seqs: int,
-                 stream: bool, merge: bool, drop_usage: bool, payload: bytes, headers: dict, arrival: float):
+    def __init__(self, route: str, em: EndpointMetrics | SampleMetrics, prefill: Worker, decode: Worker,
+                 rids: list[str], seqs: int, stream: bool, merge: bool, drop_usage: bool, payload: bytes,
+                 headers: bytes, arrival: float):
         self.route, self.em = route, em
         self.prefill, self.decode = prefill, decode
         self.rids, self.seqs = rids, seqs
@@ -70,8 +74,9 @@ class Exchange:
         self.payload, self.headers = payload, headers
         self.arrival = arrival
         self.dispatched = time.perf_counter()
-        self.prefill_task: Optional[asyncio.Task] = None
-        self.decode_task: Optional[asyncio.Task] = None
+        # set together when the attempt starts (AttemptRunner.run), before anything else sees the exchange
+        self.prefill_task: Optional[asyncio.Task[PrefillOutcome]] = None
+        self.decode_task: Optional[asyncio.Task[UpstreamResponse]] = None
         self.prefill_aborted = self.decode_aborted = False
         # a non-stream answer the decode accepted (the prefill answered 2xx: its KV reached the decode,
         # which is generating): bounded by timeouts.request only, and not retried when that passes
@@ -89,7 +94,7 @@ class Exchange:
             self._decode_open = False
             self.decode.end(self.seqs)
 
-    def release_decode(self, task: asyncio.Future) -> None:
+    def release_decode(self, task: asyncio.Future[UpstreamResponse]) -> None:
         """Close the response of an aborted decode request nobody will read."""
         if not task.cancelled() and task.exception() is None:
             task.result().close()

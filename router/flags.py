@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import types
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Optional, Union, get_args, get_origin
+from typing import Any, Literal, Mapping, Optional, TypeGuard, Union, get_args, get_origin
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -50,10 +50,13 @@ class SettingFlag:
     @property
     def name(self) -> str:
         """The flag named in errors: the value flag, else the switch."""
-        return self.options[0] if self.options else self.switch[0]
+        if self.options:
+            return self.options[0]
+        assert self.switch is not None  # a setting without a value flag has a switch (flag(takes_value=False))
+        return self.switch[0]
 
 
-def _is_section(annotation) -> bool:
+def _is_section(annotation: object) -> TypeGuard[type[BaseModel]]:
     return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
@@ -119,10 +122,11 @@ class SettingsFlags:
         for key, info in model.model_fields.items():
             if key in skip:
                 continue
-            if _is_section(info.annotation):
+            section = info.annotation
+            if _is_section(section):
                 self._sections[key] = _plain(" ".join((info.description or key).split()).rstrip("."))
-                for sub, sub_info in info.annotation.model_fields.items():
-                    self.flags.append(self._flag(info.annotation, (key, sub), sub_info, key))
+                for sub, sub_info in section.model_fields.items():
+                    self.flags.append(self._flag(section, (key, sub), sub_info, key))
             else:
                 self.flags.append(self._flag(model, (key,), info, None))
         self._by_path = {f.dotted: f for f in self.flags}
@@ -130,8 +134,9 @@ class SettingsFlags:
 
     @staticmethod
     def _flag(owner: type[BaseModel], path: tuple[str, ...], info: FieldInfo, section: Optional[str]) -> SettingFlag:
-        meta = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-        name = meta.get("flag", owner.FLAG.format(path[-1].replace("_", "-")))
+        meta: dict[str, Any] = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        rule: str = getattr(owner, "FLAG")  # the models' flag naming rule, a ClassVar of pd.router.config's models
+        name = meta.get("flag", rule.format(path[-1].replace("_", "-")))
         switch = tuple(meta["switch"]) if meta.get("switch") else None
         env = meta.get("env")
         options = (name, *meta.get("aliases", ())) if name else ()
@@ -145,7 +150,7 @@ class SettingsFlags:
         """Add every flag to ``parser``: top-level settings in one group, each section in its own.
         Value flags come first in a group, then its switches. ``given`` reads this parser's results."""
         self._dests = []
-        groups = {None: parser.add_argument_group("router")}
+        groups: dict[Optional[str], argparse._ArgumentGroup] = {None: parser.add_argument_group("router")}
         groups.update((key, parser.add_argument_group(title)) for key, title in self._sections.items())
         for section, group in groups.items():
             mine = [f for f in self.flags if f.section == section]
@@ -168,7 +173,9 @@ class SettingsFlags:
     def _field(self, f: SettingFlag) -> FieldInfo:
         model = self.model
         for key in f.path[:-1]:
-            model = model.model_fields[key].annotation
+            section = model.model_fields[key].annotation
+            assert _is_section(section)  # a flag's path runs through sections only (__init__)
+            model = section
         return model.model_fields[f.path[-1]]
 
     def given(self, namespace: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any]:

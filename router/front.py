@@ -117,7 +117,9 @@ async def read_body(receive: Receive, limit: int, timeout: float, min_rate: floa
                 if not msg.get("more_body", False):
                     return b"".join(chunks)
     except TimeoutError:
-        raise BodyTimeout(size, loop.time() - start, rated and scope.when() < hard, timeout, min_rate) from None
+        when = scope.when()  # None only for a scope without a deadline, which this one never is
+        raise BodyTimeout(size, loop.time() - start, rated and when is not None and when < hard, timeout,
+                          min_rate) from None
 
 
 def json_content_type(value: Optional[bytes]) -> bool:

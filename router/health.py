@@ -14,7 +14,7 @@ from typing import Optional
 
 import httpx
 
-from pd.router.client import fetch
+from pd.router.client import fetch, started
 from pd.router.config import HealthCheckConfig
 from pd.router.errors import TIMEOUT_ERRORS, UPSTREAM_ERRORS
 from pd.router.workers import Worker, WorkerPool
@@ -74,8 +74,9 @@ class HealthMonitor:
     async def check_all(self) -> None:
         """One probe round over every worker, concurrently."""
         workers = self.pool.all
-        results = await asyncio.gather(*(probe(self.client, w, self.cfg.endpoint, self.cfg.timeout_secs,
-                                               {**(self.headers or {}), **w.headers}) for w in workers))
+        results = await asyncio.gather(*(probe(started(self.client, "HealthMonitor"), w, self.cfg.endpoint,
+                                               self.cfg.timeout_secs, {**(self.headers or {}), **w.headers})
+                                         for w in workers))
         for w, err in zip(workers, results):
             self.record(w, err)
 
@@ -83,8 +84,9 @@ class HealthMonitor:
         """GET /health_generate on every worker concurrently; the failures as
         ``[{"worker", "role", "error"}]`` (empty when all answered 200). Does not change routing."""
         workers = self.pool.all
-        results = await asyncio.gather(*(probe(self.client, w, "/health_generate", HEALTH_GENERATE_TIMEOUT,
-                                               {**(self.headers or {}), **w.headers}) for w in workers))
+        results = await asyncio.gather(*(probe(started(self.client, "HealthMonitor"), w, "/health_generate",
+                                               HEALTH_GENERATE_TIMEOUT, {**(self.headers or {}), **w.headers})
+                                         for w in workers))
         return [{"worker": w.url, "role": w.role, "error": err} for w, err in zip(workers, results) if err is not None]
 
     def start(self, client: httpx.AsyncClient) -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -147,13 +147,20 @@ class Family:
         buckets: a histogram's finite upper bounds in seconds, ascending (+Inf is added).
     """
 
+    # An unlabeled family is its one series too: __init__ binds that series' methods here (those its kind has).
+    inc: Callable[..., None]
+    dec: Callable[..., None]
+    set: Callable[[float], None]
+    observe: Callable[[float], None]
+
     def __init__(self, kind: str, name: str, doc: str, labelnames: Sequence[str] = (),
                  buckets: Sequence[float] = ()):
         if kind not in ("counter", "gauge", "histogram"):
             raise ValueError(f"kind must be counter, gauge or histogram, got {kind!r}")
         self.kind, self.name, self.doc, self.labelnames = kind, name, doc, tuple(labelnames)
         self.upper = tuple(float(b) for b in buckets) + (float("inf"),)
-        self.series: dict[tuple[str, ...], object] = {}
+        # CounterValue, GaugeValue or HistogramValue by kind (labels() makes them)
+        self.series: dict[tuple[str, ...], Any] = {}
         if not self.labelnames:
             self._only = self.labels()
             for op in ("inc", "dec", "set", "observe"):
@@ -192,24 +199,26 @@ class Family:
         """The prometheus_client family of the current values (for the collector)."""
         names = list(self.labelnames)
         if self.kind == "counter":
-            fam = CounterMetricFamily(self.name, self.doc, labels=names)
+            counter = CounterMetricFamily(self.name, self.doc, labels=names)
             for key, s in self.series.items():
-                fam.add_metric(key, s.value, created=s.created)
-        elif self.kind == "gauge":
-            fam = GaugeMetricFamily(self.name, self.doc, labels=names)
+                counter.add_metric(key, s.value, created=s.created)
+            return counter
+        if self.kind == "gauge":
+            gauge = GaugeMetricFamily(self.name, self.doc, labels=names)
             for key, s in self.series.items():
-                fam.add_metric(key, s.value)
-        else:
-            fam = HistogramMetricFamily(self.name, self.doc, labels=names)
-            bounds = [floatToGoString(b) for b in self.upper]
-            for key, s in self.series.items():
-                cumulative, acc = [], 0
-                for bound, c in zip(bounds, s.counts):
-                    acc += c
-                    cumulative.append((bound, acc))
-                fam.add_metric(key, cumulative, s.sum)
-                fam.samples.append(Sample(self.name + "_created", dict(zip(names, key)), s.created))
-        return fam
+                gauge.add_metric(key, s.value)
+            return gauge
+        hist = HistogramMetricFamily(self.name, self.doc, labels=names)
+        bounds = [floatToGoString(b) for b in self.upper]
+        for key, s in self.series.items():
+            cumulative: list[tuple[str, float]] = []
+            acc = 0
+            for bound, c in zip(bounds, s.counts):
+                acc += c
+                cumulative.append((bound, acc))
+            hist.add_metric(key, cumulative, s.sum)
+            hist.samples.append(Sample(self.name + "_created", dict(zip(names, key)), s.created))
+        return hist
 
 
 class _Collector:

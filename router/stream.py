@@ -61,6 +61,8 @@ class Relay:
         stream to its end with plain ASGI messages. The caller must ``close(finished=False)``
         afterwards (a no-op when the stream ended here), also when this is cancelled."""
         ex, em, tap = self.ex, self.ex.em, self.tap
+        prefill_task = ex.prefill_task
+        assert prefill_task is not None  # a relay answers an attempt whose sides started
         idle = self.runner.stream_idle_timeout
         resp = self.resp
         readany = resp.readany
@@ -89,13 +91,13 @@ class Relay:
                                 last_event = now
                                 if not tap.event(event):
                                     continue
-                                if b'"abort"' in event and not ex.prefill_task.done():
+                                if b'"abort"' in event and not prefill_task.done():
                                     self.runner.abort_prefill_sequences(ex, aborted_indexes(ex.route, event + b"\n\n",
                                                                                        True))
                                 if ex.merge:
                                     if inputs is None:
                                         # shield: being cancelled here must not cancel the prefill read
-                                        pre = await asyncio.shield(ex.prefill_task)
+                                        pre = await asyncio.shield(prefill_task)
                                         inputs = logprobs.prefill_inputs(pre.body, stream=True) if pre.ok else {}
                                     event = logprobs.merge_event(event, inputs)
                             out.append(event)

@@ -119,15 +119,17 @@ class UpstreamClient:
             o = self._origins[origin] = _Origin(origin)
         deadline = None if timeout is None else self.loop.time() + timeout
         conn = await self._acquire(o)
+        transport = conn.transport
+        assert transport is not None  # _acquire hands out connections that were made
         r = Response(conn)
         conn.response = r
         head = b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n%s\r\n" % (
             path.encode("latin-1"), o.host_header, len(body), headers)
         try:
             if len(body) < 65536:
-                conn.transport.write(head + body)
+                transport.write(head + body)
             else:
-                conn.transport.writelines((head, body))
+                transport.writelines((head, body))
             if deadline is not None:
                 r._deadline = deadline
                 conn.arm(deadline)
@@ -152,7 +154,7 @@ class UpstreamClient:
         idle = o.idle
         while idle:
             conn = idle.pop()
-            if conn.closed or conn.transport.is_closing():
+            if not conn.reusable():
                 conn.close()
                 continue
             if self.loop.time() - conn.idle_since > self.keepalive:
@@ -173,7 +175,7 @@ class UpstreamClient:
                             fut.cancel()
                     while idle:  # a connection of ours came back meanwhile
                         conn = idle.pop()
-                        if not conn.closed and not conn.transport.is_closing():
+                        if conn.reusable():
                             return conn
                         conn.close()
                 self.open += 1

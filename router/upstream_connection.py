@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, cast
 
 import httptools
 
@@ -27,7 +27,7 @@ class Connection(asyncio.Protocol):
         self.client = client
         self.origin = origin
         self.loop = client.loop
-        self.transport: Optional[asyncio.Transport] = None
+        self.transport: Optional[asyncio.Transport] = None  # set by connection_made
         self.parser = httptools.HttpResponseParser(self)
         self.response: Optional[Response] = None
         self.closed = False
@@ -38,6 +38,20 @@ class Connection(asyncio.Protocol):
         # this connection reuses it), checked against the current response's deadline when it fires.
         self._timer: Optional[asyncio.TimerHandle] = None
         self._timer_at = 0.0
+
+    def reusable(self) -> bool:
+        """Open, with a transport that is not closing: it may serve another request."""
+        return not self.closed and self.transport is not None and not self.transport.is_closing()
+
+    def pause_reading(self) -> None:
+        """Stop reading from the socket (the response has too much unread)."""
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        """Read from the socket again."""
+        if self.transport is not None:
+            self.transport.resume_reading()
 
     def arm(self, deadline: float) -> None:
         """The current response times out at ``deadline`` (loop time)."""
@@ -59,8 +73,8 @@ class Connection(asyncio.Protocol):
             r._timed_out()
 
     # ---- asyncio.Protocol -------------------------------------------------------------------------
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # create_connection's transports are stream transports
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:  # a request is one write; never hold it back waiting for an ACK (Nagle)
@@ -100,6 +114,7 @@ class Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         r = self.response
+        assert r is not None  # data_received feeds the parser only while a response waits
         headers = {n.decode("latin-1").lower(): v.decode("latin-1") for n, v in self._headers}
         self._headers = []
         r.headers = headers
@@ -111,10 +126,14 @@ class Connection(asyncio.Protocol):
         r._wake()
 
     def on_body(self, body: bytes) -> None:
-        self.response._feed(body)
+        r = self.response
+        assert r is not None  # as in on_headers_complete
+        r._feed(body)
 
     def on_message_complete(self) -> None:
-        self.response._finish(self.parser.should_keep_alive())
+        r = self.response
+        assert r is not None  # as in on_headers_complete
+        r._finish(self.parser.should_keep_alive())
 
     # ---- ---------------------------------------------------------------------------------------------
     def close(self) -> None:

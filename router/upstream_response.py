@@ -96,7 +96,7 @@ class Response:
         self._buffered = 0
         if self._paused:
             self._paused = False
-            self._conn.transport.resume_reading()
+            self._conn.resume_reading()
         return data
 
     async def read(self) -> bytes:
@@ -110,7 +110,7 @@ class Response:
                 raise self._exc
             if self._paused:
                 self._paused = False
-                self._conn.transport.resume_reading()
+                self._conn.resume_reading()
             await self._wait()
         chunks = self._chunks
         self._chunks = []
@@ -161,7 +161,7 @@ class Response:
         self._buffered += len(data)
         if self._buffered > HIGH_WATER and not self._paused:
             self._paused = True
-            self._conn.transport.pause_reading()
+            self._conn.pause_reading()
         self._wake()
 
     def _finish(self, keep_alive: bool) -> None:

@@ -20,7 +20,7 @@ from pd.router.policies import Policy, make_policy
 from pd.router.upstream import header_block
 
 if TYPE_CHECKING:
-    from pd.router.metrics import RouterMetrics
+    from pd.router.metrics import CounterValue, GaugeValue, RouterMetrics
 
 ROLES = ("prefill", "decode")
 DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -86,7 +86,11 @@ class Worker:
         self.load = 0
         self.health_failures = 0  # consecutive failed probes
         self.health_successes = 0  # consecutive passed probes
-        self._g_inflight = self._g_healthy = self._g_circuit = self.decisions = None
+        # this worker's series, once bind_metrics attached them
+        self._g_inflight: Optional[GaugeValue] = None
+        self._g_healthy: Optional[GaugeValue] = None
+        self._g_circuit: Optional[GaugeValue] = None
+        self.decisions: Optional[CounterValue] = None
         self._idle: Optional[asyncio.Future] = None
 
     def __repr__(self) -> str:
@@ -109,13 +113,14 @@ class Worker:
     # ---- metrics --------------------------------------------------------------------------------
     def bind_metrics(self, metrics: "RouterMetrics", policy: str) -> None:
         """Attach this worker's series (labels worker=url, role); they exist from now on."""
-        self._g_inflight = metrics.inflight.labels(self.url, self.role)
-        self._g_healthy = metrics.healthy.labels(self.url, self.role)
-        self._g_circuit = metrics.circuit.labels(self.url, self.role)
+        inflight: GaugeValue = metrics.inflight.labels(self.url, self.role)
+        healthy: GaugeValue = metrics.healthy.labels(self.url, self.role)
+        circuit: GaugeValue = metrics.circuit.labels(self.url, self.role)
+        self._g_inflight, self._g_healthy, self._g_circuit = inflight, healthy, circuit
         self.decisions = metrics.decisions.labels(self.role, policy, self.url)
-        self._g_inflight.set(self.inflight)
-        self._g_healthy.set(1 if self.healthy else 0)
-        self._g_circuit.set(self.breaker.state)
+        inflight.set(self.inflight)
+        healthy.set(1 if self.healthy else 0)
+        circuit.set(self.breaker.state)
 
     def _circuit_changed(self, state: int) -> None:
         if self._g_circuit is not None:

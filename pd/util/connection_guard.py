@@ -30,13 +30,14 @@ per request: one timer stays armed and, when it fires, compares with the current
 
 from __future__ import annotations
 
+import asyncio
 import json
 import resource
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Optional
+from typing import Callable, ClassVar, Optional, cast
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 REASONS = ("total", "per_address", "header_timeout", "header_too_large", "too_many_headers")
 NOFILE_RESERVE = 1024  # descriptors kept for everything that is not a client connection (workers, logs, files)
@@ -151,11 +152,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     guard: ClassVar[ConnectionGuard]
 
-    def connection_made(self, transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport) -> None:
         peer = transport.get_extra_info("peername")
         self._address = peer[0] if isinstance(peer, (tuple, list)) and peer else ""
         self._admitted = False
-        self._header_timer = None
+        self._header_timer: Optional[asyncio.TimerHandle] = None
         reason = self.guard.admit(self._address)
         if reason is not None:
             self.transport = transport
@@ -250,7 +251,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         cycle = self.cycle
         super().on_headers_complete()
         if self.cycle is not cycle:  # a request to answer (not an upgrade): its head waits for its first body bytes
-            self.cycle.transport = _HeadWithBody(self.cycle, self.transport, self.loop)
+            # a stand-in for the transport: the methods the cycle calls are its own, the rest the transport's
+            self.cycle.transport = cast(asyncio.Transport, _HeadWithBody(self.cycle, self.transport, self.loop))
 
 
 class _HeadWithBody:
@@ -262,12 +264,13 @@ class _HeadWithBody:
 
     __slots__ = ("_cycle", "_transport", "_loop", "_head", "_flush", "_sent")
 
-    def __init__(self, cycle, transport, loop):
+    def __init__(self, cycle: RequestResponseCycle, transport: asyncio.Transport,
+                 loop: asyncio.AbstractEventLoop) -> None:
         self._cycle = cycle
         self._transport = transport
         self._loop = loop
         self._head: Optional[bytes] = None
-        self._flush = None
+        self._flush: Optional[asyncio.Handle] = None  # the call that sends a head no write took along
         self._sent = False
 
     def write(self, data: bytes) -> None:
@@ -288,7 +291,8 @@ class _HeadWithBody:
     def _done(self) -> None:
         self._head = None
         self._sent = True
-        self._flush.cancel()
+        if self._flush is not None:  # always, with a head held
+            self._flush.cancel()
         self._cycle.transport = self._transport
 
     def _send_head(self) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from typing import Any, Awaitable, Callable, TypeVar, Union
+from typing import Any, Awaitable, Callable, TypeVar, Union, cast
 
 T = TypeVar("T")
 
@@ -106,9 +106,11 @@ async def async_wait_until(predicate: Callable[[], Union[T, Awaitable[T]]], time
     while True:
         attempts += 1
         try:
-            value = predicate()
-            if inspect.isawaitable(value):
-                value = await _bounded(value, max(deadline - loop.time(), interval))
+            result = predicate()
+            if inspect.isawaitable(result):
+                value = await _bounded(result, max(deadline - loop.time(), interval))
+            else:
+                value = cast(T, result)  # not awaitable: the predicate's own value
         except _AttemptTimedOut:
             raise _timeout_error(what, timeout, attempts, last_value, last_error) from None
         except retry as e:
