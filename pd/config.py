@@ -22,6 +22,8 @@ from typing import Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pd.engines.errors import EngineSettingsError
+from pd.engines.spec.config import SpeculativeSettings, resolve_speculative
 from pd.router.config import RouterSettings, TimeoutConfig
 
 # deploy/ is package data (``pd.deploy``), so the embedded default is found in a checkout and in an installed wheel.
@@ -50,45 +52,44 @@ class Placement(_Strict):
     node_labels: dict[str, str] = Field(default_factory=dict)
 
 
-class Speculative(_Strict):
-    """EAGLE/MTP speculative decoding (SGLang's ``--speculative-*`` flags), applied identically to
-    prefill and decode: in PD the prefill runs the draft too and ships its hidden states and top-k
-    draft tokens with the KV (sglang/srt/disaggregation/prefill.py, utils.MetadataBuffers, sized by
-    ``eagle_topk`` and the hidden size), so both sides must agree.
+class Speculative(SpeculativeSettings):
+    """EAGLE/MTP speculative decoding: the engines' ``--speculative-*`` settings (one key per flag, the key with
+    ``--speculative-`` in front; pd.engines.spec.config.SpeculativeSettings documents each), applied identically to
+    prefill and decode: in PD the prefill runs the draft too and ships its hidden states and top-k draft tokens
+    with the KV (sglang/srt/disaggregation/prefill.py, utils.MetadataBuffers, sized by ``eagle_topk`` and the hidden
+    size), so both sides must agree. A key left unset is left to the engine, which chooses as SGLang does.
 
-    Where it goes: top-level ``speculative:`` for either engine, or ``sglang.speculative:`` (the older
-    spelling, kept for SGLang profiles); both at once is an error. It drives SGLang workers
-    (``pd/commands/sglang.py``) and the reference engine (``pd/commands/reference.py``) alike.
+    Where it goes: top-level ``speculative:`` for either engine, or ``sglang.speculative:`` (the older spelling,
+    kept for SGLang profiles); both at once is an error. It drives SGLang workers (``pd/commands/sglang.py``) and the
+    reference engine (``pd/commands/reference.py``) alike. The block's presence turns speculation on: ``algorithm``
+    defaults to ``EAGLE`` here. SGLang 0.5.23 refuses ``NEXTN`` and ``EAGLE3`` for DeepSeek-V4 (its DeepSeek-V4 hook
+    checks the algorithm before resolving the alias: write ``EAGLE``) and every one of them for DeepSeek-V4.1;
+    ``pdserve doctor`` refuses those before launch (pd/tools/doctor/checks_model.py).
 
     Attributes:
-        algorithm: ``EAGLE``, ``NEXTN`` (SGLang's alias of EAGLE for MTP checkpoints) or ``EAGLE3``
-            (SGLang workers only: the reference engine drafts with an MTP layer, not an EAGLE-3 head).
-            SGLang 0.5.23 refuses ``NEXTN`` and ``EAGLE3`` for DeepSeek-V4 (its DeepSeek-V4 hook checks the
-            algorithm before resolving the alias: write ``EAGLE``) and every one of them for DeepSeek-V4.1;
-            ``pdserve doctor`` refuses those before launch (pd/tools/doctor/checks_model.py).
-        num_steps: draft tokens proposed per verify step (``--speculative-num-steps``).
-        eagle_topk: tokens kept per draft step; > 1 drafts a tree, which SGLang serves and the reference
-            engine refuses (it has no tree attention).
-        num_draft_tokens: tokens per verify window (``--speculative-num-draft-tokens``); with
-            ``eagle_topk`` 1 both engines use ``num_steps + 1`` whatever is set (SGLang adjusts it with a
-            warning, pd/engines/spec/config.py does the same).
-        draft_model_path: the draft checkpoint; unset, SGLang uses the target's own MTP layers and the
-            reference engine the built-in draft of ``builtin:tiny`` (other models need one).
-        moe_runner_backend: the draft MoE's backend (``--speculative-moe-runner-backend``; SGLang workers
-            only); unset, the draft inherits the target's resolved backend, and an explicit ``auto`` lands
-            on Triton, which cannot serve MXFP4 experts. ``pdserve doctor`` says which backends fit the
-            experts and GPU (``flashinfer_mxfp4`` for DSv4's MXFP4 experts on sm_90/sm_120).
-        moe_a2a_backend: the draft MoE's all-to-all backend (``--speculative-moe-a2a-backend``; SGLang
-            workers only).
+        moe_runner_backend: the draft MoE's backend (``--speculative-moe-runner-backend``; SGLang workers only);
+            unset, the draft inherits the target's resolved backend, and an explicit ``auto`` lands on Triton,
+            which cannot serve MXFP4 experts. ``pdserve doctor`` says which backends fit the experts and GPU
+            (``flashinfer_mxfp4`` for DSv4's MXFP4 experts on sm_90/sm_120).
+        moe_a2a_backend: the draft MoE's all-to-all backend (``--speculative-moe-a2a-backend``; SGLang workers
+            only).
     """
 
-    algorithm: Literal["EAGLE", "EAGLE3", "NEXTN"] = "EAGLE"
-    num_steps: int = Field(1, ge=1)
-    eagle_topk: int = Field(1, ge=1)
-    num_draft_tokens: int = Field(2, ge=1)
-    draft_model_path: Optional[str] = None
+    algorithm: Optional[str] = "EAGLE"
     moe_runner_backend: Optional[str] = None
     moe_a2a_backend: Optional[str] = None
+
+    def engine_settings(self) -> SpeculativeSettings:
+        """The block without its SGLang-only keys: the reference engine's ``--speculative-*`` settings."""
+        return SpeculativeSettings(**self.model_dump(include=set(SpeculativeSettings.model_fields)))
+
+    def argv(self) -> list[str]:
+        """The ``--speculative-*`` flags of every key set (SGLang's names; the reference engine's are the same)."""
+        out: list[str] = []
+        for key, value in self.model_dump().items():
+            if value is not None:
+                out += [self.FLAG.format(key.replace("_", "-")), str(value)]
+        return out
 
 
 class KernelSwitches(_Strict):
@@ -329,31 +330,29 @@ def check_layout(cfg: PDConfig) -> None:
         )
 
 
-# What the reference engine refuses at start (pd/engines/spec/config.py), refused here first, naming the key.
-REFERENCE_SPEC_ALGORITHMS = ("EAGLE", "NEXTN")
 SGLANG_ONLY_SPEC_KEYS = ("moe_runner_backend", "moe_a2a_backend")
 
 
 def check_speculative(cfg: PDConfig) -> None:
     """Raise ValueError naming the key for a speculative block that cannot run: given twice, or (reference engine)
-    an algorithm it does not draft (EAGLE3), ``eagle_topk`` > 1 (a tree: it has no tree attention), or a key
-    only SGLang workers have."""
+    one the engine refuses at start (pd.engines.spec.config.resolve_speculative: EAGLE3, ``eagle_topk`` > 1, ...)
+    or a key only SGLang workers have."""
     if cfg.speculative is not None and cfg.sglang.speculative is not None:
         raise ValueError("speculative and sglang.speculative are both set: keep one (speculative drives both "
                          "engines; sglang.speculative is the older spelling)")
     sp, key = cfg.speculative_settings()
     if sp is None or cfg.engine != "reference":
         return
-    if sp.algorithm not in REFERENCE_SPEC_ALGORITHMS:
-        raise ValueError(f"{key}.algorithm {sp.algorithm}: the reference engine supports "
-                         f"{' and '.join(REFERENCE_SPEC_ALGORITHMS)} (an MTP draft layer), not EAGLE-3 heads")
-    if sp.eagle_topk > 1:
-        raise ValueError(f"{key}.eagle_topk {sp.eagle_topk}: the reference engine drafts a chain only "
-                         "(eagle_topk 1); tree drafting needs tree attention, which it does not have")
     for name in SGLANG_ONLY_SPEC_KEYS:
         if getattr(sp, name) is not None:
             raise ValueError(f"{key}.{name}: SGLang workers only (engine: sglang); the reference engine's draft "
                              "MoE has one path (the MXFP4 MoE torch reference on CPU, the Triton kernel on a GPU)")
+    try:
+        resolve_speculative(sp.engine_settings(), cfg.model_path)
+    except EngineSettingsError as e:  # the engine's message, with the flag turned into the config's key
+        name, text = f"{key}.{e.flag.removeprefix('--speculative-').replace('-', '_')}", str(e)
+        raise ValueError(name + text.removeprefix(e.flag) if text.startswith(e.flag + " ") else f"{name}: {text}") \
+            from None
 
 
 def _format(e: ValidationError, source: str) -> str:

@@ -23,8 +23,8 @@ from typing import NamedTuple, Optional
 from pydantic import TypeAdapter, ValidationError
 
 from pd.router.config import RouterSettings
-from pd.router.flags import SettingsFlags
 from pd.router.rooms import Shape
+from pd.util.settings_flags import SettingsFlags
 
 _FLAGS = SettingsFlags(RouterSettings)
 FLAG = {key: _FLAGS.flag_of(key) for key in ("max_n", "max_batch_size", "max_sequences_per_request",

@@ -6,7 +6,7 @@ prefill and decode workers (more can be added at runtime through the admin API).
 
 The models are the one description of every setting: a field's type, default and constraints,
 its documentation (the docstring under it, also its flag's ``--help``) and its flag.
-pd.router.flags derives ``pdserve router``'s flags from them: a field of a section is named by the
+pd.util.settings_flags derives ``pdserve router``'s flags from them: a field of a section is named by the
 section's ``FLAG`` rule (``RetryConfig.FLAG = "--retry-{}"``: ``retry.max_retries`` is
 ``--retry-max-retries``), or by ``flag(...)`` metadata where sglang-router's name differs
 (``health_check.failure_threshold`` is ``--health-failure-threshold``). Names follow
@@ -16,12 +16,13 @@ section's ``FLAG`` rule (``RetryConfig.FLAG = "--retry-{}"``: ``retry.max_retrie
 from __future__ import annotations
 
 import ipaddress
-from typing import Any, ClassVar, Literal, Optional, get_args
+from typing import ClassVar, Literal, Optional, get_args
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pd.util import request_caps as caps
+from pd.util.settings_flags import flag
 
 # SGLang's default --disaggregation-bootstrap-port: a prefill given without one listens here.
 DEFAULT_BOOTSTRAP_PORT = 8998
@@ -73,32 +74,6 @@ def normalize_url(url: str) -> str:
     if port is not None and not 1 <= port <= 65535:
         raise ValueError(f"worker URL {url!r} has no valid port (1-65535)")
     return url
-
-
-def flag(name: Optional[str] = None, *aliases: str, switch: Optional[tuple[str, Any]] = None,
-         env: Optional[str] = None, takes_value: bool = True) -> dict:
-    """Command-line metadata of one setting, for ``Field(json_schema_extra=flag(...))``
-    (pd.router.flags reads it; a field without it gets its section's ``FLAG`` rule).
-
-    Args:
-        name: the flag that sets the field (e.g. ``"--health-failure-threshold"``), where the
-            section's rule would give another name.
-        aliases: more option strings of the same flag.
-        switch: ``(flag, value)``: a flag without a value that sets the field to ``value``
-            (``("--disable-retries", 1)``).
-        env: an environment variable read when no flag sets the field.
-        takes_value: False = no flag with a value (only ``switch``).
-    """
-    meta: dict = {}
-    if name is not None or not takes_value:
-        meta["flag"] = name if takes_value else None
-    if aliases:
-        meta["aliases"] = list(aliases)
-    if switch is not None:
-        meta["switch"] = list(switch)
-    if env is not None:
-        meta["env"] = env
-    return meta
 
 
 class _Strict(BaseModel):
@@ -279,7 +254,7 @@ class CacheAwareConfig(_Strict):
 
 class RouterSettings(_Strict):
     """Everything about a router except its workers. Each key is one ``pdserve router`` flag
-    (pd.router.flags derives them from the fields: name, type, default, help)."""
+    (pd.util.settings_flags derives them from the fields: name, type, default, help)."""
 
     host: str = "127.0.0.1"
     """address the router listens on."""

@@ -15,7 +15,7 @@ import yaml
 
 from engines import ROOT, free_port
 from netns import local_address
-from pd.engines.api.auth import API_KEY_ENV
+from pd.engines.settings import API_KEY_ENV
 from ray_cluster import RayHead
 
 pytestmark = pytest.mark.cluster  # starts Ray (conftest.py: test tiers)

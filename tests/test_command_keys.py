@@ -7,7 +7,7 @@ import pytest
 
 from pd.commands.build import engine_command
 from pd.config import load_config
-from pd.engines.api.auth import API_KEY_ENV
+from pd.engines.settings import API_KEY_ENV
 
 KEY = "0f" * 32
 

@@ -60,9 +60,9 @@ def test_reference_engine_command():
     assert argv[-2:] == ["--max-total-tokens", "4096"]
     assert cmd.env["MC_FORCE_TCP"] == "1"
     # the argv parses with the engine's own parser
-    from pd.engines.api.server import build_parser
+    from pd.engines.settings import parse_settings
 
-    args = build_parser().parse_args(argv[argv.index("engine") + 1:])
+    args = parse_settings(argv[argv.index("engine") + 1:], environ={})
     assert args.port == 30000 and args.disaggregation_mode == "prefill" and args.max_total_tokens == 4096
 
 
@@ -80,15 +80,16 @@ def test_launch_refuses_a_bad_config_before_touching_ray(tmp_path):
 
 # ---- speculative decoding ------------------------------------------------------------------------
 SPEC_FLAGS = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
-              "--speculative-num-draft-tokens", "4"]
+              "--speculative-num-draft-tokens", "4"]  # what the engine resolves (3, 1, 4) to
 
 
 def _engine_spec(argv):
     """The speculative settings the reference engine resolves from a generated argv (its own parser and check)."""
-    from pd.engines.api.server import build_parser
-    from pd.engines.spec.config import resolve_spec_config
+    from pd.engines.settings import parse_settings
+    from pd.engines.spec.config import resolve_speculative
 
-    return resolve_spec_config(build_parser().parse_args(argv[argv.index("engine") + 1:]))
+    settings = parse_settings(argv[argv.index("engine") + 1:], environ={})
+    return resolve_speculative(settings.speculative, settings.model_path)
 
 
 @pytest.mark.parametrize("where", ["speculative", "sglang.speculative"])
@@ -98,9 +99,10 @@ def test_speculative_block_drives_both_reference_roles(where):
     assert cfg.speculative_settings()[1] == where
     argvs = {role: engine_command(cfg, role, "127.0.0.1", 30000, 30001 if role == "prefill" else None).argv
              for role in ("prefill", "decode")}
-    for argv in argvs.values():
+    given = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "4"]
+    for argv in argvs.values():  # the keys the block sets, no more: the engine chooses the rest
         i = argv.index("--speculative-algorithm")
-        assert argv[i:i + len(SPEC_FLAGS)] == SPEC_FLAGS
+        assert argv[i:i + len(given)] == given
     specs = {role: _engine_spec(argv) for role, argv in argvs.items()}
     assert specs["prefill"] == specs["decode"] and specs["decode"].flags() == " ".join(SPEC_FLAGS)
     # off: no flag at all, and the engine runs without a draft
@@ -129,16 +131,19 @@ def test_top_level_speculative_drives_sglang_workers_too():
 
 
 @pytest.mark.parametrize("data, message", [
-    ({"speculative": {"eagle_topk": 2, "num_draft_tokens": 4}},
+    ({"speculative": {"num_steps": 3, "eagle_topk": 2, "num_draft_tokens": 4}},
      "x.yaml: speculative.eagle_topk 2: the reference engine drafts a chain only"),
-    ({"sglang": {"speculative": {"eagle_topk": 4}}}, "x.yaml: sglang.speculative.eagle_topk 4"),
+    ({"speculative": {"eagle_topk": 1}}, "x.yaml: speculative.num_steps: --speculative-eagle-topk and "
+                                         "--speculative-num-draft-tokens need --speculative-num-steps"),
+    ({"sglang": {"speculative": {"num_steps": 3, "eagle_topk": 4}}}, "x.yaml: sglang.speculative.eagle_topk 4"),
     ({"speculative": {"algorithm": "EAGLE3"}}, "x.yaml: speculative.algorithm EAGLE3: the reference engine supports "
                                                "EAGLE and NEXTN"),
     ({"speculative": {"moe_runner_backend": "flashinfer_mxfp4"}},
      "x.yaml: speculative.moe_runner_backend: SGLang workers only"),
     ({"speculative": {}, "sglang": {"speculative": {}}}, "x.yaml: speculative and sglang.speculative are both set"),
     ({"speculative": {"num_steps": 0}}, "x.yaml: speculative.num_steps: Input should be greater than or equal to 1"),
-    ({"speculative": {"algorithm": "MEDUSA"}}, "x.yaml: speculative.algorithm: Input should be"),
+    ({"speculative": {"algorithm": "MEDUSA"}},
+     "x.yaml: speculative.algorithm: 'MEDUSA' is not one of EAGLE, EAGLE3, NEXTN"),
 ])
 def test_bad_speculative_blocks_name_the_key(data, message):
     with pytest.raises(ConfigError) as e:

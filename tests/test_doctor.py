@@ -760,30 +760,34 @@ def test_builtin_draft_hidden_size_is_read_once_written(tmp_path, monkeypatch):
 def test_reference_topk_above_one_is_refused():
     """In the config: an invalid config naming the key (exit 2); through extra_args: the engine's own message."""
     with pytest.raises(ConfigError) as e:
-        parse_config(reference(speculative={"eagle_topk": 2, "num_draft_tokens": 4}))
+        parse_config(reference(speculative={"num_steps": 3, "eagle_topk": 2, "num_draft_tokens": 4}))
     assert "speculative.eagle_topk 2: the reference engine drafts a chain only" in str(e.value)
-    d = reference(speculative={}, decode={"extra_args": ["--speculative-eagle-topk", "2"]})
+    d = reference(speculative={"num_steps": 3}, decode={"extra_args": ["--speculative-eagle-topk", "2"]})
     (err,) = of(run(d, NOGPU), "speculative", "error")
     assert err.message.startswith("decode: decode.extra_args: --speculative-eagle-topk 2: the reference engine "
                                   "drafts a chain only"), err.message
 
 
 def test_reference_topk_in_the_config_is_a_config_finding(tmp_path, capsys):
-    d = reference(speculative={"eagle_topk": 2, "num_draft_tokens": 4})
+    d = reference(speculative={"num_steps": 3, "eagle_topk": 2, "num_draft_tokens": 4})
     assert D.main([write_yaml(tmp_path, d)]) == 2
     out = capsys.readouterr().out
     assert "ERROR [config]" in out and "speculative.eagle_topk 2" in out
 
 
 def test_reference_speculation_needs_a_draft_for_a_checkpoint(tmp_path):
+    """In the config: an invalid config naming the key; through extra_args: the engine's own message."""
     target = ckpt(tmp_path, "target", architectures=["LlamaForCausalLM"], hidden_size=128)
-    (err,) = of(run(reference(model_path=target, speculative={}), NOGPU), "speculative", "error")
-    assert err.message.startswith("both roles: speculative: --speculative-draft-model-path is required with "
-                                  "--model-path")
+    with pytest.raises(ConfigError, match="speculative.draft_model_path is required with --model-path"):
+        parse_config(reference(model_path=target, speculative={}))
+    d = reference(model_path=target, decode={"extra_args": ["--speculative-algorithm", "EAGLE"]})
+    (err,) = of(run(d, NOGPU), "speculative", "error")
+    assert err.message.startswith("decode: decode.extra_args: --speculative-draft-model-path is required with "
+                                  "--model-path"), err.message
 
 
 def test_reference_num_draft_tokens_adjusted_is_a_warning():
-    f = of(run(reference(speculative={"num_steps": 3}), NOGPU), "speculative")
+    f = of(run(reference(speculative={"num_steps": 3, "num_draft_tokens": 2}), NOGPU), "speculative")
     assert [x.level for x in f] == ["warning", "warning", "ok"]
     assert "num_draft_tokens 2 is adjusted to num_steps + 1 = 4" in f[0].message
     assert f[0].fix == "set speculative.num_draft_tokens: 4"

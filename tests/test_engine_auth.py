@@ -6,8 +6,8 @@ import httpx
 import pytest
 
 from engines import free_port, start_engine, wait_ready
-from pd.engines.api.auth import API_KEY_ENV
 from pd.engines.handoff.bootstrap import BootstrapServer, abort_on_prefill, make_client
+from pd.engines.settings import API_KEY_ENV
 
 KEY = "engine-test-key-1f2e3d"
 GEN = {"text": "hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}

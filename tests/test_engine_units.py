@@ -147,7 +147,7 @@ def test_expand_is_prompt_major_with_a_room_per_sequence():
 
 
 def test_engine_help_documents_every_flag():
-    from pd.engines.api.server import build_parser
+    from pd.engines.settings import build_parser
 
     parser = build_parser()
     for action in parser._actions:
@@ -160,35 +160,42 @@ def test_engine_help_documents_every_flag():
         assert flag in text
 
 
+def engine_settings(*argv: str):
+    """The resolved settings ``pdserve engine ARGV`` starts with (its parser, its checks)."""
+    from pd.engines.settings import parse_settings, resolve
+
+    return resolve(parse_settings(list(argv), environ={}))
+
+
 def test_engine_refuses_a_model_path_that_is_not_a_checkpoint_directory(tmp_path):
-    from pd.engines.api.server import build_parser
-    from pd.engines.args import finalize
+    from pd.engines.errors import EngineSettingsError
 
     def check(path):
-        return finalize(build_parser().parse_args(["--model-path", path]))
+        return engine_settings("--model-path", path)
 
-    with pytest.raises(SystemExit, match=r"^--model-path /nonexistent/model: no such directory"):
+    with pytest.raises(EngineSettingsError, match=r"^--model-path /nonexistent/model: no such directory"):
         check("/nonexistent/model")
-    with pytest.raises(SystemExit, match="no config.json in it"):
+    with pytest.raises(EngineSettingsError, match="no config.json in it"):
         check(str(tmp_path))
     (tmp_path / "config.json").write_text("{}")
     assert check(str(tmp_path)).model_path == str(tmp_path)
     assert check("builtin:tiny").model_path == "builtin:tiny"
-    with pytest.raises(SystemExit, match=r"^--model-path builtin:huge: unknown built-in model \(known: builtin:tiny\)"):
+    with pytest.raises(EngineSettingsError,
+                       match=r"^--model-path builtin:huge: unknown built-in model \(known: builtin:tiny\)"):
         check("builtin:huge")
 
 
-@pytest.mark.parametrize("argv, says", [(["--port", "99999"], "--port must be in 1..65535, got 99999"),
-                                        (["--port", "0"], "--port must be in 1..65535, got 0"),
-                                        (["--disaggregation-bootstrap-port", "70000"],
-                                         "--disaggregation-bootstrap-port must be in 1..65535, got 70000")])
+@pytest.mark.parametrize("argv, says", [
+    (["--port", "99999"], "--port 99999: Input should be less than or equal to 65535"),
+    (["--port", "0"], "--port 0: Input should be greater than or equal to 1"),
+    (["--disaggregation-bootstrap-port", "70000"],
+     "--disaggregation-bootstrap-port 70000: Input should be less than or equal to 65535")])
 def test_engine_refuses_ports_outside_the_tcp_range(argv, says):
-    from pd.engines.api.server import build_parser
-    from pd.engines.args import finalize
+    from pd.engines.errors import EngineSettingsError
 
-    with pytest.raises(SystemExit) as e:
-        finalize(build_parser().parse_args(argv))
-    assert str(e.value) == says
+    with pytest.raises(EngineSettingsError) as e:
+        engine_settings(*argv)
+    assert str(e.value) == says and e.value.flag == argv[0]
 
 
 @pytest.mark.slow
@@ -310,64 +317,18 @@ def test_run_blocking_drops_queued_work_of_a_cancelled_caller_and_waits_for_runn
 
 @pytest.mark.parametrize("cores, threads", [(1, 1), (2, 1), (8, 7)])
 def test_cpu_threads_default_leaves_a_core_to_the_server_thread(cores, threads, monkeypatch):
-    from pd.engines.api.server import build_parser
-    from pd.engines.args import default_cpu_threads, finalize
+    from pd.engines.settings import default_cpu_threads
 
     assert default_cpu_threads(cores) == threads
     monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(cores)), raising=False)
-    assert finalize(build_parser().parse_args([])).cpu_threads == threads
-    assert finalize(build_parser().parse_args(["--cpu-threads", "5"])).cpu_threads == 5
+    assert engine_settings().cpu_threads == threads
+    assert engine_settings("--cpu-threads", "5").cpu_threads == 5
 
 
 @pytest.mark.parametrize("value", ["0", "-2"])
 def test_cpu_threads_must_be_positive(value):
-    from pd.engines.api.server import build_parser
-    from pd.engines.args import finalize
+    from pd.engines.errors import EngineSettingsError
 
-    with pytest.raises(SystemExit) as e:
-        finalize(build_parser().parse_args(["--cpu-threads", value]))
-    assert str(e.value) == f"--cpu-threads must be a positive integer, got {value}"
-
-
-@pytest.mark.slow
-def test_engine_applies_and_reports_cpu_threads(model_cache, tmp_path):
-    import httpx
-
-    from engines import start_engine, wait_ready
-
-    e = start_engine("null", str(tmp_path), "--cpu-threads", "1")
-    try:
-        wait_ready([e])
-        info = httpx.get(e.url + "/get_server_info", timeout=10).json()
-        assert (info["cpu_threads"], info["torch_num_threads"], info["torch_num_interop_threads"]) == (1, 1, 1)
-        r = httpx.post(e.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}, timeout=60)
-        assert r.status_code == 200, r.text
-        assert "torch threads: 1 intra-op, 1 inter-op" in e.log()
-    finally:
-        e.stop()
-
-
-def test_piece_bytes_reads_byte_level_pieces():
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    from pd.engines.models.model_runner import _byte_level_bpe_decoder, piece_bytes, undecodable_token_string
-
-    assert _byte_level_bpe_decoder() == {c: b for b, c in bytes_to_unicode().items()}
-    assert piece_bytes("\x80") == b"\x80"  # ByT5: one char per byte
-    assert piece_bytes("<0xE2>") == b"\xe2"  # SentencePiece byte fallback
-    assert piece_bytes("âĢ") == b"\xe2\x80"  # byte-level BPE: the first two bytes of U+2014
-    assert piece_bytes("▁the") is None and piece_bytes("") is None
-    assert undecodable_token_string(b"\xe2\x80") == "bytes:\\xe2\\x80"
-
-
-def test_logprob_token_of_the_builtin_models_bytes(model_cache):
-    from pd.engines.models.model_runner import ModelRunner
-
-    runner = ModelRunner("builtin:tiny")
-    byte = runner.tokenizer.convert_tokens_to_ids
-    assert runner.logprob_token(byte("A")) == ("A", b"A")
-    assert runner.logprob_token(byte("\x80")) == ("bytes:\\x80", b"\x80")
-    assert runner.logprob_token(byte("\xff")) == ("bytes:\\xff", b"\xff")
-    assert runner.logprob_token(runner.tokenizer.eos_token_id) == ("</s>", b"</s>")
-    strings = {runner.logprob_token(i)[0] for i in range(runner.vocab_size)}
-    assert len(strings) == runner.vocab_size  # one distinct string per token id
+    with pytest.raises(EngineSettingsError) as e:
+        engine_settings("--cpu-threads", value)
+    assert str(e.value) == f"--cpu-threads {value}: Input should be greater than or equal to 1"

@@ -92,33 +92,33 @@ async def test_abort_request_takes_a_list_of_exact_rids(engines):
 
 
 def test_the_cluster_engine_command_carries_the_router_caps():
-    from pd.engines.api.server import build_parser
+    from pd.engines.settings import parse_settings
 
     cfg = parse_config({"router": {"max_n": 4, "max_batch_size": 8, "max_sequences_per_request": 20,
                                    "max_payload_size": 1000}})
     argv = engine_command(cfg, "decode", "127.0.0.1", 30000, None).argv
-    args = build_parser().parse_args(argv[argv.index("engine") + 1:])
+    args = parse_settings(argv[argv.index("engine") + 1:], environ={})
     assert (args.max_n, args.max_batch_size, args.max_sequences_per_request, args.max_body_bytes) == (4, 8, 20, 1000)
 
 
 @pytest.mark.parametrize("flag", ["--max-n", "--max-batch-size", "--max-sequences-per-request", "--max-body-bytes"])
 def test_engine_caps_must_be_positive(flag):
-    from pd.engines.api.server import build_parser
-    from pd.engines.args import finalize
+    from pd.engines.errors import EngineSettingsError
+    from pd.engines.settings import parse_settings
 
-    with pytest.raises(SystemExit, match=flag):
-        finalize(build_parser().parse_args([flag, "0"]))
+    with pytest.raises(EngineSettingsError, match=flag):
+        parse_settings([flag, "0"], environ={})
 
 
 def test_the_engine_and_the_router_share_one_default_per_cap():
     """pd.util.request_caps is the one place the defaults live: the engine's flags, its RequestLimits and the
     router's settings all read it."""
     from pd.engines.api.limits import RequestLimits
-    from pd.engines.api.server import build_parser
+    from pd.engines.settings import EngineSettings
     from pd.router.config import RouterSettings
     from pd.util import request_caps as caps
 
-    engine = build_parser().parse_args([])
+    engine = EngineSettings()
     router = RouterSettings()
     want = {"max_n": caps.MAX_N, "max_batch_size": caps.MAX_BATCH_SIZE,
             "max_sequences_per_request": caps.MAX_SEQUENCES_PER_REQUEST}

@@ -6,15 +6,15 @@ import math
 import pytest
 import torch
 
-from pd.engines.api.server import build_parser
-from pd.engines.args import finalize
+from pd.engines.errors import EngineSettingsError
 from pd.engines.sampling import SamplingParams, step_generator
-from pd.engines.spec.config import resolve_spec_config
+from pd.engines.settings import parse_settings, resolve
+from pd.engines.spec.config import resolve_speculative
 from pd.engines.spec.decoder import accept_drafts, draft_token
 
 
 def spec_args(*flags):
-    return finalize(build_parser().parse_args(list(flags))).speculative
+    return resolve(parse_settings(list(flags), environ={})).speculative_config
 
 
 # ---- flags -------------------------------------------------------------------------------------------------
@@ -40,22 +40,26 @@ def test_chain_adjusts_num_draft_tokens_as_sglang(caplog):
     (["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "4", "--speculative-num-steps", "3"],
      "--speculative-eagle-topk 4"),
     (["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "1"], "--speculative-num-steps"),
-    (["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "0"], "--speculative-num-steps must be >= 1"),
-    (["--speculative-algorithm", "MEDUSA"], "--speculative-algorithm 'MEDUSA'"),
+    (["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "0"],
+     "--speculative-num-steps 0: Input should be greater than or equal to 1"),
+    (["--speculative-algorithm", "MEDUSA"],
+     "--speculative-algorithm MEDUSA: 'MEDUSA' is not one of EAGLE, EAGLE3, NEXTN"),
+    (["--speculative-algorithm", "EAGLE3"],
+     "--speculative-algorithm EAGLE3: the reference engine supports EAGLE and NEXTN"),
     (["--speculative-num-steps", "3"], "--speculative-num-steps needs --speculative-algorithm"),
     (["--speculative-draft-model-path", "/x"], "--speculative-draft-model-path needs --speculative-algorithm"),
 ])
 def test_bad_speculative_flags_name_the_flag(flags, named):
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(EngineSettingsError) as e:
         spec_args(*flags)
     assert named in str(e.value)
 
 
 def test_a_checkpoint_without_builtin_draft_needs_a_draft_path(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    args = build_parser().parse_args(["--model-path", str(tmp_path), "--speculative-algorithm", "EAGLE"])
-    with pytest.raises(SystemExit, match="--speculative-draft-model-path is required"):
-        resolve_spec_config(args)
+    settings = parse_settings(["--model-path", str(tmp_path), "--speculative-algorithm", "EAGLE"], environ={})
+    with pytest.raises(EngineSettingsError, match="--speculative-draft-model-path is required"):
+        resolve_speculative(settings.speculative, settings.model_path)
 
 
 @pytest.mark.parametrize("draft_config, named", [
@@ -65,7 +69,7 @@ def test_a_checkpoint_without_builtin_draft_needs_a_draft_path(tmp_path):
 def test_a_draft_that_cannot_serve_the_target_is_refused_at_start(tmp_path, draft_config, named):
     if draft_config is not None:
         (tmp_path / "config.json").write_text(json.dumps(draft_config))
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(EngineSettingsError) as e:
         spec_args("--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(tmp_path))
     assert "--speculative-draft-model-path" in str(e.value) and named in str(e.value)
 
@@ -78,7 +82,7 @@ def test_a_checkpoint_draft_must_match_the_checkpoint_target(tmp_path):
     (draft / "config.json").write_text(json.dumps({"hidden_size": 64, "vocab_size": 999}))
     flags = ["--model-path", str(target), "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path",
              str(draft)]
-    with pytest.raises(SystemExit, match="the draft's vocab_size is 999"):
+    with pytest.raises(EngineSettingsError, match="the draft's vocab_size is 999"):
         spec_args(*flags)
     (draft / "config.json").write_text(json.dumps({"hidden_size": 64, "vocab_size": 1000}))
     assert spec_args(*flags).draft_model_path == str(draft)

@@ -151,16 +151,7 @@ def sglang_command(cfg: PDConfig, role: str, host: str, port: int, bootstrap_por
         argv.append("--trust-remote-code")
     sp, _ = cfg.speculative_settings()
     if sp is not None:
-        argv += ["--speculative-algorithm", sp.algorithm,
-                 "--speculative-num-steps", str(sp.num_steps),
-                 "--speculative-eagle-topk", str(sp.eagle_topk),
-                 "--speculative-num-draft-tokens", str(sp.num_draft_tokens)]
-        if sp.draft_model_path:
-            argv += ["--speculative-draft-model-path", sp.draft_model_path]
-        if sp.moe_runner_backend:
-            argv += ["--speculative-moe-runner-backend", sp.moe_runner_backend]
-        if sp.moe_a2a_backend:
-            argv += ["--speculative-moe-a2a-backend", sp.moe_a2a_backend]
+        argv += sp.argv()  # keys left unset are SGLang's to choose
     files = {}
     if api_key:
         if key_dir is None:

@@ -47,7 +47,7 @@ class EngineCore:
 
     Args:
         runner: the loaded model.
-        args: parsed engine arguments (see pd.engines.args).
+        args: the engine's resolved settings (pd.engines.settings.ResolvedSettings).
         metrics: where to record SGLang's metrics.
         spec: the draft and its settings when ``--speculative-algorithm`` is set: the prefill then also runs the
             draft on the prompt and ships its KV and state; the decode (or a ``null`` engine) drafts and verifies.

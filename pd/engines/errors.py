@@ -49,3 +49,17 @@ class EngineError(Exception):
 def bad_request(message: str, param: str | None = None) -> EngineError:
     """A 400 for invalid client input."""
     return EngineError(400, message, param)
+
+
+class EngineSettingsError(ValueError):
+    """An engine setting that cannot run (pd.engines.settings); ``str()`` is the message, naming the flag.
+    ``pdserve engine`` exits 2 with it, the doctor reports it.
+
+    Args:
+        flag: the flag (or environment variable) at fault, e.g. ``--speculative-eagle-topk``.
+        message: what is wrong, starting with the flag.
+    """
+
+    def __init__(self, flag: str, message: str):
+        super().__init__(message)
+        self.flag = flag

@@ -1,5 +1,5 @@
 """The caps on one generation request, one default each, shared by the router (pd.router.config, which says
-why each value) and the reference engine (pd.engines.args, pd.engines.api.limits), which apply the same caps so a
+why each value) and the reference engine (pd.engines.settings, pd.engines.api.limits), which apply the same caps so a
 request the router passes is not refused by an engine behind it."""
 
 MAX_N = 16  # samples per prompt

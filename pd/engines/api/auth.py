@@ -8,7 +8,7 @@ gets HTTP 401 with SGLang's body ``{"error": "Unauthorized"}``. A pure ASGI midd
 so a client's disconnect still reaches the route (a stream is cancelled when its client leaves).
 
 The key comes from ``--api-key`` (SGLang's flag) or, so that it stays off ``ps`` output, from
-``$PDSERVE_ENGINE_API_KEY`` (what the launcher sets).
+``$PDSERVE_ENGINE_API_KEY`` (what the launcher sets; pd.engines.settings).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import json
 import secrets
 from typing import Optional
 
-API_KEY_ENV = "PDSERVE_ENGINE_API_KEY"
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")  # SGLang's always-allowed paths
 UNAUTHORIZED = json.dumps({"error": "Unauthorized"}).encode()
 

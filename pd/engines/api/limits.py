@@ -7,11 +7,14 @@ size cap is ``--max-body-bytes`` (pd.engines.api.server.read_json: 413).
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pd.engines.errors import bad_request
 from pd.util import request_caps as caps
+
+if TYPE_CHECKING:
+    from pd.engines.settings import EngineSettings
 
 
 @dataclass(frozen=True)
@@ -23,8 +26,8 @@ class RequestLimits:
     max_sequences_per_request: int = caps.MAX_SEQUENCES_PER_REQUEST
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "RequestLimits":
-        """The caps of an engine's parsed flags (pd.engines.args)."""
+    def from_args(cls, args: EngineSettings) -> "RequestLimits":
+        """The caps of an engine's settings (pd.engines.settings)."""
         return cls(args.max_n, args.max_batch_size, args.max_sequences_per_request)
 
     def check(self, prompts: int, n: int, n_param: str, batch_param: str) -> None:

@@ -10,12 +10,12 @@ a ``data: {"error": ...}`` chunk before ``data: [DONE]``.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
 import logging
 import math
+import sys
 import time
 from typing import AsyncIterator, Callable, Optional
 
@@ -31,15 +31,15 @@ import pd
 from pd.engines.api import generate_api, openai_api
 from pd.engines.api.auth import ApiKeyMiddleware
 from pd.engines.api.limits import RequestLimits
-from pd.engines.args import add_engine_args, finalize
 from pd.engines.engine_core import EngineCore
-from pd.engines.errors import EngineError, bad_request
+from pd.engines.errors import EngineError, EngineSettingsError, bad_request
 from pd.engines.handoff.decode_engine import DecodeEngineCore
 from pd.engines.handoff.prefill_engine import PrefillEngineCore
 from pd.engines.metrics import EngineMetrics
 from pd.engines.models.model_runner import ModelRunner
 from pd.engines.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, check_unsupported
 from pd.engines.sequence import Sequence
+from pd.engines.settings import ResolvedSettings, build_parser, parse_settings, resolve
 from pd.engines.spec.decoder import SpecDecoder
 from pd.util import jsonbody
 from pd.util.connection_guard import ConnectionGuard, ConnectionLimits
@@ -129,7 +129,7 @@ def parse(model: type[pydantic.BaseModel], body) -> pydantic.BaseModel:
         raise bad_request(f"{field}: {msg}" if field else msg, field) from None
 
 
-def load_speculative(runner: ModelRunner, args: argparse.Namespace) -> SpecDecoder:
+def load_speculative(runner: ModelRunner, args: ResolvedSettings) -> SpecDecoder:
     """Load the draft next to the target (the built-in model's own draft unless
     ``--speculative-draft-model-path`` names one) and return the decoder that drives it.
 
@@ -138,7 +138,8 @@ def load_speculative(runner: ModelRunner, args: argparse.Namespace) -> SpecDecod
     """
     from pd.engines.spec.draft_model import DraftModel, resolve_draft_path
 
-    cfg = args.speculative
+    cfg = args.speculative_config
+    assert cfg is not None
     path = resolve_draft_path(args.model_path, cfg.draft_model_path)
     return SpecDecoder(runner, DraftModel(path, runner, args.dtype), cfg)
 
@@ -146,7 +147,7 @@ def load_speculative(runner: ModelRunner, args: argparse.Namespace) -> SpecDecod
 class EngineServer:
     """The FastAPI application around one EngineCore."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: ResolvedSettings):
         self.args = args
         self.served_name = args.served_model_name or args.model_path
         self.runner: Optional[ModelRunner] = None
@@ -163,7 +164,7 @@ class EngineServer:
         loop = asyncio.get_running_loop()
         self.runner = await loop.run_in_executor(None, ModelRunner, self.args.model_path, self.args.dtype)
         spec = None
-        if self.args.speculative is not None:
+        if self.args.speculative_config is not None:
             spec = await loop.run_in_executor(None, load_speculative, self.runner, self.args)
         self.core = CORES[self.args.disaggregation_mode](self.runner, self.args, self.metrics, spec)
         await self.core.start()
@@ -406,17 +407,6 @@ class EngineServer:
         return responder.full, chunks
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The reference engine's argument parser (SGLang's flag names; see add_engine_args)."""
-    p = argparse.ArgumentParser(
-        prog="pdserve engine",
-        description="The pdserve reference engine: an exact CPU engine that speaks SGLang's HTTP and "
-                    "prefill-decode (PD) protocol, moving KV through the Mooncake transfer engine.",
-    )
-    add_engine_args(p)
-    return p
-
-
 def set_cpu_threads(n: int) -> None:
     """Give torch ``n`` intra-op and inter-op threads; call before any torch work (the model load)."""
     torch.set_num_threads(n)
@@ -431,7 +421,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     """Entry point of ``pdserve engine``."""
     import uvicorn
 
-    args = finalize(build_parser().parse_args(argv))
+    try:
+        args = resolve(parse_settings(sys.argv[1:] if argv is None else argv))
+    except EngineSettingsError as e:
+        build_parser().error(str(e))  # argparse's usage line and exit status 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # httpx logs every request at INFO: health probes and per-request peer calls would flood the log.
     logging.getLogger("httpx").setLevel(logging.WARNING)

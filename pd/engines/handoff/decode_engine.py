@@ -43,12 +43,13 @@ class DecodeEngineCore(PDEngineCore):
             t0 = time.perf_counter()
             with self._gauge(self.metrics.decode_prealloc_queue):
                 try:
-                    async with asyncio.timeout(self.args.waiting_timeout):
+                    async with asyncio.timeout(self.args.disaggregation_waiting_timeout):
                         pages = await self.pool.alloc(tokens)
                         if self.draft_pool is not None:
                             draft_pages = await self.draft_pool.alloc(tokens)
                 except TimeoutError:
-                    raise RoomFailed(f"no free KV pages for {n} tokens within {self.args.waiting_timeout:g}s") from None
+                    raise RoomFailed(f"no free KV pages for {n} tokens within "
+                                     f"{self.args.disaggregation_waiting_timeout:g}s") from None
             self._update_pool_metrics()
             t1 = time.perf_counter()
             self.metrics.observe_stage("decode_bootstrap", t1 - t0)
@@ -60,7 +61,8 @@ class DecodeEngineCore(PDEngineCore):
             )
             with self._gauge(self.metrics.decode_transfer_queue):
                 try:
-                    meta = await register_with_prefill(self.http, b.host, b.port, reg, self.args.waiting_timeout)
+                    meta = await register_with_prefill(self.http, b.host, b.port, reg,
+                                                       self.args.disaggregation_waiting_timeout)
                 except RoomFailed:
                     self.metrics.transfer_failed.labels(**self.metrics.labels).inc()
                     raise
@@ -90,6 +92,6 @@ class DecodeEngineCore(PDEngineCore):
                     # The prefill may be writing into these pages: they go back once it says no write is in flight
                     # (or after SGLang's deferred KV release timeout); this request answers once the abort landed.
                     abort = abort_on_prefill(self.http, b.host, b.port, b.room, seq.abort_reason or "decode failed",
-                                             self.args.kv_release_timeout)
+                                             self.args.decode_kv_release_timeout)
                     releasing = self.held.hold(held, abort)
                     await asyncio.wait({releasing}, timeout=ABORT_LANDING_WAIT)

@@ -31,14 +31,15 @@ class PrefillEngineCore(PDEngineCore):
         await super().start()
         a = self.args
         self.bootstrap = BootstrapServer(
-            a.host, a.disaggregation_bootstrap_port, a.waiting_timeout,
-            tombstone_ttl=max(60.0, 2 * a.waiting_timeout), api_key=a.api_key,
+            a.host, a.disaggregation_bootstrap_port, a.disaggregation_waiting_timeout,
+            tombstone_ttl=max(60.0, 2 * a.disaggregation_waiting_timeout), api_key=a.api_key,
             limits=RegistrationLimits(self.runner.context_length, self.pool.page_size,
                                       self.spec.config.num_draft_tokens if self.spec is not None else 0),
             on_refused_connection=lambda reason: self.metrics.connections_refused.labels(reason=reason).inc(),
         )
         await self.bootstrap.start()
-        self.writer = KVWriter(self.transfer, self.transfer_exec, self.bootstrap, a.transfer_timeout)
+        self.writer = KVWriter(self.transfer, self.transfer_exec, self.bootstrap,
+                               a.disaggregation_transfer_timeout)
 
     def _admit(self, seq: Sequence) -> None:
         seq.room = self.bootstrap.attach(seq.req.bootstrap.room, lambda reason, s=seq: self.cancel(s, reason),
@@ -57,7 +58,7 @@ class PrefillEngineCore(PDEngineCore):
         try:
             t0 = time.perf_counter()
             with self._gauge(self.metrics.prefill_bootstrap_queue):
-                reg = await self.bootstrap.wait_registration(room, self.args.bootstrap_timeout)
+                reg = await self.bootstrap.wait_registration(room, self.args.disaggregation_bootstrap_timeout)
             self._check_registration(reg, seq)
             t1 = time.perf_counter()
             self.metrics.observe_stage("prefill_bootstrap", t1 - t0)

@@ -1,5 +1,9 @@
-"""The reference engine's ``--speculative-*`` settings, checked as SGLang checks them (no torch: the flag parser
-imports this)."""
+"""Speculative decoding's settings (SGLang's ``--speculative-*`` flags), resolved and checked as SGLang does.
+
+One model, ``SpeculativeSettings``, is the engine's ``--speculative-*`` flags (a section of
+pd.engines.settings.EngineSettings), the cluster config's ``speculative:`` block (pd.config subclasses it) and
+what a decode sends its prefill in the bootstrap handshake. No torch: the flag parser and the config import it.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +11,63 @@ import json
 import logging
 import os
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pd.engines.errors import EngineSettingsError
 from pd.engines.models.builtin_model import BUILTIN_PREFIX
 
 log = logging.getLogger(__name__)
 
-ALGORITHMS = ("EAGLE", "NEXTN")  # NEXTN is SGLang's alias of EAGLE (speculative_hook.py resolves it so)
+ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")  # SGLang's EAGLE family, as both engine kinds take it
+REFERENCE_ALGORITHMS = ("EAGLE", "NEXTN")  # NEXTN is SGLang's alias of EAGLE (speculative_hook.py resolves it so)
 DEFAULT_STEPS = (3, 1, 4)  # SGLang's auto choice for DeepSeek MTP: (num_steps, eagle_topk, num_draft_tokens)
+
+
+class SpeculativeSettings(BaseModel):
+    """EAGLE/MTP speculative decoding, SGLang's ``--speculative-*`` flags (sglang/srt/server_args.py). Values left
+    unset are chosen as SGLang chooses them (``resolve_speculative``); both PD sides must agree on all of them."""
+
+    # The docstring under a field is its description: its flag's --help and the config key's documentation.
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    FLAG: ClassVar[str] = "--speculative-{}"  # the flag of a key (pd.util.settings_flags)
+
+    algorithm: Optional[str] = None
+    """EAGLE (or NEXTN, SGLang's alias of it for MTP checkpoints): speculative decoding with an MTP/EAGLE draft.
+    EAGLE3 drafts with an EAGLE-3 head (SGLang workers only). Unset: off."""
+    draft_model_path: Optional[str] = None
+    """The draft checkpoint. Unset: SGLang uses the target's own MTP layers, the reference engine builtin:tiny's
+    built-in draft (other models need one)."""
+    num_steps: Optional[int] = Field(None, ge=1)
+    """Draft tokens proposed per verify step. Unset: 3, with topk 1 and 4 draft tokens (SGLang's choice for
+    DeepSeek MTP)."""
+    eagle_topk: Optional[int] = Field(None, ge=1)
+    """Tokens kept per draft step; > 1 drafts a tree, which SGLang serves and the reference engine refuses (it
+    has no tree attention). Unset: 1."""
+    num_draft_tokens: Optional[int] = Field(None, ge=1)
+    """Tokens per verify window; with topk 1 both engines use num_steps + 1 whatever is set (SGLang adjusts it
+    with a warning)."""
+
+    @field_validator("algorithm")
+    @classmethod
+    def _known_algorithm(cls, v: Optional[str]) -> Optional[str]:
+        if v is None:
+            return v
+        if v.upper() not in ALGORITHMS:  # SGLang upper-cases the value before it compares
+            raise ValueError(f"{v!r} is not one of {', '.join(ALGORITHMS)} (SGLang's EAGLE family)")
+        return v.upper()
+
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Resolved speculative settings of one engine; both PD sides must agree on all of them.
+    """Resolved speculative settings of one engine (``resolve_speculative``); both PD sides must agree on all of
+    them.
 
     Attributes:
         algorithm: ``EAGLE`` (``NEXTN`` resolves to it).
-        num_steps: draft tokens proposed per verify step (``--speculative-num-steps``).
+        num_steps: draft tokens proposed per verify step.
         eagle_topk: 1 (a chain); tree drafting is refused at start.
         num_draft_tokens: tokens per verify window, ``num_steps + 1`` for a chain.
         draft_model_path: the draft checkpoint as given; None for a built-in model's own draft.
@@ -44,58 +88,58 @@ class SpecConfig:
 
     def flags(self) -> str:
         """The settings as the command-line flags that give them (for error messages)."""
-        return (f"--speculative-algorithm {self.algorithm} --speculative-num-steps {self.num_steps} "
-                f"--speculative-eagle-topk {self.eagle_topk} --speculative-num-draft-tokens {self.num_draft_tokens}")
+        return " ".join(f"{_flag(k)} {v}" for k, v in self.handshake().items())
 
 
-def resolve_spec_config(args) -> Optional[SpecConfig]:
-    """Check the ``--speculative-*`` flags as SGLang does (sglang/srt/arg_groups/speculative_hook.py,
-    ``_handle_eagle_family``) and resolve them; None when speculation is off.
+def resolve_speculative(sp: SpeculativeSettings, model_path: str) -> Optional[SpecConfig]:
+    """Check the settings as SGLang does (sglang/srt/arg_groups/speculative_hook.py, ``_handle_eagle_family``) and
+    fill what is unset; None when speculation is off.
 
-    SGLang's behaviour kept: ``NEXTN`` is ``EAGLE``; ``--speculative-num-steps`` unset means all three are chosen
-    together, so ``--speculative-eagle-topk`` / ``--speculative-num-draft-tokens`` must be unset too (SGLang
-    asserts it); the choice is DeepSeek MTP's (3, 1, 4), the draft here being MTP-shaped (SGLang picks (5, 4, 8)
-    for a Llama target, a tree, which this engine does not draft); with topk 1, ``--speculative-num-draft-tokens``
-    is adjusted to ``num_steps + 1`` with SGLang's warning.
+    SGLang's behaviour kept: ``NEXTN`` is ``EAGLE``; ``num_steps`` unset means all three counts are chosen
+    together, so ``eagle_topk`` / ``num_draft_tokens`` must be unset too (SGLang asserts it); the choice is
+    DeepSeek MTP's (3, 1, 4), the draft here being MTP-shaped (SGLang picks (5, 4, 8) for a Llama target, a tree,
+    which this engine does not draft); with topk 1, ``num_draft_tokens`` is adjusted to ``num_steps + 1`` with
+    SGLang's warning.
 
     Raises:
-        SystemExit: a message naming the bad flag: an unknown algorithm, a count below 1, topk > 1, a
-            ``--speculative-*`` flag without ``--speculative-algorithm``, no draft path for a non-built-in model.
+        EngineSettingsError: naming the flag: a setting without ``--speculative-algorithm``, EAGLE3, topk > 1,
+            counts given without ``--speculative-num-steps``, no draft for a model without a built-in one.
     """
-    algo = args.speculative_algorithm
-    given = {f: getattr(args, f) for f in ("speculative_num_steps", "speculative_eagle_topk",
-                                           "speculative_num_draft_tokens", "speculative_draft_model_path")}
-    if algo is None:
-        stray = [f for f, v in given.items() if v is not None]
+    if sp.algorithm is None:
+        stray = [k for k, v in sp.model_dump().items() if v is not None]
         if stray:
-            raise SystemExit(f"--{stray[0].replace('_', '-')} needs --speculative-algorithm (EAGLE or NEXTN)")
+            raise EngineSettingsError(_flag(stray[0]), f"{_flag(stray[0])} needs --speculative-algorithm "
+                                                       "(EAGLE or NEXTN)")
         return None
-    if algo.upper() not in ALGORITHMS:
-        raise SystemExit(f"--speculative-algorithm {algo!r}: the reference engine supports {', '.join(ALGORITHMS)}")
-    steps, topk, draft_tokens = (given["speculative_num_steps"], given["speculative_eagle_topk"],
-                                 given["speculative_num_draft_tokens"])
+    if sp.algorithm not in REFERENCE_ALGORITHMS:
+        raise EngineSettingsError(_flag("algorithm"), f"--speculative-algorithm {sp.algorithm}: the reference "
+                                  f"engine supports {' and '.join(REFERENCE_ALGORITHMS)} (an MTP draft layer), "
+                                  "not EAGLE-3 heads")
+    steps, topk, draft_tokens = sp.num_steps, sp.eagle_topk, sp.num_draft_tokens
     if steps is None:
         if topk is not None or draft_tokens is not None:
-            raise SystemExit("--speculative-eagle-topk and --speculative-num-draft-tokens need "
-                             "--speculative-num-steps (unset, all three are chosen together)")
+            raise EngineSettingsError(_flag("num_steps"), "--speculative-eagle-topk and "
+                                      "--speculative-num-draft-tokens need --speculative-num-steps (unset, all "
+                                      "three are chosen together)")
         steps, topk, draft_tokens = DEFAULT_STEPS
     topk = 1 if topk is None else topk
-    for flag, value in (("--speculative-num-steps", steps), ("--speculative-eagle-topk", topk)):
-        if value < 1:
-            raise SystemExit(f"{flag} must be >= 1, got {value}")
     if topk > 1:
-        raise SystemExit(f"--speculative-eagle-topk {topk}: the reference engine drafts a chain only "
-                         "(--speculative-eagle-topk 1); tree drafting needs tree attention, which it does not have")
+        raise EngineSettingsError(_flag("eagle_topk"), f"--speculative-eagle-topk {topk}: the reference engine "
+                                  "drafts a chain only (--speculative-eagle-topk 1); tree drafting needs tree "
+                                  "attention, which it does not have")
     if draft_tokens != steps + 1:
         if draft_tokens is not None:
             log.warning("speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 when "
                         "speculative_eagle_topk == 1")
         draft_tokens = steps + 1
-    draft = given["speculative_draft_model_path"]
-    if draft is None and not args.model_path.startswith(BUILTIN_PREFIX):
-        raise SystemExit(f"--speculative-draft-model-path is required with --model-path {args.model_path} "
-                         "(only built-in models have a default draft)")
-    return SpecConfig("EAGLE", steps, topk, draft_tokens, draft)
+    if sp.draft_model_path is None and not model_path.startswith(BUILTIN_PREFIX):
+        raise EngineSettingsError(_flag("draft_model_path"), f"--speculative-draft-model-path is required with "
+                                  f"--model-path {model_path} (only built-in models have a default draft)")
+    return SpecConfig("EAGLE", steps, topk, draft_tokens, sp.draft_model_path)
+
+
+def _flag(key: str) -> str:
+    return SpeculativeSettings.FLAG.format(key.replace("_", "-"))
 
 
 def check_draft_shape(model_path: str, draft_path: str) -> None:
@@ -105,19 +149,21 @@ def check_draft_shape(model_path: str, draft_path: str) -> None:
     its embedding and LM head). A built-in target is compared by its recipe's hidden size.
 
     Raises:
-        SystemExit: naming ``--speculative-draft-model-path`` and both values.
+        EngineSettingsError: naming ``--speculative-draft-model-path`` and both values.
     """
     from pd.engines.models.builtin_model import TINY
 
-    flag = "--speculative-draft-model-path"
+    flag = _flag("draft_model_path")
     draft = _config_json(draft_path)
     if draft is None:
-        raise SystemExit(f"{flag} {draft_path}: no config.json there (not a draft checkpoint directory)")
+        raise EngineSettingsError(flag, f"{flag} {draft_path}: no config.json there (not a draft checkpoint "
+                                        "directory)")
     target = {"hidden_size": TINY["hidden_size"]} if model_path.startswith(BUILTIN_PREFIX) else _config_json(model_path)
     for key in ("hidden_size", "vocab_size"):
         if target and key in target and draft.get(key) != target[key]:
-            raise SystemExit(f"{flag} {draft_path}: the draft's {key} is {draft.get(key)}, the target's "
-                             f"({model_path}) is {target[key]}; an MTP/EAGLE draft must match the target's")
+            raise EngineSettingsError(flag, f"{flag} {draft_path}: the draft's {key} is {draft.get(key)}, the "
+                                      f"target's ({model_path}) is {target[key]}; an MTP/EAGLE draft must match "
+                                      "the target's")
 
 
 def _config_json(path: str) -> Optional[dict]:

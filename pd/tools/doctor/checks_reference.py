@@ -114,10 +114,10 @@ def check_reference_speculative(ctx: Context) -> list[Finding]:
     model = ctx.cfg.model_path
     target, target_src = _target_hidden(model)
     for r in on:
-        ns = parsed[r].args
-        if ns.speculative_num_draft_tokens not in (None, spec[r].num_draft_tokens):
+        given = parsed[r].args.speculative.num_draft_tokens
+        if given not in (None, spec[r].num_draft_tokens):
             out.append(Finding("warning", "speculative",
-                               f"{r}: {_spec_via(ctx, r)}: num_draft_tokens {ns.speculative_num_draft_tokens} is "
+                               f"{r}: {_spec_via(ctx, r)}: num_draft_tokens {given} is "
                                f"adjusted to num_steps + 1 = {spec[r].num_draft_tokens} (eagle_topk 1: a chain, "
                                "as SGLang adjusts it)",
                                f"set {ctx.spec_key('num_draft_tokens')}: {spec[r].num_draft_tokens}"))

@@ -1,12 +1,15 @@
-"""``pdserve router``'s setting flags, generated from the settings model (pd.router.config).
+"""Command-line flags generated from a pydantic settings model: ``pdserve router``'s (pd.router.config) and
+``pdserve engine``'s (pd.engines.settings).
 
-Every leaf field of ``RouterSettings`` (and of its sections: ``retry``, ``timeouts``, ...) is one
-flag. Its name is the field's ``flag(...)`` metadata, else the section's ``FLAG`` rule applied to
+Every leaf field of the model (and of its sections: the router's ``retry``, the engine's ``speculative``, ...) is
+one flag. Its name is the field's ``flag(...)`` metadata, else the section's ``FLAG`` rule applied to
 the key (``"--retry-{}"``); its help is the field's docstring with the model's default; its form
 follows the type (``int`` / ``float`` a typed value, ``Literal`` choices, ``tuple[str, ...]`` one
 or more values, ``bool`` ``--x`` / ``--no-x``, ``Optional[T]`` as ``T``). ``switch`` metadata adds
-a flag without a value that sets the field to a constant (``--disable-retries``). Flags default to
-``argparse.SUPPRESS``: a flag not given leaves its setting to the JSON settings or the model.
+a flag without a value that sets the field to a constant (``--disable-retries``); ``env`` metadata
+reads an environment variable when no flag sets the field. Flags default to ``argparse.SUPPRESS``: a
+flag not given leaves its setting to the settings file, the environment or the model. ``argv`` goes
+the other way: the flags that give a settings object.
 """
 
 from __future__ import annotations
@@ -108,7 +111,8 @@ class SettingsFlags:
     """The flags of every leaf setting of ``model``.
 
     Args:
-        model: the settings model (``RouterSettings`` or a subclass).
+        model: the settings model (``RouterSettings``, ``EngineSettings``, or a subclass); it and each section
+            have a ``FLAG`` class variable, the rule that names a key's flag (``"--retry-{}"``).
         skip: top-level keys that get no generated flag (those with hand-written ones).
 
     Raises:
@@ -135,7 +139,7 @@ class SettingsFlags:
     @staticmethod
     def _flag(owner: type[BaseModel], path: tuple[str, ...], info: FieldInfo, section: Optional[str]) -> SettingFlag:
         meta: dict[str, Any] = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-        rule: str = getattr(owner, "FLAG")  # the models' flag naming rule, a ClassVar of pd.router.config's models
+        rule: str = getattr(owner, "FLAG")  # the model's flag naming rule, a ClassVar of each settings model
         name = meta.get("flag", rule.format(path[-1].replace("_", "-")))
         switch = tuple(meta["switch"]) if meta.get("switch") else None
         env = meta.get("env")
@@ -146,11 +150,11 @@ class SettingsFlags:
             kwargs = {**_form(info.annotation, ".".join(path)), "help": _help(info, default, env)}
         return SettingFlag(path, options, switch, env, kwargs, section)
 
-    def add_to(self, parser: argparse.ArgumentParser) -> None:
-        """Add every flag to ``parser``: top-level settings in one group, each section in its own.
-        Value flags come first in a group, then its switches. ``given`` reads this parser's results."""
+    def add_to(self, parser: argparse.ArgumentParser, title: str) -> None:
+        """Add every flag to ``parser``: top-level settings in one group named ``title``, each section in its
+        own. Value flags come first in a group, then its switches. ``given`` reads this parser's results."""
         self._dests = []
-        groups: dict[Optional[str], argparse._ArgumentGroup] = {None: parser.add_argument_group("router")}
+        groups: dict[Optional[str], argparse._ArgumentGroup] = {None: parser.add_argument_group(title)}
         groups.update((key, parser.add_argument_group(title)) for key, title in self._sections.items())
         for section, group in groups.items():
             mine = [f for f in self.flags if f.section == section]
@@ -195,7 +199,62 @@ class SettingsFlags:
     def flag_of(self, path: str) -> Optional[str]:
         """The flag of the setting at dotted ``path``, None when no flag sets it."""
         f = self._by_path.get(path)
-        return f.name if f is not None else None
+        return f.name if f is not None and (f.options or f.switch) else None
+
+    def env_of(self, path: str) -> Optional[str]:
+        """The environment variable of the setting at dotted ``path``, None when it has none."""
+        f = self._by_path.get(path)
+        return f.env if f is not None else None
+
+    def argv(self, settings: BaseModel, exclude: tuple[str, ...] = ()) -> list[str]:
+        """The value flags that give ``settings``: one per field set explicitly (pydantic's ``model_fields_set``,
+        in a section too) and not None, in the model's order; none for a field left at its default, for one
+        without a value flag, or for a dotted path in ``exclude``."""
+        out: list[str] = []
+        for f in self.flags:
+            if not f.options or f.dotted in exclude:
+                continue
+            owner: BaseModel = settings
+            for key in f.path[:-1]:
+                owner = getattr(owner, key)
+            if f.path[-1] not in owner.model_fields_set or f.path[0] not in settings.model_fields_set:
+                continue
+            value = getattr(owner, f.path[-1])
+            if value is None:
+                continue
+            if isinstance(value, bool):
+                out.append(f.options[0] if value else "--no-" + f.options[0].removeprefix("--"))
+            elif isinstance(value, (tuple, list)):
+                out += [f.options[0], *map(str, value)]
+            else:
+                out += [f.options[0], str(value)]
+        return out
+
+
+def flag(name: Optional[str] = None, *aliases: str, switch: Optional[tuple[str, Any]] = None,
+         env: Optional[str] = None, takes_value: bool = True) -> dict:
+    """Command-line metadata of one setting, for ``Field(json_schema_extra=flag(...))`` (``SettingsFlags`` reads
+    it; a field without it gets its section's ``FLAG`` rule).
+
+    Args:
+        name: the flag that sets the field (e.g. ``"--health-failure-threshold"``), where the
+            section's rule would give another name.
+        aliases: more option strings of the same flag.
+        switch: ``(flag, value)``: a flag without a value that sets the field to ``value``
+            (``("--disable-retries", 1)``).
+        env: an environment variable read when no flag sets the field.
+        takes_value: False = no flag with a value (only ``switch``, or only ``env``).
+    """
+    meta: dict = {}
+    if name is not None or not takes_value:
+        meta["flag"] = name if takes_value else None
+    if aliases:
+        meta["aliases"] = list(aliases)
+    if switch is not None:
+        meta["switch"] = list(switch)
+    if env is not None:
+        meta["env"] = env
+    return meta
 
 
 def set_path(data: dict, dotted: str, value) -> None:
