@@ -79,7 +79,7 @@ typecheck: install
 # Two xdist workers (conftest.py: a module stays on one worker, the Ray and namespace modules run in turn on one);
 # `make test TEST_WORKERS=0` runs in one process. test-fast: no Ray, no namespaces, nothing slow, for the edit loop.
 TEST_WORKERS ?= 2
-test: lint
+test: lint typecheck
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=10 tests
 
 test-fast: install

@@ -133,8 +133,8 @@ class SGLangSettings(_Strict):
 
     quantization: Optional[str] = None
     kv_cache_dtype: str = "auto"
-    context_length: Optional[int] = Field(None, ge=1)
-    mem_fraction_static: Optional[float] = Field(None, gt=0, lt=1)
+    context_length: Optional[int] = Field(default=None, ge=1)
+    mem_fraction_static: Optional[float] = Field(default=None, gt=0, lt=1)
     moe_runner_backend: Optional[str] = None
     trust_remote_code: bool = False
     enable_metrics: bool = True
@@ -167,10 +167,10 @@ class Group(_Strict):
         placement: node constraints.
     """
 
-    replicas: int = Field(1, ge=0)
-    tp_size: int = Field(1, ge=1)
+    replicas: int = Field(default=1, ge=0)
+    tp_size: int = Field(default=1, ge=1)
     gpus: Optional[list[list[int]]] = None
-    cuda_graph_max_bs: Optional[int] = Field(None, ge=1)
+    cuda_graph_max_bs: Optional[int] = Field(default=None, ge=1)
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     placement: Placement = Field(default_factory=Placement)
@@ -205,18 +205,18 @@ class Router(RouterSettings):
             API and waits up to this long for requests in flight to finish; 0 = stop at once.
     """
 
-    port: int = Field(8000, ge=1, le=65535)
+    port: int = Field(default=8000, ge=1, le=65535)
     timeouts: TimeoutConfig = Field(default_factory=lambda: TimeoutConfig(request=600.0))
-    drain_timeout_secs: float = Field(30.0, ge=0)
+    drain_timeout_secs: float = Field(default=30.0, ge=0)
 
 
 class Restart(_Strict):
     """Engine restart policy of a worker actor: exponential backoff from ``backoff_initial`` to
     ``backoff_max`` seconds, at most ``max_restarts`` restarts (then the worker is failed)."""
 
-    max_restarts: int = Field(5, ge=0)
-    backoff_initial: float = Field(1.0, gt=0)
-    backoff_max: float = Field(30.0, gt=0)
+    max_restarts: int = Field(default=5, ge=0)
+    backoff_initial: float = Field(default=1.0, gt=0)
+    backoff_max: float = Field(default=30.0, gt=0)
 
 
 class Monitoring(_Strict):
@@ -232,15 +232,15 @@ class Monitoring(_Strict):
     """
 
     targets_file: Optional[str] = None
-    metrics_port: int = Field(0, ge=0, le=65535)
+    metrics_port: int = Field(default=0, ge=0, le=65535)
 
 
 class Cluster(_Strict):
     """What the Ray cluster offers; ``pdserve up`` starts a local head with ``num_gpus`` logical
     GPUs when none is running."""
 
-    num_gpus: int = Field(8, ge=0)
-    gpus_per_node: int = Field(8, ge=1)
+    num_gpus: int = Field(default=8, ge=0)
+    gpus_per_node: int = Field(default=8, ge=1)
 
 
 class PDConfig(_Strict):
@@ -258,13 +258,13 @@ class PDConfig(_Strict):
     monitoring: Monitoring = Field(default_factory=Monitoring)
     sglang: SGLangSettings = Field(default_factory=SGLangSettings)
     speculative: Optional[Speculative] = None
-    engine_startup_timeout: float = Field(600.0, gt=0, description="seconds an engine may take to become ready")
-    engine_host: Optional[str] = Field(None, description=(
+    engine_startup_timeout: float = Field(default=600.0, gt=0, description="seconds an engine may take to become ready")
+    engine_host: Optional[str] = Field(default=None, description=(
         "address every engine listens on (HTTP, the prefill's bootstrap server) and peers reach it at; "
         "default: its node's address in Ray (`ray start --node-ip-address`, which picks the interface of a "
         "multi-node cluster); a loopback address keeps a single-node cluster off the network (deploy/local.yaml "
         "sets 127.0.0.1), and the launcher refuses it for a worker on another node"))
-    page_size: int = Field(16, ge=1, description="KV page size, equal on prefill and decode")
+    page_size: int = Field(default=16, ge=1, description="KV page size, equal on prefill and decode")
 
     @field_validator("model_path")
     @classmethod

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
 from pd.engines.admission import validate_request
 from pd.engines.errors import EngineError, bad_request
@@ -27,7 +28,8 @@ from pd.engines.model_steps import ModelSteps, run_blocking
 from pd.engines.models.model_runner import ModelRunner
 from pd.engines.protocol import SeqRequest
 from pd.engines.sequence import Sequence
-from pd.engines.spec.decoder import SpecDecoder
+from pd.engines.settings import ResolvedSettings
+from pd.engines.spec.decoder import SpecDecoder, StepResult
 
 if TYPE_CHECKING:
     import httpx
@@ -41,6 +43,19 @@ log = logging.getLogger(__name__)
 
 USER_ABORT = "Aborted"
 
+T = TypeVar("T")
+
+
+def started(value: Optional[T], what: str) -> T:
+    """``value``, which the engine core's ``start`` sets (``what`` names it).
+
+    Raises:
+        RuntimeError: ``value`` is still None: ``start`` has not run (or does not set it in this mode).
+    """
+    if value is None:
+        raise RuntimeError(f"the engine core has no {what}: its start() has not run")
+    return value
+
 
 class EngineCore:
     """Owns the model thread, the KV page pool, the transfer engine and the bootstrap channel.
@@ -53,7 +68,8 @@ class EngineCore:
             draft on the prompt and ships its KV and state; the decode (or a ``null`` engine) drafts and verifies.
     """
 
-    def __init__(self, runner: ModelRunner, args, metrics: EngineMetrics, spec: Optional[SpecDecoder] = None):
+    def __init__(self, runner: ModelRunner, args: ResolvedSettings, metrics: EngineMetrics,
+                 spec: Optional[SpecDecoder] = None):
         self.runner = runner
         self.spec = spec  # speculative decoding (pd.engines.spec.decoder), None when off
         self.args = args
@@ -120,7 +136,7 @@ class EngineCore:
             self._admit(seq)
             self.sequences.add(seq)
             seq.task = asyncio.get_running_loop().create_task(self._run(seq))
-            seq.task.add_done_callback(lambda _t, s=seq: self._finalize(s))
+            seq.task.add_done_callback(functools.partial(self._finalize, seq))
             seqs.append(seq)
         return seqs
 
@@ -158,8 +174,10 @@ class EngineCore:
         except asyncio.CancelledError:
             self._set_aborted(seq)
         except RoomFailed as e:
+            b = seq.req.bootstrap
+            assert b is not None  # rooms fail in the PD modes only, which refuse a request without one
             seq.fail(EngineError(500, f"{self.mode.capitalize()} transfer failed for request rid={seq.req.rid!r} "
-                                      f"bootstrap_room={seq.req.bootstrap.room}: {e}"))
+                                      f"bootstrap_room={b.room}: {e}"))
         except EngineError as e:
             seq.fail(e)
         except Exception as e:  # a bug or a model error: fail this request, keep serving
@@ -174,8 +192,8 @@ class EngineCore:
         else:
             seq.fail(EngineError(500, reason))
 
-    def _finalize(self, seq: Sequence) -> None:
-        """Task done-callback: runs even when the task was cancelled before it started."""
+    def _finalize(self, seq: Sequence, _task: asyncio.Task) -> None:
+        """``seq``'s task's done-callback: runs even when the task was cancelled before it started."""
         if not seq.done:
             self._set_aborted(seq)
         seq.cache = seq.spec_state = None
@@ -207,6 +225,7 @@ class EngineCore:
     def _emit(self, seq: Sequence, token: int, lp: float, top: list) -> None:
         prev = seq.last_token_time
         seq.append(token, lp, top)
+        assert seq.first_token_time is not None and seq.last_token_time is not None  # append sets both
         if prev is None:
             if self.mode != "prefill":  # SGLang's PD prefill never observes TTFT
                 self.metrics.observe_ttft(seq.first_token_time - seq.arrival, bool(seq.req.extra.get("stream")))
@@ -226,10 +245,10 @@ class EngineCore:
             if self.spec is None:
                 self._emit(seq, *await self._compute(self.steps.decode_forward, seq))
             else:
-                self._emit_spec_step(seq, await self._compute(self.steps.spec_step, seq))
+                self._emit_spec_step(seq, await self._compute(self.steps.spec_step, seq), self.spec)
         seq.finish(seq.finish_reason)
 
-    def _emit_spec_step(self, seq: Sequence, step) -> None:
+    def _emit_spec_step(self, seq: Sequence, step: StepResult, spec: SpecDecoder) -> None:
         """Emit one verify step's tokens in order until the sequence finishes (a stop id, stop string or
         max_new_tokens inside the accepted run drops the rest), and count it as SGLang does."""
         emitted = 0
@@ -239,10 +258,10 @@ class EngineCore:
             self._emit(seq, *tok)
             emitted += 1
         seq.spec_verify_ct += 1
-        seq.spec_draft_width = self.spec.config.num_draft_tokens - 1
+        seq.spec_draft_width = spec.config.num_draft_tokens - 1
         seq.spec_correct_drafts += min(emitted, step.accepted_drafts)
-        self.metrics.observe_spec_step(step.accepted_drafts + 1, self.spec.config.num_draft_tokens - 1,
-                                       step.draft_s, step.verify_s, step.extend_s, self.spec.config.num_steps)
+        self.metrics.observe_spec_step(step.accepted_drafts + 1, spec.config.num_draft_tokens - 1,
+                                       step.draft_s, step.verify_s, step.extend_s, spec.config.num_steps)
 
     async def health_generate(self) -> int:
         """One greedy token from a one-token prompt, queued on the model thread behind real work

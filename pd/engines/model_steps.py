@@ -116,6 +116,7 @@ class ModelSteps:
     def spec_step(self, seq: Sequence) -> StepResult:
         """One speculative draft/verify step (pd.engines.spec.decoder)."""
         assert self.spec is not None
+        assert seq.spec_state is not None  # prefill_forward (a decode: pd_handoff.restore_state) set it
         return self.spec.step(seq, seq.spec_state, seq.cache, lambda row, tok: self.logprob_entry(seq, row, tok))
 
     def health_token(self) -> int:

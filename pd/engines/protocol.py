@@ -336,7 +336,11 @@ def per_item(value: Any, count: int, name: str, repeat: int = 1) -> list:
     raise bad_request(f"{name} has {len(value)} entries; expected {count}", name)
 
 
-def bootstraps(body: BaseModel, count: int, repeat: int) -> list[Optional[Bootstrap]]:
+# The request bodies that carry the PD bootstrap fields (bootstrap_host, bootstrap_port, bootstrap_room).
+WithBootstrap = Union[GenerateRequest, _OpenAIBase]
+
+
+def bootstraps(body: WithBootstrap, count: int, repeat: int) -> list[Optional[Bootstrap]]:
     """Per-item bootstrap info; None for items that carry no room.
 
     Raises:
@@ -371,7 +375,7 @@ def expand(
     prompts: list[list[int]],
     n: int,
     params: list[SamplingParams],
-    body: BaseModel,
+    body: WithBootstrap,
     rid: Optional[Union[str, list[str]]],
     return_logprob: list[bool],
     logprob_start_len: list[int],

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from pd.engines.errors import EngineError
 from pd.engines.protocol import SeqRequest
+
+if TYPE_CHECKING:
+    from pd.engines.handoff.bootstrap import Room
+    from pd.engines.spec.decoder import SpecState
 
 TokenLogprob = tuple  # (logprob: float | None, token_id: int)
 
@@ -42,8 +46,8 @@ class Sequence:
         self.error: Optional[EngineError] = None
         self.cache = None
         self.task: Optional[asyncio.Task] = None
-        self.room = None  # prefill side: the bootstrap.Room this sequence holds
-        self.spec_state = None  # pd.engines.spec.decoder.SpecState when the engine speculates
+        self.room: Optional[Room] = None  # prefill side: the bootstrap room this sequence holds
+        self.spec_state: Optional[SpecState] = None  # when the engine speculates
         self.spec_verify_ct = 0  # verify steps (SGLang's Req.spec_verify_ct)
         self.spec_correct_drafts = 0  # drafts accepted and emitted (SGLang's spec_num_correct_drafts)
         self.spec_draft_width = 0  # drafts proposed per verify step (num_draft_tokens - 1)
@@ -107,8 +111,9 @@ class Sequence:
         elif len(self.req.prompt_ids) + n >= self.context_length:
             self.finish_reason = {"type": "length", "length": n}
 
-    def finish(self, reason: dict) -> None:
-        """Mark finished with ``reason`` (the first reason wins) and wake the listener."""
+    def finish(self, reason: Optional[dict]) -> None:
+        """Mark finished with ``reason`` (the first reason wins; None keeps the current one) and wake the
+        listener."""
         if self.finish_reason is None:
             self.finish_reason = reason
         self.finish_time = time.perf_counter()

@@ -49,12 +49,12 @@ class EngineSettings(BaseModel):
     """Model name in /v1/models and the OpenAI responses. Unset: the model path."""
     host: str = "127.0.0.1"
     """HTTP (and bootstrap) listen address."""
-    port: int = Field(30000, ge=1, le=65535)
+    port: int = Field(default=30000, ge=1, le=65535)
     """HTTP port."""
     disaggregation_mode: Literal["null", "prefill", "decode"] = "null"
     """null: a whole engine; prefill: computes prompts and pushes their KV to decodes; decode: receives KV from
     prefills and generates."""
-    disaggregation_bootstrap_port: int = Field(8998, ge=1, le=65535)
+    disaggregation_bootstrap_port: int = Field(default=8998, ge=1, le=65535)
     """Port of the prefill's bootstrap server, where decodes register their KV pages. One per prefill."""
     disaggregation_transfer_backend: Literal["mooncake"] = "mooncake"
     """KV transfer backend: the Mooncake transfer engine."""
@@ -67,39 +67,39 @@ class EngineSettings(BaseModel):
     """Address peers use to reach this engine's transfer engine. Unset: --host, or this machine's address when
     --host is a wildcard."""
     disaggregation_bootstrap_timeout: float = Field(
-        300.0, gt=0, json_schema_extra=flag(env="SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"))
+        default=300.0, gt=0, json_schema_extra=flag(env="SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"))
     """Seconds a prefill waits for its decode to register a room."""
     disaggregation_waiting_timeout: float = Field(
-        300.0, gt=0, json_schema_extra=flag(env="SGLANG_DISAGGREGATION_WAITING_TIMEOUT"))
+        default=300.0, gt=0, json_schema_extra=flag(env="SGLANG_DISAGGREGATION_WAITING_TIMEOUT"))
     """Seconds a decode waits for a room's KV."""
-    disaggregation_transfer_timeout: Optional[float] = Field(None, gt=0)
+    disaggregation_transfer_timeout: Optional[float] = Field(default=None, gt=0)
     """Seconds a prefill's KV write into its decode may take (plus 1 ns per byte, Mooncake's allowance); then the
     request fails, the decode is told and the pages are freed once the transfer engine lets go of them. Unset:
     $MC_TRANSFER_TIMEOUT, Mooncake's own sync-write deadline, or 30."""
     decode_kv_release_timeout: float = Field(
-        30.0, gt=0, json_schema_extra=flag(env="SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT",
-                                           takes_value=False))
+        default=30.0, gt=0,
+        json_schema_extra=flag(env="SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT", takes_value=False))
     """Seconds a failed decode request's pages stay held while its prefill may still write into them."""
-    page_size: int = Field(16, ge=1)
+    page_size: int = Field(default=16, ge=1)
     """Tokens per KV page; must match on prefill and decode."""
-    max_total_tokens: int = Field(65536, ge=1)
+    max_total_tokens: int = Field(default=65536, ge=1)
     """KV pool capacity in tokens (prefill and decode)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Model and KV dtype (float32 is exact on CPU)."""
-    cpu_threads: Optional[int] = Field(None, ge=1)
+    cpu_threads: Optional[int] = Field(default=None, ge=1)
     """Torch intra-op (and inter-op) threads for the model, set before it loads. Unset: the cores this process may
     run on (its CPU affinity) minus one for the HTTP server thread, at least 1."""
-    max_body_bytes: int = Field(caps.MAX_BODY_BYTES, ge=1)
+    max_body_bytes: int = Field(default=caps.MAX_BODY_BYTES, ge=1)
     """Largest request body accepted, in bytes (larger gets HTTP 413)."""
     # Caps on one generation request (400 above them, before anything is tokenized); SGLang has none, so the
     # names are the router's (sglang-router style), with the router's defaults (pd.util.request_caps).
-    max_n: int = Field(caps.MAX_N, ge=1)
+    max_n: int = Field(default=caps.MAX_N, ge=1)
     """Largest n (samples per prompt; sampling_params.n on /generate)."""
-    max_batch_size: int = Field(caps.MAX_BATCH_SIZE, ge=1)
+    max_batch_size: int = Field(default=caps.MAX_BATCH_SIZE, ge=1)
     """Most prompts in one batch request."""
-    max_sequences_per_request: int = Field(caps.MAX_SEQUENCES_PER_REQUEST, ge=1)
+    max_sequences_per_request: int = Field(default=caps.MAX_SEQUENCES_PER_REQUEST, ge=1)
     """Most sequences (prompts x n) one request generates."""
-    api_key: Optional[str] = Field(None, repr=False, json_schema_extra=flag(env=API_KEY_ENV))
+    api_key: Optional[str] = Field(default=None, repr=False, json_schema_extra=flag(env=API_KEY_ENV))
     """Key every request must carry as 'Authorization: Bearer KEY' (SGLang's flag; /health*, /ready* and /metrics
     stay open), on the HTTP and the bootstrap server; a decode sends it to its prefills."""
     log_level: str = "info"
@@ -126,6 +126,10 @@ class ResolvedSettings(EngineSettings):
 
     transfer_host: str
     speculative_config: Optional[SpecConfig] = None
+    # Set by ``resolve`` (the parent's Optional fields, narrowed; same constraints).
+    disaggregation_transfer_protocol: Literal["tcp", "rdma"]
+    disaggregation_transfer_timeout: float = Field(gt=0)
+    cpu_threads: int = Field(ge=1)
 
 
 @functools.cache

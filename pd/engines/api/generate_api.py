@@ -11,7 +11,7 @@ does; a router prepends them).
 from __future__ import annotations
 
 import reprlib
-from typing import Optional
+from typing import Any, Optional, cast
 
 from pydantic import ValidationError
 
@@ -37,13 +37,16 @@ def requests_from_generate(req: GenerateRequest, runner: ModelRunner) -> tuple[l
         raise bad_request("exactly one of text or input_ids must be given", "text")
     if req.text is not None:
         is_batch = isinstance(req.text, list)
-        texts = req.text if is_batch else [req.text]
+        texts = req.text if isinstance(req.text, list) else [req.text]
         if not all(isinstance(t, str) for t in texts):
             raise bad_request("text must be a string or a list of strings", "text")
         prompts = [runner.encode(t) for t in texts]
     else:
-        is_batch = bool(req.input_ids) and isinstance(req.input_ids[0], list)
-        prompts = [list(x) for x in req.input_ids] if is_batch else [list(req.input_ids)]
+        ids = req.input_ids
+        assert ids is not None  # exactly one of text and input_ids, checked above
+        is_batch = bool(ids) and isinstance(ids[0], list)
+        # validated as list[int] | list[list[int]] (strict): the first item tells which
+        prompts = [list(x) for x in cast(list[list[int]], ids)] if is_batch else [list(cast(list[int], ids))]
     if is_batch and not prompts:
         raise bad_request("the batch is empty", "text" if req.text is not None else "input_ids")
     count = len(prompts)
@@ -108,7 +111,7 @@ def spec_meta_info(seq: Sequence) -> dict:
 def generate_result(seq: Sequence, runner: ModelRunner, with_text: bool, text: Optional[str] = None) -> dict:
     """One sequence as SGLang's /generate result object (cumulative; ``text`` overrides the text,
     e.g. the stop-safe prefix while streaming)."""
-    meta = {
+    meta: dict[str, Any] = {
         "id": seq.req.rid,
         "finish_reason": seq.finish_reason if seq.done else None,
         "prompt_tokens": len(seq.req.prompt_ids),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Optional
+from typing import Optional, TypeGuard, TypeVar, cast
 
 from pd.engines.errors import EngineError, bad_request
 from pd.engines.models.model_runner import ModelRunner
@@ -20,6 +20,13 @@ from pd.engines.sampling import SEED_MAX, SEED_MIN
 from pd.engines.sequence import Sequence
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and SGLang's default for /v1/completions
+
+T = TypeVar("T")
+
+
+def _list_of(items: list, kind: type[T]) -> TypeGuard[list[T]]:
+    """Whether every item of ``items`` is a ``kind`` (true of an empty list)."""
+    return all(isinstance(x, kind) for x in items)
 
 
 def check_model(requested: Optional[str], served: set[str]) -> None:
@@ -45,11 +52,11 @@ def requests_from_completion(req: CompletionRequest, runner: ModelRunner) -> lis
     p = req.prompt
     if isinstance(p, str):
         prompts = [runner.encode(p)]
-    elif p and all(isinstance(x, int) for x in p):
+    elif p and _list_of(p, int):
         prompts = [list(p)]
-    elif p and all(isinstance(x, str) for x in p):
+    elif p and _list_of(p, str):
         prompts = [runner.encode(x) for x in p]
-    elif p and all(isinstance(x, list) for x in p):
+    elif p and _list_of(p, list):
         prompts = [list(x) for x in p]
     else:
         raise bad_request("prompt must be a string, a list of strings, or token ids", "prompt")
@@ -133,11 +140,12 @@ def echo_texts(req: CompletionRequest, runner: ModelRunner) -> Optional[list[str
     p = req.prompt
     if isinstance(p, str):
         return [p]
-    if all(isinstance(x, str) for x in p):
+    if _list_of(p, str):
         return list(p)
-    if all(isinstance(x, int) for x in p):
+    if _list_of(p, int):
         return [runner.decode(list(p))]
-    return [runner.decode(list(x)) for x in p]
+    # lists of token ids: requests_from_completion refused any other prompt before this runs
+    return [runner.decode(list(x)) for x in cast(list[list[int]], p)]
 
 
 def usage(seqs: list[Sequence], n: int) -> dict:

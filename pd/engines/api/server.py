@@ -17,7 +17,7 @@ import logging
 import math
 import sys
 import time
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Callable, Optional, TypeVar
 
 import pydantic
 import torch
@@ -48,6 +48,7 @@ log = logging.getLogger("pd.engine")
 HEALTH_CHECK_TIMEOUT = 20.0  # seconds, SGLang's SGLANG_HEALTH_CHECK_TIMEOUT
 # The engine core of each --disaggregation-mode.
 CORES: dict[str, type[EngineCore]] = {"null": EngineCore, "prefill": PrefillEngineCore, "decode": DecodeEngineCore}
+M = TypeVar("M", bound=pydantic.BaseModel)
 
 
 def error_response(e: EngineError) -> JSONResponse:
@@ -75,8 +76,9 @@ def install_error_handlers(app: FastAPI) -> None:
         field = str(err["loc"][-1]) if err.get("loc") else None
         return error_response(bad_request(f"{field}: {err['msg']}" if field else err["msg"], field))
 
-    app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(RequestValidationError, invalid)
+    # starlette types a handler as taking any Exception; each is registered for its own exception class
+    app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, invalid)  # type: ignore[arg-type]
 
 
 def is_json_type(content_type: Optional[str]) -> bool:
@@ -116,7 +118,7 @@ async def read_json(request: Request, limit: int):
         raise bad_request(f"malformed JSON body: {e}") from None
 
 
-def parse(model: type[pydantic.BaseModel], body) -> pydantic.BaseModel:
+def parse(model: type[M], body) -> M:
     """Validate ``body`` against ``model``; 400 naming the first bad field."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
@@ -150,8 +152,8 @@ class EngineServer:
     def __init__(self, args: ResolvedSettings):
         self.args = args
         self.served_name = args.served_model_name or args.model_path
-        self.runner: Optional[ModelRunner] = None
-        self.core: Optional[EngineCore] = None
+        self._runner: Optional[ModelRunner] = None  # both set by the lifespan, before any request is served
+        self._core: Optional[EngineCore] = None
         self.metrics = EngineMetrics(self.served_name, args.disaggregation_mode)
         self.started = time.time()
         self.app = FastAPI(title="pdserve reference engine", lifespan=self._lifespan)
@@ -159,36 +161,59 @@ class EngineServer:
         self.app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)  # SGLang's --api-key (pd.engines.api.auth)
         self._routes()
 
+    @property
+    def runner(self) -> ModelRunner:
+        """The loaded model.
+
+        Raises:
+            RuntimeError: the app's lifespan has not loaded it yet.
+        """
+        if self._runner is None:
+            raise RuntimeError("the engine's model is not loaded: the app's lifespan has not started")
+        return self._runner
+
+    @property
+    def core(self) -> EngineCore:
+        """The engine core.
+
+        Raises:
+            RuntimeError: the app's lifespan has not made it yet.
+        """
+        if self._core is None:
+            raise RuntimeError("the engine core is not running: the app's lifespan has not started it")
+        return self._core
+
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app):
         loop = asyncio.get_running_loop()
-        self.runner = await loop.run_in_executor(None, ModelRunner, self.args.model_path, self.args.dtype)
+        runner = self._runner = await loop.run_in_executor(None, ModelRunner, self.args.model_path, self.args.dtype)
         spec = None
         if self.args.speculative_config is not None:
-            spec = await loop.run_in_executor(None, load_speculative, self.runner, self.args)
-        self.core = CORES[self.args.disaggregation_mode](self.runner, self.args, self.metrics, spec)
-        await self.core.start()
+            spec = await loop.run_in_executor(None, load_speculative, runner, self.args)
+        core = self._core = CORES[self.args.disaggregation_mode](runner, self.args, self.metrics, spec)
+        await core.start()
         try:
             yield
         finally:
-            await self.core.stop()
+            await core.stop()
 
     # ---- request plumbing ---------------------------------------------------------------
     async def _run(self, request: Request, reqs, stream: bool, full: Callable, chunks: Callable) -> Response:
         """Submit sequences and answer: one JSON body, or an SSE stream of ``chunks(seq)``."""
         seqs = self.core.submit(reqs)
+        tasks = [s.task for s in seqs if s.task is not None]  # submit started every one
         queue: asyncio.Queue = asyncio.Queue()
         for s in seqs:
             s.listener = queue
         if not stream:
             watcher = asyncio.create_task(self._watch_disconnect(request, seqs))
             try:
-                await asyncio.wait([s.task for s in seqs])
+                await asyncio.wait(tasks)
             finally:
                 watcher.cancel()
-            failed = [s for s in seqs if s.error is not None]
-            if failed:
-                return error_response(failed[0].error)
+            errors = [s.error for s in seqs if s.error is not None]
+            if errors:
+                return error_response(errors[0])
             return JSONResponse(full(seqs))
         # Pull the first event before answering 200, so an early failure is a plain HTTP error.
         first = await queue.get()
@@ -197,11 +222,12 @@ class EngineServer:
                 self.core.cancel(s, "another sequence of the request failed")
             return error_response(first.error)
         queue.put_nowait(first)
-        return StreamingResponse(self._sse(seqs, queue, chunks), media_type="text/event-stream")
+        return StreamingResponse(self._sse(seqs, tasks, queue, chunks), media_type="text/event-stream")
 
-    async def _sse(self, seqs: list[Sequence], queue: asyncio.Queue, chunks: Callable) -> AsyncIterator[bytes]:
+    async def _sse(self, seqs: list[Sequence], tasks: list[asyncio.Task], queue: asyncio.Queue,
+                   chunks: Callable) -> AsyncIterator[bytes]:
         try:
-            while not all(s.task.done() for s in seqs) or not queue.empty():
+            while not all(t.done() for t in tasks) or not queue.empty():
                 seq = await queue.get()
                 if seq.error is not None:
                     yield sse(seq.error.body())
@@ -445,4 +471,5 @@ def main(argv: Optional[list[str]] = None) -> None:
     guard = ConnectionGuard(limits, on_refuse=lambda reason: refused.labels(reason=reason).inc())
     _Server(uvicorn.Config(server.app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                            timeout_graceful_shutdown=5, access_log=False, http=guard.protocol(), loop="uvloop",
-                           timeout_keep_alive=limits.keep_alive_timeout)).run()
+                           # uvicorn annotates int seconds; its keep-alive timer takes a float as well
+                           timeout_keep_alive=limits.keep_alive_timeout)).run()  # type: ignore[arg-type]

@@ -77,7 +77,7 @@ from pd.util.wait import async_wait_until
 
 log = logging.getLogger(__name__)
 
-SHUTDOWN_GRACE = 5.0  # s the server waits for open requests when it stops, then cancels them
+SHUTDOWN_GRACE = 5  # s the server waits for open requests when it stops, then cancels them
 # s a decode's /pd/abort may take (it waits for in-flight KV writes); the engine passes its own, SGLang's
 # SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT (30 s)
 ABORT_TIMEOUT = 30.0
@@ -168,14 +168,15 @@ class BootstrapServer:
         guard = ConnectionGuard(ConnectionLimits.auto(), on_refuse=self._on_refused_connection)
         config = uvicorn.Config(ApiKeyMiddleware(app, self.api_key), lifespan="off", log_config=None,
                                 access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE, http=guard.protocol(),
-                                timeout_keep_alive=guard.limits.keep_alive_timeout)
-        self._server = _EmbeddedServer(config)
-        self._serving = asyncio.get_running_loop().create_task(self._server.serve(sockets=sockets))
+                                # uvicorn annotates int seconds; its keep-alive timer takes a float as well
+                                timeout_keep_alive=guard.limits.keep_alive_timeout)  # type: ignore[arg-type]
+        server = self._server = _EmbeddedServer(config)
+        serving = self._serving = asyncio.get_running_loop().create_task(server.serve(sockets=sockets))
 
         def started() -> bool:
-            if self._serving.done():
+            if serving.done():
                 raise RuntimeError(f"bootstrap server on {self.host}:{self.port} stopped while starting")
-            return self._server.started
+            return server.started
 
         await async_wait_until(started, 30, interval=0.01, what=f"bootstrap server on {self.host}:{self.port}",
                                retry=())

@@ -18,7 +18,7 @@ refusal is a 4xx with the engine's error body ``{"error": {"message", "type", "p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Optional, Union
+from typing import TYPE_CHECKING, Annotated, Optional, TypeVar, Union
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints
@@ -117,7 +117,10 @@ class BadBody(Exception):
         self.param = param
 
 
-def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_body(model: type[M], raw: bytes) -> M:
     """``raw`` (JSON) validated strictly by ``model``.
 
     Raises:

@@ -12,8 +12,10 @@ import asyncio
 import time
 from dataclasses import asdict
 
+from pd.engines.engine_core import started
 from pd.engines.handoff.bootstrap import Registration, RoomFailed, abort_on_prefill, register_with_prefill
 from pd.engines.handoff.pd_engine import PDEngineCore
+from pd.engines.protocol import Bootstrap
 from pd.engines.sequence import Sequence
 from pd.engines.spec import pd_handoff
 
@@ -26,13 +28,17 @@ class DecodeEngineCore(PDEngineCore):
     """The engine core of a ``decode`` engine."""
 
     def _admit(self, seq: Sequence) -> None:
-        self.decode_rooms.add(seq.req.bootstrap.room)
+        self.decode_rooms.add(_bootstrap(seq).room)
 
     def _release(self, seq: Sequence) -> None:
-        self.decode_rooms.discard(seq.req.bootstrap.room)
+        self.decode_rooms.discard(_bootstrap(seq).room)
 
     async def _serve(self, seq: Sequence) -> None:
-        b = seq.req.bootstrap
+        b = _bootstrap(seq)
+        host, port = b.host, b.port
+        assert host and port is not None  # validate_request refuses a decode request without them
+        pool, http = self._pool, started(self.http, "HTTP client")
+        transfer = started(self.transfer, "transfer engine")
         n = len(seq.req.prompt_ids)
         pages: list[int] = []
         draft_pages: list[int] = []
@@ -44,7 +50,7 @@ class DecodeEngineCore(PDEngineCore):
             with self._gauge(self.metrics.decode_prealloc_queue):
                 try:
                     async with asyncio.timeout(self.args.disaggregation_waiting_timeout):
-                        pages = await self.pool.alloc(tokens)
+                        pages = await pool.alloc(tokens)
                         if self.draft_pool is not None:
                             draft_pages = await self.draft_pool.alloc(tokens)
                 except TimeoutError:
@@ -54,14 +60,14 @@ class DecodeEngineCore(PDEngineCore):
             t1 = time.perf_counter()
             self.metrics.observe_stage("decode_bootstrap", t1 - t0)
             reg = Registration(
-                room=b.room, session_id=self.transfer.session_id,
-                page_addrs=[self.pool.page_addr(p) for p in pages], page_bytes=self.pool.page_bytes,
-                page_size=self.pool.page_size, layout=asdict(self.runner.layout), num_tokens=n,
+                room=b.room, session_id=transfer.session_id,
+                page_addrs=[pool.page_addr(p) for p in pages], page_bytes=pool.page_bytes,
+                page_size=pool.page_size, layout=asdict(self.runner.layout), num_tokens=n,
                 **pd_handoff.registration_fields(self.spec, self.draft_pool, draft_pages),
             )
             with self._gauge(self.metrics.decode_transfer_queue):
                 try:
-                    meta = await register_with_prefill(self.http, b.host, b.port, reg,
+                    meta = await register_with_prefill(http, host, port, reg,
                                                        self.args.disaggregation_waiting_timeout)
                 except RoomFailed:
                     self.metrics.transfer_failed.labels(**self.metrics.labels).inc()
@@ -71,7 +77,7 @@ class DecodeEngineCore(PDEngineCore):
             self.metrics.observe_stage("decode_transferred", t2 - t1)
             self.metrics.transfer_bytes.labels(**self.metrics.labels).inc(meta.get("bytes", 0))
             with self._gauge(self.metrics.queued):
-                seq.cache = await self._compute(self.runner.import_kv, self.pool.pages, pages, n)
+                seq.cache = await self._compute(self.runner.import_kv, pool.pages, pages, n)
                 if self.spec is not None:
                     seq.spec_state = await self._compute(pd_handoff.restore_state, self.spec, self.draft_pool, meta,
                                                          draft_pages, n)
@@ -83,15 +89,24 @@ class DecodeEngineCore(PDEngineCore):
                 await self._decode_loop(seq)
         finally:
             if pages:
-                held = [(self.pool, pages)] + ([(self.draft_pool, draft_pages)] if draft_pages else [])
+                held = [(pool, pages)]
+                if draft_pages:
+                    held.append((started(self.draft_pool, "draft KV page pool"), draft_pages))
                 if kv_arrived:
-                    for pool, p in held:
-                        pool.free(p)
+                    for held_pool, p in held:
+                        held_pool.free(p)
                     self._update_pool_metrics()
                 else:
                     # The prefill may be writing into these pages: they go back once it says no write is in flight
                     # (or after SGLang's deferred KV release timeout); this request answers once the abort landed.
-                    abort = abort_on_prefill(self.http, b.host, b.port, b.room, seq.abort_reason or "decode failed",
+                    abort = abort_on_prefill(http, host, port, b.room, seq.abort_reason or "decode failed",
                                              self.args.decode_kv_release_timeout)
                     releasing = self.held.hold(held, abort)
                     await asyncio.wait({releasing}, timeout=ABORT_LANDING_WAIT)
+
+
+def _bootstrap(seq: Sequence) -> Bootstrap:
+    """The request's bootstrap fields, which validate_request requires of a decode request."""
+    b = seq.req.bootstrap
+    assert b is not None  # validate_request refused the request otherwise
+    return b

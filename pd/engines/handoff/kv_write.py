@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
@@ -48,7 +49,7 @@ class KVWriter:
         self.transfer_timeout = transfer_timeout
 
     async def push(self, pool: KVPagePool, pages: list[int], reg: Registration, room,
-                   draft_pool: Optional[KVPagePool] = None, draft_pages: list[int] = ()) -> int:
+                   draft_pool: Optional[KVPagePool] = None, draft_pages: Sequence[int] = ()) -> int:
         """Write ``pages`` of ``pool`` (and the draft's, with speculation) into the decode's registered pages in
         one batch; returns the bytes moved.
 
@@ -57,7 +58,9 @@ class KVWriter:
         """
         room.no_transfer_in_flight.clear()
         try:
-            segs = coalesce([pool.page_addr(p) for p in pages], reg.page_addrs[: len(pages)], pool.page_bytes)
+            # (src addresses, dst addresses, lengths), the draft's appended to each
+            segs: tuple[list[int], ...] = coalesce([pool.page_addr(p) for p in pages], reg.page_addrs[: len(pages)],
+                                                   pool.page_bytes)
             nbytes = len(pages) * pool.page_bytes
             if draft_pages:
                 assert draft_pool is not None
@@ -102,7 +105,8 @@ class KVWriter:
         decode's pending /pd/abort answer. Mooncake's own timeouts end it (pd.engines.handoff.transfer); one that
         outlives them by far is logged, and its pages stay held: freeing them under a running write could corrupt
         KV."""
-        job, waited, warn_after = room.write, 0.0, 4 * self.transfer_timeout
+        job, waited = room.write, 0.0
+        warn_after: Optional[float] = 4 * self.transfer_timeout  # None once warned
         while not write_settled(job):
             if job.done():
                 job.result().poll()

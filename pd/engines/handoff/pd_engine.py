@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from pd.engines.engine_core import EngineCore
+from pd.engines.engine_core import EngineCore, started
 from pd.engines.handoff.bootstrap import make_client
 from pd.engines.handoff.kv_pool import KVPagePool
 from pd.engines.handoff.transfer import MooncakeTransfer
@@ -32,3 +32,8 @@ class PDEngineCore(EngineCore):
         log.info("%s engine: KV pool %d pages x %d tokens (%.1f MB), transfer session %s",
                  self.mode, self.pool.num_pages, self.pool.page_size, self.pool.total_bytes / 1e6,
                  self.transfer.session_id)
+
+    @property
+    def _pool(self) -> KVPagePool:
+        """The KV page pool, which ``start`` made."""
+        return started(self.pool, "KV page pool")

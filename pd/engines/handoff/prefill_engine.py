@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict
 from typing import Optional
 
+from pd.engines.engine_core import started
 from pd.engines.errors import EngineError
 from pd.engines.handoff.bootstrap import BootstrapServer, Registration, RegistrationLimits, RoomFailed
 from pd.engines.handoff.kv_write import KVWriter
@@ -33,36 +34,44 @@ class PrefillEngineCore(PDEngineCore):
         self.bootstrap = BootstrapServer(
             a.host, a.disaggregation_bootstrap_port, a.disaggregation_waiting_timeout,
             tombstone_ttl=max(60.0, 2 * a.disaggregation_waiting_timeout), api_key=a.api_key,
-            limits=RegistrationLimits(self.runner.context_length, self.pool.page_size,
+            limits=RegistrationLimits(self.runner.context_length, self._pool.page_size,
                                       self.spec.config.num_draft_tokens if self.spec is not None else 0),
             on_refused_connection=lambda reason: self.metrics.connections_refused.labels(reason=reason).inc(),
         )
         await self.bootstrap.start()
-        self.writer = KVWriter(self.transfer, self.transfer_exec, self.bootstrap,
+        self.writer = KVWriter(started(self.transfer, "transfer engine"), self.transfer_exec, self.bootstrap,
                                a.disaggregation_transfer_timeout)
 
+    @property
+    def _bootstrap(self) -> BootstrapServer:
+        """The bootstrap server, which ``start`` started."""
+        return started(self.bootstrap, "bootstrap server")
+
     def _admit(self, seq: Sequence) -> None:
-        seq.room = self.bootstrap.attach(seq.req.bootstrap.room, lambda reason, s=seq: self.cancel(s, reason),
-                                         len(seq.req.prompt_ids))
+        b = seq.req.bootstrap
+        assert b is not None  # validate_request refuses a prefill request without a room
+        seq.room = self._bootstrap.attach(b.room, lambda reason: self.cancel(seq, reason), len(seq.req.prompt_ids))
 
     def _release(self, seq: Sequence) -> None:
         room = seq.room
-        if room is not None and self.bootstrap.rooms.get(room.room) is room:
-            self.bootstrap.finish(room, None, seq.abort_reason or "prefill request ended")
+        if room is not None and self._bootstrap.rooms.get(room.room) is room:
+            self._bootstrap.finish(room, None, seq.abort_reason or "prefill request ended")
 
     async def _serve(self, seq: Sequence) -> None:
         b = seq.req.bootstrap
         room = seq.room
-        meta = None
+        assert b is not None and room is not None  # _admit attached the request's room
+        bootstrap, pool, writer = self._bootstrap, self._pool, started(self.writer, "KV writer")
+        meta: Optional[dict] = None
         reason = None
         try:
             t0 = time.perf_counter()
             with self._gauge(self.metrics.prefill_bootstrap_queue):
-                reg = await self.bootstrap.wait_registration(room, self.args.disaggregation_bootstrap_timeout)
+                reg = await bootstrap.wait_registration(room, self.args.disaggregation_bootstrap_timeout)
             self._check_registration(reg, seq)
             t1 = time.perf_counter()
             self.metrics.observe_stage("prefill_bootstrap", t1 - t0)
-            pages = await self.pool.alloc(len(seq.req.prompt_ids))
+            pages = await pool.alloc(len(seq.req.prompt_ids))
             self._update_pool_metrics()
             draft_pages: list[int] = []
             try:
@@ -72,19 +81,21 @@ class PrefillEngineCore(PDEngineCore):
                 with self._gauge(self.metrics.queued):
                     # The forward stores the prompt's KV into the pool pages, as SGLang's attention
                     # backends do (set_kv_buffer); the transfer then reads the pages as they are.
-                    first = await self._compute(self.steps.prefill_forward, seq, (self.pool, pages),
+                    first = await self._compute(self.steps.prefill_forward, seq, (pool, pages),
                                                 (self.draft_pool, draft_pages) if draft_pages else None)
                 t2 = time.perf_counter()
                 self.metrics.observe_stage("prefill_forward", t2 - t1)
                 with self._gauge(self.metrics.running):
-                    nbytes = await self.writer.push(self.pool, pages, reg, room, self.draft_pool, draft_pages)
+                    nbytes = await writer.push(pool, pages, reg, room, self.draft_pool, draft_pages)
             finally:
-                held = [(self.pool, pages)] + ([(self.draft_pool, draft_pages)] if draft_pages else [])
+                held = [(pool, pages)]
+                if draft_pages:
+                    held.append((started(self.draft_pool, "draft KV page pool"), draft_pages))
                 if room.write is not None:  # Mooncake may still read them: they go back once the write settles
-                    self.held.hold(held, self.writer.settled(room))
+                    self.held.hold(held, writer.settled(room))
                 else:
-                    for pool, p in held:
-                        pool.free(p)
+                    for held_pool, p in held:
+                        held_pool.free(p)
                 self._update_pool_metrics()
             t3 = time.perf_counter()
             self.metrics.observe_stage("prefill_transfer_kv_cache", t3 - t2)
@@ -112,7 +123,7 @@ class PrefillEngineCore(PDEngineCore):
             reason = f"prefill failed: {e}"
             raise
         finally:
-            self.bootstrap.finish(room, meta, reason)
+            bootstrap.finish(room, meta, reason)
 
     def _check_registration(self, reg: Registration, seq: Sequence) -> None:
         problem = pd_handoff.settings_mismatch(self.spec, self.draft_pool, reg) or self._layout_mismatch(reg, seq)
@@ -122,10 +133,11 @@ class PrefillEngineCore(PDEngineCore):
     def _layout_mismatch(self, reg: Registration, seq: Sequence) -> Optional[str]:
         ours = asdict(self.runner.layout)
         n = len(seq.req.prompt_ids)
-        if reg.layout != ours or reg.page_size != self.pool.page_size or reg.page_bytes != self.pool.page_bytes:
+        pool = self._pool
+        if reg.layout != ours or reg.page_size != pool.page_size or reg.page_bytes != pool.page_bytes:
             return (f"KV layout mismatch: decode has {reg.layout} page_size={reg.page_size}, prefill has {ours} "
-                    f"page_size={self.pool.page_size} (--page-size and the model must match on both sides)")
-        need = self.pool.pages_for(n)
+                    f"page_size={pool.page_size} (--page-size and the model must match on both sides)")
+        need = pool.pages_for(n)
         if reg.num_tokens != n or len(reg.page_addrs) < need or (self.spec and len(reg.draft_page_addrs) < need):
             return (f"prompt mismatch: decode expects {reg.num_tokens} tokens in {len(reg.page_addrs)} pages, "
                     f"prefill tokenized {n} (were both sides sent the same request?)")

@@ -60,7 +60,9 @@ def coalesce(src: list[int], dst: list[int], length: int) -> tuple[list[int], li
     Returns:
         (src_addrs, dst_addrs, lengths) with runs that are adjacent in both address spaces joined.
     """
-    out_src, out_dst, out_len = [], [], []
+    out_src: list[int] = []
+    out_dst: list[int] = []
+    out_len: list[int] = []
     for s, d in zip(src, dst):
         if out_src and out_src[-1] + out_len[-1] == s and out_dst[-1] + out_len[-1] == d:
             out_len[-1] += length

@@ -25,6 +25,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TypedDict
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = (BUILTIN_PREFIX + "tiny",)  # the --model-path values written here on first use
@@ -47,7 +48,20 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-TINY = {
+
+
+class TinyShape(TypedDict):
+    """The builtin:tiny model's dimensions, as LlamaConfig's keyword arguments."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+
+
+TINY: TinyShape = {
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 2,

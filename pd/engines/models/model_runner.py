@@ -11,7 +11,7 @@ import functools
 import inspect
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 
@@ -144,11 +144,12 @@ class ModelRunner:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; incomplete UTF-8 sequences are dropped by the tokenizer."""
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        # one id list decodes to one string (transformers' annotation also covers a batch's list)
+        return cast(str, self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def token_text(self, token_id: int) -> str:
         """Text of one token id, special tokens kept (for /generate's logprob entries, as SGLang's)."""
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return cast(str, self.tokenizer.decode([token_id], skip_special_tokens=False))  # one list: one string
 
     def logprob_token(self, token_id: int) -> tuple[str, bytes]:
         """The token string and bytes of one token id in an OpenAI logprob entry.
@@ -162,7 +163,8 @@ class ModelRunner:
         text = self.token_text(token_id)
         if text and "\ufffd" not in text:
             return text, text.encode("utf-8")
-        raw = piece_bytes(self.tokenizer.convert_ids_to_tokens(token_id))
+        # one id: one piece (or None for an id the vocabulary lacks)
+        raw = piece_bytes(cast(Optional[str], self.tokenizer.convert_ids_to_tokens(token_id)))
         if raw is None:
             return text, text.encode("utf-8")
         return undecodable_token_string(raw), raw

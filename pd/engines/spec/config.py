@@ -39,13 +39,13 @@ class SpeculativeSettings(BaseModel):
     draft_model_path: Optional[str] = None
     """The draft checkpoint. Unset: SGLang uses the target's own MTP layers, the reference engine builtin:tiny's
     built-in draft (other models need one)."""
-    num_steps: Optional[int] = Field(None, ge=1)
+    num_steps: Optional[int] = Field(default=None, ge=1)
     """Draft tokens proposed per verify step. Unset: 3, with topk 1 and 4 draft tokens (SGLang's choice for
     DeepSeek MTP)."""
-    eagle_topk: Optional[int] = Field(None, ge=1)
+    eagle_topk: Optional[int] = Field(default=None, ge=1)
     """Tokens kept per draft step; > 1 drafts a tree, which SGLang serves and the reference engine refuses (it
     has no tree attention). Unset: 1."""
-    num_draft_tokens: Optional[int] = Field(None, ge=1)
+    num_draft_tokens: Optional[int] = Field(default=None, ge=1)
     """Tokens per verify window; with topk 1 both engines use num_steps + 1 whatever is set (SGLang adjusts it
     with a warning)."""
 

@@ -97,6 +97,7 @@ def accept_drafts(target_logits: torch.Tensor, drafts: list[int], draft_probs: l
             p = sampling_probs(z, params)
             p = p / p.sum()
             q = draft_probs[k]
+            assert q is not None  # a sampled request's draft keeps its distribution (None only when greedy)
             u = float(torch.rand((), generator=step_generator(seed, step, ACCEPT_STREAM)))
             if u * float(q[d]) >= float(p[d]):  # reject: u >= p(d) / q(d)
                 residual = (p - q).clamp_min(0)
@@ -203,7 +204,8 @@ class SpecDecoder:
         base = cache.get_seq_length()
         step0 = len(out)
         t0 = time.perf_counter()
-        drafts, qs = [], []
+        drafts: list[int] = []
+        qs: list[Optional[torch.Tensor]] = []
         logits, g = state.logits, state.hidden
         for k in range(self.config.num_steps):
             tok, q = draft_token(logits, params, spec.seed, step0 + k, seq.banned_tokens(step0 + k),

@@ -151,7 +151,8 @@ def moe(experts: dict, gate_weight: torch.Tensor, x: torch.Tensor, top_k: int,
         out = kernel(xp, padded["w13"], padded["w13_scale"], padded["w2"], padded["w2_scale"], wts, ids)
         return out[:, :h].float()
     if "dense" in prepared:
-        return fused_moe_dequantized_reference(x.float(), *prepared["dense"], wts, ids)
+        w13, w2 = prepared["dense"]  # dequantized_experts' pair
+        return fused_moe_dequantized_reference(x.float(), w13, w2, wts, ids)
     return fused_moe_mxfp4_reference(x, experts["w13"], experts["w13_scale"], experts["w2"], experts["w2_scale"],
                                      wts, ids, dtype=torch.float32)
 

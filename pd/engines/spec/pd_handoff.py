@@ -36,10 +36,12 @@ def settings_mismatch(spec: Optional[SpecDecoder], draft_pool: Optional[KVPagePo
     ours = spec.config.handshake() if spec is not None else None
     if reg.speculative != ours:
         mine = spec.config.flags() if spec is not None else "no speculative decoding"
-        try:
-            theirs = SpecConfig(**reg.speculative, draft_model_path=None).flags()
-        except TypeError:
-            theirs = "no speculative decoding" if reg.speculative is None else repr(reg.speculative)
+        theirs = "no speculative decoding"
+        if reg.speculative is not None:
+            try:
+                theirs = SpecConfig(**reg.speculative, draft_model_path=None).flags()
+            except TypeError:  # keys this side's SpecConfig does not take
+                theirs = repr(reg.speculative)
         return (f"speculative settings mismatch: decode has {theirs}, prefill has {mine} (set the same "
                 "--speculative-* flags on both sides)")
     if spec is not None and draft_pool is not None and (reg.draft_layout != asdict(spec.draft.layout)
