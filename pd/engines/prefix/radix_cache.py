@@ -258,7 +258,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 delta -= len(node.tokens)
             node.lock_ref += 1
-            node = node.parent
+            node = _parent(node)
         self._evictable += delta
         self._protected -= delta
         return delta
@@ -282,7 +282,7 @@ class RadixCache:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 delta += len(node.tokens)
-            node = node.parent
+            node = _parent(node)
         self._evictable += delta
         self._protected -= delta
         return delta
@@ -309,7 +309,7 @@ class RadixCache:
         freed: list[int] = []
         while len(freed) < num_pages and heap:
             _, _, leaf = heapq.heappop(heap)
-            parent = leaf.parent
+            parent = _parent(leaf)
             del parent.children[leaf.tokens[: self.page_size]]
             # Detached nodes fail _check_in_tree, so a stale handle cannot be locked.
             leaf.parent = None
@@ -381,7 +381,7 @@ class RadixCache:
         upper = RadixNode(child.tokens[:cut], child.pages[:n], child.digests[:n], child.hashes[:n],
                           child.parent, next(self._ids), child.last_access)
         upper.lock_ref = child.lock_ref
-        child.parent.children[upper.tokens[: self.page_size]] = upper
+        _parent(child).children[upper.tokens[: self.page_size]] = upper
         child.tokens, child.pages = child.tokens[cut:], child.pages[n:]
         child.digests, child.hashes = child.digests[n:], child.hashes[n:]
         child.parent = upper
@@ -403,3 +403,10 @@ class RadixCache:
             top = top.parent
         if top is not self._root:
             raise ValueError("node is not in this radix cache (evicted, reset, or from another cache)")
+
+
+def _parent(node: RadixNode) -> RadixNode:
+    """The parent of a node in the tree: every node but the root has one while it is in the tree (callers have
+    checked that, ``_check_in_tree``, or walk up from such a node)."""
+    assert node.parent is not None, "the root has no parent; a detached node is not in the tree"
+    return node.parent
