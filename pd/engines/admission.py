@@ -6,7 +6,7 @@ from typing import Optional
 
 from pd.engines.errors import EngineError, bad_request
 from pd.engines.handoff.bootstrap import BootstrapServer
-from pd.engines.handoff.kv_pool import KVPagePool, PoolExhausted
+from pd.engines.handoff.kv_pool import KVPagePool
 from pd.engines.models.model_runner import ModelRunner
 from pd.engines.protocol import SeqRequest
 
@@ -45,6 +45,9 @@ def validate_request(req: SeqRequest, runner: ModelRunner, mode: str, pool: Opti
         )
     if req.top_logprobs_num < 0:
         raise bad_request("top_logprobs_num must be >= 0", "top_logprobs_num")
+    if pool is not None and pool.pages_for(n) > pool.num_pages:  # a null engine has a pool for its prefix cache
+        raise bad_request(f"{n} prompt tokens need {pool.pages_for(n)} KV pages; the pool has {pool.num_pages}",
+                          "prompt")
     if mode == "null":
         return
     b = req.bootstrap
@@ -54,13 +57,7 @@ def validate_request(req: SeqRequest, runner: ModelRunner, mode: str, pool: Opti
             f"--disaggregation-mode {mode}); send bootstrap_host, bootstrap_port and bootstrap_room",
             "bootstrap_room",
         )
-    assert pool is not None
-    try:
-        need = pool.pages_for(n)
-        if need > pool.num_pages:
-            raise PoolExhausted(f"{n} prompt tokens need {need} KV pages; the pool has {pool.num_pages}")
-    except PoolExhausted as e:
-        raise bad_request(str(e), "prompt") from None
+    assert pool is not None, "a prefill or decode engine has its KV pool once started"
     if mode == "decode":
         if not b.host or b.port is None:
             raise bad_request("bootstrap_host and bootstrap_port are required on a decode engine", "bootstrap_host")

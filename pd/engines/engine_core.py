@@ -23,9 +23,13 @@ from pd.engines.admission import validate_request
 from pd.engines.errors import EngineError, bad_request
 from pd.engines.handoff.bootstrap import RoomFailed
 from pd.engines.handoff.held_pages import HeldPages
+from pd.engines.handoff.kv_pool import KVPagePool
 from pd.engines.metrics import EngineMetrics
 from pd.engines.model_steps import ModelSteps, run_blocking
 from pd.engines.models.model_runner import ModelRunner
+from pd.engines.prefix.kv_events import KVEventPublisher, KVEventsConfig
+from pd.engines.prefix.prefix_pages import Hit, PrefixCache
+from pd.engines.prefix.radix_cache import Cleared, Removed, Stored
 from pd.engines.protocol import SeqRequest
 from pd.engines.sequence import Sequence
 from pd.engines.settings import ResolvedSettings
@@ -35,7 +39,6 @@ if TYPE_CHECKING:
     import httpx
 
     from pd.engines.handoff.bootstrap import BootstrapServer
-    from pd.engines.handoff.kv_pool import KVPagePool
     from pd.engines.handoff.kv_write import KVWriter
     from pd.engines.handoff.transfer import MooncakeTransfer
 
@@ -80,6 +83,8 @@ class EngineCore:
         self.transfer_exec = ThreadPoolExecutor(4, thread_name_prefix="kv-transfer")
         self.pool: Optional[KVPagePool] = None
         self.draft_pool: Optional[KVPagePool] = None  # the draft's KV pages (speculative PD only)
+        self.prefix: Optional[PrefixCache] = None  # the radix prefix cache (null and prefill engines)
+        self.events: Optional[KVEventPublisher] = None  # its KV events (--kv-events-config)
         self.transfer: Optional[MooncakeTransfer] = None
         self.bootstrap: Optional[BootstrapServer] = None
         self.writer: Optional[KVWriter] = None  # the prefill's KV writes
@@ -92,7 +97,36 @@ class EngineCore:
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
-        """Start what the mode needs beyond the model (a ``null`` engine: nothing)."""
+        """Start what the mode needs beyond the model: a ``null`` engine, the KV pool of its prefix cache."""
+        if self.spec is None and not self.args.disable_radix_cache:
+            self.pool = KVPagePool(self.runner.layout, self.args.page_size, self.args.max_total_tokens)
+            self._start_prefix_cache(self.pool)
+
+    def _start_prefix_cache(self, pool: KVPagePool) -> None:
+        """The radix prefix cache over ``pool`` (off with speculative decoding: pd.engines.prefix.prefix_pages), and
+        its KV events publisher when ``--kv-events-config`` asks for one."""
+        if self.args.kv_events_config:
+            self.events = KVEventPublisher.from_config(KVEventsConfig.from_cli(self.args.kv_events_config))
+        self.prefix = PrefixCache(pool, disable=self.args.disable_radix_cache or self.spec is not None,
+                                  on_event=self._publish if self.events is not None else None)
+
+    def _publish(self, event: Stored | Removed | Cleared) -> None:
+        """One radix cache event out as a KV event batch (never blocks: the publisher queues it)."""
+        if self.events is not None:
+            self.events.publish([event])
+
+    def kv_events_source(self) -> Optional[dict]:
+        """Where a router subscribes to this engine's KV events, as SGLang's /server_info ``kv_events`` block
+        describes it (sglang/srt/runtime_context.py, ``describe_kv_events_publisher``); None when none are
+        published. A wildcard host means the engine's own address."""
+        if self.events is None or self.prefix is None:
+            return None
+        host, _, port = self.events.endpoint.removeprefix("tcp://").rpartition(":")
+        source = {"publisher": "zmq", "endpoint_host": host, "endpoint_port_base": int(port),
+                  "topic": self.events.topic, "block_size": self.prefix.pool.page_size, "dp_size": 1}
+        if self.events.replay_endpoint is not None:
+            source["replay_endpoint_port_base"] = int(self.events.replay_endpoint.rpartition(":")[2])
+        return source
 
     async def stop(self) -> None:
         """Cancel every running sequence (its client gets an error), wait up to 10 s for them, then stop the
@@ -108,6 +142,8 @@ class EngineCore:
             await self.http.aclose()
         self.model_exec.shutdown(wait=False, cancel_futures=True)
         self.transfer_exec.shutdown(wait=False, cancel_futures=True)
+        if self.events is not None:
+            self.events.close()
 
     # ---- admission ----------------------------------------------------------------------
     def validate(self, req: SeqRequest) -> None:
@@ -235,7 +271,10 @@ class EngineCore:
     async def _serve(self, seq: Sequence) -> None:
         """Run one sequence through the mode's lifecycle; a ``null`` engine: prefill, then decode, here."""
         with self._gauge(self.metrics.queued):
-            first = await self._compute(self.steps.prefill_forward, seq)
+            if self.prefix is None:
+                first = await self._compute(self.steps.prefill_forward, seq)
+            else:
+                first = await self._prefill_cached(seq, self.prefix)
         with self._gauge(self.metrics.running):
             self._emit(seq, *first)
             await self._decode_loop(seq)
@@ -268,12 +307,38 @@ class EngineCore:
         (SGLang's /health_generate sends input_ids=[0], max_new_tokens=1)."""
         return await self._compute(self.steps.health_token)
 
+    async def _prefill_cached(self, seq: Sequence, prefix: PrefixCache):
+        """The prompt forward through the prefix cache: the cached pages read, the rest computed into new pages,
+        the prompt's whole pages kept for the next request (a ``null`` engine's prefill)."""
+        hit = prefix.match(seq.req)
+        pages: list[int] = []
+        try:
+            pages = await prefix.alloc(hit, len(seq.req.prompt_ids))
+            self.update_pool_metrics()
+            first = await self._compute(self.steps.prefill_forward, seq, (prefix.pool, pages), None, hit.cached)
+        except BaseException:
+            prefix.drop(hit, pages) if pages else prefix.unlock(hit)
+            self.update_pool_metrics()
+            raise
+        prefix.finish(hit, seq.req.prompt_ids, pages)
+        self._observe_hit(seq, hit)
+        return first
+
+    def _observe_hit(self, seq: Sequence, hit: Hit) -> None:
+        """Report a prefix cache hit as SGLang does: ``meta_info.cached_tokens`` and ``sglang:cache_hit_rate``
+        (cached over prompt tokens of this prefill)."""
+        seq.cached_tokens = hit.cached
+        self.metrics.cache_hit_rate.labels(**self.metrics.labels).set(hit.cached / len(seq.req.prompt_ids))
+        self.update_pool_metrics()
+
     def _held_changed(self, count: int) -> None:
         self.metrics.pages_quarantined.labels(**self.metrics.labels).set(count)
-        self._update_pool_metrics()
+        self.update_pool_metrics()
 
-    def _update_pool_metrics(self) -> None:
+    def update_pool_metrics(self) -> None:
+        """Publish the pools' occupancy (pages held by requests, pages the prefix cache keeps unused)."""
         if self.pool is not None:
-            self.metrics.set_pool(self.pool.held, self.pool.num_pages, self.pool.page_size)
+            cached = self.prefix.cached_pages() if self.prefix is not None else 0
+            self.metrics.set_pool(self.pool.held - cached, self.pool.num_pages, self.pool.page_size, cached)
         if self.draft_pool is not None:
             self.metrics.set_draft_pool(self.draft_pool.held)

@@ -80,6 +80,10 @@ class EngineMetrics:
                                      registry=r)
         self.pages_held = Gauge("pdserve_kv_pages_held", "KV pages currently allocated from the pool.", names,
                                 registry=r)
+        self.cache_hit_rate = Gauge("sglang:cache_hit_rate", "The prefix cache hit rate: cached over prompt tokens of "
+                                    "the last prefill.", names, registry=r)
+        self.pages_cached = Gauge("pdserve_kv_pages_cached", "KV pages the radix prefix cache keeps with no request "
+                                  "using them (evictable; not counted in pdserve_kv_pages_held).", names, registry=r)
         self.pages_quarantined = Gauge("pdserve_kv_pages_quarantined",
                                        "KV pages (counted in pdserve_kv_pages_held) kept for a KV write abandoned at "
                                        "its deadline until the transfer engine reports it settled.", names, registry=r)
@@ -137,7 +141,7 @@ class EngineMetrics:
         self.num_aborted.labels(**self.request_labels)
         for m in (self.running, self.queued, self.prefill_bootstrap_queue, self.decode_prealloc_queue,
                   self.decode_transfer_queue, self.token_usage, self.num_used_tokens, self.pages_held,
-                  self.pages_quarantined, self.transfer_ms,
+                  self.pages_quarantined, self.cache_hit_rate, self.pages_cached, self.transfer_ms,
                   self.transfer_mb, self.transfer_speed, self.transfer_bytes, self.transfer_failed,
                   self.bootstrap_failed):
             m.labels(**self.labels)
@@ -213,9 +217,11 @@ class EngineMetrics:
             self.transfer_speed.labels(**self.labels).observe(mb / 1024 / seconds)
         self.transfer_bytes.labels(**self.labels).inc(nbytes)
 
-    def set_pool(self, held_pages: int, num_pages: int, page_size: int) -> None:
-        """Publish KV pool occupancy: pages held, token usage (fraction of pages) and tokens held."""
+    def set_pool(self, held_pages: int, num_pages: int, page_size: int, cached_pages: int = 0) -> None:
+        """Publish KV pool occupancy: pages held by requests, token usage (fraction of pages) and tokens held, and
+        the pages the prefix cache keeps unused (evictable: SGLang's token usage leaves them out too)."""
         self.pages_held.labels(**self.labels).set(held_pages)
+        self.pages_cached.labels(**self.labels).set(cached_pages)
         self.token_usage.labels(**self.labels).set(held_pages / max(1, num_pages))
         self.num_used_tokens.labels(**self.labels).set(held_pages * page_size)
 

@@ -73,15 +73,28 @@ class ModelSteps:
         return token, float(logprobs[token]), top
 
     def prefill_forward(self, seq: Sequence, kv: Optional[tuple[KVPagePool, list[int]]] = None,
-                        draft_kv: Optional[tuple[KVPagePool, list[int]]] = None) -> TokenChoice:
-        """Prompt forward (+ store its KV into ``kv``'s pool pages on a prefill); returns the first token. With
+                        draft_kv: Optional[tuple[KVPagePool, list[int]]] = None, cached: int = 0) -> TokenChoice:
+        """Prompt forward (+ store its KV into ``kv``'s pool pages); returns the first token. With
         speculation the draft then runs on the prompt (draft extend) and its KV goes into ``draft_kv``'s pages.
-        The prompt logprobs the request asked for are appended to ``seq.input_logprobs`` / ``input_top``."""
+        The prompt logprobs the request asked for are appended to ``seq.input_logprobs`` / ``input_top``.
+
+        ``cached`` > 0 (a radix cache hit, whole pages, never with speculation): the first ``cached`` prompt
+        tokens' KV is read from ``kv``'s first pages and only the rest of the prompt is computed; the logprobs
+        asked for start at or after ``cached + 1`` (the cache match is limited so).
+        """
         req = seq.req
-        seq.cache = self.runner.new_cache()
-        logits, hidden = self.runner.forward_hidden(req.prompt_ids, seq.cache)
-        if kv is not None:
-            self.runner.export_kv(seq.cache, kv[0].pages, kv[1], len(req.prompt_ids))
+        n = len(req.prompt_ids)
+        if cached:
+            assert kv is not None and self.spec is None and cached < n, "a hit reads pages, leaves a token to compute"
+            page_size = kv[0].page_size
+            seq.cache = self.runner.import_kv(kv[0].pages, kv[1], cached)
+            logits, hidden = self.runner.forward_hidden(req.prompt_ids[cached:], seq.cache)
+            self.runner.export_kv(seq.cache, kv[0].pages, kv[1], n, first_page=cached // page_size)
+        else:
+            seq.cache = self.runner.new_cache()
+            logits, hidden = self.runner.forward_hidden(req.prompt_ids, seq.cache)
+            if kv is not None:
+                self.runner.export_kv(seq.cache, kv[0].pages, kv[1], n)
         first = self.select(seq, logits[-1], 0)
         if self.spec is not None:
             seq.spec_state = self.spec.extend_prompt(req.prompt_ids, hidden, first[0])
@@ -89,18 +102,19 @@ class ModelSteps:
                 self.spec.draft.export_kv(seq.spec_state.draft_cache, draft_kv[0].pages, draft_kv[1],
                                           len(req.prompt_ids))
         if req.return_logprob and req.logprob_start_len >= 0:
-            self._prompt_logprobs(seq, torch.log_softmax(logits, dim=-1))
+            self._prompt_logprobs(seq, torch.log_softmax(logits, dim=-1), cached)
         return first
 
     @staticmethod
-    def _prompt_logprobs(seq: Sequence, logprobs: torch.Tensor) -> None:
+    def _prompt_logprobs(seq: Sequence, logprobs: torch.Tensor, cached: int) -> None:
+        """Prompt logprobs from ``logprobs`` [prompt tokens - cached, vocab] (row i: position cached + i)."""
         req, ids = seq.req, seq.req.prompt_ids
         for pos in range(req.logprob_start_len, len(ids)):
             if pos == 0:
                 seq.input_logprobs.append((None, ids[0]))
                 seq.input_top.append(None)
                 continue
-            row = logprobs[pos - 1]
+            row = logprobs[pos - 1 - cached]
             seq.input_logprobs.append((float(row[ids[pos]]), ids[pos]))
             if req.top_logprobs_num > 0:
                 vals, top_ids = torch.topk(row, min(req.top_logprobs_num, row.numel()))

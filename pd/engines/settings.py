@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pd.engines.errors import EngineSettingsError
 from pd.engines.handoff.transfer import default_transfer_timeout
 from pd.engines.models.builtin_model import BUILTIN_MODELS, BUILTIN_PREFIX
+from pd.engines.prefix.kv_events import KVEventsConfig
 from pd.engines.spec.config import SpecConfig, SpeculativeSettings, check_draft_shape, resolve_speculative
 from pd.util import request_caps as caps
 from pd.util.settings_flags import SettingsFlags, flag, set_path
@@ -104,6 +105,21 @@ class EngineSettings(BaseModel):
     stay open), on the HTTP and the bootstrap server; a decode sends it to its prefills."""
     log_level: str = "info"
     """Log level."""
+    disable_radix_cache: bool = False
+    """Turn the radix prefix cache off: every prompt is computed whole and no KV is kept between requests."""
+    enable_cache_report: bool = False
+    """Report cached prompt tokens in the OpenAI usage (usage.prompt_tokens_details.cached_tokens)."""
+    kv_events_config: Optional[str] = None
+    """SGLang's KV events as JSON, e.g. {"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint":
+    "tcp://*:5558"}: the radix cache's BlockStored / BlockRemoved / AllBlocksCleared over ZMQ, for a KV-aware
+    router. Unset: none published."""
+
+    @field_validator("kv_events_config")
+    @classmethod
+    def _kv_events_json(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None:
+            KVEventsConfig.from_cli(v)  # ValueError naming the bad key
+        return v
     speculative: SpeculativeSettings = Field(default_factory=SpeculativeSettings)
     """speculative decoding (EAGLE/MTP)"""
 

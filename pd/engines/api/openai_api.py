@@ -148,11 +148,16 @@ def echo_texts(req: CompletionRequest, runner: ModelRunner) -> Optional[list[str
     return [runner.decode(list(x)) for x in cast(list[list[int]], p)]
 
 
-def usage(seqs: list[Sequence], n: int) -> dict:
-    """Token usage; the prompt counts once per prompt, not per sample (SGLang's UsageProcessor)."""
-    prompt = sum(len(s.req.prompt_ids) for s in seqs if s.req.sample_index == 0)
+def usage(seqs: list[Sequence], n: int, cache_report: bool = False) -> dict:
+    """Token usage; the prompt counts once per prompt, not per sample (SGLang's UsageProcessor), and so do its
+    cached tokens, reported in ``prompt_tokens_details`` with ``cache_report`` (``--enable-cache-report``)."""
+    first = [s for s in seqs if s.req.sample_index == 0]
+    prompt = sum(len(s.req.prompt_ids) for s in first)
     completion = sum(len(s.output_ids) for s in seqs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    out: dict = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if cache_report:
+        out["prompt_tokens_details"] = {"cached_tokens": sum(s.cached_tokens for s in first)}
+    return out
 
 
 # ---- logprobs -------------------------------------------------------------------------------
@@ -198,11 +203,13 @@ class OpenAIResponder:
             (``echo_texts``); None otherwise.
         include_usage: the stream ends with a usage chunk (``stream_options.include_usage``), so every
             chunk before it carries ``"usage": null``.
+        cache_report: usage reports the prompts' cached tokens (``--enable-cache-report``).
     """
 
     def __init__(self, kind: str, model: str, runner: ModelRunner, n: int, echo: Optional[list[str]] = None,
-                 include_usage: bool = False):
+                 include_usage: bool = False, cache_report: bool = False):
         self.kind = kind
+        self.cache_report = cache_report
         self.include_usage = include_usage
         self.echo = echo
         self.model = model
@@ -226,7 +233,7 @@ class OpenAIResponder:
                 choice["logprobs"] = chat_logprobs(seq, self.runner, 0) if seq.req.return_logprob else None
             choices.append(choice)
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage(seqs, self.n)}
+                "choices": choices, "usage": usage(seqs, self.n, self.cache_report)}
 
     def _echo(self, seq: Sequence) -> str:
         return self.echo[seq.req.prompt_index] if self.echo else ""

@@ -299,8 +299,8 @@ class EngineServer:
 
         @app.api_route("/flush_cache", methods=["GET", "POST"])
         async def flush_cache(timeout: float = 0.0):
-            """SGLang's /flush_cache (``?timeout=`` seconds to wait for the engine to go idle). This engine
-            keeps no prefix cache, so there is nothing to drop; like SGLang, it refuses (400) while requests
+            """SGLang's /flush_cache (``?timeout=`` seconds to wait for the engine to go idle): empties the radix
+            prefix cache (an ``AllBlocksCleared`` KV event follows); like SGLang, it refuses (400) while requests
             run, so a benchmark's flush after its warm-up means the same thing on both engines."""
             if not 0 <= timeout < math.inf:  # NaN too
                 raise bad_request("timeout must be a finite number of seconds >= 0", "timeout")
@@ -310,6 +310,10 @@ class EngineServer:
             if self.core.sequences:
                 return Response(f"Flush cache failed: {len(self.core.sequences)} requests are running.\n",
                                 status_code=400)
+            if self.core.prefix is not None and not self.core.prefix.flush():
+                return Response("Flush cache failed: cached pages are still read by a KV transfer.\n",
+                                status_code=400)
+            self.core.update_pool_metrics()
             return Response("Cache flushed.\n", status_code=200)
 
         @app.get("/health_generate")
@@ -336,6 +340,7 @@ class EngineServer:
                     "max_total_num_tokens": pool.num_pages * pool.page_size if pool else self.args.max_total_tokens,
                     "max_req_input_len": self.runner.context_length - 1,
                 },
+                "kv_events": self.core.kv_events_source(),
                 "kv_pages_held": pool.held if pool else 0,
                 "kv_pages_total": pool.num_pages if pool else 0,
                 "transfer_session_id": self.core.transfer.session_id if self.core.transfer else None,
@@ -407,14 +412,15 @@ class EngineServer:
         echo = openai_api.echo_texts(req, self.runner) if kind == "completion" else None
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
         responder = openai_api.OpenAIResponder(kind, req.model or self.served_name, self.runner, req.n, echo,
-                                               include_usage)
+                                               include_usage, self.args.enable_cache_report)
         state: dict[int, dict] = {}
         done_seqs: dict[int, Sequence] = {}
 
         def chunks(seq):
             if seq is None:
                 if include_usage:
-                    return [responder.chunk([], openai_api.usage(list(done_seqs.values()), req.n))]
+                    return [responder.chunk([], openai_api.usage(list(done_seqs.values()), req.n,
+                                                                      self.args.enable_cache_report))]
                 return []
             st = state.setdefault(seq.req.index, {"text": "", "lp": 0, "first": True, "final": False})
             if st["final"]:

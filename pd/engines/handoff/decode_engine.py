@@ -56,7 +56,7 @@ class DecodeEngineCore(PDEngineCore):
                 except TimeoutError:
                     raise RoomFailed(f"no free KV pages for {n} tokens within "
                                      f"{self.args.disaggregation_waiting_timeout:g}s") from None
-            self._update_pool_metrics()
+            self.update_pool_metrics()
             t1 = time.perf_counter()
             self.metrics.observe_stage("decode_bootstrap", t1 - t0)
             reg = Registration(
@@ -95,7 +95,7 @@ class DecodeEngineCore(PDEngineCore):
                 if kv_arrived:
                     for held_pool, p in held:
                         held_pool.free(p)
-                    self._update_pool_metrics()
+                    self.update_pool_metrics()
                 else:
                     # The prefill may be writing into these pages: they go back once it says no write is in flight
                     # (or after SGLang's deferred KV release timeout); this request answers once the abort landed.

@@ -9,6 +9,7 @@ contiguous page is what a CPU reference needs and keeps transfers to few, large 
 from __future__ import annotations
 
 import asyncio
+from typing import Callable, Optional
 
 import torch
 
@@ -45,6 +46,9 @@ class KVPagePool:
         self.page_bytes = self.pages[0].numel() * self.pages.element_size()
         self._free = set(range(self.num_pages))
         self._changed = asyncio.Condition()
+        # Pages another owner can give back on demand (the radix prefix cache evicts unlocked pages): called with
+        # the shortfall in pages, returns the page ids it released (possibly more or fewer).
+        self.reclaim: Optional[Callable[[int], list[int]]] = None
 
     @property
     def base_addr(self) -> int:
@@ -80,6 +84,8 @@ class KVPagePool:
             raise PoolExhausted(
                 f"{num_tokens} tokens need {need} KV pages of {self.page_size} tokens; the pool has {self.num_pages}"
             )
+        if need > len(self._free) and self.reclaim is not None:
+            self._free.update(self.reclaim(need - len(self._free)))
         if need > len(self._free):
             return None
         got = sorted(self._free)[:need]
@@ -102,6 +108,11 @@ class KVPagePool:
         if dup:
             raise ValueError(f"KV pages freed twice: {dup}")
         self._free.update(pages)
+        asyncio.get_event_loop().create_task(self._notify())
+
+    def poke(self) -> None:
+        """Wake the allocations waiting for pages: ``reclaim`` may have more to give (the prefix cache unlocked
+        some)."""
         asyncio.get_event_loop().create_task(self._notify())
 
     async def _notify(self) -> None:

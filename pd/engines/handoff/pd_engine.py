@@ -27,7 +27,7 @@ class PDEngineCore(EngineCore):
         if self.spec is not None:  # SGLang's PD registers the draft's KV pool next to the target's
             self.draft_pool = KVPagePool(self.spec.draft.layout, a.page_size, a.max_total_tokens)
             self.transfer.register(self.draft_pool.base_addr, self.draft_pool.total_bytes)
-        self._update_pool_metrics()
+        self.update_pool_metrics()
         self.http = make_client(a.api_key)
         log.info("%s engine: KV pool %d pages x %d tokens (%.1f MB), transfer session %s",
                  self.mode, self.pool.num_pages, self.pool.page_size, self.pool.total_bytes / 1e6,

@@ -20,6 +20,7 @@ from pd.engines.handoff.bootstrap import BootstrapServer, Registration, Registra
 from pd.engines.handoff.kv_write import KVWriter
 from pd.engines.handoff.pd_engine import PDEngineCore
 from pd.engines.handoff.transfer import TransferError
+from pd.engines.prefix.prefix_pages import Hit, PrefixCache
 from pd.engines.sequence import Sequence
 from pd.engines.spec import pd_handoff
 
@@ -41,6 +42,7 @@ class PrefillEngineCore(PDEngineCore):
         await self.bootstrap.start()
         self.writer = KVWriter(started(self.transfer, "transfer engine"), self.transfer_exec, self.bootstrap,
                                a.disaggregation_transfer_timeout)
+        self._start_prefix_cache(self._pool)
 
     @property
     def _bootstrap(self) -> BootstrapServer:
@@ -71,37 +73,48 @@ class PrefillEngineCore(PDEngineCore):
             self._check_registration(reg, seq)
             t1 = time.perf_counter()
             self.metrics.observe_stage("prefill_bootstrap", t1 - t0)
-            pages = await pool.alloc(len(seq.req.prompt_ids))
-            self._update_pool_metrics()
+            prefix = started(self.prefix, "prefix cache")
+            hit = prefix.match(seq.req)
+            try:
+                pages = await prefix.alloc(hit, len(seq.req.prompt_ids))
+            except BaseException:
+                prefix.unlock(hit)
+                raise
+            self.update_pool_metrics()
             draft_pages: list[int] = []
+            pushed = False
             try:
                 if self.draft_pool is not None:
                     draft_pages = await self.draft_pool.alloc(len(seq.req.prompt_ids))
-                    self._update_pool_metrics()
+                    self.update_pool_metrics()
                 with self._gauge(self.metrics.queued):
                     # The forward stores the prompt's KV into the pool pages, as SGLang's attention
                     # backends do (set_kv_buffer); the transfer then reads the pages as they are.
                     first = await self._compute(self.steps.prefill_forward, seq, (pool, pages),
-                                                (self.draft_pool, draft_pages) if draft_pages else None)
+                                                (self.draft_pool, draft_pages) if draft_pages else None, hit.cached)
                 t2 = time.perf_counter()
                 self.metrics.observe_stage("prefill_forward", t2 - t1)
                 with self._gauge(self.metrics.running):
                     nbytes = await writer.push(pool, pages, reg, room, self.draft_pool, draft_pages)
+                pushed = True
             finally:
-                held = [(pool, pages)]
+                held = [(pool, pages[hit.cached // pool.page_size:])]
                 if draft_pages:
                     held.append((started(self.draft_pool, "draft KV page pool"), draft_pages))
                 if room.write is not None:  # Mooncake may still read them: they go back once the write settles
-                    self.held.hold(held, writer.settled(room))
+                    self.held.hold(held, self._settled_then_unlock(writer, room, prefix, hit))
                 else:
-                    for held_pool, p in held:
+                    prefix.finish(hit, seq.req.prompt_ids, pages) if pushed else prefix.drop(hit, pages)
+                    for held_pool, p in held[1:]:
                         held_pool.free(p)
-                self._update_pool_metrics()
+                self.update_pool_metrics()
+            self._observe_hit(seq, hit)
             t3 = time.perf_counter()
             self.metrics.observe_stage("prefill_transfer_kv_cache", t3 - t2)
             self.metrics.observe_transfer(nbytes, t3 - t2)
             token, lp, top = first
-            meta = {"first_token": {"id": token, "logprob": lp, "top": top}, "cached_tokens": 0, "bytes": nbytes}
+            meta = {"first_token": {"id": token, "logprob": lp, "top": top}, "cached_tokens": hit.cached,
+                    "bytes": nbytes}
             if self.spec is not None:
                 meta["spec"] = pd_handoff.first_token_metadata(self.spec, seq)
             self._emit(seq, token, lp, top)
@@ -124,6 +137,14 @@ class PrefillEngineCore(PDEngineCore):
             raise
         finally:
             bootstrap.finish(room, meta, reason)
+
+    @staticmethod
+    async def _settled_then_unlock(writer: KVWriter, room, prefix: PrefixCache, hit: Hit) -> None:
+        """Wait for an abandoned KV write to settle, then unlock the cached pages it may have been reading."""
+        try:
+            await writer.settled(room)
+        finally:
+            prefix.unlock(hit)
 
     def _check_registration(self, reg: Registration, seq: Sequence) -> None:
         problem = pd_handoff.settings_mismatch(self.spec, self.draft_pool, reg) or self._layout_mismatch(reg, seq)

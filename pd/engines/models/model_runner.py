@@ -206,18 +206,22 @@ class ModelRunner:
         entry = cache.layers[layer]
         return entry.keys[0], entry.values[0]
 
-    def export_kv(self, cache, pool_pages: torch.Tensor, page_ids: list[int], num_tokens: int) -> None:
-        """Copy the first ``num_tokens`` tokens of ``cache`` into pool pages (:func:`export_cache_kv`)."""
-        export_cache_kv(self.layout, cache, pool_pages, page_ids, num_tokens)
+    def export_kv(self, cache, pool_pages: torch.Tensor, page_ids: list[int], num_tokens: int,
+                  first_page: int = 0) -> None:
+        """Copy tokens ``[first_page * page_size, num_tokens)`` of ``cache`` into pool pages
+        (:func:`export_cache_kv`)."""
+        export_cache_kv(self.layout, cache, pool_pages, page_ids, num_tokens, first_page)
 
     def import_kv(self, pool_pages: torch.Tensor, page_ids: list[int], num_tokens: int):
         """Build a fresh cache holding ``num_tokens`` tokens read from pool pages (:func:`import_cache_kv`)."""
         return import_cache_kv(self.layout, self.new_cache(), pool_pages, page_ids, num_tokens)
 
 
-def export_cache_kv(layout: KVLayout, cache, pool_pages: torch.Tensor, page_ids: list[int], num_tokens: int) -> None:
-    """Copy the first ``num_tokens`` tokens of a transformers cache with ``layout.num_layers`` layers into
-    pool pages (one indexed copy per layer and K/V; the tail of the last page is left as it was).
+def export_cache_kv(layout: KVLayout, cache, pool_pages: torch.Tensor, page_ids: list[int], num_tokens: int,
+                    first_page: int = 0) -> None:
+    """Copy tokens ``[first_page * page_size, num_tokens)`` of a transformers cache with ``layout.num_layers``
+    layers into pool pages (one indexed copy per layer and K/V; the tail of the last page is left as it was).
+    ``first_page`` > 0 skips pages that already hold the prompt's start (a prefix cache hit).
 
     Args:
         pool_pages: the pool tensor [num_pages, num_layers, 2, page_size, kv_heads, head_dim].
@@ -227,13 +231,14 @@ def export_cache_kv(layout: KVLayout, cache, pool_pages: torch.Tensor, page_ids:
     n_pages = -(-num_tokens // page_size)
     full, rest = divmod(num_tokens, page_size)
     idx = torch.tensor(page_ids[:n_pages], dtype=torch.long)
+    start = first_page * page_size
     for layer in range(layout.num_layers):
         for j, x in enumerate(ModelRunner.cache_kv(cache, layer)):
             # [kv_heads, tokens, head_dim] -> [pages, page_size, kv_heads, head_dim]
-            if full:
+            if full > first_page:
                 heads, _, dim = x.shape
-                pool_pages[idx[:full], layer, j] = (
-                    x[:, : full * page_size].reshape(heads, full, page_size, dim).permute(1, 2, 0, 3)
+                pool_pages[idx[first_page:full], layer, j] = (
+                    x[:, start: full * page_size].reshape(heads, full - first_page, page_size, dim).permute(1, 2, 0, 3)
                 )
             if rest:
                 pool_pages[page_ids[full], layer, j, :rest] = x[:, full * page_size : num_tokens].transpose(0, 1)

@@ -278,6 +278,11 @@ class KVEventPublisher:
         return self._endpoint
 
     @property
+    def topic(self) -> str:
+        """The topic every message carries (the subscribers' filter)."""
+        return self._topic.decode("utf-8")
+
+    @property
     def replay_endpoint(self) -> Optional[str]:
         """The ROUTER replay socket's bound address, or None without replay."""
         return self._replay_endpoint
