@@ -81,10 +81,14 @@ class Router:
         self.client = UpstreamClient(self.config.max_connections, self.config.timeouts.connect)
         self.dispatcher.bind(self.http, self.client)
         self.health.start(self.http)
+        for policy in self.pool.policies.values():
+            policy.start(self.http)
 
     async def stop(self) -> None:
         """Stop health checks, let in-flight background work drain, close the HTTP clients."""
         await self.health.stop()
+        for policy in self.pool.policies.values():
+            await policy.stop()
         await self.dispatcher.tasks.drain(SHUTDOWN_DRAIN)
         if self.http is not None:
             await self.http.aclose()

@@ -25,10 +25,10 @@ from pd.router.background import TaskSet
 from pd.router.config import RouterSettings
 from pd.router.deadline import Deadline
 from pd.router.errors import TIMEOUT_ERRORS, UPSTREAM_ERRORS, error_body
-from pd.router.exchange import Exchange, PrefillOutcome, is_2xx, record_outcome
+from pd.router.exchange import Exchange, PrefillOutcome, is_2xx, record_outcome, report_cached
 from pd.router.retry import Answer, Failure, answered, no_answer, stream_start
 from pd.router.stream import Relay
-from pd.router.tokens import count as count_tokens
+from pd.router.tokens import count_all as count_tokens
 from pd.router.upstream import Response as UpstreamResponse
 from pd.router.upstream import UpstreamClient
 
@@ -132,7 +132,8 @@ class AttemptRunner:
             pre = await asyncio.shield(prefill_task)  # being cancelled must not cancel the prefill read
             if pre.ok:
                 data = logprobs.merge_full(data, logprobs.prefill_inputs(pre.body, stream=False))
-        p, c = count_tokens(data)
+        p, c, cached = count_tokens(data)
+        report_cached(ex, cached)
         em.prompt_tokens.inc(p)
         em.completion_tokens.inc(c)
         record_outcome(em, ex.arrival, resp.status)
@@ -142,7 +143,7 @@ class AttemptRunner:
         """POST to the prefill and read its answer to the end; never raises. Sequences the
         prefill reports as aborted get their decode sides aborted too."""
         w = ex.prefill
-        w.begin(ex.seqs)
+        w.begin(ex.seqs, ex.blocks)
         out: PrefillOutcome
         try:
             resp = await self._upstream().post(w.url, ex.route, ex.payload, ex.headers + w.auth_line,
@@ -159,7 +160,7 @@ class AttemptRunner:
         except UPSTREAM_ERRORS as e:
             out = PrefillOutcome(None, failure="connect", detail=str(e) or repr(e))
         finally:
-            w.end(ex.seqs)
+            w.end(ex.seqs, ex.blocks)
             ex.em.prefill.observe(time.perf_counter() - ex.dispatched)
         if not ex.prefill_aborted:
             if out.ok:

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pd.router.kv_config import KvAwareConfig
 from pd.util import request_caps as caps
 from pd.util.settings_flags import flag
 
@@ -34,7 +35,7 @@ WORKER_KEY_ENV = "PDSERVE_ROUTER_WORKER_API_KEY"
 # launcher hands a router its settings. Flags given on the command line override it (pd.router.cli).
 CONFIG_ENV = "PDSERVE_ROUTER_CONFIG"
 
-PolicyName = Literal["round_robin", "random", "least_load", "power_of_two", "cache_aware"]
+PolicyName = Literal["round_robin", "random", "least_load", "power_of_two", "cache_aware", "kv_aware"]
 POLICY_NAMES: tuple[str, ...] = get_args(PolicyName)
 
 
@@ -269,6 +270,8 @@ class RouterSettings(_Strict):
     """the policy of the decode side."""
     cache_aware: CacheAwareConfig = Field(default_factory=CacheAwareConfig)
     """tuning of the ``cache_aware`` policy."""
+    kv_aware: KvAwareConfig = Field(default_factory=KvAwareConfig)
+    """tuning of the ``kv_aware`` policy (prefill side only)."""
     retry: RetryConfig = Field(default_factory=RetryConfig)
     """retries (before the first byte reaches the client, each on a fresh pair)."""
     circuit_breaker: CircuitBreakerConfig = Field(default_factory=CircuitBreakerConfig)
@@ -374,10 +377,21 @@ class RouterSettings(_Strict):
             raise ValueError("needs at least one header name")
         return tuple(h.strip().lower() for h in v)
 
+    @model_validator(mode="after")
+    def _kv_aware_side(self):
+        # a decode imports the prompt's KV from the prefill: its own cache saves no prefill work
+        if self.decode_policy == "kv_aware":
+            raise ValueError("--decode-policy (decode_policy) kv_aware: kv_aware ranks prefill workers by the "
+                             "prompt pages their KV cache holds; use it as --prefill-policy (or --policy, which "
+                             "gives the decode side cache_aware)")
+        return self
+
     def side_policy(self, role: str) -> str:
-        """The policy name of ``role`` (``prefill`` or ``decode``)."""
+        """The policy name of ``role`` (``prefill`` or ``decode``); ``kv_aware`` through ``policy`` is
+        ``cache_aware`` on the decode side (kv_aware needs a prefill's KV events)."""
         own = self.prefill_policy if role == "prefill" else self.decode_policy
-        return own or self.policy
+        name = own or self.policy
+        return "cache_aware" if role == "decode" and name == "kv_aware" else name
 
 
 class RouterConfig(RouterSettings):

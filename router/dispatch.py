@@ -237,6 +237,9 @@ class PDDispatcher:
                 payload = jsonio.encode(sub, fast_json)
                 x = Exchange(route, m, prefill, decode, rids, sub_count, stream, merge, drop_usage, payload,
                              upstream_headers, arrival)
+                plan = key.kv if key is not None else None
+                if plan is not None and plan.worker is prefill:  # kv_aware's plan for this very decision
+                    x.blocks, x.kv_predicted = plan.blocks, plan.predicted
                 if sample is None:
                     ex = x
                 if number == 1:

@@ -33,6 +33,16 @@ def record_outcome(em: EndpointMetrics | SampleMetrics, arrival: float, status: 
         em.error(kind)
 
 
+def report_cached(ex: Exchange, cached: Optional[int]) -> None:
+    """Count the cached prompt tokens an answer reported (None: it reported none) against those the
+    ``kv_aware`` policy predicted for its prefill (single-sequence requests only: a batch's answer sums
+    its prompts, the policy predicts the first's)."""
+    counters = ex.prefill.kv_counters
+    if ex.kv_predicted is not None and cached is not None and counters is not None and ex.seqs == 1:
+        counters[0].inc(ex.kv_predicted)
+        counters[1].inc(cached)
+
+
 class PrefillOutcome:
     """How the prefill side of one attempt ended.
 
@@ -62,7 +72,7 @@ class Exchange:
 
     __slots__ = ("route", "em", "prefill", "decode", "rids", "seqs", "stream", "merge", "drop_usage", "payload",
                  "headers", "arrival", "dispatched", "prefill_task", "decode_task", "prefill_aborted",
-                 "decode_aborted", "accepted", "_decode_open")
+                 "decode_aborted", "accepted", "_decode_open", "blocks", "kv_predicted")
 
     def __init__(self, route: str, em: EndpointMetrics | SampleMetrics, prefill: Worker, decode: Worker,
                  rids: list[str], seqs: int, stream: bool, merge: bool, drop_usage: bool, payload: bytes,
@@ -82,6 +92,10 @@ class Exchange:
         # which is generating): bounded by timeouts.request only, and not retried when that passes
         self.accepted = False
         self._decode_open = False
+        # the kv_aware policy's plan: prompt KV pages counted in flight on the prefill, and the cached
+        # tokens it predicted there (None: no prediction to compare with the answer's cached_tokens)
+        self.blocks = 0
+        self.kv_predicted: Optional[int] = None
 
     def decode_begin(self) -> None:
         """The decode side started: its sequences count as load on the decode worker until decode_end()."""

@@ -372,6 +372,11 @@ class KVIndexManager:
         """``PrefixIndex.overlap``: leading prompt pages each worker holds."""
         return self.index.overlap(workers, block_hashes)
 
+    def following(self, worker: str) -> bool:
+        """Whether ``worker``'s subscriber is alive (added and its task not ended)."""
+        sub = self._subs.get(worker)
+        return sub is not None and sub.running
+
     def stats(self) -> dict[str, SubscriberStats]:
         """Each followed worker's counters (live objects: copy them to keep a snapshot)."""
         return {w: s.stats for w, s in self._subs.items()}

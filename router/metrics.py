@@ -20,7 +20,10 @@ Names (a dashboard contract; keep them): ``pdserve_router_{queue,prefill,ttft,in
 ``pdserve_router_prompt_tokens_total{endpoint}``, ``pdserve_router_completion_tokens_total{endpoint}``,
 ``pdserve_router_worker_inflight{worker,role}``, ``pdserve_router_worker_healthy{worker,role}``,
 ``pdserve_router_worker_circuit_state{worker,role}`` (0 closed, 1 half-open, 2 open),
-``pdserve_router_policy_decisions_total{role,policy,worker}``.
+``pdserve_router_policy_decisions_total{role,policy,worker}``; of the ``kv_aware`` policy (pd.router.kv_aware):
+``pdserve_router_kv_{predicted,reported}_cached_tokens_total{worker}``,
+``pdserve_router_kv_events_lag_seconds{worker}``, ``pdserve_router_kv_index_blocks{worker}``,
+``pdserve_router_kv_fallbacks_total{reason}``, ``pdserve_router_kv_tokenizer_ready``.
 
 Updates are plain Python arithmetic on per-process values (no lock, no label lookup per update):
 the router runs on one event-loop thread, and prometheus_client's locked values cost 4-5% of its
@@ -316,12 +319,31 @@ class RouterMetrics:
                                           "Client connections closed by a connection limit, by reason: total, "
                                           "per_address, header_timeout, header_too_large, too_many_headers.",
                                           ["reason"])
+        kv = ["worker"]
+        self.kv_predicted = Family("counter", "pdserve_router_kv_predicted_cached_tokens",
+                                   "Prompt tokens the kv_aware policy expected the prefill to serve from its cache "
+                                   "(single-sequence requests answered).", kv)
+        self.kv_reported = Family("counter", "pdserve_router_kv_reported_cached_tokens",
+                                  "Prompt tokens the answers of those requests reported cached (cached_tokens).", kv)
+        self.kv_events_lag = Family("gauge", "pdserve_router_kv_events_lag_seconds",
+                                    "Seconds since the prefill's last KV event batch arrived (-1: none yet).", kv)
+        self.kv_index_blocks = Family("gauge", "pdserve_router_kv_index_blocks",
+                                      "KV pages the router's index says the prefill holds.", kv)
+        self.kv_fallbacks = Family("counter", "pdserve_router_kv_fallbacks",
+                                   "kv_aware decisions or workers estimated as cache_aware does, by reason: "
+                                   "no_token_ids, no_live_events, worker_events_stale.", ["reason"])
+        self.kv_tokenizer_ready = Family("gauge", "pdserve_router_kv_tokenizer_ready",
+                                         "1 once the kv_aware policy can tokenize text prompts, else 0.")
+        # called before each scrape (gauges computed from live state)
+        self.refreshers: list[Callable[[], None]] = []
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total: the planner's per-request CPU
         self.registry.register(_Collector([self.queue, self.prefill, self.ttft, self.itl, self.e2e, self.requests,
                                            self.errors, self.retries, self.prompt_tokens, self.completion_tokens,
                                            self.in_flight, self.queued, self.inflight, self.healthy, self.circuit,
-                                           self.decisions, self.client_connections, self.connections_refused]))
+                                           self.decisions, self.client_connections, self.connections_refused,
+                                           self.kv_predicted, self.kv_reported, self.kv_events_lag,
+                                           self.kv_index_blocks, self.kv_fallbacks, self.kv_tokenizer_ready]))
         self.client_connections.labels()
         for reason in CONNECTION_REFUSALS:
             self.connections_refused.labels(reason)
@@ -348,4 +370,6 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every router metric."""
+        for refresh in self.refreshers:
+            refresh()
         return generate_latest(self.registry)

@@ -19,6 +19,9 @@ and registered in ``POLICIES``. The policies:
   (sglang-router's rule: max - min > ``balance_abs_threshold`` and max > min x
   ``balance_rel_threshold`` -> least loaded); below ``cache_threshold`` matched, the worker with
   the smallest tree (most free cache) wins.
+- ``kv_aware`` (prefill side): the lowest cost of prompt pages still to compute plus prompt pages in
+  flight, from the workers' own KV cache events (pd.router.kv_aware, which registers it when imported, as
+  pd.router.workers does).
 """
 
 from __future__ import annotations
@@ -27,12 +30,15 @@ import itertools
 import logging
 import random
 import time
-from typing import TYPE_CHECKING, ClassVar, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, Sequence
 
 from pd.router.config import RouterSettings
 from pd.router.radix import RadixTree
 
 if TYPE_CHECKING:
+    import httpx
+
+    from pd.router.metrics import RouterMetrics
     from pd.router.workers import Worker
 
 log = logging.getLogger("pd.router")
@@ -102,6 +108,18 @@ class Policy:
 
     def forget(self, worker: "Worker") -> None:
         """Hook when a worker leaves the pool."""
+
+    def joined(self, worker: "Worker") -> None:
+        """Hook when a worker joins the pool (also for the workers the router starts with)."""
+
+    def bind(self, metrics: "RouterMetrics") -> None:
+        """Hook to attach the router's metrics (once, before any request)."""
+
+    def start(self, http: "httpx.AsyncClient") -> None:
+        """Hook once the router's event loop runs: ``http`` is its client for calls to workers."""
+
+    async def stop(self) -> None:
+        """Hook at router shutdown: end background work."""
 
 
 class RoundRobin(Policy):
@@ -212,7 +230,27 @@ def make_policy(name: str, role: str, settings: RouterSettings) -> Policy:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
 
 
-def routing_key(route: str, body: dict) -> Optional[str]:
+class PromptKey(str):
+    """A routing key (the prompt as a string, what ``cache_aware`` matches) that also says what it was
+    made of, for ``kv_aware``: ``kind`` is ``ids`` (one character per token id), ``text`` or ``chat``.
+    ``kv`` is where ``kv_aware`` leaves its plan of the request (page hashes, the chosen worker's
+    predicted cached tokens); None until it looked."""
+
+    kind: str
+    kv: Any
+
+    def __new__(cls, value: str, kind: str) -> "PromptKey":
+        self = super().__new__(cls, value)
+        self.kind = kind
+        self.kv = None
+        return self
+
+    def token_ids(self) -> Optional[list[int]]:
+        """The prompt's token ids when it was given as ids, else None."""
+        return [ord(c) for c in self] if self.kind == "ids" else None
+
+
+def routing_key(route: str, body: dict) -> Optional[PromptKey]:
     """The prompt as a string for prefix matching, or None when it has none the router can read.
 
     /generate: ``text``, or ``input_ids`` with one character per token id; /v1/completions:
@@ -231,14 +269,14 @@ def routing_key(route: str, body: dict) -> Optional[str]:
                     content = "".join(p.get("text", "") for p in content if isinstance(p, dict)
                                       and isinstance(p.get("text"), str))
                 parts.append(f"{m.get('role', '')}\x00{content if isinstance(content, str) else ''}\x00")
-        return "".join(parts) or None
+        return PromptKey("".join(parts), "chat") if parts else None
     prompt = body.get("text") if route == "/generate" else body.get("prompt")
     if route == "/generate" and prompt is None:
         prompt = body.get("input_ids")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch
     if isinstance(prompt, str):
-        return prompt or None
+        return PromptKey(prompt, "text") if prompt else None
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and 0 <= t <= _MAX_CHAR for t in prompt):
-        return "".join(map(chr, prompt))
+        return PromptKey("".join(map(chr, prompt)), "ids")
     return None

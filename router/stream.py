@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Optional
 from pd.router import logprobs
 from pd.router.aborts import aborted_indexes
 from pd.router.errors import UPSTREAM_ERRORS, error_body
-from pd.router.exchange import Exchange, record_outcome
+from pd.router.exchange import Exchange, record_outcome, report_cached
 from pd.router.front import Send, response_headers
 from pd.router.tokens import UsageTap
 
@@ -164,4 +164,6 @@ class Relay:
             em.prompt_tokens.inc(self.tap.prompt)
         if self.tap.completion:
             em.completion_tokens.inc(self.tap.completion)
+        if finished:
+            report_cached(ex, self.tap.cached)
         record_outcome(em, ex.arrival, status, self.kind)

@@ -16,13 +16,15 @@ from urllib.parse import urlsplit
 from pd.router.auth import worker_auth_headers
 from pd.router.circuit import OPEN, STATE_NAMES, CircuitBreaker
 from pd.router.config import CircuitBreakerConfig, RouterConfig, normalize_url
-from pd.router.policies import Policy, make_policy
+from pd.router.kv_aware import KvAware
+from pd.router.policies import POLICIES, Policy, make_policy
 from pd.router.upstream import header_block
 
 if TYPE_CHECKING:
     from pd.router.metrics import CounterValue, GaugeValue, RouterMetrics
 
 ROLES = ("prefill", "decode")
+assert POLICIES.get(KvAware.name) is KvAware  # kv_aware builds on pd.router.policies and registers itself
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
@@ -63,11 +65,14 @@ class Worker:
             pd.router.upstream.
         inflight: requests in flight to it.
         load: generated sequences in flight to it (a batch of 33 counts 33), the policies' load.
+        prompt_blocks: KV pages of the prompts in flight to it that the ``kv_aware`` policy counted (0 under
+            other policies).
+        kv_counters: (predicted, reported) cached-token counters of the ``kv_aware`` policy, else None.
     """
 
     __slots__ = ("url", "role", "bootstrap_port", "bootstrap_host", "healthy", "draining", "breaker", "inflight",
                  "load", "health_failures", "health_successes", "_g_inflight", "_g_healthy", "_g_circuit",
-                 "decisions", "_idle", "headers", "auth_line")
+                 "decisions", "_idle", "headers", "auth_line", "prompt_blocks", "kv_counters")
 
     def __init__(self, url: str, role: str, bootstrap_port: Optional[int] = None, bootstrap_host: Optional[str] = None,
                  breaker: Optional[CircuitBreakerConfig] = None, api_key: Optional[str] = None):
@@ -84,6 +89,8 @@ class Worker:
         self.breaker = CircuitBreaker(breaker or CircuitBreakerConfig(), self._circuit_changed)
         self.inflight = 0
         self.load = 0
+        self.prompt_blocks = 0
+        self.kv_counters: Optional[tuple[CounterValue, CounterValue]] = None
         self.health_failures = 0  # consecutive failed probes
         self.health_successes = 0  # consecutive passed probes
         # this worker's series, once bind_metrics attached them
@@ -133,17 +140,19 @@ class Worker:
             self._g_healthy.set(1 if ok else 0)
 
     # ---- load -----------------------------------------------------------------------------------
-    def begin(self, seqs: int) -> None:
-        """A request for ``seqs`` sequences to this worker started."""
+    def begin(self, seqs: int, blocks: int = 0) -> None:
+        """A request for ``seqs`` sequences (``blocks`` prompt KV pages, where counted) to this worker started."""
         self.inflight += 1
         self.load += seqs
+        self.prompt_blocks += blocks
         if self._g_inflight is not None:
             self._g_inflight.inc()
 
-    def end(self, seqs: int) -> None:
-        """A request started with ``begin(seqs)`` finished."""
+    def end(self, seqs: int, blocks: int = 0) -> None:
+        """A request started with ``begin(seqs, blocks)`` finished."""
         self.inflight -= 1
         self.load -= seqs
+        self.prompt_blocks -= blocks
         if self._g_inflight is not None:
             self._g_inflight.dec()
         if self.inflight == 0 and self._idle is not None and not self._idle.done():
@@ -183,6 +192,9 @@ class WorkerPool:
         self.config = config
         self.metrics = metrics
         self.policies: dict[str, Policy] = {role: make_policy(config.side_policy(role), role, config) for role in ROLES}
+        if metrics is not None:
+            for policy in self.policies.values():
+                policy.bind(metrics)
         self.prefill: list[Worker] = []
         self.decode: list[Worker] = []
         # The workers the router starts with are the operator's (or the launcher's): they get the worker key.
@@ -235,6 +247,7 @@ class WorkerPool:
             self.prefill = self.prefill + [w]
         else:
             self.decode = self.decode + [w]
+        self.policies[role].joined(w)
         return w
 
     def remove(self, url: str) -> Worker:

@@ -10,7 +10,7 @@ import pytest
 from pd.router.cli import build_parser, config_from_args
 from pd.router.config import ADMIN_KEY_ENV, API_KEY_ENV
 
-POLICIES = ("round_robin", "random", "least_load", "power_of_two", "cache_aware")
+POLICIES = ("round_robin", "random", "least_load", "power_of_two", "cache_aware", "kv_aware")
 LEVELS = ("debug", "info", "warning", "error", "critical")
 
 # option strings, action ("store", "append" or "switch": no value), nargs, type, choices, metavar
@@ -28,6 +28,11 @@ FLAGS = [
     (("--balance-rel-threshold",), "store", None, "float", None, None),
     (("--eviction-interval-secs",), "store", None, "float", None, None),
     (("--max-tree-size",), "store", None, "int", None, None),
+    (("--kv-overlap-weight",), "store", None, "float", None, None),
+    (("--kv-stale-secs",), "store", None, "float", None, None),
+    (("--kv-info-timeout-secs",), "store", None, "float", None, None),
+    (("--kv-attach-retry-secs",), "store", None, "float", None, None),
+    (("--kv-tokenizer-cache-size",), "store", None, "int", None, None),
     (("--retry-max-retries",), "store", None, "int", None, None),
     (("--retry-initial-backoff-ms",), "store", None, "float", None, None),
     (("--retry-max-backoff-ms",), "store", None, "float", None, None),
@@ -87,6 +92,11 @@ SETTINGS = {
     "--balance-rel-threshold": ("cache_aware.balance_rel_threshold", 1.5, ["2.5"], 2.5),
     "--eviction-interval-secs": ("cache_aware.eviction_interval_secs", 120, ["3.5"], 3.5),
     "--max-tree-size": ("cache_aware.max_tree_size", 2**26, ["1000"], 1000),
+    "--kv-overlap-weight": ("kv_aware.overlap_weight", 1.0, ["2.5"], 2.5),
+    "--kv-stale-secs": ("kv_aware.stale_secs", 30, ["4"], 4),
+    "--kv-info-timeout-secs": ("kv_aware.info_timeout_secs", 5, ["1.5"], 1.5),
+    "--kv-attach-retry-secs": ("kv_aware.attach_retry_secs", 5, ["0.5"], 0.5),
+    "--kv-tokenizer-cache-size": ("kv_aware.tokenizer_cache_size", 1024, ["0"], 0),
     "--retry-max-retries": ("retry.max_retries", 5, ["2"], 2),
     "--retry-initial-backoff-ms": ("retry.initial_backoff_ms", 50, ["7.5"], 7.5),
     "--retry-max-backoff-ms": ("retry.max_backoff_ms", 30000, ["900"], 900),
@@ -185,7 +195,7 @@ def test_keys_come_from_the_environment_unless_a_flag_gives_them(monkeypatch):
 
 
 @pytest.mark.parametrize("argv", [["--port", "x"], ["--policy", "fastest"], ["--log-level", "loud"],
-                                  ["--retry-max-retries", "1.5"]])
+                                  ["--retry-max-retries", "1.5"], ["--decode-policy", "kv_aware"]])
 def test_bad_flag_values_are_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         config_from_args(WORKERS + argv)

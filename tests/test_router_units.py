@@ -259,7 +259,7 @@ def test_routing_key():
 
 
 def test_every_policy_is_one_registered_class():
-    assert set(POLICIES) == {"round_robin", "random", "least_load", "power_of_two", "cache_aware"}
+    assert set(POLICIES) == {"round_robin", "random", "least_load", "power_of_two", "cache_aware", "kv_aware"}
     for name in POLICIES:  # each one serves a pool end to end
         pool = pool_of(policy=name)
         assert pool.pick_prefill("x") in pool.prefill and pool.pick_decode("x") in pool.decode

@@ -1,0 +1,412 @@
+"""The ``kv_aware`` policy: prefill workers ranked by what their KV caches hold, as their own KV events
+report it (pd.router.kv_index), rather than by what the router sent them (``cache_aware``).
+
+Cost of worker ``w`` for a prompt of ``B`` whole KV pages, lower is better (NVIDIA Dynamo's KV router
+cost function: "cost = overlap_score_weight x prefill_blocks + decode_blocks", Dynamo's Router Guide,
+https://docs.nvidia.com/dynamo/user-guides/kv-cache-aware-routing, section "Cost Function", and
+``lib/llm/src/kv_router/scheduler.rs``)::
+
+    cost(w) = overlap_weight x (B - overlap(w)) + inflight_blocks(w)
+
+- ``overlap(w)``: the prompt's leading pages ``w`` holds (pages are SGLang's chained page hashes,
+  pd.util.kv_block_hash.page_hashes, the ``block_hashes`` the workers publish);
+- ``inflight_blocks(w)``: prompt pages of the requests the router sent to ``w`` whose prefill has not
+  answered yet (Dynamo's "active blocks", counted on the prefill side: the work queued there);
+- ``overlap_weight``: ``--kv-overlap-weight`` (Dynamo's ``kv-overlap-score-weight``, default 1.0).
+
+Ties go round-robin. The prompt's token ids are the request's ``input_ids`` (or a completion's id
+prompt); a text prompt is tokenized with the workers' tokenizer (``/model_info``'s
+``tokenizer_path``, BOS prepended as the engines do; results kept in an LRU). Fallbacks to the
+approximate ``cache_aware`` (its radix tree is fed every decision, so it is warm), each counted in
+``pdserve_router_kv_fallbacks_total{reason}``:
+
+- ``no_token_ids``: a chat prompt, or text without a tokenizer: the whole decision is ``cache_aware``'s;
+- ``no_live_events``: no candidate's events are live: the whole decision is ``cache_aware``'s;
+- ``worker_events_stale``: a candidate not followed (no event source yet) or whose events stopped (none
+  for ``--kv-stale-secs`` after it was sent a prompt with pages it lacked) gets ``overlap(w)``
+  estimated from ``cache_aware``'s tree of what the router sent it.
+
+A joining prefill's ``/server_info`` ``kv_events`` block says where it publishes (a wildcard host is
+the worker's own); a worker that does not answer yet is tried again every ``--kv-attach-retry-secs``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Callable, Optional
+from urllib.parse import urlsplit
+
+import httpx
+import zmq
+
+from pd.router.config import RouterSettings
+from pd.router.kv_index import KVIndexManager
+from pd.router.policies import POLICIES, CacheAware, Policy, PromptKey
+from pd.util.kv_block_hash import page_hashes
+
+if TYPE_CHECKING:
+    from pd.router.metrics import CounterValue, RouterMetrics
+    from pd.router.workers import Worker
+
+log = logging.getLogger("pd.router")
+
+FALLBACK_REASONS = ("no_token_ids", "no_live_events", "worker_events_stale")
+_WILDCARD_HOSTS = ("", "*", "0.0.0.0", "::", "[::]")
+_NO_EVENTS_RETRY = 12  # a worker that publishes nothing is asked again after this many retry intervals
+
+
+def kv_cost(total_blocks: int, overlap_blocks: int, inflight_blocks: int, overlap_weight: float) -> float:
+    """Dynamo's KV router cost of one worker (see the module docstring), in KV pages; lower is better."""
+    return overlap_weight * (total_blocks - overlap_blocks) + inflight_blocks
+
+
+def event_source(worker_url: str, info: object) -> tuple[str, Optional[str], str, int]:
+    """Where a worker publishes its KV events, from its ``/server_info`` ``kv_events`` block.
+
+    Returns:
+        (PUB endpoint, replay endpoint or None, topic, block size in tokens).
+
+    Raises:
+        ValueError: not a zmq publisher block of one data-parallel rank with a port and a block size.
+    """
+    if not isinstance(info, dict) or info.get("publisher") != "zmq":
+        raise ValueError(f"kv_events is not a zmq publisher: {info!r}")
+    if info.get("dp_size", 1) != 1:
+        raise ValueError(f"kv_events of {info.get('dp_size')} data-parallel ranks are not supported")
+    port, block = info.get("endpoint_port_base"), info.get("block_size")
+    if type(port) is not int or type(block) is not int or block < 1:
+        raise ValueError(f"kv_events has no endpoint_port_base or block_size: {info!r}")
+    host = str(info.get("endpoint_host") or "")
+    if host in _WILDCARD_HOSTS:
+        host = urlsplit(worker_url).hostname or "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    replay = info.get("replay_endpoint_port_base")
+    return (f"tcp://{host}:{port}", f"tcp://{host}:{replay}" if type(replay) is int else None,
+            str(info.get("topic") or ""), block)
+
+
+def load_tokenizer(path: str) -> Callable[[str], list[int]]:
+    """A text -> token ids function as the engines tokenize prompts (BOS prepended when the tokenizer has
+    one, no other special tokens).
+
+    Raises:
+        ImportError: transformers is not installed. OSError / ValueError: no tokenizer at ``path``.
+    """
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    bos = tok.bos_token_id
+    head = [bos] if bos is not None else []
+
+    def encode(text: str) -> list[int]:
+        return head + tok.encode(text, add_special_tokens=False)
+
+    return encode
+
+
+class TokenCache:
+    """Token ids of text prompts, the ``size`` most recently used kept (system prompts repeat)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.encode: Optional[Callable[[str], list[int]]] = None
+        self._ids: OrderedDict[str, list[int]] = OrderedDict()
+
+    def ids(self, text: str) -> Optional[list[int]]:
+        """The token ids of ``text``; None without a tokenizer."""
+        ids = self._ids.get(text)
+        if ids is not None:
+            self._ids.move_to_end(text)
+            return ids
+        if self.encode is None:
+            return None
+        ids = self.encode(str(text))
+        if self.size:
+            self._ids[text] = ids
+            if len(self._ids) > self.size:
+                self._ids.popitem(last=False)
+        return ids
+
+
+class KvPlan:
+    """The policy's view of one request, kept on its routing key (``PromptKey.kv``) across attempts.
+
+    Attributes:
+        ids: the prompt's token ids.
+        worker: the prefill of the latest decision; ``blocks`` (prompt pages counted in flight there) and
+            ``predicted`` (tokens expected from its cache; None when only estimated) belong to it.
+    """
+
+    __slots__ = ("ids", "_hashes", "overlaps", "worker", "blocks", "predicted")
+
+    def __init__(self, ids: list[int]):
+        self.ids = ids
+        self._hashes: dict[int, list[int]] = {}
+        self.overlaps: dict[str, tuple[int, int, bool]] = {}  # url -> (pages, overlap, exact) of the last pick
+        self.worker: Optional[Worker] = None
+        self.blocks = 0
+        self.predicted: Optional[int] = None
+
+    def hashes(self, block_size: int) -> list[int]:
+        """The prompt's page hashes for ``block_size``-token pages (computed once per size)."""
+        h = self._hashes.get(block_size)
+        if h is None:
+            h = self._hashes[block_size] = [v for _, v in page_hashes(self.ids, block_size)]
+        return h
+
+
+class KvAware(Policy):
+    """Prefill pairing by Dynamo's KV cost over the workers' own KV events (``--prefill-policy kv_aware``).
+
+    Raises:
+        ValueError: made for the decode side (its cache saves no prefill work; pd.router.config refuses it).
+    """
+
+    name = "kv_aware"
+    uses_key = True
+
+    def __init__(self, role: str, settings: RouterSettings):
+        if role != "prefill":
+            raise ValueError("kv_aware is a prefill policy")
+        super().__init__(role, settings)
+        self.cfg = settings.kv_aware
+        self.approx = CacheAware(role, settings)
+        self.kv = KVIndexManager()
+        self.tokens = TokenCache(self.cfg.tokenizer_cache_size)
+        self.workers: dict[str, Worker] = {}
+        self.block_size: dict[str, int] = {}  # followed workers' page size
+        self.retry_at: dict[str, float] = {}  # workers not followed yet: when to read their /server_info next
+        self.expect: dict[str, float] = {}  # url -> when (epoch s) it was sent pages it lacked, no event since
+        self.metrics: Optional[RouterMetrics] = None
+        self.fallbacks: dict[str, CounterValue] = {}
+        self._http: Optional[httpx.AsyncClient] = None
+        self._tokenizer_asked = False
+        self._attaching: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+
+    # ---- membership ------------------------------------------------------------------------------
+    def bind(self, metrics):
+        """Keep the router's metrics: fallback counters, per-worker series, gauges refreshed per scrape."""
+        self.metrics = metrics
+        self.fallbacks = {r: metrics.kv_fallbacks.labels(r) for r in FALLBACK_REASONS}
+        metrics.refreshers.append(self._refresh)
+        for w in self.workers.values():
+            self._bind_worker(w)
+
+    def _bind_worker(self, worker: "Worker") -> None:
+        if self.metrics is not None:
+            worker.kv_counters = (self.metrics.kv_predicted.labels(worker.url),
+                                  self.metrics.kv_reported.labels(worker.url))
+
+    def joined(self, worker):
+        """Follow the new prefill's KV events as soon as its ``/server_info`` says where they are."""
+        self.workers[worker.url] = worker
+        self.retry_at[worker.url] = 0.0
+        self._bind_worker(worker)
+        if self._http is not None:
+            self._spawn(self._attach(worker.url))
+
+    def forget(self, worker):
+        """Stop following a removed prefill and drop its pages and series."""
+        url = worker.url
+        self.approx.forget(worker)
+        self.workers.pop(url, None)
+        self.retry_at.pop(url, None)
+        self.expect.pop(url, None)
+        self.block_size.pop(url, None)
+        worker.kv_counters = None
+        if self._http is not None:
+            self._spawn(self.kv.remove_worker(url))
+        if self.metrics is not None:
+            for family in (self.metrics.kv_predicted, self.metrics.kv_reported, self.metrics.kv_events_lag,
+                           self.metrics.kv_index_blocks):
+                try:
+                    family.remove(url)
+                except KeyError:
+                    pass
+
+    def start(self, http):
+        """Start reading the workers' event sources (and retrying those not up yet)."""
+        self._http = http
+        self._spawn(self._maintain())
+
+    async def stop(self):
+        """Stop the background work and every subscriber."""
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=2)
+        await self.kv.close()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _maintain(self) -> None:
+        while True:
+            now = time.monotonic()
+            for url, at in list(self.retry_at.items()):
+                if at <= now and url not in self._attaching:
+                    self._spawn(self._attach(url))
+            await asyncio.sleep(self.cfg.attach_retry_secs)
+
+    async def _attach(self, url: str) -> None:
+        """Read ``url``'s event source and follow it; on failure try again later (never raises)."""
+        worker, http = self.workers.get(url), self._http
+        if worker is None or http is None or url in self._attaching or url in self.block_size:
+            return
+        self._attaching.add(url)
+        retry = self.cfg.attach_retry_secs
+        try:
+            async with asyncio.timeout(self.cfg.info_timeout_secs):
+                r = await http.get(url + "/server_info", headers=worker.headers)
+                r.raise_for_status()
+                info = r.json()
+            source = info.get("kv_events") if isinstance(info, dict) else None
+            if not source:
+                log.warning("prefill %s publishes no KV events: kv_aware estimates its cache as cache_aware does",
+                            url)
+                self.retry_at[url] = time.monotonic() + retry * _NO_EVENTS_RETRY
+                return
+            endpoint, replay, topic, block = event_source(url, source)
+            if url not in self.workers:  # removed while we asked
+                return
+            self.kv.add_worker(url, endpoint, replay, topic)
+            self.block_size[url] = block
+            self.retry_at.pop(url, None)
+            log.info("kv_aware: following KV events of %s at %s (pages of %d tokens)", url, endpoint, block)
+            await self._load_tokenizer(worker, http)
+        except (httpx.HTTPError, TimeoutError, ValueError, zmq.ZMQError) as e:
+            log.info("kv_aware: no KV event source from %s yet (%s); trying again in %g s", url, e, retry)
+            if url in self.workers:
+                self.retry_at[url] = time.monotonic() + retry
+        finally:
+            self._attaching.discard(url)
+
+    async def _load_tokenizer(self, worker: "Worker", http: httpx.AsyncClient) -> None:
+        """Load the tokenizer ``worker``'s ``/model_info`` names, once per router (text prompts need it)."""
+        if self._tokenizer_asked:
+            return
+        self._tokenizer_asked = True
+        try:
+            async with asyncio.timeout(self.cfg.info_timeout_secs):
+                r = await http.get(worker.url + "/model_info", headers=worker.headers)
+                r.raise_for_status()
+                path = r.json().get("tokenizer_path")
+            if not isinstance(path, str) or not path:
+                raise ValueError("no tokenizer_path in /model_info")
+            started = time.monotonic()
+            self.tokens.encode = await asyncio.to_thread(load_tokenizer, path)
+            log.info("kv_aware: tokenizer of %s loaded in %.1f s", path, time.monotonic() - started)
+        except (httpx.HTTPError, TimeoutError) as e:
+            self._tokenizer_asked = False  # the next worker to attach asks again
+            log.info("kv_aware: no /model_info from %s (%s)", worker.url, e)
+        except Exception as e:  # ImportError, a path only the worker's host has, a broken tokenizer
+            log.warning("kv_aware: no tokenizer (%s): text prompts are routed as cache_aware does", e)
+
+    # ---- deciding --------------------------------------------------------------------------------
+    def _plan(self, key) -> Optional[KvPlan]:
+        if not isinstance(key, PromptKey):
+            return None
+        if key.kv is None:
+            ids = key.token_ids() if key.kind == "ids" else self.tokens.ids(key) if key.kind == "text" else None
+            if ids is None:
+                return None
+            key.kv = KvPlan(ids)
+        return key.kv
+
+    def live(self, url: str, now: float) -> bool:
+        """Whether ``url``'s KV events can be trusted: followed, and not silent for ``stale_secs`` since it
+        was sent pages it lacked (``now`` in seconds since the epoch)."""
+        if url not in self.block_size or not self.kv.following(url):
+            return False
+        since = self.expect.get(url)
+        if since is None:
+            return True
+        last = self.kv.stats()[url].last_received_at
+        if last is not None and last >= since:
+            del self.expect[url]
+            return True
+        return now - since <= self.cfg.stale_secs
+
+    def _overlap(self, worker: "Worker", key: PromptKey, plan: KvPlan, exact: bool,
+                 block: int) -> tuple[int, int, bool]:
+        """(prompt pages, leading pages held, exact?) for ``worker``: from its events when ``exact``,
+        else estimated from cache_aware's tree of the prompts sent to it."""
+        hashes = plan.hashes(block)
+        if exact:
+            return len(hashes), self.kv.overlap((worker.url,), hashes)[worker.url], True
+        matched = self.approx.tree(worker).match(key)  # characters: tokens for ids, text otherwise
+        tokens = matched if key.kind == "ids" else matched * len(plan.ids) // max(1, len(key))
+        return len(hashes), min(len(hashes), tokens // block), False
+
+    def pick(self, candidates, key):
+        """The lowest ``kv_cost``; cache_aware's pick without token ids or without any live events."""
+        plan = self._plan(key)
+        if plan is None:
+            self._fallback("no_token_ids")
+            return self.approx.pick(candidates, key)
+        now = time.time()
+        live = [self.live(w.url, now) for w in candidates]
+        if not any(live):
+            self._fallback("no_live_events")
+            return self.approx.pick(candidates, key)
+        if not all(live):
+            self._fallback("worker_events_stale")
+        default_block = next(self.block_size[w.url] for w, ok in zip(candidates, live) if ok)
+        plan.overlaps = {w.url: self._overlap(w, key, plan, ok, self.block_size.get(w.url, default_block))
+                         for w, ok in zip(candidates, live)}
+        w_ = self.cfg.overlap_weight
+        costs = [kv_cost(*plan.overlaps[w.url][:2], w.prompt_blocks, w_) for w in candidates]
+        best = min(costs)
+        tied = [w for w, c in zip(candidates, costs) if c == best]
+        return tied[next(self._turn) % len(tied)]
+
+    def picked(self, worker, key):
+        """Feed cache_aware's tree; on the key's plan, record this decision's pages and prediction."""
+        self.approx.picked(worker, key)
+        plan = key.kv if isinstance(key, PromptKey) else None
+        if plan is None:
+            return
+        url = worker.url
+        got = plan.overlaps.get(url)
+        if got is None:  # the only candidate: pick() did not run
+            block = self.block_size.get(url) or next(iter(self.block_size.values()), 0)
+            if not block:
+                plan.worker = None
+                return
+            got = self._overlap(worker, key, plan, self.live(url, time.time()), block)
+        plan.overlaps = {}
+        pages, held, exact = got
+        block = self.block_size.get(url, 0)
+        plan.worker, plan.blocks = worker, pages
+        # the engine computes at least the prompt's last token: a hit stops a page short of a full prompt
+        plan.predicted = min(held, (len(plan.ids) - 1) // block) * block if exact else None
+        if held < pages and url not in self.expect:
+            self.expect[url] = time.time()  # it will store pages: an event should follow
+
+    def _fallback(self, reason: str) -> None:
+        counter = self.fallbacks.get(reason)
+        if counter is not None:
+            counter.inc()
+
+    def _refresh(self) -> None:
+        """Per-worker gauges of the event streams, at scrape time."""
+        m = self.metrics
+        if m is None:
+            return
+        m.kv_tokenizer_ready.set(1 if self.tokens.encode is not None else 0)
+        now, stats = time.time(), self.kv.stats()
+        for url in self.block_size:
+            st = stats.get(url)
+            last = st.last_received_at if st is not None else None
+            m.kv_events_lag.labels(url).set(now - last if last is not None else -1)
+            m.kv_index_blocks.labels(url).set(self.kv.index.size(url))
+
+
+POLICIES[KvAware.name] = KvAware
