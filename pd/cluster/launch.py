@@ -140,7 +140,8 @@ class Launcher:
                                   f"{self.cfg.engine_host} cannot be reached: leave engine_host unset on a "
                                   "multi-node cluster (each engine then listens on its node's Ray address)")
             info = ray.get(actor.reserve_ports.remote(used.get(node_host, [])))
-            used.setdefault(node_host, []).extend(p for p in (info["port"], info["bootstrap_port"]) if p)
+            used.setdefault(node_host, []).extend(p for p in (info["port"], info["bootstrap_port"],
+                                                              *(info.get("kv_events_ports") or ())) if p)
             infos.append(info)
         say(f"starting {len(self.actors)} engines: " + ", ".join(f"{i['name']}@{i['host']}:{i['port']}" for i in infos))
         self.workers = ray.get([a.start.remote() for a in self.actors])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import os
 import shutil
 import tempfile
@@ -78,6 +79,7 @@ class EngineWorker:
                                      else os.environ.get("CUDA_VISIBLE_DEVICES", ""))
         self.port: Optional[int] = None
         self.bootstrap_port: Optional[int] = None
+        self.kv_events_ports: Optional[tuple[int, int]] = None  # (PUB, replay) of a kv_aware-routed prefill
         self.state = "created"
         self.restarts = 0
         self.last_exit: Optional[int] = None
@@ -97,7 +99,19 @@ class EngineWorker:
         taken.add(self.port)
         if self.role == "prefill":
             self.bootstrap_port = free_port(self.host, taken)
+            taken.add(self.bootstrap_port)
+            if self.publishes_kv_events():
+                pub = free_port(self.host, taken)
+                taken.add(pub)
+                self.kv_events_ports = (pub, free_port(self.host, taken))
         return await self.info()
+
+    def publishes_kv_events(self) -> bool:
+        """Whether this worker publishes KV cache events: a prefill the router routes with ``kv_aware``,
+        unless its group's ``extra_args`` already configure them."""
+        extra = self.cfg.groups()[self.role].extra_args
+        return (self.role == "prefill" and self.cfg.router.side_policy("prefill") == "kv_aware"
+                and not any(a == "--kv-events-config" or a.startswith("--kv-events-config=") for a in extra))
 
     async def start(self) -> dict:
         """Start the engine and wait until it is ready.
@@ -119,7 +133,7 @@ class EngineWorker:
         restarts, last exit, diagnosis, GPUs."""
         return {
             "name": self.name, "role": self.role, "state": self.state, "host": self.host,
-            "port": self.port, "bootstrap_port": self.bootstrap_port,
+            "port": self.port, "bootstrap_port": self.bootstrap_port, "kv_events_ports": self.kv_events_ports,
             "url": f"http://{self.host}:{self.port}" if self.port else None,
             "pid": self.proc.pid if self.proc and self.proc.returncode is None else None,
             "restarts": self.restarts, "last_exit": self.last_exit, "diagnosis": self.diagnosis,
@@ -145,8 +159,15 @@ class EngineWorker:
     def _command(self) -> EngineCommand:
         if self.api_key and self.key_dir is None:
             self.key_dir = tempfile.mkdtemp(prefix=f"pdserve-{self.name}-")  # 0700: its files are the engine's
-        return engine_command(self.cfg, self.role, self.host, self.port, self.bootstrap_port, self.api_key,
-                              self.key_dir)
+        cmd = engine_command(self.cfg, self.role, self.host, self.port, self.bootstrap_port, self.api_key,
+                             self.key_dir)
+        if self.kv_events_ports is not None:
+            # The same flag and JSON for SGLang and the reference engine. A wildcard address is what both bind
+            # (a named one they would connect to); /server_info then says "*" and the router uses the worker's host.
+            pub, replay = self.kv_events_ports
+            cmd.argv += ["--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+                                                           "replay_endpoint": f"tcp://*:{replay}"})]
+        return cmd
 
     async def _spawn_and_wait(self) -> None:
         cmd = self._command()
