@@ -145,18 +145,21 @@ class KvPlan:
 
     def __init__(self, ids: list[int]):
         self.ids = ids
-        self._hashes: dict[int, list[int]] = {}
+        self._hashes: dict[int, tuple[list[int], Optional[bytes]]] = {}  # size -> (hashes so far, last digest)
         self.overlaps: dict[str, tuple[int, int, bool]] = {}  # url -> (pages, overlap, exact) of the last pick
         self.worker: Optional[Worker] = None
         self.blocks = 0
         self.predicted: Optional[int] = None
 
-    def hashes(self, block_size: int) -> list[int]:
-        """The prompt's page hashes for ``block_size``-token pages (computed once per size)."""
-        h = self._hashes.get(block_size)
-        if h is None:
-            h = self._hashes[block_size] = [v for _, v in page_hashes(self.ids, block_size)]
-        return h
+    def hashes(self, block_size: int, pages: int) -> list[int]:
+        """The hashes of the prompt's first ``pages`` pages of ``block_size`` tokens, computed as far as
+        asked and kept (SHA-256 per page is the policy's main cost: a miss needs only the first)."""
+        have, last = self._hashes.get(block_size, ([], None))
+        if len(have) < pages:
+            more = page_hashes(self.ids[len(have) * block_size:pages * block_size], block_size, last)
+            have = have + [v for _, v in more]
+            self._hashes[block_size] = (have, more[-1][0] if more else last)
+        return have[:pages]
 
 
 class KvAware(Policy):
@@ -334,16 +337,22 @@ class KvAware(Policy):
             return True
         return now - since <= self.cfg.stale_secs
 
-    def _overlap(self, worker: "Worker", key: PromptKey, plan: KvPlan, exact: bool,
-                 block: int) -> tuple[int, int, bool]:
-        """(prompt pages, leading pages held, exact?) for ``worker``: from its events when ``exact``,
-        else estimated from cache_aware's tree of the prompts sent to it."""
-        hashes = plan.hashes(block)
-        if exact:
-            return len(hashes), self.kv.overlap((worker.url,), hashes)[worker.url], True
+    def _held(self, urls: list[str], plan: KvPlan, block: int) -> dict[str, int]:
+        """Leading prompt pages each of ``urls`` holds, by their events; pages are hashed only as far as
+        some worker still matches (8, then 4x more at a time)."""
+        total = len(plan.ids) // block
+        n = min(total, 8)
+        while True:
+            held = self.kv.overlap(urls, plan.hashes(block, n))
+            if n == total or max(held.values(), default=0) < n:
+                return held
+            n = min(total, n * 4)
+
+    def _estimate(self, worker: "Worker", key: PromptKey, plan: KvPlan, block: int) -> int:
+        """Leading prompt pages ``worker`` holds, estimated from cache_aware's tree of the prompts sent to it."""
         matched = self.approx.tree(worker).match(key)  # characters: tokens for ids, text otherwise
         tokens = matched if key.kind == "ids" else matched * len(plan.ids) // max(1, len(key))
-        return len(hashes), min(len(hashes), tokens // block), False
+        return min(len(plan.ids) // block, tokens // block)
 
     def pick(self, candidates, key):
         """The lowest ``kv_cost``; cache_aware's pick without token ids or without any live events."""
@@ -359,8 +368,17 @@ class KvAware(Policy):
         if not all(live):
             self._fallback("worker_events_stale")
         default_block = next(self.block_size[w.url] for w, ok in zip(candidates, live) if ok)
-        plan.overlaps = {w.url: self._overlap(w, key, plan, ok, self.block_size.get(w.url, default_block))
-                         for w, ok in zip(candidates, live)}
+        plan.overlaps = {}
+        by_block: dict[int, list[str]] = {}
+        for w, ok in zip(candidates, live):
+            block = self.block_size.get(w.url, default_block)
+            if ok:
+                by_block.setdefault(block, []).append(w.url)
+            else:
+                plan.overlaps[w.url] = (len(plan.ids) // block, self._estimate(w, key, plan, block), False)
+        for block, urls in by_block.items():
+            for url, held in self._held(urls, plan, block).items():
+                plan.overlaps[url] = (len(plan.ids) // block, held, True)
         w_ = self.cfg.overlap_weight
         costs = [kv_cost(*plan.overlaps[w.url][:2], w.prompt_blocks, w_) for w in candidates]
         best = min(costs)
@@ -380,7 +398,9 @@ class KvAware(Policy):
             if not block:
                 plan.worker = None
                 return
-            got = self._overlap(worker, key, plan, self.live(url, time.time()), block)
+            exact = self.live(url, time.time())
+            held = self._held([url], plan, block)[url] if exact else self._estimate(worker, key, plan, block)
+            got = (len(plan.ids) // block, held, exact)
         plan.overlaps = {}
         pages, held, exact = got
         block = self.block_size.get(url, 0)

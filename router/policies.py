@@ -238,16 +238,20 @@ class PromptKey(str):
 
     kind: str
     kv: Any
+    _ids: Optional[list[int]]
 
-    def __new__(cls, value: str, kind: str) -> "PromptKey":
+    def __new__(cls, value: str, kind: str, ids: Optional[list[int]] = None) -> "PromptKey":
         self = super().__new__(cls, value)
         self.kind = kind
         self.kv = None
+        self._ids = ids  # the request's own list (not copied: the router never changes a prompt)
         return self
 
     def token_ids(self) -> Optional[list[int]]:
         """The prompt's token ids when it was given as ids, else None."""
-        return [ord(c) for c in self] if self.kind == "ids" else None
+        if self.kind != "ids":
+            return None
+        return self._ids if self._ids is not None else [ord(c) for c in self]
 
 
 def routing_key(route: str, body: dict) -> Optional[PromptKey]:
@@ -278,5 +282,5 @@ def routing_key(route: str, body: dict) -> Optional[PromptKey]:
     if isinstance(prompt, str):
         return PromptKey(prompt, "text") if prompt else None
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and 0 <= t <= _MAX_CHAR for t in prompt):
-        return PromptKey("".join(map(chr, prompt)), "ids")
+        return PromptKey("".join(map(chr, prompt)), "ids", prompt)
     return None

@@ -15,7 +15,7 @@ import pytest
 
 from engines import start_engine, wait_ready
 from pd.router.config import RouterConfig
-from pd.router.kv_aware import KvAware, TokenCache, event_source, kv_cost
+from pd.router.kv_aware import KvAware, KvPlan, TokenCache, event_source, kv_cost
 from pd.router.kv_index import KVBatch, KVEvent, SubscriberStats
 from pd.router.metrics import RouterMetrics
 from pd.router.policies import PromptKey, routing_key
@@ -141,6 +141,21 @@ def test_the_plan_counts_pages_in_flight_and_predicts_cached_tokens():
     h.follow(h.a, full)
     key = routing_key("/generate", {"input_ids": full})
     assert h.pool.pick_prefill(key) is h.a and key.kv.predicted == 12
+
+
+def test_pages_are_hashed_only_as_far_as_a_worker_matches():
+    ids = prompt(41)  # 10 pages
+    want = [h for _, h in page_hashes(ids, PAGE)]
+    plan = KvPlan(ids)
+    assert plan.hashes(PAGE, 3) == want[:3] and plan.hashes(PAGE, 10) == want and plan.hashes(PAGE, 99) == want
+    h = Harness()
+    h.follow(h.a, ids)  # all 10 pages: past the first 8 hashed
+    h.follow(h.b, ids[:8])
+    key = routing_key("/generate", {"input_ids": ids})
+    assert h.pool.pick_prefill(key) is h.a and key.kv.predicted == 40
+    fresh = routing_key("/generate", {"input_ids": prompt(41)})
+    h.pool.pick_prefill(fresh)
+    assert len(fresh.kv.hashes(PAGE, 0)) == 0 and len(fresh.kv._hashes[PAGE][0]) == 8  # a miss: 8 pages hashed
 
 
 def test_a_worker_whose_events_stopped_is_estimated_as_cache_aware_does():
