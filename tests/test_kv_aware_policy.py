@@ -15,8 +15,9 @@ import pytest
 
 from engines import start_engine, wait_ready
 from pd.router.config import RouterConfig
-from pd.router.kv_aware import KvAware, KvPlan, TokenCache, event_source, kv_cost
+from pd.router.kv_aware import KvAware, KvPlan, kv_cost
 from pd.router.kv_index import KVBatch, KVEvent, SubscriberStats
+from pd.router.kv_source import TokenCache, event_source
 from pd.router.metrics import RouterMetrics
 from pd.router.policies import PromptKey, routing_key
 from pd.router.tokens import count_all
