@@ -9,14 +9,20 @@ https://docs.nvidia.com/dynamo/user-guides/kv-cache-aware-routing, section "Cost
     cost(w) = overlap_weight x (B - overlap(w)) + inflight_blocks(w)
 
 - ``overlap(w)``: the prompt's leading pages ``w`` holds (pages are SGLang's chained page hashes,
-  pd.util.kv_block_hash.page_hashes, the ``block_hashes`` the workers publish);
-- ``inflight_blocks(w)``: prompt pages of the requests the router sent to ``w`` whose prefill has not
-  answered yet (Dynamo's "active blocks", counted on the prefill side: the work queued there);
+  pd.util.kv_block_hash.page_hashes, the ``block_hashes`` the workers publish), counting the pages of
+  prompts the router sent ``w`` in the last ``PENDING_SECS`` that no event has reported yet: a prefill
+  stores a prompt only once it computed it, and a burst of one tenant's requests would otherwise land
+  on every worker before the first event (Dynamo's router likewise predicts the blocks it just routed);
+- ``inflight_blocks(w)``: prompt pages the requests the router sent to ``w`` make it compute (their pages
+  minus the overlap counted when they were sent) whose prefill has not answered yet (Dynamo's "active
+  blocks", counted on the prefill side: the work queued there);
 - ``overlap_weight``: ``--kv-overlap-weight`` (Dynamo's ``kv-overlap-score-weight``, default 1.0).
 
-Ties go round-robin. The prompt's token ids are the request's ``input_ids`` (or a completion's id
-prompt); a text prompt is tokenized with the workers' tokenizer (``/model_info``'s
-``tokenizer_path``, BOS prepended as the engines do; results kept in an LRU). Fallbacks to the
+Equal costs go to the worker with the larger overlap (it keeps one copy of a prefix: a burst of one tenant's
+requests otherwise ties its first worker's queue against a cold worker's compute), then round-robin. The
+prompt's token ids are the request's ``input_ids`` (or a completion's id prompt); a text prompt is tokenized
+with the workers' tokenizer (``/model_info``'s ``tokenizer_path``, BOS prepended as the engines do; results
+kept in an LRU). Fallbacks to the
 approximate ``cache_aware`` (its radix tree is fed every decision, so it is warm), each counted in
 ``pdserve_router_kv_fallbacks_total{reason}``:
 
@@ -54,6 +60,9 @@ log = logging.getLogger("pd.router")
 
 FALLBACK_REASONS = ("no_token_ids", "no_live_events", "worker_events_stale")
 _NO_EVENTS_RETRY = 12  # a worker that publishes nothing is asked again after this many retry intervals
+# s a sent prompt's pages count as held before the worker's event reports them: its queue and prefill time
+# under load; later, the events are the truth (an evicted or failed prompt stops counting)
+PENDING_SECS = 10.0
 
 
 def kv_cost(total_blocks: int, overlap_blocks: int, inflight_blocks: int, overlap_weight: float) -> float:
@@ -113,6 +122,7 @@ class KvAware(Policy):
         self.block_size: dict[str, int] = {}  # followed workers' page size
         self.retry_at: dict[str, float] = {}  # workers not followed yet: when to read their /server_info next
         self.expect: dict[str, float] = {}  # url -> when (epoch s) it was sent pages it lacked, no event since
+        self.pending: dict[str, dict[int, float]] = {}  # url -> page hash -> until (monotonic s), sent not reported
         self.metrics: Optional[RouterMetrics] = None
         self.fallbacks: dict[str, CounterValue] = {}
         self._http: Optional[httpx.AsyncClient] = None
@@ -149,6 +159,7 @@ class KvAware(Policy):
         self.workers.pop(url, None)
         self.retry_at.pop(url, None)
         self.expect.pop(url, None)
+        self.pending.pop(url, None)
         self.block_size.pop(url, None)
         worker.kv_counters = None
         if self._http is not None:
@@ -274,8 +285,28 @@ class KvAware(Policy):
         while True:
             held = self.kv.overlap(urls, plan.hashes(block, n))
             if n == total or max(held.values(), default=0) < n:
-                return held
+                break
             n = min(total, n * 4)
+        now = time.monotonic()
+        for url in urls:
+            sent = self.pending.get(url)
+            if not sent or held[url] >= total:
+                continue
+            k = held[url]
+            while k < total and sent.get(plan.hashes(block, k + 1)[k], 0.0) > now:  # hashed as far as it matches
+                k += 1
+            held[url] = k
+        return held
+
+    def _remember_sent(self, url: str, plan: KvPlan, block: int) -> None:
+        """The pages of a prompt just sent to ``url`` count as held there for ``PENDING_SECS``."""
+        now = time.monotonic()
+        sent = self.pending.setdefault(url, {})
+        if len(sent) > 4096:  # drop what expired; the events hold the rest
+            for h in [h for h, until in sent.items() if until <= now]:
+                del sent[h]
+        for h in plan.hashes(block, len(plan.ids) // block):
+            sent[h] = now + PENDING_SECS
 
     def _estimate(self, worker: "Worker", key: PromptKey, plan: KvPlan, block: int) -> int:
         """Leading prompt pages ``worker`` holds, estimated from cache_aware's tree of the prompts sent to it."""
@@ -312,6 +343,8 @@ class KvAware(Policy):
         costs = [kv_cost(*plan.overlaps[w.url][:2], w.prompt_blocks, w_) for w in candidates]
         best = min(costs)
         tied = [w for w, c in zip(candidates, costs) if c == best]
+        most = max(plan.overlaps[w.url][1] for w in tied)  # equal cost: the one that keeps the prefix cached once
+        tied = [w for w in tied if plan.overlaps[w.url][1] == most]
         return tied[next(self._turn) % len(tied)]
 
     def picked(self, worker, key):
@@ -333,11 +366,13 @@ class KvAware(Policy):
         plan.overlaps = {}
         pages, held, exact = got
         block = self.block_size.get(url, 0)
-        plan.worker, plan.blocks = worker, pages
+        plan.worker, plan.blocks = worker, pages - held  # the pages it makes ``worker`` compute
         # the engine computes at least the prompt's last token: a hit stops a page short of a full prompt
         plan.predicted = min(held, (len(plan.ids) - 1) // block) * block if exact else None
         if held < pages and url not in self.expect:
             self.expect[url] = time.time()  # it will store pages: an event should follow
+        if block:
+            self._remember_sent(url, plan, block)
 
     def _fallback(self, reason: str) -> None:
         counter = self.fallbacks.get(reason)

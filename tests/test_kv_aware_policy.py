@@ -129,6 +129,20 @@ def test_the_worker_holding_the_prompt_wins_unless_its_queue_costs_more():
     assert h.fallbacks("no_live_events") == h.fallbacks("worker_events_stale") == 0
 
 
+def test_a_burst_of_one_new_prompt_stays_on_one_worker_before_any_event():
+    """The pages of a prompt just sent count as held there until its event arrives, and an equal cost goes to
+    the larger overlap: the second and third copies follow the first instead of computing it again elsewhere."""
+    h = Harness()
+    h.follow(h.a)
+    h.follow(h.b)
+    ids = prompt(17)
+    first = h.pick(ids)
+    first.prompt_blocks += 4  # its prefill is in flight: 4 pages to compute
+    assert [h.pick(ids) for _ in range(2)] == [first, first]
+    other = h.pick(prompt(17))  # a different prompt: the idle worker
+    assert other is not first
+
+
 def test_the_plan_counts_pages_in_flight_and_predicts_cached_tokens():
     h = Harness()
     ids = prompt(17)
@@ -136,7 +150,7 @@ def test_the_plan_counts_pages_in_flight_and_predicts_cached_tokens():
     h.follow(h.b)
     key = routing_key("/generate", {"input_ids": ids})
     assert h.pool.pick_prefill(key) is h.a
-    assert key.kv.worker is h.a and key.kv.blocks == 4 and key.kv.predicted == 12
+    assert key.kv.worker is h.a and key.kv.blocks == 1 and key.kv.predicted == 12  # it computes 1 of 4 pages
     assert h.a.url in h.policy.expect  # a lacks a page: an event must follow
     full = ids[:16]  # all 4 pages held: the engine still computes the last token, so 3 pages are served
     h.follow(h.a, full)
@@ -155,7 +169,7 @@ def test_pages_are_hashed_only_as_far_as_a_worker_matches():
     key = routing_key("/generate", {"input_ids": ids})
     assert h.pool.pick_prefill(key) is h.a and key.kv.predicted == 40
     fresh = routing_key("/generate", {"input_ids": prompt(41)})
-    h.pool.pick_prefill(fresh)
+    h.policy.pick([h.a, h.b], fresh)  # the decision alone (the chosen worker then remembers every sent page)
     assert len(fresh.kv.hashes(PAGE, 0)) == 0 and len(fresh.kv._hashes[PAGE][0]) == 8  # a miss: 8 pages hashed
 
 
@@ -169,6 +183,7 @@ def test_a_worker_whose_events_stopped_is_estimated_as_cache_aware_does():
     assert h.pick(ids) is h.b  # a's overlap comes from cache_aware's (empty) tree: cost 4 > b's 3
     assert h.fallbacks("worker_events_stale") == 1
     h.stats[h.a.url].last_received_at = time.time()  # events flow again
+    h.policy.pending.clear()  # PENDING_SECS later: b's copy counts only once its events report it
     assert h.pick(ids) is h.a and h.a.url not in h.policy.expect
     assert h.fallbacks("worker_events_stale") == 1
 
@@ -266,14 +281,15 @@ def test_repeats_go_to_the_prefill_that_cached_the_prompt_and_load_to_the_idle_o
     assert 0 <= _metric(text, "pdserve_router_kv_events_lag_seconds", worker=owner) < 60
     assert _metric(text, "pdserve_router_kv_fallbacks_total") == 0
 
-    # Hold the prefills in flight: a stopped decode never takes their KV. The repeat goes to the owner
-    # (cost 0 + 0 against 7 + 0); then a prompt sharing only its first page costs 6 + 7 pages in flight
-    # there against 7 on the idle one (without the pages in flight it would be 6 against 7: the owner).
+    # Hold the prefills in flight: a stopped decode never takes their KV. The cached prompt and 8 more tokens
+    # (9 pages) go to the owner (cost 2 + 0 against 9 + 0) and keep 2 pages to compute in flight there; then a
+    # prompt sharing only its first page costs 6 + 2 there against 7 on the idle one (without the pages in
+    # flight it would be 6 against 7: the owner).
     fresh = ids[:PAGE] + prompt(30 - PAGE)
     os.killpg(decode.proc.pid, signal.SIGSTOP)
     try:
         with ThreadPoolExecutor(2) as pool:
-            repeat = pool.submit(generate, ids)
+            repeat = pool.submit(generate, ids + prompt(8))
             wait_until(lambda: metric("pdserve_router_worker_inflight", role="prefill", worker=owner) == 1, 30,
                        interval=0.05, what="the repeat in flight on the prefill that cached it")
             other_one = pool.submit(generate, fresh)
