@@ -19,7 +19,8 @@ https://docs.nvidia.com/dynamo/user-guides/kv-cache-aware-routing, section "Cost
 - ``overlap_weight``: ``--kv-overlap-weight`` (Dynamo's ``kv-overlap-score-weight``, default 1.0).
 
 Equal costs go to the worker with the larger overlap (it keeps one copy of a prefix: a burst of one tenant's
-requests otherwise ties its first worker's queue against a cold worker's compute), then round-robin. The
+requests otherwise ties its first worker's queue against a cold worker's compute), then to the one whose index
+holds the fewest pages (cache_aware's rule for a miss: new prefixes spread over the caches), then round-robin. The
 prompt's token ids are the request's ``input_ids`` (or a completion's id prompt); a text prompt is tokenized
 with the workers' tokenizer (``/model_info``'s ``tokenizer_path``, BOS prepended as the engines do; results
 kept in an LRU). Fallbacks to the
@@ -345,6 +346,9 @@ class KvAware(Policy):
         tied = [w for w, c in zip(candidates, costs) if c == best]
         most = max(plan.overlaps[w.url][1] for w in tied)  # equal cost: the one that keeps the prefix cached once
         tied = [w for w in tied if plan.overlaps[w.url][1] == most]
+        if len(tied) > 1:  # then the emptiest cache, as cache_aware picks for a miss: new prefixes spread out
+            least = min(self.kv.index.size(w.url) for w in tied)
+            tied = [w for w in tied if self.kv.index.size(w.url) == least]
         return tied[next(self._turn) % len(tied)]
 
     def picked(self, worker, key):

@@ -143,6 +143,17 @@ def test_a_burst_of_one_new_prompt_stays_on_one_worker_before_any_event():
     assert other is not first
 
 
+def test_a_new_prefix_goes_to_the_emptiest_cache():
+    """A miss everywhere costs the same: the worker whose index holds fewest pages takes the new prefix, so
+    tenants spread over the caches instead of crowding the ones round-robin happened to pick."""
+    h = Harness()
+    h.follow(h.a, prompt(33))  # 8 pages cached on a
+    h.follow(h.b, prompt(9))  # 2 on b
+    assert h.pick(prompt(17)) is h.b
+    h.follow(h.b, prompt(41))  # b now holds 12
+    assert h.pick(prompt(17)) is h.a
+
+
 def test_the_plan_counts_pages_in_flight_and_predicts_cached_tokens():
     h = Harness()
     ids = prompt(17)
