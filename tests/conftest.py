@@ -101,3 +101,16 @@ def pytest_collection_modifyitems(config, items):
         # there); every `cluster` module shares one group, so Ray heads and namespaces never start side by side.
         group = "cluster" if item.get_closest_marker("cluster") else item.module.__name__
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.fixture
+def no_leaked_threads():
+    """The test leaves no thread behind: the count returns to what it was before (within 10 s)."""
+    import threading
+
+    from pd.util.wait import wait_until
+
+    before = threading.active_count()
+    yield
+    wait_until(lambda: threading.active_count() == before, timeout=10, interval=0.02,
+               what=f"thread count back to {before}")

@@ -16,15 +16,8 @@ from pd.engines.prefix.radix_cache import Cleared, Removed, Stored
 from pd.util.wait import wait_until
 
 TIMEOUT = 10.0  # s, every wait's deadline
+pytestmark = pytest.mark.usefixtures("no_leaked_threads")
 END = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker; the DEALER sees [b"", b"", END, b""]
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_threads():
-    before = threading.active_count()
-    yield
-    wait_until(lambda: threading.active_count() == before, timeout=TIMEOUT, interval=0.02,
-               what=f"thread count back to {before}")
 
 
 @pytest.fixture

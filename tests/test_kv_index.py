@@ -5,25 +5,17 @@ restarts and workers leaving."""
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import msgspec
 import pytest
 
 from pd.engines.prefix.kv_events import KVEventPublisher, build_batch
 from pd.router.kv_index import KVBatch, KVEvent, KVEventSubscriber, KVIndexManager, PrefixIndex, decode_batch
-from pd.util.wait import async_wait_until, wait_until
+from pd.util.wait import async_wait_until
 
 TIMEOUT = 10.0  # s, every wait's deadline
+pytestmark = pytest.mark.usefixtures("no_leaked_threads")
 PROBE = -(2**63)  # a hash no test stores: removing it is a no-op, so probes leave the index alone
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_threads():
-    before = threading.active_count()
-    yield
-    wait_until(lambda: threading.active_count() == before, timeout=TIMEOUT, interval=0.02,
-               what=f"thread count back to {before}")
 
 
 @pytest.fixture
