@@ -29,8 +29,8 @@ async def test_a_kv_aware_prefill_publishes_on_ports_of_its_own():
     info = await w.reserve_ports([40000])
     pub, replay = info["kv_events_ports"]
     assert len({info["port"], info["bootstrap_port"], pub, replay, 40000}) == 5
-    assert events_config(w._command().argv) == {"publisher": "zmq", "endpoint": f"tcp://*:{pub}",
-                                                 "replay_endpoint": f"tcp://*:{replay}"}
+    assert events_config(w._command().argv) == {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{pub}",
+                                                 "bind": True, "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
 
 
 async def test_no_events_without_kv_aware_on_decodes_or_when_extra_args_set_them():
@@ -48,6 +48,6 @@ async def test_sglang_prefills_get_the_same_flag_and_parse_it():
     await w.reserve_ports([])
     cmd = w._command()
     pub, _ = w.kv_events_ports
-    assert events_config(cmd.argv)["endpoint"] == f"tcp://*:{pub}"
+    assert events_config(cmd.argv)["endpoint"] == f"tcp://127.0.0.1:{pub}"  # the engine's address, bound
     args = parse_sglang_args(cmd.argv[cmd.args_start:])
-    assert json.loads(args.kv_events_config)["endpoint"] == f"tcp://*:{pub}"
+    assert json.loads(args.kv_events_config)["endpoint"] == f"tcp://127.0.0.1:{pub}"

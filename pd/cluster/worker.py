@@ -162,11 +162,13 @@ class EngineWorker:
         cmd = engine_command(self.cfg, self.role, self.host, self.port, self.bootstrap_port, self.api_key,
                              self.key_dir)
         if self.kv_events_ports is not None:
-            # The same flag and JSON for SGLang and the reference engine. A wildcard address is what both bind
-            # (a named one they would connect to); /server_info then says "*" and the router uses the worker's host.
+            # The same flag and JSON for SGLang and the reference engine, bound to the engine's own address (its
+            # events carry prompt token ids: not on every interface; "bind" because a named address would be
+            # connected to otherwise).
             pub, replay = self.kv_events_ports
-            cmd.argv += ["--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{pub}",
-                                                           "replay_endpoint": f"tcp://*:{replay}"})]
+            cmd.argv += ["--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": f"tcp://{self.host}:{pub}",
+                                                           "bind": True, "replay_endpoint":
+                                                           f"tcp://{self.host}:{replay}"})]
         return cmd
 
     async def _spawn_and_wait(self) -> None:
