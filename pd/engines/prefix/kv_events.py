@@ -63,7 +63,7 @@ class KVEventsConfig(BaseModel):
         except ValidationError as e:
             problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '(whole value)'}: {err['msg']}"
                                  for err in e.errors())
-            raise ValueError(f"bad --kv-events-config {value!r}: {problems}") from None
+            raise ValueError(problems) from None  # the caller names the flag and shows the value
 
 
 # The structs below mirror SGLang's field for field, in the same order and with the same options:

@@ -91,18 +91,15 @@ class PrefixCache:
             full = len(prompt_ids) // page_size
             known = self.tree.insert(prompt_ids[: full * page_size], pages[:full])  # >= mine: the hit is locked
             self.pool.free(pages[mine:known] + pages[full:])  # pages the tree already had, and the partial one
-        self._unlock(hit)
+        self.unlock(hit)
 
     def drop(self, hit: Hit, pages: list[int]) -> None:
         """Free the pages this request allocated (``pages`` past the hit) and unlock the match; nothing is kept."""
         self.pool.free(pages[hit.cached // self.pool.page_size:])
-        self._unlock(hit)
+        self.unlock(hit)
 
     def unlock(self, hit: Hit) -> None:
         """Unlock the match only (its pages stay cached); for a request whose own pages go back elsewhere."""
-        self._unlock(hit)
-
-    def _unlock(self, hit: Hit) -> None:
         if self.tree.dec_lock_ref(hit.node) > 0:
             self.pool.poke()  # pages became evictable: an allocation waiting for pages may now get them
 
