@@ -42,9 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-p99-slo", type=float, default=d.ttft_p99, help="seconds (default %(default)s)")
     p.add_argument("--itl-p99-slo", type=float, default=d.itl_p99, help="seconds (default %(default)s)")
     p.add_argument("--error-ratio-slo", type=float, default=d.error_ratio, help="fraction of 5xx (default %(default)s)")
+    p.add_argument("--accept-drop", type=float, default=d.accept_drop,
+                   help="fraction of a decode's own baseline accepted drafts per verify step below which "
+                        "PdserveSpecAcceptanceCollapsed fires (default %(default)s)")
     args = p.parse_args(argv)
     try:
-        slo = SLO(args.ttft_p99_slo, args.itl_p99_slo, args.error_ratio_slo)
+        slo = SLO(args.ttft_p99_slo, args.itl_p99_slo, args.error_ratio_slo, args.accept_drop)
     except ValueError as e:
         p.error(str(e))
     stale = []

@@ -16,7 +16,11 @@ from dataclasses import dataclass
 from pd.monitoring.promql import REQUEST_ENGINES, quantile, sel
 from pd.monitoring.stages import ENGINE_ITL, HISTOGRAMS, ROUTER_TTFT
 
+ACCEPT_LENGTH = "sglang:spec_accept_length"
+
 TTFT_P99 = "pdserve:router_ttft_seconds:p99_5m"
+ACCEPT_5M = "pdserve:spec_accept_length:avg5m"
+ACCEPT_BASELINE = "pdserve:spec_accept_length:baseline1h"
 ITL_P99 = "pdserve:engine_itl_seconds:p99_5m"
 ERROR_RATIO = "pdserve:router_error_ratio:5m"
 
@@ -30,18 +34,22 @@ class SLO:
         itl_p99: seconds; decode inter-token latency p99 over 5m above this for 5m fires
             PdserveInterTokenP99AboveSLO.
         error_ratio: fraction of router responses with HTTP 5xx over 5m (PdserveErrorRatioHigh).
+        accept_drop: fraction; a decode worker whose accepted drafts per verify step (accept length - 1) over 5m
+            fall below this fraction of its own 1h baseline for 5m fires PdserveSpecAcceptanceCollapsed.
     """
 
     ttft_p99: float = 2.0
     itl_p99: float = 0.1
     error_ratio: float = 0.05
+    accept_drop: float = 0.5
 
     def __post_init__(self):
-        for name in ("ttft_p99", "itl_p99", "error_ratio"):
+        for name in ("ttft_p99", "itl_p99", "error_ratio", "accept_drop"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.error_ratio >= 1:
-            raise ValueError(f"error_ratio must be < 1, got {self.error_ratio}")
+        for name in ("error_ratio", "accept_drop"):
+            if getattr(self, name) >= 1:
+                raise ValueError(f"{name} must be < 1, got {getattr(self, name)}")
 
 
 def recording_rules() -> list[dict]:
@@ -58,8 +66,28 @@ def recording_rules() -> list[dict]:
         # `or 0 * total`: 0 (not nothing) while there are requests and no 5xx.
         {"record": ERROR_RATIO,
          "expr": f'(sum by (endpoint) (rate({requests}{{status=~"5.."}}[5m])) or 0 * {total}) / {total}'},
+        # A decode's accept length now, and its own baseline: the hour before the last 15m (so a collapse does not
+        # drag its own baseline down while the alert waits out its `for`).
+        {"record": ACCEPT_5M,
+         "expr": f"avg by (instance, model_name) (avg_over_time({sel(ACCEPT_LENGTH, REQUEST_ENGINES)}[5m]))"},
+        {"record": ACCEPT_BASELINE,
+         "expr": f"avg by (instance, model_name) (avg_over_time({sel(ACCEPT_LENGTH, REQUEST_ENGINES)}[1h] "
+                 "offset 15m))"},
     ]
     return rules
+
+
+def acceptance_collapse(drop: float) -> str:
+    """A decode worker's accepted drafts per verify step (accept length - 1, so depth-normalised enough that an
+    adaptive depth moving between tiers does not fire it) below ``drop`` x its baseline's, while its baseline
+    shows a working draft (>= 0.5 accepted drafts per step), it still verifies (requests finished with verify
+    steps in the last 10m) and drafts (current depth > 0: an adaptive depth of 0 emits 1 token per step)."""
+    on = "on (instance, model_name)"
+    return (f"({ACCEPT_5M} - 1) < {drop:g} * ({ACCEPT_BASELINE} - 1)"
+            f" and {on} ({ACCEPT_BASELINE} - 1) >= 0.5"
+            f" and {on} sum by (instance, model_name) "
+            f"(increase({sel('sglang:spec_verify_calls_total', REQUEST_ENGINES)}[10m])) > 0"
+            f" and {on} max by (instance, model_name) ({sel('sglang:spec_num_steps', REQUEST_ENGINES)}) > 0")
 
 
 def _alert(name: str, expr: str, for_: str, severity: str, summary: str, description: str) -> dict:
@@ -109,6 +137,13 @@ def alerting_rules(slo: SLO) -> list[dict]:
                "warning",
                "The router's circuit breaker for {{ $labels.role }} worker {{ $labels.worker }} is open",
                "The router stopped sending requests to {{ $labels.worker }} after repeated failures."),
+        _alert("PdserveSpecAcceptanceCollapsed", acceptance_collapse(slo.accept_drop), "5m", "warning",
+               "Speculative acceptance collapsed on {{ $labels.instance }}",
+               f"Accepted drafts per verify step on {{{{ $labels.instance }}}} ({{{{ $labels.model_name }}}}) fell "
+               f"below {slo.accept_drop:.0%} of its own last hour's for 5m; speculation now costs more than it "
+               "saves. Usual causes: the draft lost its state (a cache hit or a transfer that skipped the draft's "
+               "KV or hidden state), a draft checkpoint that does not match the target, or a traffic shift to text "
+               "the draft was not trained on. Compare sglang:spec_accept_length with the other decode workers."),
         _alert("PdserveTargetDown", 'up{job="pdserve"} == 0', "2m", "critical",
                "Prometheus cannot scrape {{ $labels.component }} {{ $labels.instance }}",
                "The {{ $labels.component }} at {{ $labels.instance }} has not answered /metrics for 2m."),
