@@ -235,6 +235,54 @@ class Monitoring(_Strict):
     metrics_port: int = Field(default=0, ge=0, le=65535)
 
 
+class Planner(_Strict):
+    """The P:D split controller (pd.planner.controller, run by the launcher: pd.cluster.split_planner): every
+    ``interval_secs`` it reads the router's and engines' /metrics, decides the split for the live traffic and,
+    in ``act`` mode, moves one worker between prefill and decode (drained, settled, restarted in the other role in
+    its placement group, admitted; rolled back when the new role does not start). docs/cluster.md, "Moving
+    workers between prefill and decode", shows a config.
+
+    Attributes:
+        mode: ``off`` (no controller), ``advise`` (log and export each decision, never act) or ``act``.
+        interval_secs: seconds between decisions.
+        window_secs: the rates, length mix and SLO attainment are measured over this many seconds of metrics.
+        profile: a planner profile JSON (``pdserve profile``; pd/planner/profile.py): the planner's model of the
+            live workload then picks the split; unset, the measured SLO attainment per stage alone decides.
+        slo_ttft_ms, slo_tpot_ms: the objectives (TTFT at the router, TPOT at the decodes).
+        slo_attainment: the fraction of requests that must meet each objective (DistServe's 90%).
+        attainment_band: a stage is short only when its attainment is below ``slo_attainment`` less this (a dead
+            band against a metric jittering around the target), and gives a worker up only at or above the target.
+        min_requests: requests the window must hold before a decision other than hold.
+        cooldown_secs: no move for this long after one ends, and at least ``cooldown_restarts`` x the measured
+            time a worker takes to restart.
+        hold_secs: a new target must be proposed in every decision for this long, and at least ``hold_restarts`` x
+            the measured restart time, before a move starts (hysteresis: a shift shorter than what a move costs is
+            not chased).
+        min_gain: with a profile, the predicted goodput of a new split must beat the current one's by this fraction.
+        settle_timeout_secs: deadline for a drained worker's requests, KV pages and bootstrap rooms to reach 0;
+            past it the move is given up and the worker admitted again as it was.
+        add_replicas: when the cluster has GPUs free (``cluster.num_gpus`` less those in use, and Ray has them), add
+            a replica to the role that needs one instead of moving a worker (not with explicit ``gpus`` lists).
+    """
+
+    mode: Literal["off", "advise", "act"] = "off"
+    interval_secs: float = Field(default=10.0, gt=0)
+    window_secs: float = Field(default=60.0, gt=0)
+    profile: Optional[str] = None
+    slo_ttft_ms: float = Field(default=1000.0, gt=0)
+    slo_tpot_ms: float = Field(default=100.0, gt=0)
+    slo_attainment: float = Field(default=0.9, gt=0, le=1)
+    attainment_band: float = Field(default=0.05, ge=0, lt=1)
+    min_requests: int = Field(default=20, ge=1)
+    cooldown_secs: float = Field(default=60.0, ge=0)
+    cooldown_restarts: float = Field(default=3.0, ge=0)
+    hold_secs: float = Field(default=20.0, ge=0)
+    hold_restarts: float = Field(default=2.0, ge=0)
+    min_gain: float = Field(default=0.1, ge=0)
+    settle_timeout_secs: float = Field(default=120.0, gt=0)
+    add_replicas: bool = True
+
+
 class Cluster(_Strict):
     """What the Ray cluster offers; ``pdserve up`` starts a local head with ``num_gpus`` logical
     GPUs when none is running."""
@@ -258,6 +306,7 @@ class PDConfig(_Strict):
     monitoring: Monitoring = Field(default_factory=Monitoring)
     sglang: SGLangSettings = Field(default_factory=SGLangSettings)
     speculative: Optional[Speculative] = None
+    planner: Planner = Field(default_factory=Planner)
     engine_startup_timeout: float = Field(default=600.0, gt=0, description="seconds an engine may take to become ready")
     engine_host: Optional[str] = Field(default=None, description=(
         "address every engine listens on (HTTP, the prefill's bootstrap server) and peers reach it at; "
@@ -277,6 +326,7 @@ class PDConfig(_Strict):
     def _check_layout(self):
         check_layout(self)
         check_speculative(self)
+        check_planner(self)
         return self
 
     def speculative_settings(self) -> tuple[Optional[Speculative], str]:
@@ -328,6 +378,23 @@ def check_layout(cfg: PDConfig) -> None:
             f"and decode {cfg.decode.replicas}x{cfg.decode.tp_size} "
             f"= {need} GPUs; cluster.num_gpus is {cfg.cluster.num_gpus}"
         )
+
+
+def check_planner(cfg: PDConfig) -> None:
+    """Raise ValueError naming the field for a controller that could not move a worker: a worker keeps its placement
+    group (its GPUs and node) when it changes role, so both roles need the same ``tp_size``, ``placement`` and
+    ``gpus`` style (the profile is read at launch, where it is used)."""
+    if cfg.planner.mode == "off":
+        return
+    p, d = cfg.prefill, cfg.decode
+    if p.tp_size != d.tp_size:
+        raise ValueError(f"planner.mode {cfg.planner.mode}: prefill.tp_size {p.tp_size} and decode.tp_size "
+                         f"{d.tp_size} differ; a worker that changes role keeps its placement group's GPUs")
+    if p.placement != d.placement:
+        raise ValueError(f"planner.mode {cfg.planner.mode}: prefill.placement and decode.placement differ; a worker "
+                         "that changes role keeps its placement group (its node)")
+    if (p.gpus is None) != (d.gpus is None):
+        raise ValueError(f"planner.mode {cfg.planner.mode}: set gpus for both prefill and decode, or for neither")
 
 
 SGLANG_ONLY_SPEC_KEYS = ("moe_runner_backend", "moe_a2a_backend")
