@@ -17,6 +17,11 @@ Routes (JSON bodies; ``Authorization: Bearer ADMIN_KEY``, see pd.router.auth):
 - ``POST /workers/activate`` ``{"url"}``: undo a drain and close its circuit breaker (the health
   checks still decide whether it is healthy).
 - ``DELETE /workers?url=URL``: remove it now (requests in flight finish on their connections).
+- ``GET /planner``: the P:D split controller's state (pd.planner.controller, run by the launcher): ``current`` (the
+  router's prefill and decode counts), ``override``, and what the launcher last reported (``mode``, ``target``,
+  ``decision``, ``moving``); ``POST /planner`` is that report (the launcher's).
+- ``PUT /planner/override`` ``{"prefill": N, "decode": M}``: pin the split (each >= 1; the controller moves
+  workers to it and holds it); ``DELETE /planner/override``: unpin.
 """
 
 from __future__ import annotations
@@ -112,6 +117,8 @@ class AdminAPI:
         self.auth = auth
         self.health = health
         self.hosts = WorkerHosts(pool.config)
+        self.planner: dict = {}  # the launcher's last report of the split controller
+        self.override: Optional[dict] = None
 
     def routes(self) -> list[Route]:
         """The admin routes (/workers GET/POST/DELETE, /workers/drain, /workers/activate), each behind the admin key."""
@@ -121,6 +128,10 @@ class AdminAPI:
             Route("/workers", self._guard(self.remove_worker), methods=["DELETE"]),
             Route("/workers/drain", self._guard(self.drain_worker), methods=["POST"]),
             Route("/workers/activate", self._guard(self.activate_worker), methods=["POST"]),
+            Route("/planner", self._guard(self.get_planner), methods=["GET"]),
+            Route("/planner", self._guard(self.report_planner), methods=["POST"]),
+            Route("/planner/override", self._guard(self.set_override), methods=["PUT"]),
+            Route("/planner/override", self._guard(self.clear_override), methods=["DELETE"]),
         ]
 
     def _guard(self, handler):
@@ -247,3 +258,35 @@ class AdminAPI:
         w.set_healthy(True)
         log.warning("admin: %s worker %s is back in routing", w.role, w.url)
         return _json({"worker": w.describe()})
+
+    async def get_planner(self, request: Request) -> Response:
+        """GET /planner: the current split (the pool's counts), the override, the launcher's last report."""
+        current = {"prefill": len(self.pool.prefill), "decode": len(self.pool.decode)}
+        return _json({"mode": "off", **self.planner, "current": current, "override": self.override})
+
+    async def report_planner(self, request: Request) -> Response:
+        """POST /planner {mode, target, decision, moving, ...}: the launcher's report, shown by GET /planner."""
+        body = await self._body(request)
+        if isinstance(body, Response):
+            return body
+        self.planner = {k: v for k, v in body.items() if k not in ("current", "override")}
+        return _json({"ok": True})
+
+    async def set_override(self, request: Request) -> Response:
+        """PUT /planner/override {prefill, decode}: pin the split; 400 naming a count that is not an integer >= 1."""
+        body = await self._body(request)
+        if isinstance(body, Response):
+            return body
+        for role in ("prefill", "decode"):
+            n = body.get(role)
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                return error_response(400, f"{role} must be an integer >= 1 (replicas in that role)", role)
+        self.override = {"prefill": body["prefill"], "decode": body["decode"]}
+        log.warning("admin: planner split pinned at %dP%dD", body["prefill"], body["decode"])
+        return _json({"override": self.override})
+
+    async def clear_override(self, request: Request) -> Response:
+        """DELETE /planner/override: unpin the split."""
+        self.override = None
+        log.warning("admin: planner split unpinned")
+        return _json({"override": None})

@@ -72,3 +72,19 @@ class AdminClient:
     def activate(self, url: str) -> dict:
         """Undo a drain and close the worker's circuit breaker."""
         return self._call("POST", "/workers/activate", json={"url": url})["worker"]
+
+    def planner(self) -> dict:
+        """The split controller's state (``GET /planner``): mode, current, target, decision, override."""
+        return self._call("GET", "/planner")
+
+    def report_planner(self, state: dict) -> None:
+        """Report the split controller's state (the launcher's call)."""
+        self._call("POST", "/planner", json=state)
+
+    def pin_split(self, prefill: int, decode: int) -> dict:
+        """Pin the split at ``prefill`` + ``decode`` replicas. Raises AdminError (400 for a count < 1)."""
+        return self._call("PUT", "/planner/override", json={"prefill": prefill, "decode": decode})["override"]
+
+    def unpin_split(self) -> None:
+        """Let the controller decide the split again."""
+        self._call("DELETE", "/planner/override")

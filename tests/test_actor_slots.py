@@ -73,7 +73,7 @@ class Actor:
             return Ref(error=self.state)
         return Ref(info(self.name, self.state, port=self.port))
 
-    def _reserve(self, taken):
+    def _reserve(self, taken, role=None, name=None):  # EngineWorker.reserve_ports takes the role and name too
         self.port = max([40000, *taken]) + 1
         return Ref(info(self.name, self.state, port=self.port))
 
@@ -117,7 +117,7 @@ def test_a_restarted_actor_gets_ports_apart_from_its_node_mates_and_a_start(fake
     slots, said = slots_of(pre, dec)
     dec.state = "created"  # Ray restarted it on the node where prefill-0 runs
     slots.poll(timeout=0)
-    assert dec.reserve_ports.calls == [([45000],)]
+    assert dec.reserve_ports.calls == [([45000], "decode", "decode-0")]  # and its current role and name
     assert len(dec.start.calls) == 1
     got = slots.poll(timeout=0)
     assert got[1]["state"] == "ready" and got[1]["port"] == 45001

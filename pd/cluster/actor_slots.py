@@ -141,7 +141,8 @@ class ActorSlots:
         taken = [p for o in self.slots if o is not s and o.info.get("host") == s.info.get("host")
                  for p in (o.info.get("port"), o.info.get("bootstrap_port")) if p]
         try:
-            s.info = ray.get(s.actor.reserve_ports.remote(taken), timeout=INFO_WAIT_S)
+            # its name and role as the split controller may have changed them (Ray restarts it with its first ones)
+            s.info = ray.get(s.actor.reserve_ports.remote(taken, s.role, s.name), timeout=INFO_WAIT_S)
         except Exception as e:
             self.say(f"{s.name}: could not reserve ports on its new actor: {e!r}; retrying")
             return

@@ -9,7 +9,8 @@ JSON in ``$PDSERVE_ROUTER_CONFIG``, the keys in their own variables); print
 ``pdserve: router ready at URL`` and a ``pdserve: workers [...]`` JSON line; serve worker state
 and restarts to Prometheus and keep its targets file current (``monitoring`` config); keep the
 router's workers in step with the actors through its admin API (a worker back on other ports is
-swapped in, a failed one removed); block. On SIGTERM/SIGINT (``ray job stop``, Ctrl-C): drain the
+swapped in, a failed one removed); with ``planner.mode`` advise or act, run the P:D split controller every
+``planner.interval_secs`` (pd.cluster.split_planner); block. On SIGTERM/SIGINT (``ray job stop``, Ctrl-C): drain the
 router's workers (``router.drain_timeout_secs``), stop the router, stop the engines, kill the actors,
 remove the placement groups. Engines and the router also die with their parent process, so a
 SIGKILLed job leaves nothing behind either.
@@ -68,6 +69,9 @@ class Launcher:
         self.targets = None  # pd.cluster.prom_targets.TargetsFile
         self.slots = None  # pd.cluster.actor_slots.ActorSlots, once every worker started
         self.admin_key_file = None  # where announce_admin_api wrote a generated admin key
+        self.planner = None  # pd.cluster.split_planner.SplitPlanner, with planner.mode advise or act
+        self.actuator = None  # pd.cluster.split_actuator.RayActuator, its hands
+        self._membership_lock = threading.Lock()  # the serve loop and a move's thread both change membership
 
     def check_resources(self) -> None:
         """Raises ConfigError when the cluster cannot hold the config."""
@@ -88,14 +92,11 @@ class Launcher:
         The caller's ``shutdown()`` stops whatever was started."""
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from pd.cluster.actor_slots import ActorSlot, ActorSlots
         from pd.cluster.placement_check import unplaceable_reason
-        from pd.cluster.worker import EngineWorker
 
         self.check_resources()
-        actor_cls = ray.remote(EngineWorker)
         specs = []
         nodes = ray.nodes()
         for role, group in self.cfg.groups().items():
@@ -120,12 +121,7 @@ class Launcher:
                 raise ConfigError(f"{role}-{i}: Ray could not place a bundle {bundle} within {PG_READY_TIMEOUT:g}s: "
                                   f"{why} (check {role}.placement)") from None
             gpu_ids = group.gpus[i] if group.gpus is not None else None
-            # max_restarts=-1: when its node dies, Ray re-places the bundle and restarts the actor there
-            # (pd.cluster.actor_slots starts its engine again).
-            actor = actor_cls.options(
-                num_cpus=0, num_gpus=group.tp_size, max_restarts=-1,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-            ).remote(f"{role}-{i}", role, self.cfg.model_dump(), gpu_ids, self.cfg.engine_host, self.worker_key)
+            actor = self._new_actor(f"{role}-{i}", role, pg, gpu_ids)
             self.actors.append(actor)
             names.append((f"{role}-{i}", role))
         # Ports are handed out one worker at a time so two workers on a node never collide.
@@ -150,6 +146,21 @@ class Launcher:
         say("workers " + json.dumps(self.workers))
         self.start_router()
         self.start_monitoring()
+        self.start_planner()
+
+    def _new_actor(self, name: str, role: str, pg, gpu_ids: Optional[list[int]]):
+        """An EngineWorker actor in placement group ``pg``."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from pd.cluster.worker import EngineWorker
+
+        # max_restarts=-1: when its node dies, Ray re-places the bundle and restarts the actor there
+        # (pd.cluster.actor_slots starts its engine again).
+        return ray.remote(EngineWorker).options(
+            num_cpus=0, num_gpus=self.cfg.groups()[role].tp_size, max_restarts=-1,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+        ).remote(name, role, self.cfg.model_dump(), gpu_ids, self.cfg.engine_host, self.worker_key)
 
     def router_workers(self) -> list[dict]:
         """The workers a (re)started router begins with: those that are up (all known ones when a
@@ -195,10 +206,32 @@ class Launcher:
         return f"http://[{host}]:{r.port}" if ":" in host else f"http://{host}:{r.port}"
 
     def sync_router(self, infos: list[dict]) -> None:
-        """Tell the router about workers that moved, left or came back (pd.cluster.membership)."""
+        """Tell the router about workers that moved, left or came back (pd.cluster.membership); a worker the split
+        controller is moving is left to the move (pd.cluster.split_actuator)."""
         self.workers = infos
+        moving = self.actuator.moving if self.actuator is not None else set()
         if self.membership is not None:
-            self.membership.sync(infos)
+            mine = [i for s, i in zip(self.slots.slots, infos) if id(s) not in moving] if self.slots else infos
+            with self._membership_lock:
+                self.membership.sync(mine)
+
+    # ---- the split controller's needs (pd.cluster.split_actuator, pd.cluster.split_mover) ------------------------
+    def admit(self, info: dict) -> None:
+        """Put a moved worker into the router (its membership entry under its new name)."""
+        with self._membership_lock:
+            if self.membership is not None:
+                self.membership.sync([info])
+
+    def retire(self, info: dict) -> None:
+        """Take a drained worker out of the router before its engine stops."""
+        with self._membership_lock:
+            if self.membership is not None:
+                self.membership.sync([{**info, "state": "stopped"}])
+
+    def adopt(self, slot) -> None:
+        """Add a worker ``place_replica`` started to the slots (the serve loop's thread: the next poll sees it)."""
+        self.actors.append(slot.actor)
+        self.slots.slots.append(slot)
 
     def start_router(self) -> None:
         """Start the router process group and wait until it answers; raises RuntimeError if it exits or times out."""
@@ -271,6 +304,46 @@ class Launcher:
         self.publish(self.workers)
         say(f"prometheus targets in {self.targets.path}; launcher metrics on port {self.exporter.port}")
 
+    def start_planner(self) -> None:
+        """With ``planner.mode`` advise or act, the P:D split controller (pd.cluster.split_planner) over the router's
+        admin API, its decisions counted by the launcher's exporter.
+
+        Raises:
+            ConfigError: ``planner.profile`` cannot be read or has no entry for the workers' TP size.
+        """
+        pc = self.cfg.planner
+        if pc.mode == "off":
+            return
+        from pd.cluster.split_actuator import RayActuator
+        from pd.cluster.split_mover import SplitMover
+        from pd.cluster.split_planner import RouterPlannerState, SplitPlanner
+        from pd.planner.controller import Policy, SplitController
+        from pd.router.admin_client import AdminClient
+
+        scorer = None
+        if pc.profile:
+            from pd.planner.live_model import ModelScorer
+            from pd.planner.profile import ProfileError, load_profile
+            from pd.planner.simulate import SLO
+
+            try:
+                scorer = ModelScorer(load_profile(pc.profile), self.cfg.prefill.tp_size,
+                                     SLO(pc.slo_ttft_ms / 1e3, pc.slo_tpot_ms / 1e3), pc.slo_attainment)
+            except ProfileError as e:
+                raise ConfigError(f"planner.profile: {e}") from None
+        policy = Policy(slo_attainment=pc.slo_attainment, band=pc.attainment_band, min_requests=pc.min_requests,
+                        cooldown_secs=pc.cooldown_secs, cooldown_restarts=pc.cooldown_restarts,
+                        hold_secs=pc.hold_secs, hold_restarts=pc.hold_restarts, min_gain=pc.min_gain)
+        admin = AdminClient(self.router_admin_url(), self.admin_key)
+        self.actuator = RayActuator(self, SplitMover(admin, self.admit, self.retire, pc.settle_timeout_secs, say),
+                                    PG_READY_TIMEOUT)
+        self.planner = SplitPlanner(pc, SplitController(policy, scorer), self.actuator, RouterPlannerState(admin, say),
+                                    self.router_admin_url(), self.exporter, say)
+        say(f"planner: {pc.mode} every {pc.interval_secs:g}s (SLO TTFT {pc.slo_ttft_ms:g} ms, TPOT "
+            f"{pc.slo_tpot_ms:g} ms at {100 * pc.slo_attainment:g}%; "
+            f"{'model: ' + pc.profile if pc.profile else 'measured attainment only'}); "
+            f"GET {self.router_admin_url()}/planner shows it")
+
     def publish(self, infos: list[dict]) -> None:
         """Hand the latest worker infos to the exporter; rewrite the targets file if they moved."""
         from pd.cluster.prom_targets import build_targets, scrape_address
@@ -301,6 +374,8 @@ class Launcher:
             infos = self.slots.poll()  # a lost node's workers come back "lost" (pd.cluster.actor_slots)
             self.sync_router(infos)
             self.publish(infos)
+            if self.planner is not None and self.planner.due():
+                self.planner.tick(infos)
             for info in infos:
                 key = (info["state"], info["restarts"])
                 if last.get(info["name"]) not in (None, key):

@@ -7,7 +7,9 @@ engine's log to the job log as ``[prefill-0] ...`` (secrets redacted: pd.util.re
 with bounded exponential backoff when it exits unexpectedly. ``info()`` reports its state.
 
 States: ``created`` -> ``starting`` -> ``ready``; on a crash ``restarting`` -> ``ready``, or
-``failed`` after ``restart.max_restarts``; ``stopped`` after ``stop()``.
+``failed`` after ``restart.max_restarts``; ``stopped`` after ``stop()``. The split controller moves a worker to
+the other role (pd.cluster.split_mover): ``stop_engine()`` -> ``moving``, then ``start_as(role, name)`` ->
+``starting`` -> ``ready`` in the new role, in the same actor and placement group.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from typing import Optional
 
 import httpx
@@ -63,6 +66,8 @@ class EngineWorker:
             engine's command line; SGLang's key file lives in an owner-only directory removed on stop).
     """
 
+    start_seconds: Optional[float] = None  # the last start, spawn to ready (the split controller's restart time)
+
     def __init__(self, name: str, role: str, config: dict, gpu_ids: Optional[list[int]] = None,
                  host: Optional[str] = None, api_key: Optional[str] = None):
         import ray
@@ -91,9 +96,15 @@ class EngineWorker:
         self._ready_line_seen = False
 
     # ---- public API (actor methods) -----------------------------------------------------
-    async def reserve_ports(self, exclude: list[int]) -> dict:
+    async def reserve_ports(self, exclude: list[int], role: Optional[str] = None, name: Optional[str] = None) -> dict:
         """Pick this worker's HTTP (and, for a prefill, bootstrap) port on its node, avoiding
-        ``exclude`` (ports already given to other workers on the node)."""
+        ``exclude`` (ports already given to other workers on the node). ``role`` / ``name``: take them first (an
+        actor Ray restarted begins with the ones it was created with; the split controller may have moved it)."""
+        if role is not None:
+            self.role = role
+        if name is not None:
+            self.name = name
+        self.port = self.bootstrap_port = self.kv_events_ports = None
         taken = set(exclude)
         self.port = free_port(self.host, taken)
         taken.add(self.port)
@@ -123,7 +134,9 @@ class EngineWorker:
         if self.port is None:
             await self.reserve_ports([])
         self.state = "starting"
+        t0 = time.monotonic()
         await self._spawn_and_wait()
+        self.start_seconds = time.monotonic() - t0
         self.state = "ready"
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
         return await self.info()
@@ -137,9 +150,39 @@ class EngineWorker:
             "url": f"http://{self.host}:{self.port}" if self.port else None,
             "pid": self.proc.pid if self.proc and self.proc.returncode is None else None,
             "restarts": self.restarts, "last_exit": self.last_exit, "diagnosis": self.diagnosis,
-            "ready_line_seen": self._ready_line_seen,
+            "ready_line_seen": self._ready_line_seen, "start_seconds": self.start_seconds,
             "cuda_visible_devices": self.cuda_visible_devices, "actor_pid": os.getpid(), "node_id": self.node_id,
         }
+
+    async def stop_engine(self) -> dict:
+        """Stop the engine to change its role (pd.cluster.split_mover): no restart by the supervisor, the actor and
+        its GPUs stay; state ``moving``."""
+        self._stopping = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            self._supervisor = None
+        self.state = "moving"
+        await self._terminate()
+        self._print(f"engine stopped to change role (was {self.role})")
+        return await self.info()
+
+    async def start_as(self, role: str, name: str, exclude: list[int]) -> dict:
+        """Start the engine in ``role`` as ``name`` on fresh ports (avoiding ``exclude``, the other workers' on the
+        node) and wait until it is ready; its flags are the config's for that role (``engine_command``).
+
+        Raises:
+            ValueError: ``role`` is neither prefill nor decode.
+            RuntimeError: as ``start``; the worker is then ``moving`` with no engine.
+        """
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, got {role!r}")
+        self._stopping = False
+        await self.reserve_ports(exclude, role, name)
+        try:
+            return await self.start()
+        except RuntimeError:
+            self.state = "moving"
+            raise
 
     async def log(self, lines: int = 100) -> list[str]:
         """The engine log's last ``lines`` lines kept by the actor (oldest first)."""

@@ -8,6 +8,14 @@ Metrics (labels ``worker`` = the engine URL as the router labels it, ``worker_na
   restarting, failed, stopped, lost), 0 for the others;
 - ``pdserve_worker_ready``: 1 while the engine is ready.
 
+And the P:D split controller's (pd.cluster.split_planner; none while ``planner.mode`` is off):
+
+- ``pdserve_planner_decisions_total{action,reason}``: every decision, ``hold`` included (pd.planner.controller's
+  ACTIONS and REASONS); in ``advise`` mode they are what it would do;
+- ``pdserve_planner_moves_total{outcome}``: moves and adds carried out (moved, rolled_back, failed,
+  drain_timeout, settle_timeout, added, add_failed);
+- ``pdserve_planner_replicas{role,split}``: replicas per role, ``split`` = ``current`` or ``target``.
+
 The launcher calls :meth:`WorkerStateExporter.update` with the infos it polls every few seconds;
 scrapes read the latest snapshot.
 """
@@ -35,12 +43,31 @@ class WorkerStateExporter:
         self.registry.register(self)
         self._server = None
         self.port: Optional[int] = None
+        self._decisions: dict[tuple[str, str], int] = {}
+        self._moves: dict[str, int] = {}
+        self._split: dict[tuple[str, str], int] = {}
 
     def update(self, infos: Iterable[dict]) -> None:
         """Replace the snapshot with ``infos`` (``EngineWorker.info()`` dicts: name, role, url,
         state, restarts)."""
         with self._lock:
             self._infos = [dict(i) for i in infos]
+
+    def count_decision(self, action: str, reason: str) -> None:
+        """One decision of the split controller."""
+        with self._lock:
+            self._decisions[(action, reason)] = self._decisions.get((action, reason), 0) + 1
+
+    def count_move(self, outcome: str) -> None:
+        """One move (or add) of the split controller ended with ``outcome``."""
+        with self._lock:
+            self._moves[outcome] = self._moves.get(outcome, 0) + 1
+
+    def set_split(self, current: tuple[int, int], target: tuple[int, int]) -> None:
+        """The split now and the one the controller aims at, (prefill, decode) replicas."""
+        with self._lock:
+            for split, (p, d) in (("current", current), ("target", target)):
+                self._split[("prefill", split)], self._split[("decode", split)] = p, d
 
     def collect(self):
         """prometheus_client's collector hook: the metric families of the current snapshot."""
@@ -57,6 +84,23 @@ class WorkerStateExporter:
                 state.add_metric(key + [s], 1.0 if i.get("state") == s else 0.0)
             ready.add_metric(key, 1.0 if i.get("state") == "ready" else 0.0)
         yield from (restarts, state, ready)
+        with self._lock:
+            decisions, moves, split = dict(self._decisions), dict(self._moves), dict(self._split)
+        if not (decisions or split):
+            return
+        dec = CounterMetricFamily("pdserve_planner_decisions", "Decisions of the P:D split controller.",
+                                  labels=["action", "reason"])
+        for (action, reason), n in sorted(decisions.items()):
+            dec.add_metric([action, reason], n)
+        mv = CounterMetricFamily("pdserve_planner_moves", "Moves and adds by the split controller, by outcome.",
+                                 labels=["outcome"])
+        for outcome, n in sorted(moves.items()):
+            mv.add_metric([outcome], n)
+        reps = GaugeMetricFamily("pdserve_planner_replicas", "Replicas per role: the current split and the "
+                                 "controller's target.", labels=["role", "split"])
+        for (role, which), n in sorted(split.items()):
+            reps.add_metric([role, which], n)
+        yield from (dec, mv, reps)
 
     def start(self, host: str, port: int = 0) -> int:
         """Serve /metrics on ``host:port`` (0 = a free port) in a daemon thread; returns the port.
