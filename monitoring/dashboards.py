@@ -1,6 +1,6 @@
 """The Grafana dashboards: "PD overview" (one request's stages, traffic, KV transfer,
-speculative decoding) and "Workers" (health, restarts, in-flight, queues, KV usage, circuit state,
-speculative step time and draft KV).
+speculative decoding) and "Workers" (health, restarts, in-flight, queues, KV usage, prefix cache hit
+rate and the kv_aware router's index accuracy, circuit state, speculative step time and draft KV).
 
 Query conventions, so the same panels work on the reference engine and on SGLang, on prefill and
 decode alike:
@@ -42,6 +42,7 @@ REFERENCE_ONLY_ROW = "Reference engine only"
 SPEC_STEP = "pdserve_spec_step_seconds"  # the reference engine's histogram of a speculative step's phases
 ENGINE_GAUGE = "sglang:num_running_reqs"  # every engine exports it from start: the variables' source
 PREFILL = 'engine_type="prefill"'
+COMPUTE_ENGINES = 'engine_type=~"prefill|unified"'  # the engines that compute prompts (and cache them)
 STATUS_5XX = 'status=~"5.."'
 
 
@@ -262,6 +263,7 @@ def workers() -> dict:
                      [g.target(f"max by (engine_type, instance) ({_eng('sglang:num_used_tokens')})",
                                "{{engine_type}} {{instance}}")],
                      w=12),
+        *_prefix_cache_row(worker),
         g.row("Speculative decoding (--speculative-algorithm; empty without it)"),
         g.timeseries("Verify steps per second",
                      [g.target(f"sum by (engine_type, instance) (rate({_eng('sglang:spec_verify_calls_total')}"
@@ -293,8 +295,50 @@ def workers() -> dict:
     ]
     variables = [g.query_variable("worker", "Worker (router view)", "pdserve_router_worker_healthy", "worker"),
                  *_variables(router=False)]
-    return g.dashboard(WORKERS_UID, "pdserve: Workers", "Per-worker health, restarts, load, queues and KV usage.",
+    return g.dashboard(WORKERS_UID, "pdserve: Workers",
+                       "Per-worker health, restarts, load, queues, KV usage and prefix cache.",
                        variables, items, links=[_link("PD overview", OVERVIEW_UID)])
+
+
+def _prefix_cache_row(worker: str) -> list[dict]:
+    """The "Prefix cache" row of the Workers dashboard: each prefill's hit rate (engine) and how well the router's
+    ``kv_aware`` index (pd.router.kv_aware) predicts it; ``worker`` is the router-side worker matcher."""
+    predicted = sel("pdserve_router_kv_predicted_cached_tokens_total", worker)
+    reported = sel("pdserve_router_kv_reported_cached_tokens_total", worker)
+    return [
+        g.row("Prefix cache (index panels: --prefill-policy kv_aware; empty without it)"),
+        g.timeseries("Cache hit rate per worker",
+                     [g.target(f"max by (instance) ({_eng('sglang:cache_hit_rate', COMPUTE_ENGINES)})",
+                               "{{instance}}")],
+                     unit="percentunit", w=8, description="Cached prompt tokens over prompt tokens of each prefill "
+                     "(SGLang: of its last prefill batches; reference engine: of its last prefill)."),
+        g.timeseries("Index accuracy (predicted / reported cached tokens)",
+                     [g.target(f"sum by (worker) (rate({predicted}[{RATE}])) / "
+                               f"sum by (worker) (rate({reported}[{RATE}]))", "{{worker}}")],
+                     unit="percentunit", w=8, description="Prompt tokens the router's kv_aware index expected each "
+                     "prefill to serve from its cache, over the cached_tokens its answers reported: 100% is an exact "
+                     "index; above, the router counts pages the prefill evicted or never stored; below, it misses "
+                     "pages the prefill holds."),
+        g.timeseries("Cached prompt tokens per second (kv_aware)",
+                     [g.target(f"sum by (worker) (rate({predicted}[{RATE}]))", "predicted {{worker}}"),
+                      g.target(f"sum by (worker) (rate({reported}[{RATE}]))", "reported {{worker}}")],
+                     w=8, description="The two sides of the index accuracy: tokens the router predicted cached, "
+                     "tokens the prefill reported cached."),
+        g.timeseries("KV events lag (kv_aware)",
+                     [g.target(f"max by (worker) ({sel('pdserve_router_kv_events_lag_seconds', worker)})",
+                               "{{worker}}")],
+                     unit="s", w=8, description="Seconds since the router last received a KV event batch from each "
+                     "prefill (-1: none yet). It grows while a prefill stores nothing new; a prefill that goes "
+                     "silent after being sent uncached pages falls back to estimates after --kv-stale-secs."),
+        g.timeseries("Router index size (kv_aware)",
+                     [g.target(f"max by (worker) ({sel('pdserve_router_kv_index_blocks', worker)})", "{{worker}}")],
+                     w=8, description="KV pages the router's index says each prefill holds, from its events; "
+                     "on an idle reference engine it equals the engine's pdserve_kv_pages_cached."),
+        g.timeseries("kv_aware fallbacks",
+                     [g.target(f"sum by (reason) (rate(pdserve_router_kv_fallbacks_total[{RATE}]))", "{{reason}}")],
+                     unit="reqps", w=8, description="Decisions (no_token_ids, no_live_events) or workers "
+                     "(worker_events_stale) the router estimated as cache_aware does instead of from KV events."),
+    ]
 
 
 def _link(title: str, uid: str) -> dict:

@@ -1,9 +1,11 @@
 """Monitoring as code against the real thing: the committed dashboards and rules are current,
 promtool accepts the config and rules and its unit tests cover every alert, and a real Prometheus
-(Debian's package) scraping a running router + reference prefill/decode pair + the launcher's
-exporter, through the committed prometheus.yml and a targets file written by the launcher's code,
-answers every panel query and every recording rule after traffic. The pair runs speculative decoding
-(builtin:tiny with its built-in MTP draft), so the speculative panels are checked for data like the rest."""
+(Debian's package) scraping two clusters (each a router + reference prefill/decode pair + the launcher's
+exporter, through the committed prometheus.yml and a targets file per cluster written by the launcher's code)
+answers every panel query and every recording rule after traffic. One pair runs speculative decoding
+(builtin:tiny with its built-in MTP draft), so the speculative panels are checked for data like the rest; the
+other's router runs the kv_aware prefill policy on its prefill's KV events, and prompts that share a prefix give
+the prefix cache panels (hit rate, the router's index accuracy) values to check."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines import ROOT, ManagedProcess, free_port, spawn, wait_until_ready
+from engines import ROOT, ManagedProcess, free_port, spawn, start_engine, wait_ready, wait_until_ready
 from pd.cluster.prom_targets import TargetsFile, build_targets
 from pd.cluster.worker_metrics import WorkerStateExporter
 from pd.monitoring import grafana as g
@@ -48,6 +50,7 @@ SPEC_PANELS = {"pdserve: PD overview": ("Speculative accept length", "Speculativ
                "pdserve: Workers": ("Verify steps per second", "Speculative depth (steps / draft tokens)",
                                     "Speculative step time (draft / verify / extend)", "Draft KV pages held")}
 SYNTHETIC = {"up"}  # made by Prometheus itself for every target
+OFFSET = re.compile(r"\s+offset\s+\d+[smhdwy]\b")
 TEST_RATE_INTERVAL = "1m"  # $__rate_interval for the checks (Grafana gives 40s at a 10s scrape interval)
 
 
@@ -146,44 +149,84 @@ def test_dashboard_is_well_formed(path):
 
 
 # ---- the live stack -----------------------------------------------------------------------------------
-class Stack:
-    """Router + engines + launcher exporter + Prometheus, all started here."""
+KV_PAGE = 16  # the kv_aware pair's --page-size
+# Prompts of the kv_aware pair: a 40-token prefix shared by all, then 12 tokens of their own; 52 tokens, so the
+# first two pages are the shared prefix and the third is each prompt's own.
+KV_PREFIX = [3 + (7 * i) % 250 for i in range(40)]
+KV_PROMPTS = 5
 
-    def __init__(self, engines, workdir: Path):
-        self.workdir = workdir
-        self.started: list[ManagedProcess] = []
-        pre, dec = engines["prefill"], engines["decode"]
-        self.engines = {"prefill": pre, "decode": dec}
+
+def kv_prompt(i: int) -> list[int]:
+    return KV_PREFIX + [3 + (11 * i + j) % 250 for j in range(12)]
+
+
+class Cluster:
+    """One PD cluster as the launcher would expose it to Prometheus: a router over prefill and decode engines, the
+    launcher's exporter fed the workers' infos, and its own targets file (one per cluster, keyed by router port)."""
+
+    def __init__(self, prefills: list, decode, workdir: Path, *router_flags: str):
+        self.prefills, self.decode = prefills, decode
+        self.prefill = prefills[0]
         self.router = ManagedProcess()
         self.router.port = free_port()
-        self.router.log_path = str(workdir / "router.log")
-        self.router.proc = spawn([sys.executable, "-m", "pd.cli", "router", "--prefill", pre.url,
-                                  str(pre.bootstrap_port), "--decode", dec.url, "--port", str(self.router.port)],
-                                 self.router.log_path)
-        self.started.append(self.router)
-        # The launcher's exporter, fed the worker infos as the launcher polls them from its actors.
+        self.router.log_path = str(workdir / f"router-{self.router.port}.log")
+        workers = [a for p in prefills for a in ("--prefill", p.url, str(p.bootstrap_port))]
+        self.router.proc = spawn([sys.executable, "-m", "pd.cli", "router", *workers, "--decode", decode.url,
+                                  "--port", str(self.router.port), *router_flags], self.router.log_path)
         self.exporter = WorkerStateExporter()
-        self.exporter.update([{"name": "prefill-0", "role": "prefill", "url": pre.url, "state": "ready", "restarts": 0},
-                              {"name": "decode-0", "role": "decode", "url": dec.url, "state": "ready", "restarts": 0}])
-        self.exporter.start("127.0.0.1", 0)
-        infos = [{"name": "prefill-0", "role": "prefill", "url": pre.url},
-                 {"name": "decode-0", "role": "decode", "url": dec.url}]
-        TargetsFile(workdir / "targets.json").write(
-            build_targets(f"127.0.0.1:{self.router.port}", infos, f"127.0.0.1:{self.exporter.port}"))
-        (workdir / "ray_sd.json").write_text("[]")
-        self.prom_port = free_port()
-        self.prometheus = ManagedProcess()
-        self.prometheus.port = self.prom_port
-        self.prometheus.log_path = str(workdir / "prometheus.log")
-        self.prometheus.proc = spawn([tool("prometheus"), f"--config.file={self.write_config()}",
-                                      f"--storage.tsdb.path={workdir / 'data'}",
-                                      f"--web.listen-address=127.0.0.1:{self.prom_port}", "--log.level=warn"],
-                                     self.prometheus.log_path)
-        self.started.append(self.prometheus)
-        self.prom = Prometheus(self.prometheus.url)
         try:
-            self.wait(self.router, "/health")
+            infos = [{"name": f"prefill-{i}", "role": "prefill", "url": p.url} for i, p in enumerate(prefills)]
+            infos.append({"name": "decode-0", "role": "decode", "url": decode.url})
+            self.exporter.update([dict(w, state="ready", restarts=0) for w in infos])
+            self.exporter.start("127.0.0.1", 0)
+            TargetsFile(workdir / f"pdserve_prometheus_targets_{self.router.port}.json").write(
+                build_targets(f"127.0.0.1:{self.router.port}", infos, f"127.0.0.1:{self.exporter.port}"))
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        try:
+            self.router.stop()
+        finally:
+            self.exporter.stop()
+
+
+class Stack:
+    """Two clusters scraped by one Prometheus, all started here: the speculative pair behind a round-robin router
+    (the speculative panels), and a pair whose prefill publishes KV events behind a ``kv_aware`` router (the prefix
+    cache panels; the prefix cache is off with speculative decoding)."""
+
+    def __init__(self, spec_engines, kv_engines, workdir: Path):
+        self.workdir = workdir
+        self.clusters: list[Cluster] = []
+        self.started: list[ManagedProcess] = []
+        self.prom: Prometheus | None = None
+        try:
+            self.spec = Cluster([spec_engines["prefill"]], spec_engines["decode"], workdir)
+            self.clusters.append(self.spec)
+            wait_ready(list(kv_engines.values()))  # the kv_aware router reads their event sources at start
+            self.kv = Cluster([kv_engines["prefill-0"], kv_engines["prefill-1"]], kv_engines["decode"], workdir,
+                              "--prefill-policy", "kv_aware")
+            self.clusters.append(self.kv)
+            self.router = self.spec.router
+            self.engines = {"prefill": self.spec.prefill, "decode": self.spec.decode,
+                            **{f"kv-{name}": e for name, e in kv_engines.items()}}
+            (workdir / "ray_sd.json").write_text("[]")
+            self.prom_port = free_port()
+            self.prometheus = ManagedProcess()
+            self.prometheus.port = self.prom_port
+            self.prometheus.log_path = str(workdir / "prometheus.log")
+            self.prometheus.proc = spawn([tool("prometheus"), f"--config.file={self.write_config()}",
+                                          f"--storage.tsdb.path={workdir / 'data'}",
+                                          f"--web.listen-address=127.0.0.1:{self.prom_port}", "--log.level=warn"],
+                                         self.prometheus.log_path)
+            self.started.append(self.prometheus)
+            self.prom = Prometheus(self.prometheus.url)
+            for c in self.clusters:
+                self.wait(c.router, "/health")
             self.wait(self.prometheus, "/-/ready")
+            self.wait_kv_router_follows()
         except BaseException:  # the fixture never gets a Stack to stop: stop what started here
             self.stop()
             raise
@@ -193,13 +236,25 @@ class Stack:
         cfg = yaml.safe_load((MON / "prometheus.yml").read_text())
         cfg["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
         cfg["rule_files"] = [str(MON / f) for f in cfg["rule_files"]]
-        files = {"pdserve": self.workdir / "targets.json", "ray": self.workdir / "ray_sd.json"}
+        files = {"pdserve": self.workdir / "pdserve_prometheus_targets_*.json", "ray": self.workdir / "ray_sd.json"}
         assert {j["job_name"] for j in cfg["scrape_configs"]} == set(files)
         for job in cfg["scrape_configs"]:
             job["file_sd_configs"][0]["files"] = [str(files[job["job_name"]])]
         path = self.workdir / "prometheus.yml"
         path.write_text(yaml.safe_dump(cfg))
         return path
+
+    def wait_kv_router_follows(self, timeout: float = 60) -> None:
+        """Until the kv_aware router follows its prefills' KV events (it reports their lag only then)."""
+        urls = {p.url for p in self.kv.prefills}
+
+        def following() -> bool:
+            text = httpx.get(self.kv.router.url + "/metrics", timeout=5).text
+            return urls <= {s.labels.get("worker") for fam in text_string_to_metric_families(text)
+                            for s in fam.samples if s.name == "pdserve_router_kv_events_lag_seconds"}
+
+        wait_until(following, timeout, interval=0.3, what="the kv_aware router following its prefills' KV events",
+                   retry=(httpx.HTTPError,))
 
     @staticmethod
     def wait(proc: ManagedProcess, path: str, timeout: float = 60) -> None:
@@ -211,7 +266,9 @@ class Stack:
         return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
 
     def exported(self) -> set[str]:
-        names = self.scrape(self.router.url) | self.scrape(f"http://127.0.0.1:{self.exporter.port}")
+        names: set[str] = set()
+        for c in self.clusters:
+            names |= self.scrape(c.router.url) | self.scrape(f"http://127.0.0.1:{c.exporter.port}")
         for e in self.engines.values():
             names |= self.scrape(e.url)
         return names
@@ -226,15 +283,38 @@ class Stack:
         try:
             for p in reversed(self.started):
                 p.stop()
+            for c in reversed(self.clusters):
+                c.stop()
         finally:
-            self.exporter.stop()
-            self.prom.close()
+            if self.prom is not None:
+                self.prom.close()
 
 
 @pytest.fixture(scope="module")
-def stack(spec_engines):
+def kv_engines(model_cache, tmp_path_factory):
+    """Two prefills publishing KV events as the launcher configures them for kv_aware (bound to their own address)
+    and a decode, without speculation (the prefix cache is off with it). Started, not waited for: they come up
+    while the speculative pair does (the stack asks for this fixture first, and waits)."""
+    logs = str(tmp_path_factory.mktemp("kv-engine-logs"))
+    page = ("--page-size", str(KV_PAGE))
+    started = {}
+    try:
+        for name in ("prefill-0", "prefill-1"):
+            pub, replay = free_port(), free_port()
+            events = json.dumps({"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{pub}", "bind": True,
+                                 "replay_endpoint": f"tcp://127.0.0.1:{replay}"})
+            started[name] = start_engine("prefill", logs, *page, "--kv-events-config", events)
+        started["decode"] = start_engine("decode", logs, *page)
+        yield started
+    finally:
+        for e in started.values():
+            e.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(kv_engines, spec_engines):
     with tempfile.TemporaryDirectory(prefix="pdmon-") as d:
-        s = Stack(spec_engines, Path(d))
+        s = Stack(spec_engines, kv_engines, Path(d))
         try:
             yield s
         finally:
@@ -285,8 +365,36 @@ async def _traffic(router_url: str) -> dict:
     return {"requests": len(tokens), "completion_tokens": sum(tokens)}
 
 
-def _sample_sum(text: str, name: str) -> float:
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
+async def _kv_traffic(router_url: str) -> dict:
+    """The kv_aware cluster's prompts (token ids sharing a prefix), streaming and not, one after the other: each
+    finds what the ones before left cached, and the router's choice does not hang on which answer comes first.
+    Returns what ``_traffic`` returns."""
+    async with httpx.AsyncClient(base_url=router_url, timeout=60) as c:
+        async def gen(i: int, stream: bool) -> int:
+            r = await c.post("/generate", json={"input_ids": kv_prompt(i), "sampling_params": GEN, "stream": stream})
+            assert r.status_code == 200, r.text
+            if stream:
+                last = [line for line in r.text.splitlines() if line.startswith("data: {")][-1]
+                return json.loads(last[6:])["meta_info"]["completion_tokens"]
+            return r.json()["meta_info"]["completion_tokens"]
+
+        tokens = [await gen(i, i % 2 == 1) for i in range(KV_PROMPTS)]
+    return {"requests": len(tokens), "completion_tokens": sum(tokens)}
+
+
+def _both_traffic(stack) -> dict:
+    """One round of ``_traffic`` (speculative cluster) and ``_kv_traffic`` (kv_aware cluster) at once; the sums."""
+    async def both():
+        return await asyncio.gather(_traffic(stack.spec.router.url), _kv_traffic(stack.kv.router.url))
+
+    spec, kv = asyncio.run(both())
+    return {k: spec[k] + kv[k] for k in ("requests", "completion_tokens")}
+
+
+def _sample_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of the ``name`` samples on a /metrics page whose labels include ``labels``."""
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and labels.items() <= s.labels.items())
 
 
 # Engine counters whose totals on /metrics and in Prometheus must agree before the checks read them.
@@ -306,12 +414,13 @@ def _rule_groups_evaluated_after(stack, t: float) -> bool:
 
 
 def _sync_router_counts(stack) -> None:
-    """Wait until Prometheus's last scrape of the router has every answered request, its last
+    """Wait until Prometheus's last scrape of the routers has every answered request, its last
     scrape of the engines has their current counters, and every rule group has been evaluated
     after that (so the recording rules include the traffic)."""
-    answered = _sample_sum(httpx.get(stack.router.url + "/metrics", timeout=5).text, "pdserve_router_requests_total")
+    answered = sum(_sample_sum(httpx.get(c.router.url + "/metrics", timeout=5).text, "pdserve_router_requests_total")
+                   for c in stack.clusters)
     wait_until(lambda: stack.value("sum(pdserve_router_requests_total)") == answered, 30, interval=0.3,
-               what="Prometheus scraping the router's final counts")
+               what="Prometheus scraping the routers' final counts")
     pages = [httpx.get(e.url + "/metrics", timeout=5).text for e in stack.engines.values()]
     for name in ENGINE_COUNTERS:
         exported = sum(_sample_sum(text, name) for text in pages)
@@ -331,19 +440,19 @@ def traffic(stack):
     def all_up():
         targets = stack.prom._get("/api/v1/targets", {"state": "active"})["activeTargets"]
         pd_targets = [t for t in targets if t["labels"]["job"] == "pdserve"]
-        return len(pd_targets) == 4 and all(t["health"] == "up" for t in pd_targets)
+        return len(pd_targets) == 9 and all(t["health"] == "up" for t in pd_targets)
 
     try:
-        wait_until(all_up, 30, interval=0.3, what="Prometheus scraping all 4 pdserve targets")
+        wait_until(all_up, 30, interval=0.3, what="Prometheus scraping all 9 pdserve targets (2 clusters)")
     except TimeoutError as e:
         targets = stack.prom._get("/api/v1/targets", {"state": "active"})["activeTargets"]
         raise AssertionError(json.dumps(targets, indent=1)[-3000:]) from e
-    asyncio.run(_traffic(stack.router.url))
+    _both_traffic(stack)
     _sync_router_counts(stack)
     decode_out = 'sum(sglang:generation_tokens_total{engine_type=~"decode|unified"})'
     all_out = "sum(sglang:generation_tokens_total)"
     before = (stack.value(decode_out), stack.value(all_out))
-    sent = asyncio.run(_traffic(stack.router.url))
+    sent = _both_traffic(stack)
     _sync_router_counts(stack)
     wait_until(lambda: all(finite_values(stack.prom.query(f"{r} > 0")) for r in
                            ("pdserve:router_e2e_seconds_bucket:rate1m",
@@ -379,7 +488,10 @@ def test_every_panel_query_and_recording_rule_returns_data(stack, traffic):
                 empty.add(panel["title"])
     assert empty == SGLANG_ONLY_PANELS and checked >= 60
     for rule in all_rules("record"):
-        assert finite_values(stack.prom.query(rule["record"])), f"recording rule {rule['record']} has no data"
+        # A rule that looks back past this stack's life (an hour's baseline ``offset 15m``) has nothing recorded
+        # yet; its expression without the offset must find the series it reads.
+        expr = OFFSET.sub("", rule["expr"]) if OFFSET.search(rule["expr"]) else rule["record"]
+        assert finite_values(stack.prom.query(expr)), f"recording rule {rule['record']} has no data: {expr}"
     # No rule fails to evaluate (a many-to-many match or a bad aggregate would show here).
     groups = stack.prom._get("/api/v1/rules", {})["groups"]
     bad = [(r["name"], r.get("lastError")) for grp in groups for r in grp["rules"] if r["health"] != "ok"]
@@ -411,8 +523,66 @@ def test_speculative_panels_show_each_decode_worker(stack, traffic):
     assert all(0 < v < 60 for v in finite_values(mean) + finite_values(p99))
     # no request runs now: every draft page is back in the pool on both sides
     (held,) = seen["Draft KV pages held"]
-    assert {s["metric"]["instance"] for s in held} == {f"127.0.0.1:{e.port}" for e in stack.engines.values()}
+    assert {s["metric"]["instance"] for s in held} == {f"127.0.0.1:{e.port}" for e in (stack.spec.prefill,
+                                                                                         stack.spec.decode)}
     assert finite_values(held) == [0.0] * len(held)
+
+
+PREFIX_PANELS = ("Cache hit rate per worker", "Index accuracy (predicted / reported cached tokens)",
+                 "Cached prompt tokens per second (kv_aware)", "KV events lag (kv_aware)",
+                 "Router index size (kv_aware)", "kv_aware fallbacks")
+
+
+def test_prefix_cache_panels_follow_the_kv_aware_router(stack, traffic):
+    """The kv_aware router sent every prompt of the shared prefix to the prefill that holds it, and predicted
+    every cached prompt token that prefill then reported, from the prefill's own KV events: its index holds the
+    pages each engine keeps, the accuracy panel reads 100%, the hit rate panel shows the last prefill's hit, no
+    decision fell back to estimates. The speculative prefill caches nothing."""
+    workers = json.loads((MON / "grafana" / "dashboards" / "workers.json").read_text())
+    values = g.resolve_variables(workers, stack.prom.label_values)
+    seen: dict[str, list] = {}
+    for panel, t in g.iter_targets(workers):
+        if panel["title"] in PREFIX_PANELS:
+            series = stack.prom.query(g.expand(t["expr"], values, rate_interval=TEST_RATE_INTERVAL))
+            assert finite_values(series), f"{panel['title']} / {t['refId']}: no data"
+            seen.setdefault(panel["title"], []).append(series)
+    assert set(seen) == set(PREFIX_PANELS)
+
+    def by(series, label):
+        return {s["metric"].get(label, ""): float(s["value"][1]) for s in series}
+
+    # Each prompt is 52 tokens: 3 whole pages, which a hit can cover (it stops short of the whole prompt). In the
+    # warm-up round the first prompt misses and the 4 others find the 2 shared pages; in the measured round all 5
+    # find their own 3 pages. The holder keeps the 2 shared pages and each prompt's third.
+    hit = len(kv_prompt(0)) // KV_PAGE * KV_PAGE
+    (index,) = seen["Router index size (kv_aware)"]
+    pages = by(index, "worker")
+    holders = [p for p in stack.kv.prefills if pages[p.url]]
+    assert len(holders) == 1, f"prompts of one prefix went to {len(holders)} prefills: {pages}"
+    (holder,) = holders
+    (other,) = [p for p in stack.kv.prefills if p is not holder]
+    assert pages == {holder.url: 2 + KV_PROMPTS, other.url: 0}
+    for p in stack.kv.prefills:  # the index holds what each engine keeps
+        assert stack.value(f'sum(pdserve_kv_pages_cached{{instance="127.0.0.1:{p.port}"}})') == pages[p.url]
+    decisions = httpx.get(stack.kv.router.url + "/metrics", timeout=5).text
+    assert {p.url: _sample_sum(decisions, "pdserve_router_policy_decisions_total", worker=p.url)
+            for p in stack.kv.prefills} == {holder.url: 2 * KV_PROMPTS, other.url: 0}
+    (rate,) = seen["Cache hit rate per worker"]
+    rates = by(rate, "instance")
+    assert rates.pop(f"127.0.0.1:{other.port}", 0.0) == 0.0  # it served no prompt
+    assert rates == {f"127.0.0.1:{holder.port}": hit / len(kv_prompt(0)), f"127.0.0.1:{stack.spec.prefill.port}": 0.0}
+    (accuracy,) = seen["Index accuracy (predicted / reported cached tokens)"]
+    assert finite_values(accuracy) == [pytest.approx(1.0)] and by(accuracy, "worker").keys() == pages.keys()
+    predicted, reported = (by(s, "worker") for s in seen["Cached prompt tokens per second (kv_aware)"])
+    assert predicted[holder.url] > 0 and reported[holder.url] > 0
+    router = decisions
+    expected = (KV_PROMPTS - 1) * 2 * KV_PAGE + KV_PROMPTS * hit
+    assert _sample_sum(router, "pdserve_router_kv_predicted_cached_tokens_total") == expected
+    assert _sample_sum(router, "pdserve_router_kv_reported_cached_tokens_total") == expected
+    assert _sample_sum(router, "pdserve_router_kv_fallbacks_total") == 0
+    assert set(by(seen["kv_aware fallbacks"][0], "reason").values()) == {0.0}
+    (lag,) = seen["KV events lag (kv_aware)"]
+    assert 0 <= by(lag, "worker")[holder.url] < 120, lag  # -1 until a first event batch arrives
 
 
 def test_variables_resolve_from_scraped_labels(stack, traffic):
@@ -420,8 +590,8 @@ def test_variables_resolve_from_scraped_labels(stack, traffic):
     values = g.resolve_variables(overview, stack.prom.label_values)
     assert values["model"] == "(builtin:tiny)"
     assert values["role"] == "(decode|prefill)"
-    pre, dec = stack.engines["prefill"], stack.engines["decode"]
-    assert values["instance"] == "(" + "|".join(sorted(g.regex_escape(f"127.0.0.1:{e.port}") for e in (pre, dec))) + ")"
+    engines = stack.engines.values()
+    assert values["instance"] == "(" + "|".join(sorted(g.regex_escape(f"127.0.0.1:{e.port}") for e in engines)) + ")"
     assert set(values["endpoint"].strip("()").split("|")) == {"/generate", "/v1/completions", "/v1/chat/completions"}
 
 
@@ -429,11 +599,12 @@ def test_targets_carry_the_launchers_labels(stack, traffic):
     active = stack.prom._get("/api/v1/targets", {"state": "active"})["activeTargets"]
     labels = sorted((t["labels"]["component"], t["labels"].get("role", ""), t["labels"].get("worker_name", ""))
                     for t in active if t["labels"]["job"] == "pdserve")
-    assert labels == [("engine", "decode", "decode-0"), ("engine", "prefill", "prefill-0"), ("launcher", "", ""),
-                      ("router", "", "")]
+    # two clusters, each from its own targets file
+    assert labels == sorted(2 * [("engine", "decode", "decode-0"), ("engine", "prefill", "prefill-0"),
+                                 ("launcher", "", ""), ("router", "", "")] + [("engine", "prefill", "prefill-1")])
     # The router's own worker/role labels survive next to the target labels (no exported_ renames).
     series = stack.prom.query('pdserve_router_worker_healthy{component="router"}')
-    assert sorted(s["metric"]["role"] for s in series) == ["decode", "prefill"]
+    assert sorted(s["metric"]["role"] for s in series) == ["decode", "decode", "prefill", "prefill", "prefill"]
     assert not stack.prom.query('{__name__=~".+", exported_role!=""}')
 
 
