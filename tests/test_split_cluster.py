@@ -115,3 +115,45 @@ def test_a_pinned_split_moves_a_worker_on_ray_without_failing_a_request(ray_head
     finally:
         stopping.set()
         ray_head.stop_job(job)
+
+
+def test_a_free_gpu_is_used_before_a_worker_is_moved(ray_head):
+    """1P1D in a 3-GPU budget: pinning 1P2D adds a decode replica in a placement group of its own (nothing moves);
+    the stopped job removes it with the rest."""
+    port = free_port()
+    cfg = yaml.safe_load(open(os.path.join(ROOT, "deploy", "local.yaml")))
+    cfg["cluster"]["num_gpus"] = 3
+    cfg["router"]["port"] = port
+    cfg["planner"] = {"mode": "act", "interval_secs": 1, "slo_ttft_ms": 600000, "slo_tpot_ms": 600000}
+    path = os.path.join(ROOT, "deploy", f".test-split-add-{port}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    try:
+        job = ray_head.submit("python", "-m", "pd.launch", os.path.relpath(path, ROOT))
+    finally:
+        os.remove(path)
+    try:
+        url = ray_head.wait_log(job, r"pdserve: router ready at (\S+)").group(1)
+        admin, key_file = ray_head.wait_log(job, r"admin API at (\S+)/workers; its key is in (\S+) ").groups()
+        headers = {"Authorization": f"Bearer {open(key_file).read().strip()}"}
+        ray_head.wait_log(job, r"pdserve: planner: act every 1s")
+        pinned = httpx.put(admin + "/planner/override", json={"prefill": 1, "decode": 2}, headers=headers, timeout=10)
+        assert pinned.status_code == 200, pinned.text
+        added = ray_head.wait_log(job, r"pdserve: planner: added: decode-1 at (\S+)", timeout=300).group(1)
+        wait_until(lambda: httpx.get(admin + "/planner", headers=headers, timeout=10).json()["current"]
+                   == {"prefill": 1, "decode": 2}, 60, interval=0.5, what="the router listing 1P2D")
+        logs = ray_head.logs(job)
+        assert "does add_decode (override)" in logs
+        assert "planner: moved" not in logs and "stopped to change role" not in logs  # nothing moved
+        with httpx.Client(timeout=60) as c:
+            for i in range(6):  # round robin: the new decode serves
+                r = c.post(url + "/generate", json={"text": f"added {i}", "sampling_params": {"max_new_tokens": 4}})
+                assert r.status_code == 200, r.text
+        assert "sglang:num_requests_total" in httpx.get(added + "/metrics", timeout=10).text
+        served = sum(s.value for fam in text_string_to_metric_families(httpx.get(added + "/metrics").text)
+                     for s in fam.samples if s.name == "sglang:num_requests_total")
+        assert served >= 1
+    finally:
+        ray_head.stop_job(job)
+    assert "pdserve-decode-1" not in ray_head.ray("list", "placement-groups", "--address", ray_head.address,
+                                                  "--filter", "state=CREATED")

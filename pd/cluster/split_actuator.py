@@ -163,9 +163,9 @@ class RayActuator:
                 slot = self.place_replica(role)
             except Exception as e:  # a placement or start that failed: the cluster serves on as it was
                 first = str(e).splitlines()[0] if str(e) else repr(e)
-                self._results.append((None, AddResult("add_failed", f"adding a {role} replica failed: {first}")))
+                self._results.append((None, AddResult("add_failed", f"a {role} replica: {first}")))
                 return
-            self._results.append((None, AddResult("added", f"added {slot.name} at {slot.info.get('url')}", slot)))
+            self._results.append((None, AddResult("added", f"{slot.name} at {slot.info.get('url')}", slot)))
 
         self._start(run)
 
