@@ -189,3 +189,35 @@ async def test_a_worker_takes_its_new_roles_ports_and_flags(speculative):
     assert ("--speculative-algorithm" in argv) is speculative
     with pytest.raises(ValueError, match="role must be prefill or decode"):
         await w.start_as("null", "x-0", [])
+
+
+def holdings(metrics: str, health, role: str = "prefill") -> dict:
+    import httpx
+
+    from pd.cluster.split_mover import bootstrap_url, engine_holdings
+
+    def answer(request):
+        if request.url.port == 2:
+            return httpx.Response(200, json=health) if isinstance(health, dict) else httpx.Response(200, text=health)
+        return httpx.Response(200, text=metrics)
+
+    info = {"role": role, "host": "e", "bootstrap_port": 2 if role == "prefill" else None}
+    with httpx.Client(transport=httpx.MockTransport(answer)) as c:
+        return engine_holdings("http://e:1", bootstrap_url(info), c)
+
+
+def test_a_worker_is_settled_only_when_its_engine_holds_nothing():
+    ref = ("# TYPE pdserve_kv_pages_held gauge\npdserve_kv_pages_held{tp_rank=\"0\"} 3\n"
+           "# TYPE sglang:num_used_tokens gauge\nsglang:num_used_tokens 48\n"
+           "# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs 0\n")
+    assert holdings(ref, {"status": "ok", "rooms": 1, "draining": 0}) == {"pdserve_kv_pages_held": 3,
+                                                                          "bootstrap_rooms": 1}
+    assert holdings(ref.replace("} 3", "} 0").replace("48", "0"), {"rooms": 0, "draining": 0}) == {}
+    # the decode side: an abandoned KV write's pages are held until the transfer engine settles it
+    assert holdings(ref, None, role="decode") == {"pdserve_kv_pages_held": 3}
+    # SGLang: no held-pages gauge (its used tokens count), a bootstrap /health that answers "OK", transfers in flight
+    sgl = ("# TYPE sglang:num_used_tokens gauge\nsglang:num_used_tokens 0\n"
+           "# TYPE sglang:num_prefill_inflight_queue_reqs gauge\nsglang:num_prefill_inflight_queue_reqs 2\n")
+    assert holdings(sgl, "OK") == {"sglang:num_prefill_inflight_queue_reqs": 2}
+    assert holdings(sgl.replace("reqs 2", "reqs 0").replace("tokens 0", "tokens 64"), "OK") == \
+        {"sglang:num_used_tokens": 64}

@@ -37,9 +37,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from pd.router.admin_client import AdminClient, AdminError
 from pd.util.wait import wait_until
 
-# Engine gauges that must read 0 before the engine may stop (SGLang's names; the reference engine exports them too).
+# Engine gauges that must read 0 before the engine may stop (SGLang's names, sglang/srt/observability/
+# metrics_collector.py; the reference engine exports the first five; SGLang's prefill counts the requests whose KV it
+# is still sending in the inflight queue, its decode the KV it has not yet freed in the deferred release queue).
 BUSY_GAUGES = ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:num_prefill_bootstrap_queue_reqs",
-               "sglang:num_decode_prealloc_queue_reqs", "sglang:num_decode_transfer_queue_reqs")
+               "sglang:num_decode_prealloc_queue_reqs", "sglang:num_decode_transfer_queue_reqs",
+               "sglang:num_prefill_inflight_queue_reqs", "sglang:num_decode_deferred_kv_release_reqs")
 PAGE_GAUGES = ("pdserve_kv_pages_held", "pdserve_draft_kv_pages_held")
 SGLANG_PAGES = "sglang:num_used_tokens"  # where pdserve_kv_pages_held is not exported
 HEALTH_TIMEOUT = 30.0  # s: a started engine's /health, then the router listing it healthy
@@ -81,7 +84,8 @@ class MoveResult:
 def engine_holdings(url: str, bootstrap_url: Optional[str], client: httpx.Client) -> dict[str, float]:
     """What the engine at ``url`` still holds: series name -> nonzero value (empty: settled); with
     ``bootstrap_url``, its bootstrap server's registered and draining rooms as ``bootstrap_rooms`` /
-    ``bootstrap_draining``.
+    ``bootstrap_draining`` (the reference engine's ``/health`` counts them; SGLang's answers ``OK`` and its rooms
+    show in the inflight queue gauge instead).
 
     Raises:
         httpx.HTTPError: an endpoint did not answer (200).
@@ -98,9 +102,13 @@ def engine_holdings(url: str, bootstrap_url: Optional[str], client: httpx.Client
     if bootstrap_url is not None:
         b = client.get(bootstrap_url + "/health")
         b.raise_for_status()
-        body = b.json()
-        values["bootstrap_rooms"] = float(body.get("rooms", 0))
-        values["bootstrap_draining"] = float(body.get("draining", 0))
+        try:
+            body = b.json()
+        except ValueError:
+            body = None
+        if isinstance(body, dict):
+            values["bootstrap_rooms"] = float(body.get("rooms", 0))
+            values["bootstrap_draining"] = float(body.get("draining", 0))
     return {k: v for k, v in values.items() if v}
 
 
