@@ -80,15 +80,22 @@ class Speculative(SpeculativeSettings):
     moe_a2a_backend: Optional[str] = None
 
     def engine_settings(self) -> SpeculativeSettings:
-        """The block without its SGLang-only keys: the reference engine's ``--speculative-*`` settings."""
-        return SpeculativeSettings(**self.model_dump(include=set(SpeculativeSettings.model_fields)))
+        """The block without its SGLang-only keys: the reference engine's ``--speculative-*`` settings (a key at
+        the engine's own default is left to it, so its command line carries no ``--no-speculative-adaptive``)."""
+        fields = SpeculativeSettings.model_fields
+        return SpeculativeSettings(**{k: v for k, v in self.model_dump(include=set(fields)).items()
+                                      if v != fields[k].default})
 
     def argv(self) -> list[str]:
-        """The ``--speculative-*`` flags of every key set (SGLang's names; the reference engine's are the same)."""
+        """The ``--speculative-*`` flags of every key set (SGLang's names; the reference engine's are the same); a
+        switch (``adaptive``) is its flag alone when on, nothing when off (SGLang's is ``store_true``)."""
         out: list[str] = []
         for key, value in self.model_dump().items():
-            if value is not None:
-                out += [self.FLAG.format(key.replace("_", "-")), str(value)]
+            flag = self.FLAG.format(key.replace("_", "-"))
+            if isinstance(value, bool):
+                out += [flag] if value else []
+            elif value is not None:
+                out += [flag, str(value)]
         return out
 
 

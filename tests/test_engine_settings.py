@@ -14,7 +14,8 @@ from pd.engines.settings import EngineSettings, build_parser, engine_argv, parse
 from pd.engines.spec.config import SpeculativeSettings
 
 # A value each kind of setting accepts with the others at these values (a chain of one step, the built-in draft's
-# path given explicitly): an added int or str setting gets the generic one.
+# path given explicitly, the adaptive depth on with a tier file the test writes): an added int or str setting gets
+# the generic one, a switch True.
 SAMPLES = {"algorithm": "EAGLE", "draft_model_path": "/models/draft", "num_steps": 1, "eagle_topk": 1,
            "num_draft_tokens": 2}
 
@@ -22,11 +23,16 @@ SAMPLES = {"algorithm": "EAGLE", "draft_model_path": "/models/draft", "num_steps
 def _sample(key: str, annotation) -> object:
     if key in SAMPLES:
         return SAMPLES[key]
+    if annotation is bool:
+        return True
     return 1 if int in typing.get_args(annotation) or annotation is int else "x"
 
 
-def test_every_speculative_setting_is_an_engine_flag_a_config_key_and_on_both_command_lines():
+def test_every_speculative_setting_is_an_engine_flag_a_config_key_and_on_both_command_lines(tmp_path):
+    tiers = tmp_path / "adaptive.json"
+    tiers.write_text('{"1": {"candidate_steps": [1, 3]}}')
     values = {k: _sample(k, f.annotation) for k, f in SpeculativeSettings.model_fields.items()}
+    values["adaptive_config"] = str(tiers)
     help_text = build_parser().format_help()
     for engine in ("reference", "sglang"):
         cfg = parse_config({"engine": engine, "speculative": values, **({"sglang": {"quantization": "fp8"}}
@@ -35,7 +41,10 @@ def test_every_speculative_setting_is_an_engine_flag_a_config_key_and_on_both_co
         for key, value in values.items():
             flag = SpeculativeSettings.FLAG.format(key.replace("_", "-"))
             assert flag in help_text, flag
-            assert argv[argv.index(flag) + 1] == str(value), (engine, flag)
+            if value is True:  # a switch: the flag alone, both engines
+                assert flag in argv, (engine, flag)
+            else:
+                assert argv[argv.index(flag) + 1] == str(value), (engine, flag)
         if engine == "reference":
             assert parse_settings(argv[argv.index("engine") + 1:], environ={}).speculative.model_dump() == values
 

@@ -299,8 +299,8 @@ class EngineCore:
         seq.spec_verify_ct += 1
         seq.spec_draft_width = spec.config.num_draft_tokens - 1
         seq.spec_correct_drafts += min(emitted, step.accepted_drafts)
-        self.metrics.observe_spec_step(step.accepted_drafts + 1, spec.config.num_draft_tokens - 1,
-                                       step.draft_s, step.verify_s, step.extend_s, spec.config.num_steps)
+        self.metrics.observe_spec_step(step.accepted_drafts + 1, step.num_steps,  # the step's own depth (adaptive)
+                                       step.draft_s, step.verify_s, step.extend_s, step.num_steps)
 
     async def health_generate(self) -> int:
         """One greedy token from a one-token prompt, queued on the model thread behind real work

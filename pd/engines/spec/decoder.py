@@ -19,14 +19,20 @@ emitted token ``x`` (not yet in the target's cache), and the draft's output at i
    verify hidden states, which leaves it ready to propose the token after the bonus.
 
 With the draft cache holding one entry per target position, both caches always have the same length between
-steps. The logit processors (penalties, logit_bias, min_new_tokens' banned ids) are applied to every window row
-with the history that row would have had in a one-token step, so stop ids, penalties and min_new_tokens behave
-as without speculation.
+steps, whatever the depth: a step of depth 0 (``--speculative-adaptive`` turns drafting off at large batch sizes)
+verifies ``[x]`` alone, a plain decode step, and still runs the draft extend on its token (as SGLang's EAGLE worker
+does at ``speculative_num_steps == 0``), so the next step can draft again at any depth. The depth is the settings'
+``num_steps``, or with adaptive the one pd.engines.spec.adaptive picks for the step.
+
+The logit processors (penalties, logit_bias, min_new_tokens' banned ids) are applied to every window row with the
+history that row would have had in a one-token step, so stop ids, penalties and min_new_tokens behave as without
+speculation.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -39,6 +45,7 @@ from pd.engines.sampling import (
     sampling_probs,
     step_generator,
 )
+from pd.engines.spec.adaptive import AdaptiveSpeculativeParams, DecodeRounds
 from pd.engines.spec.config import SpecConfig
 from pd.engines.spec.draft_model import crop_cache
 
@@ -133,13 +140,15 @@ class SpecState:
 @dataclass
 class StepResult:
     """What one verify step produced: the tokens to emit in order, each ``(token, logprob, top)`` as
-    EngineCore._emit takes them, how many of them were drafts, and the phase times in seconds."""
+    EngineCore._emit takes them, how many of them were drafts, the phase times in seconds, and the depth it drafted
+    (``num_steps``: drafts proposed, 0 for a step without drafting)."""
 
     tokens: list[tuple[int, float, list]]
     accepted_drafts: int
     draft_s: float
     verify_s: float
     extend_s: float
+    num_steps: int
 
 
 class SpecDecoder:
@@ -155,6 +164,28 @@ class SpecDecoder:
         self.runner = runner
         self.draft = draft
         self.config = config
+        self.rounds: Optional[DecodeRounds] = None  # the adaptive depth's batches, None at a fixed depth
+        if config.adaptive:
+            assert config.adaptive_config is not None  # resolve_speculative loads it with adaptive
+            self.rounds = DecodeRounds(AdaptiveSpeculativeParams(config.num_steps, config.adaptive_config))
+        # The sequences decoding here (id -> weak reference): the decode's batch size. Weak, so that a finished
+        # sequence is never kept; touched on the model thread only.
+        self._decoding: dict[int, weakref.ref] = {}
+
+    def _depth(self, seq) -> int:
+        """The depth of ``seq``'s next step: ``num_steps``, or with adaptive its round's (pd.engines.spec.adaptive)
+        from the number of sequences decoding now (those that have stepped and neither finished nor were
+        released: the engine clears ``spec_state`` when it lets a sequence go)."""
+        if self.rounds is None:
+            return self.config.num_steps
+        self._decoding[id(seq)] = weakref.ref(seq)
+        live = {}
+        for key, ref in self._decoding.items():
+            s = ref()
+            if s is not None and not s.done and s.spec_state is not None:
+                live[key] = ref
+        self._decoding = live
+        return self.rounds.begin(id(seq), live.keys())
 
     def topk(self, state: SpecState) -> tuple[list[float], list[int]]:
         """The draft's top-``eagle_topk`` probabilities and token ids at its last entry (the ``topk_p`` /
@@ -190,7 +221,8 @@ class SpecDecoder:
                              f"{int(torch.argmax(logits))}, the prefill's draft proposed {topk_index[0]}")
         return SpecState(draft_cache, g, logits)
 
-    def step(self, seq, state: SpecState, cache, select: Callable[[torch.Tensor, int], tuple]) -> StepResult:
+    def step(self, seq, state: SpecState, cache, select: Callable[[torch.Tensor, int], tuple],
+             num_steps: Optional[int] = None) -> StepResult:
         """One draft -> verify -> accept -> roll back -> draft-extend step for ``seq``.
 
         Args:
@@ -198,7 +230,11 @@ class SpecDecoder:
             cache: the target's KV cache (everything before the last emitted token).
             select: (logits row [vocab], token) -> (token, logprob, top): the logprob entries of a token already
                 chosen, from the request's logprob settings (EngineCore._logprob_entry).
+            num_steps: the depth to draft (>= 0); None: the settings' depth, or with adaptive the one chosen for
+                this step (which is then fed the step's acceptance).
         """
+        chosen = num_steps is None
+        depth = self._depth(seq) if num_steps is None else num_steps
         spec, params = seq.req, seq.req.params
         out = seq.output_ids
         base = cache.get_seq_length()
@@ -207,12 +243,12 @@ class SpecDecoder:
         drafts: list[int] = []
         qs: list[Optional[torch.Tensor]] = []
         logits, g = state.logits, state.hidden
-        for k in range(self.config.num_steps):
+        for k in range(depth):
             tok, q = draft_token(logits, params, spec.seed, step0 + k, seq.banned_tokens(step0 + k),
                                  out + drafts)
             drafts.append(tok)
             qs.append(q)
-            if k + 1 < self.config.num_steps:
+            if k + 1 < depth:
                 lg, hs = self.draft.forward([tok], g.unsqueeze(0), state.draft_cache)
                 logits, g = lg[-1], hs[-1]
         t1 = time.perf_counter()
@@ -226,4 +262,6 @@ class SpecDecoder:
         state.logits, state.hidden = lg[-1], hs[-1]
         t3 = time.perf_counter()
         tokens = [select(vlogits[k], tok) for k, tok in enumerate(accepted)]
-        return StepResult(tokens, j, t1 - t0, t2 - t1, t3 - t2)
+        if chosen and self.rounds is not None:
+            self.rounds.end(j)
+        return StepResult(tokens, j, t1 - t0, t2 - t1, t3 - t2, depth)

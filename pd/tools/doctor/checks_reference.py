@@ -115,7 +115,13 @@ def check_reference_speculative(ctx: Context) -> list[Finding]:
     target, target_src = _target_hidden(model)
     for r in on:
         given = parsed[r].args.speculative.num_draft_tokens
-        if given not in (None, spec[r].num_draft_tokens):
+        if given is not None and spec[r].adaptive:
+            out.append(Finding("warning", "speculative",
+                               f"{r}: {_spec_via(ctx, r)}: num_draft_tokens {given} is not used with adaptive: each "
+                               "step's window follows its depth, and the decode holds pages for the deepest "
+                               f"candidate's ({spec[r].num_draft_tokens} tokens)",
+                               f"drop {ctx.spec_key('num_draft_tokens')}"))
+        elif given not in (None, spec[r].num_draft_tokens):
             out.append(Finding("warning", "speculative",
                                f"{r}: {_spec_via(ctx, r)}: num_draft_tokens {given} is "
                                f"adjusted to num_steps + 1 = {spec[r].num_draft_tokens} (eagle_topk 1: a chain, "

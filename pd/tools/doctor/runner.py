@@ -8,6 +8,7 @@ from typing import Callable, Optional
 
 from pd.config import ConfigError, PDConfig, load_config
 
+from .checks_adaptive import check_speculative_adaptive
 from .checks_argv import check_engine_args, check_pd_consistency, check_pd_env
 from .checks_model import (
     check_context_length,
@@ -29,6 +30,7 @@ CHECKS: list[Callable[[Context], list[Finding]]] = [
     check_gpu_arch, check_model_config, check_engine_args, check_reference_engine_args, check_reference_speculative,
     check_quantization, check_moe_backend_arch,
     check_fp4_experts, check_spec_moe_explicit, check_speculative_draft, check_model_speculative,
+    check_speculative_adaptive,
     check_page_size, check_pd_consistency, check_pd_env,
     check_gpus, check_router_port,
     check_context_length, check_pdserve_plugin, check_kv_transfer,
