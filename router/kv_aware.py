@@ -20,14 +20,25 @@ https://docs.nvidia.com/dynamo/user-guides/kv-cache-aware-routing, section "Cost
 
 Equal costs go to the worker with the larger overlap (it keeps one copy of a prefix: a burst of one tenant's
 requests otherwise ties its first worker's queue against a cold worker's compute), then to the one whose index
-holds the fewest pages (cache_aware's rule for a miss: new prefixes spread over the caches), then round-robin. The
-prompt's token ids are the request's ``input_ids`` (or a completion's id prompt); a text prompt is tokenized
-with the workers' tokenizer (``/model_info``'s ``tokenizer_path``, BOS prepended as the engines do; results
-kept in an LRU). Fallbacks to the
-approximate ``cache_aware`` (its radix tree is fed every decision, so it is warm), each counted in
+holds the fewest pages (cache_aware's rule for a miss: new prefixes spread over the caches), then round-robin.
+
+The prompt's token ids are the engines' (pd.router.kv_tokenizer): the request's ``input_ids`` (or a
+completion's id prompt); a text prompt tokenized with the workers' tokenizer (``/model_info``'s
+``tokenizer_path``, BOS prepended); a chat prompt rendered with that tokenizer's chat template over the messages'
+roles and text contents, as the engine renders it. Text and chat prompts are tokenized lazily, a chunk at a
+time, only as far as some worker holds (or was just sent) their pages, and a prompt whose first
+``GATE_CHARS`` characters no prompt routed lately had is placed as a miss without being tokenized at all: on a
+prefix-free workload the policy then costs the router about as much CPU as ``round_robin``
+(benchmarks/results/kv_router_cpu.md). The price: the first prompt of a prefix this router has not seen lately
+is placed blind (a prefix another router cached, or a first page shared with a prompt that differs within
+its first ``GATE_CHARS`` characters); its later ones are not.
+
+Fallbacks to the approximate ``cache_aware`` (its radix tree is fed only the decisions it made or estimated:
+feeding it every decision cost more CPU than the rest of this policy), each counted in
 ``pdserve_router_kv_fallbacks_total{reason}``:
 
-- ``no_token_ids``: a chat prompt, or text without a tokenizer: the whole decision is ``cache_aware``'s;
+- ``no_token_ids``: text without a tokenizer (not loaded yet), or a chat whose tokenizer has no chat
+  template: the whole decision is ``cache_aware``'s;
 - ``no_live_events``: no candidate's events are live: the whole decision is ``cache_aware``'s;
 - ``worker_events_stale``: a candidate not followed (no event source yet) or whose events stopped (none
   for ``--kv-stale-secs`` after it was sent a prompt with pages it lacked) gets ``overlap(w)``
@@ -42,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Optional
 
 import httpx
@@ -49,9 +61,11 @@ import zmq
 
 from pd.router.config import RouterSettings
 from pd.router.kv_index import KVIndexManager
-from pd.router.kv_source import TokenCache, event_source, load_tokenizer
+from pd.router.kv_pending import SentPages
+from pd.router.kv_plan import KvPlan
+from pd.router.kv_source import event_source
+from pd.router.kv_tokenizer import PromptTokenizer, load_tokenizer
 from pd.router.policies import POLICIES, CacheAware, Policy, PromptKey
-from pd.util.kv_block_hash import page_hashes
 
 if TYPE_CHECKING:
     from pd.router.metrics import CounterValue, RouterMetrics
@@ -64,41 +78,16 @@ _NO_EVENTS_RETRY = 12  # a worker that publishes nothing is asked again after th
 # s a sent prompt's pages count as held before the worker's event reports them: its queue and prefill time
 # under load; later, the events are the truth (an evicted or failed prompt stops counting)
 PENDING_SECS = 10.0
+# A text or chat prompt whose first GATE_CHARS characters no prompt routed before had is placed as a miss without
+# being tokenized (the prefix-free fast path; its pages are found if a later prompt shares them). Fewer
+# characters than a 16-token page of text spans, so prompts sharing a first page share them too.
+GATE_CHARS = 48
+KNOWN_GATES = 65536  # first characters of recent prompts remembered (LRU): ~100 bytes each
 
 
 def kv_cost(total_blocks: int, overlap_blocks: int, inflight_blocks: int, overlap_weight: float) -> float:
     """Dynamo's KV router cost of one worker (see the module docstring), in KV pages; lower is better."""
     return overlap_weight * (total_blocks - overlap_blocks) + inflight_blocks
-
-
-class KvPlan:
-    """The policy's view of one request, kept on its routing key (``PromptKey.kv``) across attempts.
-
-    Attributes:
-        ids: the prompt's token ids.
-        worker: the prefill of the latest decision; ``blocks`` (prompt pages counted in flight there) and
-            ``predicted`` (tokens expected from its cache; None when only estimated) belong to it.
-    """
-
-    __slots__ = ("ids", "_hashes", "overlaps", "worker", "blocks", "predicted")
-
-    def __init__(self, ids: list[int]):
-        self.ids = ids
-        self._hashes: dict[int, tuple[list[int], Optional[bytes]]] = {}  # size -> (hashes so far, last digest)
-        self.overlaps: dict[str, tuple[int, int, bool]] = {}  # url -> (pages, overlap, exact) of the last pick
-        self.worker: Optional[Worker] = None
-        self.blocks = 0
-        self.predicted: Optional[int] = None
-
-    def hashes(self, block_size: int, pages: int) -> list[int]:
-        """The hashes of the prompt's first ``pages`` pages of ``block_size`` tokens, computed as far as
-        asked and kept (SHA-256 per page is the policy's main cost: a miss needs only the first)."""
-        have, last = self._hashes.get(block_size, ([], None))
-        if len(have) < pages:
-            more = page_hashes(self.ids[len(have) * block_size:pages * block_size], block_size, last)
-            have = have + [v for _, v in more]
-            self._hashes[block_size] = (have, more[-1][0] if more else last)
-        return have[:pages]
 
 
 class KvAware(Policy):
@@ -118,12 +107,13 @@ class KvAware(Policy):
         self.cfg = settings.kv_aware
         self.approx = CacheAware(role, settings)
         self.kv = KVIndexManager()
-        self.tokens = TokenCache(self.cfg.tokenizer_cache_size)
+        self.tokenizer: Optional[PromptTokenizer] = None
+        self.known: OrderedDict[str, None] = OrderedDict()  # GATE_CHARS of the prompts routed lately
         self.workers: dict[str, Worker] = {}
         self.block_size: dict[str, int] = {}  # followed workers' page size
         self.retry_at: dict[str, float] = {}  # workers not followed yet: when to read their /server_info next
         self.expect: dict[str, float] = {}  # url -> when (epoch s) it was sent pages it lacked, no event since
-        self.pending: dict[str, dict[int, float]] = {}  # url -> page hash -> until (monotonic s), sent not reported
+        self.pending: dict[str, SentPages] = {}  # url -> pages sent there and not reported yet
         self.metrics: Optional[RouterMetrics] = None
         self.fallbacks: dict[str, CounterValue] = {}
         self._http: Optional[httpx.AsyncClient] = None
@@ -245,7 +235,7 @@ class KvAware(Policy):
             if not isinstance(path, str) or not path:
                 raise ValueError("no tokenizer_path in /model_info")
             started = time.monotonic()
-            self.tokens.encode = await asyncio.to_thread(load_tokenizer, path)
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, path, self.cfg.tokenizer_cache_size)
             log.info("kv_aware: tokenizer of %s loaded in %.1f s", path, time.monotonic() - started)
         except (httpx.HTTPError, TimeoutError) as e:
             self._tokenizer_asked = False  # the next worker to attach asks again
@@ -255,14 +245,29 @@ class KvAware(Policy):
 
     # ---- deciding --------------------------------------------------------------------------------
     def _plan(self, key) -> Optional[KvPlan]:
+        """The key's plan (made once per request): its ids, or its text or chat messages to tokenize lazily;
+        None without token ids (no tokenizer yet, or a chat it cannot render)."""
         if not isinstance(key, PromptKey):
             return None
-        if key.kv is None:
-            ids = key.token_ids() if key.kind == "ids" else self.tokens.ids(key) if key.kind == "text" else None
-            if ids is None:
-                return None
-            key.kv = KvPlan(ids)
-        return key.kv
+        if key.kv is not None:
+            return key.kv
+        if key.kind == "ids":
+            key.kv = KvPlan(key.token_ids())
+            return key.kv
+        tok = self.tokenizer
+        if tok is None or key.kind not in ("text", "chat") or key.kind == "chat" and (
+                key.messages is None or not tok.has_chat_template):
+            return None
+        gate = key[:GATE_CHARS]
+        known = gate in self.known
+        if not known:  # first in, first out: a prefix still in use is seen again when it comes back
+            self.known[gate] = None
+            if len(self.known) > KNOWN_GATES:
+                self.known.popitem(last=False)
+        # a chat's plan tokenizes the routing key's text only for its length estimate
+        plan = key.kv = KvPlan(tokenizer=tok, text=key, messages=key.messages if key.kind == "chat" else None,
+                               gate=gate, known=known)
+        return plan
 
     def live(self, url: str, now: float) -> bool:
         """Whether ``url``'s KV events can be trusted: followed, and not silent for ``stale_secs`` since it
@@ -272,48 +277,43 @@ class KvAware(Policy):
         since = self.expect.get(url)
         if since is None:
             return True
-        last = self.kv.stats()[url].last_received_at
+        last = self.kv.last_received_at(url)
         if last is not None and last >= since:
             del self.expect[url]
             return True
         return now - since <= self.cfg.stale_secs
 
     def _held(self, urls: list[str], plan: KvPlan, block: int) -> dict[str, int]:
-        """Leading prompt pages each of ``urls`` holds, by their events; pages are hashed only as far as
-        some worker still matches (8, then 4x more at a time)."""
-        total = len(plan.ids) // block
-        n = min(total, 8)
-        while True:
-            held = self.kv.overlap(urls, plan.hashes(block, n))
-            if n == total or max(held.values(), default=0) < n:
-                break
-            n = min(total, n * 4)
+        """Leading prompt pages each of ``urls`` holds by its events or was just sent; the prompt is tokenized
+        and hashed page by page only as far as some worker still holds it (a miss costs its first page)."""
+        if not plan.known:  # a prompt no recent one began like: a miss everywhere, not tokenized
+            return dict.fromkeys(urls, 0)
         now = time.monotonic()
+        held = {}
         for url in urls:
-            sent = self.pending.get(url)
-            if not sent or held[url] >= total:
-                continue
-            k = held[url]
-            while k < total and sent.get(plan.hashes(block, k + 1)[k], 0.0) > now:  # hashed as far as it matches
-                k += 1
+            pages, sent = self.kv.index.pages(url), self.pending.get(url)
+            k, prev = 0, None
+            while True:
+                h = plan.page(block, k)
+                if h is None or not (h in pages or sent is not None and sent.holds(h, prev, k, block, plan, now)):
+                    break
+                k, prev = k + 1, h
             held[url] = k
         return held
 
     def _remember_sent(self, url: str, plan: KvPlan, block: int) -> None:
         """The pages of a prompt just sent to ``url`` count as held there for ``PENDING_SECS``."""
-        now = time.monotonic()
-        sent = self.pending.setdefault(url, {})
-        if len(sent) > 4096:  # drop what expired; the events hold the rest
-            for h in [h for h, until in sent.items() if until <= now]:
-                del sent[h]
-        for h in plan.hashes(block, len(plan.ids) // block):
-            sent[h] = now + PENDING_SECS
+        sent = self.pending.get(url)
+        if sent is None:
+            sent = self.pending[url] = SentPages(PENDING_SECS)
+        sent.remember(plan, block, time.monotonic())
 
     def _estimate(self, worker: "Worker", key: PromptKey, plan: KvPlan, block: int) -> int:
         """Leading prompt pages ``worker`` holds, estimated from cache_aware's tree of the prompts sent to it."""
         matched = self.approx.tree(worker).match(key)  # characters: tokens for ids, text otherwise
-        tokens = matched if key.kind == "ids" else matched * len(plan.ids) // max(1, len(key))
-        return min(len(plan.ids) // block, tokens // block)
+        tokens = plan.tokens()
+        estimate = matched if key.kind == "ids" else matched * tokens // max(1, len(key))
+        return min(tokens // block, estimate // block)
 
     def pick(self, candidates, key):
         """The lowest ``kv_cost``; cache_aware's pick without token ids or without any live events."""
@@ -323,6 +323,8 @@ class KvAware(Policy):
             return self.approx.pick(candidates, key)
         now = time.time()
         live = [self.live(w.url, now) for w in candidates]
+        if not plan.known and all(live):  # the prefix-free fast path: a miss everywhere, nothing tokenized
+            return self._pick_miss(candidates, plan)
         if not any(live):
             self._fallback("no_live_events")
             return self.approx.pick(candidates, key)
@@ -336,10 +338,12 @@ class KvAware(Policy):
             if ok:
                 by_block.setdefault(block, []).append(w.url)
             else:
-                plan.overlaps[w.url] = (len(plan.ids) // block, self._estimate(w, key, plan, block), False)
+                plan.overlaps[w.url] = (plan.tokens() // block, self._estimate(w, key, plan, block), False)
         for block, urls in by_block.items():
-            for url, held in self._held(urls, plan, block).items():
-                plan.overlaps[url] = (len(plan.ids) // block, held, True)
+            held = self._held(urls, plan, block)
+            pages = plan.tokens() // block  # after the walk: as exact as the tokens it needed
+            for url in urls:
+                plan.overlaps[url] = (max(pages, held[url]), held[url], True)
         w_ = self.cfg.overlap_weight
         costs = [kv_cost(*plan.overlaps[w.url][:2], w.prompt_blocks, w_) for w in candidates]
         best = min(costs)
@@ -351,11 +355,27 @@ class KvAware(Policy):
             tied = [w for w in tied if self.kv.index.size(w.url) == least]
         return tied[next(self._turn) % len(tied)]
 
+    def _pick_miss(self, candidates, plan: KvPlan):
+        """``pick`` for a prompt no worker holds (``kv_cost`` is then the pages in flight plus a constant)."""
+        index, overlaps, tokens = self.kv.index, {}, plan.tokens()
+        best, tied = None, []
+        for w in candidates:
+            rank = (w.prompt_blocks, index.size(w.url))  # the least in flight, then the emptiest cache
+            overlaps[w.url] = (tokens // self.block_size[w.url], 0, True)
+            if best is None or rank < best:
+                best, tied = rank, [w]
+            elif rank == best:
+                tied.append(w)
+        plan.overlaps = overlaps
+        return tied[next(self._turn) % len(tied)]
+
     def picked(self, worker, key):
-        """Feed cache_aware's tree; on the key's plan, record this decision's pages and prediction."""
-        self.approx.picked(worker, key)
+        """On the key's plan, record this decision's pages and prediction; feed cache_aware's tree with the
+        decisions it made or estimated (only those: keeping it warm on every decision costs more router CPU
+        than the rest of this policy, benchmarks/results/kv_router_cpu.md)."""
         plan = key.kv if isinstance(key, PromptKey) else None
         if plan is None:
+            self.approx.picked(worker, key)
             return
         url = worker.url
         got = plan.overlaps.get(url)
@@ -366,13 +386,21 @@ class KvAware(Policy):
                 return
             exact = self.live(url, time.time())
             held = self._held([url], plan, block)[url] if exact else self._estimate(worker, key, plan, block)
-            got = (len(plan.ids) // block, held, exact)
+            got = (max(plan.tokens() // block, held), held, exact)
         plan.overlaps = {}
         pages, held, exact = got
+        if not exact:
+            self.approx.picked(worker, key)
         block = self.block_size.get(url, 0)
         plan.worker, plan.blocks = worker, pages - held  # the pages it makes ``worker`` compute
-        # the engine computes at least the prompt's last token: a hit stops a page short of a full prompt
-        plan.predicted = min(held, (len(plan.ids) - 1) // block) * block if exact else None
+        # the engine computes at least the prompt's last token: a hit stops a page short of a full prompt (an
+        # incomplete plan stopped at a page it lacks, before its last token)
+        if not exact:
+            plan.predicted = None
+        elif plan.complete:
+            plan.predicted = min(held, (len(plan.ids) - 1) // block) * block
+        else:
+            plan.predicted = held * block
         if held < pages and url not in self.expect:
             self.expect[url] = time.time()  # it will store pages: an event should follow
         if block:
@@ -388,7 +416,7 @@ class KvAware(Policy):
         m = self.metrics
         if m is None:
             return
-        m.kv_tokenizer_ready.set(1 if self.tokens.encode is not None else 0)
+        m.kv_tokenizer_ready.set(1 if self.tokenizer is not None else 0)
         now, stats = time.time(), self.kv.stats()
         for url in self.block_size:
             st = stats.get(url)

@@ -28,4 +28,5 @@ class KvAwareConfig(BaseModel):
     attach_retry_secs: float = Field(default=5.0, gt=0)
     """seconds between tries to read the event source of a prefill that did not answer (not started yet)."""
     tokenizer_cache_size: int = Field(default=1024, ge=0)
-    """text prompts whose token ids are kept (least recently used out): system prompts repeat."""
+    """tokenized chunks of repeated prompt prefixes (and whole repeated prompts) kept, least recently used out:
+    system prompts repeat."""

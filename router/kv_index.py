@@ -46,6 +46,7 @@ class KVBatch(NamedTuple):
 
 
 _KINDS = {"BlockStored": "stored", "BlockRemoved": "removed", "AllBlocksCleared": "cleared"}
+_NONE: frozenset[int] = frozenset()
 
 
 def decode_batch(payload: bytes) -> KVBatch:
@@ -116,6 +117,10 @@ class PrefixIndex:
                     n += 1
             out[w] = n
         return out
+
+    def pages(self, worker: str) -> set[int] | frozenset[int]:
+        """The page hashes ``worker`` holds (the live set: read it, do not change it); empty when unknown."""
+        return self._blocks.get(worker) or _NONE
 
     def reset_worker(self, worker: str) -> None:
         """Forget every page of ``worker`` but keep it known (its stream goes on)."""
@@ -376,6 +381,11 @@ class KVIndexManager:
         """Whether ``worker``'s subscriber is alive (added and its task not ended)."""
         sub = self._subs.get(worker)
         return sub is not None and sub.running
+
+    def last_received_at(self, worker: str) -> Optional[float]:
+        """When ``worker``'s last batch arrived (s since the epoch); None before any or when not followed."""
+        sub = self._subs.get(worker)
+        return sub.stats.last_received_at if sub is not None else None
 
     def stats(self) -> dict[str, SubscriberStats]:
         """Each followed worker's counters (live objects: copy them to keep a snapshot)."""

@@ -1,10 +1,9 @@
-"""Where a worker's KV events and tokenizer come from, for the ``kv_aware`` policy (pd.router.kv_aware): its
-``/server_info`` ``kv_events`` block, and text prompts' token ids from the tokenizer its ``/model_info`` names."""
+"""Where a worker's KV events come from, for the ``kv_aware`` policy (pd.router.kv_aware): its ``/server_info``
+``kv_events`` block (the tokenizer its ``/model_info`` names is pd.router.kv_tokenizer's)."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Callable, Optional
+from typing import Optional
 from urllib.parse import urlsplit
 
 _WILDCARD_HOSTS = ("", "*", "0.0.0.0", "::", "[::]")
@@ -34,46 +33,3 @@ def event_source(worker_url: str, info: object) -> tuple[str, Optional[str], str
     replay = info.get("replay_endpoint_port_base")
     return (f"tcp://{host}:{port}", f"tcp://{host}:{replay}" if type(replay) is int else None,
             str(info.get("topic") or ""), block)
-
-
-def load_tokenizer(path: str) -> Callable[[str], list[int]]:
-    """A text -> token ids function as the engines tokenize prompts (BOS prepended when the tokenizer has
-    one, no other special tokens).
-
-    Raises:
-        ImportError: transformers is not installed. OSError / ValueError: no tokenizer at ``path``.
-    """
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    bos = tok.bos_token_id
-    head = [bos] if bos is not None else []
-
-    def encode(text: str) -> list[int]:
-        return head + tok.encode(text, add_special_tokens=False)
-
-    return encode
-
-
-class TokenCache:
-    """Token ids of text prompts, the ``size`` most recently used kept (system prompts repeat)."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.encode: Optional[Callable[[str], list[int]]] = None
-        self._ids: OrderedDict[str, list[int]] = OrderedDict()
-
-    def ids(self, text: str) -> Optional[list[int]]:
-        """The token ids of ``text``; None without a tokenizer."""
-        ids = self._ids.get(text)
-        if ids is not None:
-            self._ids.move_to_end(text)
-            return ids
-        if self.encode is None:
-            return None
-        ids = self.encode(str(text))
-        if self.size:
-            self._ids[text] = ids
-            if len(self._ids) > self.size:
-                self._ids.popitem(last=False)
-        return ids

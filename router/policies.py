@@ -239,12 +239,15 @@ class PromptKey(str):
     kind: str
     kv: Any
     _ids: Optional[list[int]]
+    messages: Optional[list[dict]]
 
-    def __new__(cls, value: str, kind: str, ids: Optional[list[int]] = None) -> "PromptKey":
+    def __new__(cls, value: str, kind: str, ids: Optional[list[int]] = None,
+                messages: Optional[list[dict]] = None) -> "PromptKey":
         self = super().__new__(cls, value)
         self.kind = kind
         self.kv = None
         self._ids = ids  # the request's own list (not copied: the router never changes a prompt)
+        self.messages = messages  # a chat's ``{"role", "content"}`` (text) as the engine templates them
         return self
 
     def token_ids(self) -> Optional[list[int]]:
@@ -265,15 +268,17 @@ def routing_key(route: str, body: dict) -> Optional[PromptKey]:
         msgs = body.get("messages")
         if not isinstance(msgs, list):
             return None
-        parts = []
+        parts, messages = [], []
         for m in msgs:
             if isinstance(m, dict):
                 content = m.get("content")
                 if isinstance(content, list):  # OpenAI content parts: keep the text ones
                     content = "".join(p.get("text", "") for p in content if isinstance(p, dict)
                                       and isinstance(p.get("text"), str))
-                parts.append(f"{m.get('role', '')}\x00{content if isinstance(content, str) else ''}\x00")
-        return PromptKey("".join(parts), "chat") if parts else None
+                content = content if isinstance(content, str) else ""
+                parts.append(f"{m.get('role', '')}\x00{content}\x00")
+                messages.append({"role": m.get("role"), "content": content})
+        return PromptKey("".join(parts), "chat", messages=messages) if parts else None
     prompt = body.get("text") if route == "/generate" else body.get("prompt")
     if route == "/generate" and prompt is None:
         prompt = body.get("input_ids")

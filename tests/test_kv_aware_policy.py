@@ -14,10 +14,13 @@ import httpx
 import pytest
 
 from engines import start_engine, wait_ready
+from kv_tokenizers import char_tokenizer
 from pd.router.config import RouterConfig
-from pd.router.kv_aware import KvAware, KvPlan, kv_cost
+from pd.router.kv_aware import KvAware, kv_cost
 from pd.router.kv_index import KVBatch, KVEvent, SubscriberStats
-from pd.router.kv_source import TokenCache, event_source
+from pd.router.kv_plan import KvPlan
+from pd.router.kv_source import event_source
+from pd.router.kv_tokenizer import PromptTokenizer
 from pd.router.metrics import RouterMetrics
 from pd.router.policies import PromptKey, routing_key
 from pd.router.tokens import count_all
@@ -57,19 +60,6 @@ def test_event_source_from_server_info():
             event_source("http://h:1", bad)
 
 
-def test_token_cache_is_a_bounded_lru():
-    calls = []
-    cache = TokenCache(2)
-    assert cache.ids("a") is None  # no tokenizer yet
-    cache.encode = lambda t: calls.append(t) or [ord(c) for c in t]
-    assert cache.ids("ab") == [97, 98] and cache.ids("ab") == [97, 98] and calls == ["ab"]
-    cache.ids("c")
-    cache.ids("ab")  # most recent again
-    cache.ids("d")  # evicts "c"
-    cache.ids("c")
-    assert calls == ["ab", "c", "d", "c"]
-
-
 def test_cached_tokens_ride_along_the_token_count_scan():
     answer = b'{"text":"x","meta_info":{"prompt_tokens":30,"completion_tokens":4,"cached_tokens":28}}'
     assert count_all(answer) == (30, 4, 28)
@@ -97,6 +87,7 @@ class Harness:
         self.stats = {}
         self.policy.kv.following = lambda url: url in self.stats  # type: ignore[method-assign]
         self.policy.kv.stats = lambda: self.stats  # type: ignore[method-assign]
+        self.policy.kv.last_received_at = lambda url: self.stats[url].last_received_at  # type: ignore[method-assign]
 
     def follow(self, worker, held: list[int] = ()):
         """``worker`` publishes (pages of PAGE tokens) and holds the pages of ``held``'s leading tokens."""
@@ -143,6 +134,31 @@ def test_a_burst_of_one_new_prompt_stays_on_one_worker_before_any_event():
     assert other is not first
 
 
+def test_a_burst_of_one_new_text_prompt_stays_on_one_worker():
+    """A text prompt is tokenized only as far as a worker holds it, and one whose first characters no prompt
+    routed lately had is placed as a miss untokenized. A second copy finds the first one's first page pending
+    on the worker that got it and hashes the sent prompt further, page by page: the whole prompt counts as
+    pending there and the copy follows it; a prompt sharing only the system part gets that part's pages; a new
+    one is not tokenized."""
+    h = Harness()
+    h.follow(h.a)
+    h.follow(h.b)
+    h.policy.tokenizer = PromptTokenizer(char_tokenizer(), 16)  # one token per character
+    system = "You answer questions about the router, briefly and politely. " * 3  # 183 tokens
+    key = routing_key("/generate", {"text": system + "What is a page?"})
+    first = h.pool.pick_prefill(key)
+    assert not key.kv.known and key.kv.hashed(PAGE) == [] and key.kv.predicted == 0  # untokenized miss
+    first.prompt_blocks += key.kv.blocks  # its prefill is in flight
+    again = routing_key("/generate", {"text": system + "What is a page?"})
+    assert h.pool.pick_prefill(again) is first
+    assert again.kv.known and again.kv.predicted == (len(system) + 14) // PAGE * PAGE
+    first.prompt_blocks = 0  # both answered
+    other = routing_key("/generate", {"text": system + "How is it held?"})
+    assert h.pool.pick_prefill(other) is first and other.kv.predicted == len(system) // PAGE * PAGE
+    new = routing_key("/generate", {"text": "Something else entirely. " * 8})
+    assert h.pool.pick_prefill(new) is not first and new.kv.hashed(PAGE) == []
+
+
 def test_a_new_prefix_goes_to_the_emptiest_cache():
     """A miss everywhere costs the same: the worker whose index holds fewest pages takes the new prefix, so
     tenants spread over the caches instead of crowding the ones round-robin happened to pick."""
@@ -173,15 +189,18 @@ def test_pages_are_hashed_only_as_far_as_a_worker_matches():
     ids = prompt(41)  # 10 pages
     want = [h for _, h in page_hashes(ids, PAGE)]
     plan = KvPlan(ids)
-    assert plan.hashes(PAGE, 3) == want[:3] and plan.hashes(PAGE, 10) == want and plan.hashes(PAGE, 99) == want
+    assert plan.page(PAGE, 2) == want[2] and len(plan.hashed(PAGE)) == 3
+    assert [plan.page(PAGE, k) for k in range(11)] == want + [None]
     h = Harness()
-    h.follow(h.a, ids)  # all 10 pages: past the first 8 hashed
+    h.follow(h.a, ids)  # all 10 pages
     h.follow(h.b, ids[:8])
     key = routing_key("/generate", {"input_ids": ids})
     assert h.pool.pick_prefill(key) is h.a and key.kv.predicted == 40
     fresh = routing_key("/generate", {"input_ids": prompt(41)})
-    h.policy.pick([h.a, h.b], fresh)  # the decision alone (the chosen worker then remembers every sent page)
-    assert len(fresh.kv.hashes(PAGE, 0)) == 0 and len(fresh.kv._hashes[PAGE][0]) == 8  # a miss: 8 pages hashed
+    h.pool.pick_prefill(fresh)
+    assert len(fresh.kv.hashed(PAGE)) == 1  # a miss everywhere: only its first page was hashed
+    sent = h.policy.pending[fresh.kv.worker.url]
+    assert len(sent) == 1  # ...and counts as sent; its later pages come through its frontier if asked
 
 
 def test_a_worker_whose_events_stopped_is_estimated_as_cache_aware_does():
@@ -208,10 +227,11 @@ def test_without_live_events_or_token_ids_the_decision_is_cache_aware():
     h.follow(h.b)
     assert h.pool.pick_prefill(routing_key("/generate", {"text": "no tokenizer yet"})) in (h.a, h.b)
     assert h.fallbacks("no_token_ids") == 1
-    h.policy.tokens.encode = lambda t: [ord(c) for c in t]
+    h.policy.tokenizer = PromptTokenizer(char_tokenizer(), 16)
     key = routing_key("/generate", {"text": "with a tokenizer now"})
     h.pool.pick_prefill(key)
-    assert h.fallbacks("no_token_ids") == 1 and key.kv.ids[:4] == [119, 105, 116, 104]
+    assert h.fallbacks("no_token_ids") == 1 and key.kv.page(PAGE, 0) is not None
+    assert key.kv.ids[:4] == [119, 105, 116, 104]  # tokenized when a page was asked for
 
 
 def test_a_removed_worker_is_forgotten():
@@ -239,8 +259,10 @@ def kv_cluster(model_cache, tmp_path_factory):
     timeouts = ("--disaggregation-bootstrap-timeout", "60", "--disaggregation-waiting-timeout", "60")
     events = '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", "bind": true, ' \
              '"replay_endpoint": "tcp://127.0.0.1:0"}'
-    engines = [start_engine("prefill", logs, *page, *timeouts, "--kv-events-config", events) for _ in range(2)]
-    engines.append(start_engine("decode", logs, *page, *timeouts))
+    report = ("--enable-cache-report",)  # chat answers' usage carries cached_tokens
+    engines = [start_engine("prefill", logs, *page, *timeouts, *report, "--kv-events-config", events)
+               for _ in range(2)]
+    engines.append(start_engine("decode", logs, *page, *timeouts, *report))
     router = None
     try:
         wait_ready(engines)
@@ -332,3 +354,45 @@ def test_repeats_go_to_the_prefill_that_cached_the_prompt_and_load_to_the_idle_o
     assert _metric(text, "pdserve_router_kv_predicted_cached_tokens_total") == 5 * 28 + r.json()["meta_info"][
         "cached_tokens"]
     assert _metric(text, "pdserve_router_kv_fallbacks_total") == 0
+
+
+def test_a_repeated_chat_is_predicted_as_the_engine_caches_it(kv_cluster):
+    """Chat prompts are rendered with the chat template as the engine renders them: the router's predicted
+    cached tokens equal the engines' reported ``cached_tokens`` for a repeated conversation and its next turn,
+    with no fallback (a chat used to fall back to cache_aware)."""
+    router, p1, p2, _ = kv_cluster
+
+    def totals() -> tuple[float, float, float]:
+        text = httpx.get(router.url + "/metrics", timeout=10).text
+        return (_metric(text, "pdserve_router_kv_predicted_cached_tokens_total"),
+                _metric(text, "pdserve_router_kv_reported_cached_tokens_total"),
+                _metric(text, "pdserve_router_kv_fallbacks_total"))
+
+    def chat(messages: list[dict]) -> tuple[str, int]:
+        r = httpx.post(router.url + "/v1/chat/completions", timeout=120,
+                       json={"messages": messages, "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        return out["choices"][0]["message"]["content"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    wait_until(lambda: _metric(httpx.get(router.url + "/metrics", timeout=10).text,
+                               "pdserve_router_kv_tokenizer_ready") == 1, 60, interval=0.2,
+               what="the router's tokenizer loaded")
+    before = totals()
+    messages = [{"role": "system", "content": f"conversation {next(_fresh)}: you answer in three words."},
+                {"role": "user", "content": "which prefill holds this conversation's pages?"}]
+    blocks = lambda: _metric(httpx.get(router.url + "/metrics", timeout=10).text,  # noqa: E731
+                             "pdserve_router_kv_index_blocks")
+    seen = blocks()
+    answer, cached = chat(messages)
+    assert cached == 0
+    wait_until(lambda: blocks() > seen, 30, interval=0.1, what="the chat's pages in the router's index")
+    again_answer, again = chat(messages)
+    assert again > 0
+    turn = messages + [{"role": "assistant", "content": again_answer},
+                       {"role": "user", "content": "and the next turn?"}]
+    _, follow = chat(turn)
+    assert follow >= again // PAGE * PAGE - PAGE  # the conversation so far, but the last page of the old prompt
+    predicted, reported, fallbacks = (a - b for a, b in zip(totals(), before))
+    assert reported == again + follow and predicted == reported
+    assert fallbacks == 0

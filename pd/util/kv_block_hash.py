@@ -4,12 +4,19 @@ kv_aware policy both call ``page_hashes``)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Sequence
 from typing import Optional
 
 DIGEST_BYTES = 32  # SHA-256
+
+
+@functools.lru_cache(maxsize=64)
+def _packer(page_size: int):
+    """One page of uint32 ids as little-endian bytes (compiled once per page size: a router hashes per request)."""
+    return struct.Struct(f"<{page_size}I").pack
 
 
 def page_hashes(
@@ -41,7 +48,7 @@ def page_hashes(
         raise ValueError(f"page_size must be positive, got {page_size}")
     if prior_digest is not None and len(prior_digest) != DIGEST_BYTES:
         raise ValueError(f"prior_digest must be {DIGEST_BYTES} bytes, got {len(prior_digest)}")
-    pack = struct.Struct(f"<{page_size}I").pack
+    pack = _packer(page_size)
     out = []
     prior = prior_digest
     for start in range(0, len(token_ids) - page_size + 1, page_size):
