@@ -36,7 +36,7 @@ LOST_BOUND = 30.0  # a lost node: Ray declares it dead in ~3-6 s (tests/ray_netn
 RECOVER_BOUND = 90.0  # from a rejoined Ray node to a 200 through the router (engine start included)
 
 
-def cluster_config(router_host: str, prefill_replicas: int = 1) -> dict:
+def cluster_config(router_host: str, prefill_replicas: int = 1, prefill_policy: str | None = None) -> dict:
     """The embedded default placed by custom resources, with short router timeouts and checks for the faults."""
     return {
         "model_path": "builtin:tiny", "engine": "reference",
@@ -44,7 +44,7 @@ def cluster_config(router_host: str, prefill_replicas: int = 1) -> dict:
         "prefill": {"replicas": prefill_replicas, "tp_size": 1, "placement": {"resources": {"prefill_node": 1}}},
         "decode": {"replicas": 1, "tp_size": 1, "placement": {"resources": {"decode_node": 1}}},
         "transfer": {"backend": "mooncake", "protocol": "tcp"},
-        "router": {"host": router_host, "port": 8000, "drain_timeout_secs": 2,
+        "router": {"host": router_host, "port": 8000, "drain_timeout_secs": 2, "prefill_policy": prefill_policy,
                    "timeouts": {"connect": CONNECT, "first_token": FIRST_TOKEN, "stream_idle": STREAM_IDLE,
                                 "request": 120},
                    "health_check": {"interval_secs": 1, "timeout_secs": 1, "failure_threshold": 2}},
@@ -69,9 +69,10 @@ def cluster(model_cache):
 
 @pytest.fixture(scope="module")
 def job(cluster):
-    """The 1P (host b) + 1D (host c) cluster: (job id, router URL, workers by role)."""
+    """The 1P (host b) + 1D (host c) cluster, prefills routed with kv_aware: (job id, router URL, workers by
+    role)."""
     head = cluster.net.hosts["head"].address
-    job = cluster.submit_config(cluster_config(head))
+    job = cluster.submit_config(cluster_config(head, prefill_policy="kv_aware"))
     try:
         url = cluster.wait_log(job, r"pdserve: router ready at (\S+)").group(1)
         workers = {w["role"]: w for w in cluster.workers(job)}
@@ -201,6 +202,51 @@ def test_engines_advertise_their_own_hosts_and_kv_crosses_over_tcp(cluster, job,
     assert sent["prefill"] > 0 and sent["prefill"] == sent["decode"], sent
     # the KV bytes went through host c's link (the bridge), not a loopback inside one namespace
     assert veth_bytes(cluster, "c") - link_before >= sent["decode"]
+
+
+def router_kv(url: str, worker: str) -> dict[str, float]:
+    """The router's ``pdserve_router_kv_*`` samples about ``worker`` (and its fallbacks, by reason), by name."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.startswith("pdserve_router_kv_") and s.labels.get("worker", worker) == worker:
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def test_kv_aware_router_follows_the_prefills_events_across_hosts(cluster, job):
+    """The launcher has the prefill on host b publish its KV events on b's own address; the router on the head
+    subscribes across the bridge, its index mirrors what the engine caches, and it predicts the cached tokens
+    the engine then reports."""
+    jid, url, workers = job
+    pre, b = workers["prefill"], cluster.net.hosts["b"]
+    pub, _ = pre["kv_events_ports"]  # reserved on b by the launcher; the decode publishes none
+    assert workers["decode"]["kv_events_ports"] is None
+    endpoint = f"tcp://{b.address}:{pub}"  # what the prefill's /server_info told the router
+    cluster.wait_log(jid, rf"\[router\] .*kv_aware: following KV events of {re.escape(pre['url'])} at "
+                          rf"{re.escape(endpoint)} \(pages of 16 tokens\)", timeout=30)
+    prompt = [3 + (7 * i) % 250 for i in range(52)]  # 3 whole pages of 16 tokens, and 4 more
+
+    def send() -> dict:
+        r = httpx.post(url + "/generate", json={"input_ids": prompt, "sampling_params": GEN}, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["meta_info"]
+
+    before = router_kv(url, pre["url"])
+    assert send()["cached_tokens"] == 0
+    # the 3 pages' BlockStored event crosses from b to the head: the index holds what the engine keeps
+    engine_pages = before["pdserve_router_kv_index_blocks"] + 3
+    wait_until(lambda: router_kv(url, pre["url"])["pdserve_router_kv_index_blocks"] == engine_pages, 10,
+               interval=0.2, what="the router's index holding the prompt's pages", retry=(httpx.HTTPError,))
+    assert metric(pre["url"], "pdserve_kv_pages_cached") == engine_pages
+    assert send()["cached_tokens"] == 48  # a hit stops short of the whole prompt
+    after = router_kv(url, pre["url"])
+    gained = {k: after[k] - before[k] for k in after if k.endswith("_cached_tokens_total")}
+    assert gained == {"pdserve_router_kv_predicted_cached_tokens_total": 48,
+                      "pdserve_router_kv_reported_cached_tokens_total": 48}, after
+    assert 0 <= after["pdserve_router_kv_events_lag_seconds"] < 60
+    assert after["pdserve_router_kv_fallbacks_total"] == 0
 
 
 def test_host_killed_with_requests_in_flight_then_rejoined(cluster, job, engines):
