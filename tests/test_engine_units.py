@@ -180,8 +180,8 @@ def test_engine_refuses_a_model_path_that_is_not_a_checkpoint_directory(tmp_path
     (tmp_path / "config.json").write_text("{}")
     assert check(str(tmp_path)).model_path == str(tmp_path)
     assert check("builtin:tiny").model_path == "builtin:tiny"
-    with pytest.raises(EngineSettingsError,
-                       match=r"^--model-path builtin:huge: unknown built-in model \(known: builtin:tiny\)"):
+    with pytest.raises(EngineSettingsError, match=r"^--model-path builtin:huge: unknown built-in model "
+                                                  r"\(known: builtin:tiny, builtin:deep\)"):
         check("builtin:huge")
 
 

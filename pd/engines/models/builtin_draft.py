@@ -1,5 +1,5 @@
-"""The built-in MTP draft of ``builtin:tiny``: initialised from a seed, fitted to the target in closed form,
-written once beside the target's checkpoint.
+"""The built-in MTP draft of a built-in target (``builtin:tiny``, ``builtin:deep``): initialised from a seed,
+fitted to that target in closed form, written once beside the target's checkpoint.
 
 Fit (deterministic, no gradient descent): the draft should map (x_{i+1}, h_i) to the target's next hidden
 h_{i+1}, whose LM-head logits give the target's greedy token at i + 1. Training pairs come from the
@@ -17,7 +17,9 @@ Cost at first use on the 2-core CPU: about 1 s alone (generation and the three f
 are shared with running engines; the target itself is closed form (``pd.engines.models.builtin_model``, ~1 s to
 write). Result, by the offline simulator of tests/spec_simulator.py with 3 draft tokens at temperature 0 on 32
 seeded random prompts of 8-64 tokens (32 new tokens each): 3.1 tokens per verify step (of the 326 steps, 187
-accepted all three drafts); the same draft before the fit: 1.0 (nothing accepted).
+accepted all three drafts); the same draft before the fit: 1.0 (nothing accepted). builtin:deep's draft (same
+recipe, fitted to its 22-layer target) costs about 7 s at first use on the 2 idle cores and gives 3.1 tokens per
+verify step on the same kind of prompts (tests/test_builtin_deep.py).
 """
 
 from __future__ import annotations
@@ -36,24 +38,39 @@ WEIGHTS_FILE = "model.safetensors"
 FIT_PROMPTS = 64
 FIT_TOKENS = 32
 FIT_BATCH = 8  # prompts of one length generated together
+# builtin:deep's forwards cost ~11x builtin:tiny's: the same number of prompts, generated 32 at a time (4x fewer
+# forward calls; lengths vary between batches only)
+FIT_BATCHES = {builtin_model.BUILTIN_PREFIX + "deep": 32}
 FIT_ROUNDS = 3
 RIDGE = 1e-3
 BRANCH_SCALE = 0.3  # the draft layer's attention / expert output projections, against eh_proj's output
 MOE = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128}
 
 
-def draft_dir() -> Path:
-    """The built-in draft's directory: beside builtin:tiny's, named by both recipes' versions."""
-    target = builtin_model.tiny_dir()
+TINY = builtin_model.BUILTIN_PREFIX + "tiny"
+
+
+def draft_dir(model_path: str = TINY) -> Path:
+    """The built-in draft's directory of built-in target ``model_path``: beside the target's, named by both
+    recipes' versions.
+
+    Raises:
+        ValueError: not a known built-in name.
+    """
+    target = builtin_model.model_dir(model_path)
     return target.parent / f"{target.name}-mtp-v{DRAFT_FORMAT}"
 
 
-def ensure_builtin_draft() -> Path:
-    """The built-in draft's directory, written (target first) on first use."""
-    target = Path(builtin_model.resolve_model_path(builtin_model.BUILTIN_MODELS[0]))
-    out = draft_dir()
+def ensure_builtin_draft(model_path: str = TINY) -> Path:
+    """The built-in draft's directory of built-in target ``model_path``, written (target first) on first use.
+
+    Raises:
+        ValueError: not a known built-in name.
+    """
+    target = Path(builtin_model.resolve_model_path(model_path))
+    out = draft_dir(model_path)
     if not (out / WEIGHTS_FILE).exists():
-        write_builtin_draft(target, out)
+        write_builtin_draft(target, out, FIT_BATCHES.get(model_path, FIT_BATCH))
     return out
 
 
@@ -112,22 +129,23 @@ def init_weights(cfg: dict) -> dict:
     return w
 
 
-def fit_prompts(vocab_size: int) -> list[list[int]]:
+def fit_prompts(vocab_size: int, batch: int = FIT_BATCH) -> list[list[int]]:
     """The fit's seeded random prompts: ``FIT_PROMPTS`` of them, 8-64 tokens of ids 3.. (no pad/EOS/UNK),
-    equal lengths within each batch of ``FIT_BATCH``."""
+    equal lengths within each batch of ``batch``."""
     import torch
 
     g = torch.Generator().manual_seed(DRAFT_SEED + 1)
     prompts = []
-    for _ in range(FIT_PROMPTS // FIT_BATCH):
+    for _ in range(FIT_PROMPTS // batch):
         length = int(torch.randint(8, 65, (1,), generator=g))
-        prompts += torch.randint(3, vocab_size, (FIT_BATCH, length), generator=g).tolist()
+        prompts += torch.randint(3, vocab_size, (batch, length), generator=g).tolist()
     return prompts
 
 
-def target_sequences(model, prompts: list[list[int]]):
+def target_sequences(model, prompts: list[list[int]], batch: int = FIT_BATCH):
     """Greedy continuations (``FIT_TOKENS`` each) of ``prompts`` by the HF target ``model``, and each
-    position's final-norm hidden state: a list of (ids [L] int64, hidden [L, H] fp32), one per prompt."""
+    position's final-norm hidden state: a list of (ids [L] int64, hidden [L, H] fp32), one per prompt. Prompts
+    are generated ``batch`` at a time (each batch of equal lengths)."""
     import inspect
 
     import torch
@@ -137,8 +155,8 @@ def target_sequences(model, prompts: list[list[int]]):
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = []
     with torch.inference_mode():
-        for b in range(0, len(prompts), FIT_BATCH):
-            ids = torch.tensor(prompts[b : b + FIT_BATCH])
+        for b in range(0, len(prompts), batch):
+            ids = torch.tensor(prompts[b : b + batch])
             cache = DynamicCache(config=model.config)
             step = ids
             for _ in range(FIT_TOKENS):
@@ -172,24 +190,25 @@ def fit_eh_proj(w: dict, cfg: dict, embed, seqs) -> None:
                                   - zi @ w["eh_proj.weight"].T for (ids, h), zi in zip(seqs, zs)]).double()
 
 
-def build_draft(target_path: Path) -> tuple[dict, dict]:
-    """(config, weights) of the fitted draft of the checkpoint at ``target_path``."""
+def build_draft(target_path: Path, batch: int = FIT_BATCH) -> tuple[dict, dict]:
+    """(config, weights) of the fitted draft of the checkpoint at ``target_path`` (``batch``: fit prompts
+    generated together)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=torch.float32).eval()
     cfg = draft_config(model.config)
     w = init_weights(cfg)
-    seqs = target_sequences(model, fit_prompts(cfg["vocab_size"]))
+    seqs = target_sequences(model, fit_prompts(cfg["vocab_size"], batch), batch)
     fit_eh_proj(w, cfg, model.model.embed_tokens.weight.detach(), seqs)
     return cfg, w
 
 
-def write_builtin_draft(target_path: Path, out: Path) -> None:
+def write_builtin_draft(target_path: Path, out: Path, batch: int = FIT_BATCH) -> None:
     """Fit the draft of ``target_path`` and write it to ``out`` atomically (temp dir, then rename):
     config.json and model.safetensors (names ``model.*`` as in SGLang's NextN checkpoints; no embedding or
     LM head, the target's are shared)."""
-    save_draft(*build_draft(target_path), out)
+    save_draft(*build_draft(target_path, batch), out)
 
 
 def save_draft(cfg: dict, w: dict, out: Path) -> None:

@@ -1,4 +1,5 @@
-"""The embedded default model ``builtin:tiny``: a seeded small Llama with a byte-level tokenizer.
+"""The embedded default model ``builtin:tiny``: a seeded small Llama with a byte-level tokenizer; and
+``builtin:deep``, the speculative-decoding benchmark's target: the same recipe with 22 layers instead of 2.
 
 Written once to a cache directory as an ordinary Hugging Face checkpoint (config.json,
 model.safetensors, tokenizer files with a chat template) and then loaded like any local
@@ -25,10 +26,9 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TypedDict
+from typing import NamedTuple, TypedDict
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_MODELS = (BUILTIN_PREFIX + "tiny",)  # the --model-path values written here on first use
 SEED = 0
 # Bumped whenever the weights' recipe changes, so a cache written by an older recipe is not reused.
 FORMAT = 2
@@ -71,6 +71,30 @@ TINY: TinyShape = {
 }
 
 
+# builtin:deep, for benchmarks (not the test suite): builtin:tiny's tokenizer, vocabulary and width with 22 layers,
+# so that on a CPU one target forward costs about 12 draft forwards, as DeepSeek-V4-Flash's 43 layers cost against
+# its one MTP layer on an H100 at batch 1 (benchmarks/results/spec_model_work_gpu.md measures both ratios).
+DEEP: TinyShape = {**TINY, "num_hidden_layers": 22}
+# More layers add more branch output to the residual stream, so the branches are scaled down further: at 0.037 the
+# greedy token is the table's successor 83% of the time and the fitted draft's accept length is 3.1 with 3 draft
+# tokens (builtin:tiny: 80% and 3.0; 32 seeded random prompts, 32 tokens each; 0.034 gives 91%, 0.039 76%).
+DEEP_BRANCH_SCALE = 0.037
+DEEP_FORMAT = 1  # builtin:deep's own recipe version (bumping it leaves builtin:tiny's cache valid)
+
+
+class Recipe(NamedTuple):
+    """How one built-in model is written: its dimensions, branch scale (:func:`shape_predictable`) and recipe
+    version (part of its cache directory's name)."""
+
+    shape: TinyShape
+    branch_scale: float
+    format: int
+
+
+RECIPES = {"tiny": Recipe(TINY, BRANCH_SCALE, FORMAT), "deep": Recipe(DEEP, DEEP_BRANCH_SCALE, DEEP_FORMAT)}
+BUILTIN_MODELS = tuple(BUILTIN_PREFIX + name for name in RECIPES)  # the --model-path values written on first use
+
+
 def cache_dir() -> Path:
     """Where built-in checkpoints are written: ``$PDSERVE_CACHE`` or ``~/.cache/pdserve``."""
     root = os.environ.get("PDSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pdserve")
@@ -87,17 +111,37 @@ def resolve_model_path(model_path: str) -> str:
     """
     if not model_path.startswith(BUILTIN_PREFIX):
         return model_path
-    if model_path not in BUILTIN_MODELS:
-        raise ValueError(f"--model-path: unknown built-in model {model_path!r}; known: {', '.join(BUILTIN_MODELS)}")
-    target = tiny_dir()
+    target = model_dir(model_path)
     if not (target / "model.safetensors").exists():
-        write_tiny(target)
+        write_model(target, model_path)
     return str(target)
+
+
+def recipe(model_path: str) -> Recipe:
+    """The recipe of built-in ``model_path`` (``builtin:NAME``).
+
+    Raises:
+        ValueError: not a known built-in name.
+    """
+    name = model_path.removeprefix(BUILTIN_PREFIX)
+    if not model_path.startswith(BUILTIN_PREFIX) or name not in RECIPES:
+        raise ValueError(f"--model-path: unknown built-in model {model_path!r}; known: {', '.join(BUILTIN_MODELS)}")
+    return RECIPES[name]
+
+
+def model_dir(model_path: str) -> Path:
+    """A built-in model's checkpoint directory under :func:`cache_dir` (named by recipe version and seed).
+
+    Raises:
+        ValueError: not a known built-in name.
+    """
+    name = model_path.removeprefix(BUILTIN_PREFIX)
+    return cache_dir() / f"{name}-v{recipe(model_path).format}-seed{SEED}"
 
 
 def tiny_dir() -> Path:
     """The builtin:tiny checkpoint directory under :func:`cache_dir` (named by recipe version and seed)."""
-    return cache_dir() / f"tiny-v{FORMAT}-seed{SEED}"
+    return model_dir(BUILTIN_PREFIX + "tiny")
 
 
 def successor_table(vocab_size: int):
@@ -108,14 +152,14 @@ def successor_table(vocab_size: int):
     return torch.randperm(vocab_size, generator=torch.Generator().manual_seed(SUCCESSOR_SEED))
 
 
-def shape_predictable(model) -> None:
+def shape_predictable(model, branch_scale: float = BRANCH_SCALE) -> None:
     """Make a random Llama follow :func:`successor_table` most of the time (in place, closed form).
 
     ``lm_head[succ[x]] = LM_HEAD_GAIN / H * E[x] / rms(E[x])``: the final hidden state is
     ``RMSNorm(E[x] + attention + MLP)`` (norm of sqrt(H)), so succ[x]'s logit is about
     ``LM_HEAD_GAIN * cos(hidden, E[x])`` while other tokens get the near-orthogonal rows of other
     embeddings (|cos| ~ 1/sqrt(H)). The attention and MLP output projections are scaled by
-    ``BRANCH_SCALE``, which sets how often the context overrides the table.
+    ``branch_scale`` (builtin:tiny's ``BRANCH_SCALE``), which sets how often the context overrides the table.
     """
     import torch
 
@@ -127,15 +171,25 @@ def shape_predictable(model) -> None:
         head[successor_table(emb.shape[0])] = unit * (LM_HEAD_GAIN / hidden)
         model.lm_head.weight.copy_(head)
         for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(BRANCH_SCALE)
-            layer.mlp.down_proj.weight.mul_(BRANCH_SCALE)
+            layer.self_attn.o_proj.weight.mul_(branch_scale)
+            layer.mlp.down_proj.weight.mul_(branch_scale)
 
 
 def write_tiny(target: Path) -> None:
     """Write the builtin:tiny checkpoint to ``target`` atomically (temp dir, then rename)."""
+    write_model(target, BUILTIN_PREFIX + "tiny")
+
+
+def write_model(target: Path, model_path: str) -> None:
+    """Write built-in ``model_path``'s checkpoint to ``target`` atomically (temp dir, then rename).
+
+    Raises:
+        ValueError: not a known built-in name.
+    """
     import torch
     from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
 
+    spec = recipe(model_path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = ByT5Tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -145,7 +199,7 @@ def write_tiny(target: Path) -> None:
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
         tie_word_embeddings=False,
-        **TINY,
+        **spec.shape,
     )
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config)
@@ -154,8 +208,8 @@ def write_tiny(target: Path) -> None:
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, WEIGHT_STD)
-    shape_predictable(model)
-    tmp = tempfile.mkdtemp(dir=target.parent, prefix=".tiny-")
+    shape_predictable(model, spec.branch_scale)
+    tmp = tempfile.mkdtemp(dir=target.parent, prefix=f".{model_path.removeprefix(BUILTIN_PREFIX)}-")
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)

@@ -29,9 +29,10 @@ DRAFT_FLAG = "--speculative-draft-model-path"
 def resolve_draft_path(model_path: str, draft_path: str | None) -> str:
     """The draft checkpoint directory for target ``model_path``.
 
-    ``draft_path`` given: returned as is. None with ``builtin:tiny``: the built-in draft's directory
-    (fitted and written on first use beside the target under ``builtin_model.cache_dir()``, atomically;
-    about 1 s on 2 CPU cores, see ``pd.engines.models.builtin_draft``).
+    ``draft_path`` given: returned as is. None with a built-in target (``builtin:tiny``, ``builtin:deep``): its
+    built-in draft's directory (fitted to it and written on first use beside the target under
+    ``builtin_model.cache_dir()``, atomically; about 1 s on 2 CPU cores for builtin:tiny, see
+    ``pd.engines.models.builtin_draft``).
 
     Raises:
         ValueError: None for any other model (it has no built-in draft), naming the flag.
@@ -41,9 +42,9 @@ def resolve_draft_path(model_path: str, draft_path: str | None) -> str:
     if model_path in BUILTIN_MODELS:
         from pd.engines.models.builtin_draft import ensure_builtin_draft
 
-        return str(ensure_builtin_draft())
+        return str(ensure_builtin_draft(model_path))
     raise ValueError(f"{DRAFT_FLAG}: required for --model-path {model_path!r} (only {', '.join(BUILTIN_MODELS)} "
-                     f"has a built-in draft)")
+                     f"have a built-in draft)")
 
 
 def crop_cache(cache, num_tokens: int) -> None:
