@@ -1,29 +1,41 @@
-"""Speculative decoding on vs off, through the router on the embedded default, in one run.
+"""Speculative decoding: off vs fixed depths vs adaptive depth, through the router, in one run.
 
 What is measured
 ----------------
-Two PD stacks run side by side as subprocesses: each is ``pdserve router`` over one prefill and one decode
-reference engine serving ``builtin:tiny``; one stack has speculation off, the other ``--speculative-algorithm
-EAGLE --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4`` on both engines
-(the built-in MTP draft). The same seeded prompts (random token ids, 8-64 long) go to both, as streaming
-``/generate`` requests through the router at temperature 0 with ``max_new_tokens`` fixed and ``ignore_eos``, at
-each concurrency (1 and 8 by default). Rounds alternate between the stacks (off, on, off, on, ...) so both see
-the same machine state; the greedy outputs of the two stacks are checked token for token.
+One PD stack per variant runs side by side as subprocesses: ``pdserve router`` over one prefill and one decode
+reference engine serving ``--model`` (default ``builtin:deep``, the benchmark target whose forward costs several
+draft forwards, as DeepSeek-V4's does on a GPU: benchmarks/results/spec_model_work_gpu.md). Variants: speculation
+``off``; fixed depths ``d1``, ``d3``, ``d5`` (``--speculative-algorithm EAGLE --speculative-num-steps K
+--speculative-eagle-topk 1 --speculative-num-draft-tokens K+1`` on both engines, the built-in MTP draft); and
+``adaptive`` (``--speculative-algorithm EAGLE --speculative-adaptive``, SGLang's default tiers), which is skipped,
+saying so, while the engine has no such flag.
 
-Per request, from the client: TTFT (first chunk), TPOT = (E2E - TTFT) / (tokens - 1), and decode tokens/s per
-stream = (tokens - 1) / (E2E - TTFT). From the decode engine's ``/metrics`` before and after each round:
-``sglang:spec_verify_calls_total`` and the per-request ``meta_info.spec_verify_ct`` give the mean accept length
-(tokens per verify step, the bonus included: SGLang's ``spec_accept_length``); ``pdserve_spec_step_seconds``
-(phases draft / verify / extend) gives the verify step's share of the speculative step time and of the decode
-time (sum over requests of E2E - TTFT).
+Sweep: at each concurrency (1, 2, 4, 8, 16 by default) ``--rounds`` rounds; each round sends the same seeded
+prompts (random token ids, 8-64 long; ``max(--num-prompts, concurrency)`` of them) to every variant in turn, the
+variants' order rotated between rounds, as streaming ``/generate`` requests at temperature 0 with
+``max_new_tokens`` fixed and ``ignore_eos``. Mixed phase: ``--mixed-cycles`` cycles, each ``--mixed-low``
+requests one at a time then ``--mixed-high`` at once (concurrency 1, then 16), per variant in turn (rotated): the
+total tokens / total wall time of each variant.
+
+Per request, from the client: TTFT (first chunk), TPOT = (E2E - TTFT) / (tokens - 1), decode tokens/s per stream =
+(tokens - 1) / (E2E - TTFT); medians per (variant, concurrency). Accept length: tokens after the first per verify
+step (``meta_info.spec_verify_ct``; SGLang's ``spec_accept_length``). Depth chosen: the decode's
+``sglang:spec_num_steps`` gauge, sampled every 0.25 s during the adaptive variant's rounds (its share of samples at
+each depth) and read after every fixed-depth round (a check that it is the depth asked for). The greedy outputs of
+every variant are compared with ``off``'s token for token.
+
+Targets (``targets`` in the JSON): speedup_c1: the best speculative variant's decode tokens/s per stream at
+concurrency 1 over ``off``'s (>= 1.5x); adaptive_vs_best_fixed: adaptive over the best fixed depth at every
+concurrency (>= 0.95x at each); adaptive_mixed_vs_fixed: adaptive's total tokens/s in the mixed phase over the
+best fixed depth's (> 1.0x).
 
 Reproduce
 ---------
     .venv/bin/python benchmarks/speculative.py                 # writes benchmarks/results/speculative.{json,md}
-    .venv/bin/python benchmarks/speculative.py --quick         # a short run
+    .venv/bin/python benchmarks/speculative.py --quick --out /tmp/spec   # a short smoke run
 
-Torch in each engine gets one thread (``--cpu-threads 1``): the 2-core machine runs four engines, two routers
-and the client.
+Torch in each engine gets one thread (``--cpu-threads 1``): the 2-core machine runs the stacks, which idle while
+another variant's round runs, and the client.
 """
 
 from __future__ import annotations
@@ -33,7 +45,6 @@ import asyncio
 import datetime as dt
 import json
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -41,35 +52,41 @@ from pathlib import Path
 
 import httpx
 from kv_transfer import git_commit, machine
+from speculative_report import markdown, summarize, targets
 
 from pd.cluster.procs import LoggedGroup
 from pd.util.ports import free_ports
 from pd.util.wait import async_wait_until
 
 REPO = Path(__file__).resolve().parent.parent
-SPEC_FLAGS = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
-              "--speculative-num-draft-tokens", "4"]
-TARGET_SPEEDUP = 1.5  # decode tokens/s per stream at concurrency 1, on / off
-WHY = """Why the speedup is small here: speculation trades target forwards for draft forwards and one wider
-verify forward, which pays when the draft is much cheaper than the target. On a GPU, DeepSeek-V4's MTP layer is
-one layer against the target's 43, and a verify window of 4 tokens costs about what one token does (decode is
-bound by reading the weights). builtin:tiny is a 2-layer target on a CPU whose forwards are bound by per-operation
-overhead: one draft forward (a decoder layer plus the MXFP4 MoE) costs about as much as one target forward, a
-verify window costs more than a one-token step, and each verify step runs num_steps - 1 chained draft forwards
-and one draft extend. So the model work per token is about what a plain decode step costs, and what speculation
-saves is mostly the per-token overhead of the engine and the router (one streamed chunk per verify step instead
-of per token), which is why the gain grows with concurrency. A target whose forward costs several draft forwards
-(a deeper model, or any GPU deployment) is what reaches the 1.5x."""
+DEFAULT_MODEL = "builtin:deep"
+
+
+def variants(adaptive_ok: bool) -> dict[str, list[str] | None]:
+    """Variant name -> the engines' speculative flags ([] off; None: skipped, the engine lacks the flag)."""
+    def depth(k: int) -> list[str]:
+        return ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(k), "--speculative-eagle-topk",
+                "1", "--speculative-num-draft-tokens", str(k + 1)]
+
+    return {"off": [], "d1": depth(1), "d3": depth(3), "d5": depth(5),
+            "adaptive": ["--speculative-algorithm", "EAGLE", "--speculative-adaptive"] if adaptive_ok else None}
+
+
+def adaptive_supported() -> bool:
+    """Whether the reference engine takes ``--speculative-adaptive`` (its settings model has the field)."""
+    from pd.engines.spec.config import SpeculativeSettings
+
+    return "adaptive" in SpeculativeSettings.model_fields
 
 
 class Stack:
     """A router over one prefill and one decode engine, all subprocesses of this process."""
 
-    def __init__(self, name: str, extra: list[str], logs: Path):
+    def __init__(self, name: str, model: str, extra: list[str], logs: Path):
         self.name = name
         port, pport, bport, dport = free_ports(4)
         py = [sys.executable, "-m", "pd.cli"]
-        common = ["--cpu-threads", "1", *extra]
+        common = ["--model-path", model, "--cpu-threads", "1", *extra]
         self.decode_url = f"http://127.0.0.1:{dport}"
         self.url = f"http://127.0.0.1:{port}"
         self.procs = [
@@ -83,7 +100,8 @@ class Stack:
                         logs / f"{name}-router.log"),
         ]
 
-    async def ready(self, client: httpx.AsyncClient, timeout: float = 300) -> None:
+    async def ready(self, client: httpx.AsyncClient, timeout: float = 600) -> None:
+        """Wait (deadline ``timeout`` s) until the router and the decode answer /health; raises if one exits."""
         async def up() -> bool:
             for p in self.procs:
                 if not p.alive():
@@ -93,26 +111,25 @@ class Stack:
 
         await async_wait_until(up, timeout, interval=0.5, what=f"{self.name} stack healthy", retry=(httpx.HTTPError,))
 
-    async def metrics(self, client: httpx.AsyncClient) -> dict[str, float]:
-        """The decode's speculative counters: verify calls and the phase-time sums (seconds)."""
+    async def num_steps(self, client: httpx.AsyncClient) -> float | None:
+        """The decode's ``sglang:spec_num_steps`` gauge (the depth of its last speculative step), None if absent."""
         from prometheus_client.parser import text_string_to_metric_families
 
         text = (await client.get(self.decode_url + "/metrics")).text
-        out = {"verify_calls": 0.0, "draft": 0.0, "verify": 0.0, "extend": 0.0}
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
-                if s.name == "sglang:spec_verify_calls_total":
-                    out["verify_calls"] += s.value
-                elif s.name == "pdserve_spec_step_seconds_sum":
-                    out[s.labels["phase"]] += s.value
-        return out
+                if s.name == "sglang:spec_num_steps":
+                    return s.value
+        return None
 
     def stop(self) -> None:
+        """Stop the router, then the engines (each by its process group)."""
         for p in reversed(self.procs):
             p.stop()
 
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], max_new: int) -> dict:
+    """One streaming greedy /generate request; the client-side times and the output."""
     body = {"input_ids": prompt, "stream": True,
             "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
     t0 = time.perf_counter()
@@ -125,6 +142,8 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ma
             if ttft is None:
                 ttft = time.perf_counter() - t0
             last = json.loads(line[5:])
+    if last is None or ttft is None:
+        raise RuntimeError(f"{url}/generate streamed no data")
     e2e = time.perf_counter() - t0
     n = len(last["output_ids"])
     decode_s = e2e - ttft
@@ -134,6 +153,7 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ma
 
 
 async def round_(client, stack: Stack, prompts: list[list[int]], concurrency: int, max_new: int) -> list[dict]:
+    """All ``prompts`` through ``stack``, at most ``concurrency`` in flight."""
     sem = asyncio.Semaphore(concurrency)
 
     async def run(p):
@@ -143,132 +163,163 @@ async def round_(client, stack: Stack, prompts: list[list[int]], concurrency: in
     return await asyncio.gather(*(run(p) for p in prompts))
 
 
-def summarize(reqs: list[dict], before: dict, after: dict, wall_s: float) -> dict:
-    phases = {k: after[k] - before[k] for k in ("draft", "verify", "extend")}
-    spec_s = sum(phases.values())
-    verify_ct = sum(r["spec_verify_ct"] for r in reqs)
-    out = {
-        "requests": len(reqs),
-        "tok_s_per_stream_median": statistics.median(r["tok_s_per_stream"] for r in reqs),
-        "tpot_ms_median": 1e3 * statistics.median(r["tpot_s"] for r in reqs),
-        "ttft_ms_median": 1e3 * statistics.median(r["ttft_s"] for r in reqs),
-    }
-    if verify_ct:
-        # tokens after the prefill's first one, per verify step (the first token comes from the prefill)
-        out["mean_accept_length"] = sum(r["tokens"] - 1 for r in reqs) / verify_ct
-        out["verify_share_of_spec_step"] = phases["verify"] / spec_s if spec_s else None
-        # the decode engine runs one model thread: its rounds' wall time is the decode time it served
-        out["verify_share_of_decode_time"] = phases["verify"] / wall_s
-        out["phase_s"] = phases
-        out["verify_calls"] = verify_ct
+async def watched(client, stack: Stack, work, samples: list[float]):
+    """Await ``work`` and record the decode's depth gauge in ``samples``: the adaptive variant's every 0.25 s
+    while it runs, a fixed depth's once after it (a check), nothing with speculation off."""
+    if stack.name == "adaptive":
+        return await sampled(client, stack, work, samples)
+    out = await work
+    if stack.name != "off":
+        value = await stack.num_steps(client)
+        samples += [] if value is None else [value]
     return out
 
 
-def markdown(report: dict) -> str:
-    m = report["machine"]
-    lines = ["# Speculative decoding on vs off (embedded default, through the router)", "",
-             f"- Device: {m['cpu_model']}, {m['cpu_cores']} cores, {m['mem_gib']} GiB, no GPU",
-             f"- Date: {report['started_utc']} ({report['wall_s']:.0f} s)",
-             f"- Measured at commit {report['commit']}",
-             f"- Command: `{report['command']}`",
-             "- Anchor, same run: the same prompts through a stack with speculation off, rounds interleaved", "",
-             f"Headline: {report['headline']}", "",
-             "| concurrency | spec | tok/s per stream (median) | TPOT ms | TTFT ms | accept length | verify share "
-             "of spec step | verify share of decode time | speedup |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for c in report["results"]:
-        for mode in ("off", "on"):
-            s = c[mode]
-            acc = f"{s['mean_accept_length']:.2f}" if "mean_accept_length" in s else "-"
-            vs = f"{s['verify_share_of_spec_step']:.2f}" if s.get("verify_share_of_spec_step") else "-"
-            vd = f"{s['verify_share_of_decode_time']:.2f}" if "verify_share_of_decode_time" in s else "-"
-            sp = f"{c['speedup']:.2f}x" if mode == "on" else ""
-            lines.append(f"| {c['concurrency']} | {mode} | {s['tok_s_per_stream_median']:.1f} | "
-                         f"{s['tpot_ms_median']:.2f} | {s['ttft_ms_median']:.1f} | {acc} | {vs} | {vd} | {sp} |")
-    lines += ["", f"Outputs equal token for token: {report['outputs_equal']}.", "", "Where the time goes, per verify "
-              "step at concurrency 1: " + report["breakdown"] + ".", "", WHY, ""]
-    return "\n".join(lines)
+async def sampled(client, stack: Stack, work, samples: list[float], every: float = 0.25):
+    """Await ``work`` while appending the decode's depth gauge to ``samples`` every ``every`` s."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        await asyncio.wait({task}, timeout=every)
+        value = await stack.num_steps(client)
+        if value is not None:
+            samples.append(value)
+    return task.result()
+
+
+def rotated(names: list[str], k: int) -> list[str]:
+    """``names`` starting at index ``k`` (mod len): the variants' order in round ``k``."""
+    k %= len(names)
+    return names[k:] + names[:k]
+
+
+async def sweep(client, stacks: dict[str, Stack], prompts: list[list[int]], args) -> tuple[list[dict], dict]:
+    """The concurrency sweep; returns (one entry per concurrency, {variant: outputs equal off's})."""
+    names = list(stacks)
+    results, equal = [], {n: True for n in names if n != "off"}
+    for conc in args.concurrency:
+        batch = prompts[: max(args.num_prompts, conc)]
+        got: dict[str, list[dict]] = {n: [] for n in names}
+        depths: dict[str, list[float]] = {n: [] for n in names}
+        for rnd in range(args.rounds):
+            outs = {}
+            for name in rotated(names, rnd):
+                reqs = await watched(client, stacks[name], round_(client, stacks[name], batch, conc,
+                                                                  args.max_new_tokens), depths[name])
+                got[name] += reqs
+                outs[name] = [r["output_ids"] for r in reqs]
+            for n in equal:
+                equal[n] &= outs[n] == outs["off"]
+        entry = {"concurrency": conc, "prompts": len(batch),
+                 "variants": {n: summarize(got[n], depths[n]) for n in names}}
+        results.append(entry)
+        print(json.dumps({"concurrency": conc, **{n: round(v["tok_s_per_stream_median"], 1)
+                                                  for n, v in entry["variants"].items()}}), flush=True)
+    return results, equal
+
+
+async def mixed(client, stacks: dict[str, Stack], prompts: list[list[int]], args) -> dict:
+    """The mixed-concurrency phase: per variant, total tokens / wall time over all cycles."""
+    names = list(stacks)
+    low, high = prompts[: args.mixed_low], prompts[: args.mixed_high]
+    acc = {n: {"tokens": 0, "wall_s": 0.0, "low_s": 0.0, "high_s": 0.0, "depth_samples": []} for n in names}
+    for cycle in range(args.mixed_cycles):
+        for name in rotated(names, cycle):
+            a, stack = acc[name], stacks[name]
+            t0 = time.perf_counter()
+            lo = await watched(client, stack, round_(client, stack, low, 1, args.max_new_tokens), a["depth_samples"])
+            t1 = time.perf_counter()
+            hi = await watched(client, stack, round_(client, stack, high, len(high), args.max_new_tokens),
+                               a["depth_samples"])
+            t2 = time.perf_counter()
+            a["tokens"] += sum(r["tokens"] for r in lo + hi)
+            a["wall_s"] += t2 - t0
+            a["low_s"] += t1 - t0
+            a["high_s"] += t2 - t1
+    out = {}
+    for n, a in acc.items():
+        out[n] = {"tokens": a["tokens"], "wall_s": a["wall_s"], "tok_s": a["tokens"] / a["wall_s"],
+                  "low_phase_s": a["low_s"], "high_phase_s": a["high_s"]}
+        if a["depth_samples"]:
+            out[n]["depth_share"] = summarize([], a["depth_samples"])["depth_share"]
+    print(json.dumps({"mixed_tok_s": {n: round(v["tok_s"], 1) for n, v in out.items()}}), flush=True)
+    return out
 
 
 async def main(args) -> dict:
+    """Start the stacks, run the sweep and the mixed phase, stop the stacks; the report."""
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     t_start = time.perf_counter()
     rng = random.Random(args.seed)
-    prompts = [[rng.randrange(3, 259) for _ in range(rng.randrange(8, 64))] for _ in range(args.num_prompts)]
+    count = max([args.num_prompts, args.mixed_high, args.mixed_low, *args.concurrency])
+    prompts = [[rng.randrange(3, 259) for _ in range(rng.randrange(8, 64))] for _ in range(count)]
     logs = Path(tempfile.mkdtemp(prefix="pdserve-spec-bench-"))
-    stacks = {"off": Stack("off", [], logs), "on": Stack("on", SPEC_FLAGS, logs)}
-    results, equal = [], True
+    table = variants(adaptive_supported())
+    skipped = {n: "the engine has no --speculative-adaptive flag yet (pd.engines.spec.config.SpeculativeSettings "
+                  "lacks the field): variant skipped" for n, flags in table.items() if flags is None}
+    for n, why in skipped.items():
+        print(f"{n}: {why}", flush=True)
+    chosen = [n for n in args.variants if n not in skipped]
+    stacks = {n: Stack(n, args.model, table[n] or [], logs) for n in chosen}
     try:
-        async with httpx.AsyncClient(timeout=600, trust_env=False) as client:
+        async with httpx.AsyncClient(timeout=900, trust_env=False) as client:
             for s in stacks.values():
                 await s.ready(client)
-            await round_(client, stacks["off"], prompts[:2], 1, 16)  # warm both (first requests load lazily)
-            await round_(client, stacks["on"], prompts[:2], 1, 16)
-            for conc in args.concurrency:
-                reqs = {"off": [], "on": []}
-                for rnd in range(args.rounds):
-                    for mode in ("off", "on"):
-                        before = await stacks[mode].metrics(client)
-                        t0 = time.perf_counter()
-                        got = await round_(client, stacks[mode], prompts, conc, args.max_new_tokens)
-                        wall = time.perf_counter() - t0
-                        after = await stacks[mode].metrics(client)
-                        reqs[mode].append((got, before, after, wall))
-                    equal &= all(a["output_ids"] == b["output_ids"]
-                                 for a, b in zip(reqs["off"][-1][0], reqs["on"][-1][0]))
-                entry = {"concurrency": conc}
-                for mode in ("off", "on"):
-                    flat = [r for got, *_ in reqs[mode] for r in got]
-                    first, last = reqs[mode][0][1], reqs[mode][-1][2]
-                    entry[mode] = summarize(flat, first, last, sum(w for *_, w in reqs[mode]))
-                entry["speedup"] = entry["on"]["tok_s_per_stream_median"] / entry["off"]["tok_s_per_stream_median"]
-                results.append(entry)
-                print(json.dumps(entry), flush=True)
+            for s in stacks.values():  # first requests load lazily; the draft is fitted on first use
+                await round_(client, s, prompts[:2], 1, 16)
+            results, equal = await sweep(client, stacks, prompts, args)
+            mix = await mixed(client, stacks, prompts, args) if args.mixed_cycles else {}
     finally:
         for s in stacks.values():
             s.stop()
-    c1 = next((r for r in results if r["concurrency"] == 1), results[0])
-    met = c1["speedup"] >= TARGET_SPEEDUP
-    on = c1["on"]
-    per = {k: 1e3 * v / on["verify_calls"] for k, v in on["phase_s"].items()} if "phase_s" in on else {}
-    step_ms = sum(per.values())
-    breakdown = (f"draft {per['draft']:.2f} ms + verify {per['verify']:.2f} ms + draft extend {per['extend']:.2f} "
-                 f"ms = {step_ms:.2f} ms for {on['mean_accept_length']:.2f} tokens, "
-                 f"{step_ms / on['mean_accept_length']:.2f} ms per token, vs {c1['off']['tpot_ms_median']:.2f} "
-                 "ms per token (TPOT) without speculation" if per else "no verify steps recorded")
-    headline = (f"concurrency {c1['concurrency']}: **{c1['speedup']:.2f}x** decode tokens/s per stream with "
-                "speculation "
-                f"(target >= {TARGET_SPEEDUP}x: {'met' if met else 'missed'}), mean accept length "
-                f"{c1['on'].get('mean_accept_length', 0):.2f} tokens per verify step with 3 draft tokens")
-    return {
+    report = {
         "benchmark": "speculative", "started_utc": started, "wall_s": time.perf_counter() - t_start,
-        "commit": git_commit(), "machine": machine(), "command": " ".join(["benchmarks/speculative.py", *sys.argv[1:]]),
-        "settings": {"spec_flags": SPEC_FLAGS, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
-                     "rounds": args.rounds, "concurrency": args.concurrency, "seed": args.seed},
-        "results": results, "outputs_equal": equal, "headline": headline, "target_speedup": TARGET_SPEEDUP,
-        "breakdown": breakdown,
+        "commit": git_commit(), "machine": machine(),
+        "command": " ".join(["benchmarks/speculative.py", *sys.argv[1:]]),
+        "settings": {"model": args.model, "variants": {n: table[n] for n in chosen}, "skipped": skipped,
+                     "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
+                     "concurrency": args.concurrency, "mixed": {"cycles": args.mixed_cycles, "low": args.mixed_low,
+                                                               "high": args.mixed_high}, "seed": args.seed},
+        "results": results, "mixed": mix, "outputs_equal_off": equal, "logs": str(logs),
     }
+    report["targets"] = targets(report)
+    return report
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--num-prompts", type=int, default=8, help="prompts per round (default 8)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (default 128)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"the engines' --model-path (default {DEFAULT_MODEL})")
+    p.add_argument("--variants", nargs="+", default=["off", "d1", "d3", "d5", "adaptive"],
+                   choices=["off", "d1", "d3", "d5", "adaptive"], help="variants to run (default all; off is needed)")
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts per round, at least the concurrency (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request (default 64)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per concurrency (default 3)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="concurrencies (default 1 8)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16],
+                   help="concurrencies (default 1 2 4 8 16)")
+    p.add_argument("--mixed-cycles", type=int, default=3, help="mixed-phase cycles (default 3; 0: no mixed phase)")
+    p.add_argument("--mixed-low", type=int, default=4, help="requests one at a time per cycle (default 4)")
+    p.add_argument("--mixed-high", type=int, default=16, help="requests at once per cycle (default 16)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
-    p.add_argument("--quick", action="store_true", help="4 prompts, 48 tokens, 1 round")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: 2 prompts, 16 tokens, 1 round, concurrency 1 and 2, one mixed cycle of 1 + 2")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="where the results go")
+    if p.parse_known_args(argv)[0].quick:  # --quick changes the defaults; flags given still win
+        p.set_defaults(num_prompts=2, max_new_tokens=16, rounds=1, concurrency=[1, 2], mixed_cycles=1, mixed_low=1,
+                       mixed_high=2)
     args = p.parse_args(argv)
-    if args.quick:
-        args.num_prompts, args.max_new_tokens, args.rounds = 4, 48, 1
+    if "off" not in args.variants:
+        p.error("--variants: off is needed (every speedup is against it)")
+    for name in ("num_prompts", "max_new_tokens", "rounds", "mixed_low", "mixed_high"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: must be >= 1")
+    if min(args.concurrency) < 1:
+        p.error("--concurrency: every value must be >= 1")
     return args
 
 
 if __name__ == "__main__":
     a = parse_args()
-    report = asyncio.run(main(a))
+    rep = asyncio.run(main(a))
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "speculative.json").write_text(json.dumps(report, indent=1) + "\n")
-    (a.out / "speculative.md").write_text(markdown(report))
-    print(report["headline"])
+    (a.out / "speculative.json").write_text(json.dumps(rep, indent=1) + "\n")
+    (a.out / "speculative.md").write_text(markdown(rep))
+    print(rep["targets"])

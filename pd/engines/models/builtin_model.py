@@ -72,7 +72,7 @@ TINY: TinyShape = {
 
 
 # builtin:deep, for benchmarks (not the test suite): builtin:tiny's tokenizer, vocabulary and width with 22 layers,
-# so that on a CPU one target forward costs about 12 draft forwards, as DeepSeek-V4-Flash's 43 layers cost against
+# so that on a CPU one target forward costs about 11 draft forwards, as DeepSeek-V4-Flash's 43 layers cost against
 # its one MTP layer on an H100 at batch 1 (benchmarks/results/spec_model_work_gpu.md measures both ratios).
 DEEP: TinyShape = {**TINY, "num_hidden_layers": 22}
 # More layers add more branch output to the residual stream, so the branches are scaled down further: at 0.037 the
