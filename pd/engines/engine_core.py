@@ -83,7 +83,7 @@ class EngineCore:
         self.transfer_exec = ThreadPoolExecutor(4, thread_name_prefix="kv-transfer")
         self.pool: Optional[KVPagePool] = None
         self.draft_pool: Optional[KVPagePool] = None  # the draft's KV pages (speculative PD only)
-        self.prefix: Optional[PrefixCache] = None  # the radix prefix cache (null and prefill engines)
+        self.prefix: Optional[PrefixCache] = None  # the radix prefix cache (null, prefill; decode with its flag)
         self.events: Optional[KVEventPublisher] = None  # its KV events (--kv-events-config)
         self.transfer: Optional[MooncakeTransfer] = None
         self.bootstrap: Optional[BootstrapServer] = None

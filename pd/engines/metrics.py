@@ -95,6 +95,10 @@ class EngineMetrics:
                                         names, buckets=TRANSFER_GBS_BUCKETS, registry=r)
         self.transfer_bytes = Counter("pdserve_kv_transfer_bytes_total",
                                       "KV bytes written or received through the transfer engine.", names, registry=r)
+        self.decode_prefix_cached = Counter("pdserve_decode_prefix_cached_tokens_total",
+                                            "Prompt tokens a decode served from its own radix cache "
+                                            "(--disaggregation-decode-enable-radix-cache): their KV was not "
+                                            "transferred.", names, registry=r)
         self.transfer_failed = Counter("sglang:num_transfer_failed_reqs_total",
                                        "The number of transfer failed requests.", names, registry=r)
         self.bootstrap_failed = Counter("sglang:num_bootstrap_failed_reqs_total",
@@ -142,7 +146,8 @@ class EngineMetrics:
         for m in (self.running, self.queued, self.prefill_bootstrap_queue, self.decode_prealloc_queue,
                   self.decode_transfer_queue, self.token_usage, self.num_used_tokens, self.pages_held,
                   self.pages_quarantined, self.cache_hit_rate, self.pages_cached, self.transfer_ms,
-                  self.transfer_mb, self.transfer_speed, self.transfer_bytes, self.transfer_failed,
+                  self.transfer_mb, self.transfer_speed, self.transfer_bytes, self.decode_prefix_cached,
+                  self.transfer_failed,
                   self.bootstrap_failed):
             m.labels(**self.labels)
 

@@ -107,6 +107,10 @@ class EngineSettings(BaseModel):
     """Log level."""
     disable_radix_cache: bool = False
     """Turn the radix prefix cache off: every prompt is computed whole and no KV is kept between requests."""
+    disaggregation_decode_enable_radix_cache: bool = False
+    """A decode keeps the prompt KV pages it received in a radix cache: a prompt that starts with cached whole pages
+    registers only the rest with its prefill, which sends only those. With speculative decoding the draft's pages
+    are cached alongside. Only in --disaggregation-mode decode (ignored in the others, as SGLang does)."""
     enable_cache_report: bool = False
     """Report cached prompt tokens in the OpenAI usage (usage.prompt_tokens_details.cached_tokens)."""
     kv_events_config: Optional[str] = None

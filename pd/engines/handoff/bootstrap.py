@@ -5,8 +5,9 @@ sglang/srt/disaggregation/mooncake/conn.py, we do it over one HTTP server on the
 ``--disaggregation-bootstrap-port``):
 
 - ``POST /pd/register`` (decode -> prefill), JSON ``{room, session_id, page_addrs, page_bytes,
-  page_size, layout, num_tokens}``: the decode has pre-allocated ``page_addrs`` (addresses in its
-  transfer-engine session ``session_id``) for ``num_tokens`` prompt tokens. The call is a long poll:
+  page_size, layout, num_tokens, decode_prefix_len}``: the decode has pre-allocated ``page_addrs`` (addresses in
+  its transfer-engine session ``session_id``) for ``num_tokens`` prompt tokens but the first
+  ``decode_prefix_len`` (whole pages it already holds from its radix cache; 0 without). The call is a long poll:
   it returns when the prefill has pushed the KV (``{"status": "ok", "first_token": ...}``) or
   failed (``{"status": "failed", "reason": ...}``). A refused connection means a dead prefill.
 - ``POST /pd/abort`` (decode -> prefill), ``{room, reason}``: the decode gave up on the room. The
@@ -98,6 +99,9 @@ class Registration:
     page_size: int
     layout: dict
     num_tokens: int
+    # Leading prompt tokens whose KV the decode already holds (its radix cache, whole pages): ``page_addrs`` (and
+    # ``draft_page_addrs``) start at that page, and the prefill writes only from there (SGLang's decode_prefix_len).
+    decode_prefix_len: int = 0
     # With speculative decoding (SGLang registers the draft's KV pool next to the target's): where the draft's
     # KV goes, its layout, and the decode's --speculative-* settings (pd.engines.spec.config.SpecConfig.handshake).
     draft_page_addrs: list[int] = field(default_factory=list)

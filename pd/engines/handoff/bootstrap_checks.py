@@ -5,8 +5,9 @@ before it is parsed (413; ``RegistrationLimits.max_body_bytes``, derived from th
 registration, and ``MAX_ABORT_BODY_BYTES``), then parsed by strict pydantic models (``RegisterBody``,
 ``AbortBody``: no coercion, bool is not an int, unknown fields refused): rooms are ints in [0, 2^63),
 page addresses ints in [1, 2^64), strings and dicts bounded. A registration must also fit the
-prefill's engine: its ``page_size``, ``num_tokens`` within the context length, and exactly the pages
-a decode allocates for ``num_tokens`` (plus its speculative verify window, at most); once the
+prefill's engine: its ``page_size``, ``num_tokens`` within the context length, a ``decode_prefix_len`` (the
+whole pages the decode already holds: a multiple of the page size below ``num_tokens``) and exactly the pages a
+decode allocates for the rest of ``num_tokens`` (plus its speculative verify window, at most); once the
 prefill's own request for the room is there, ``num_tokens`` must equal its prompt length (checked
 again when the request comes after the registration: the room then fails with the reason). An abort
 reason is kept to ``MAX_REASON_CHARS`` characters (longer ones are truncated with a marker). A
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Optional, TypeVar, Union
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints
 
 if TYPE_CHECKING:
     from pd.engines.handoff.bootstrap import Registration
@@ -75,7 +76,8 @@ class RegistrationLimits:
 RoomId = Annotated[StrictInt, Field(ge=0, lt=ROOM_LIMIT)]
 _Addr = Annotated[StrictInt, Field(ge=1, lt=ADDR_LIMIT)]
 _Count = Annotated[StrictInt, Field(ge=1, lt=ADDR_LIMIT)]
-_Scalar = Union[Annotated[StrictInt, Field(ge=-ROOM_LIMIT, lt=ROOM_LIMIT)],
+# a value of a layout or of the speculative settings (a flag such as --speculative-adaptive is a bool)
+_Scalar = Union[StrictBool, Annotated[StrictInt, Field(ge=-ROOM_LIMIT, lt=ROOM_LIMIT)],
                 Annotated[str, StringConstraints(max_length=256)], None]
 _SmallDict = Annotated[dict[Annotated[str, StringConstraints(max_length=64)], _Scalar], Field(max_length=32)]
 
@@ -92,6 +94,7 @@ class RegisterBody(BaseModel):
     page_size: _Count
     layout: _SmallDict
     num_tokens: _Count
+    decode_prefix_len: Annotated[StrictInt, Field(ge=0, lt=ADDR_LIMIT)] = 0
     draft_page_addrs: list[_Addr] = []
     draft_page_bytes: Annotated[StrictInt, Field(ge=0, lt=ADDR_LIMIT)] = 0
     draft_layout: Optional[_SmallDict] = None
@@ -148,9 +151,10 @@ def truncate_reason(reason: str) -> str:
 
 
 def check_registration(body: RegisterBody, limits: RegistrationLimits) -> None:
-    """A registration must fit this prefill: its page size, a prompt within the context length, and the page
-    lists a decode allocates for that prompt (no fewer pages than the prompt needs, no more than it plus the
-    verify window), with distinct addresses.
+    """A registration must fit this prefill: its page size, a prompt within the context length, a cached prefix
+    (``decode_prefix_len``: prompt tokens the decode already holds) of whole pages short of the whole prompt, and
+    the page lists a decode allocates for the rest of that prompt (no fewer pages than it needs, no more than it
+    plus the verify window), with distinct addresses.
 
     Raises:
         BadBody: 400 naming the field.
@@ -161,10 +165,18 @@ def check_registration(body: RegisterBody, limits: RegistrationLimits) -> None:
     if body.num_tokens > limits.max_tokens:
         raise BadBody(400, f"num_tokens: {body.num_tokens} is over the context length of {limits.max_tokens}",
                       "num_tokens")
+    cached = body.decode_prefix_len
+    if cached % limits.page_size:
+        raise BadBody(400, f"decode_prefix_len: {cached} is not a multiple of the page size {limits.page_size} (a "
+                           "decode caches whole pages)", "decode_prefix_len")
+    if cached >= body.num_tokens:
+        raise BadBody(400, f"decode_prefix_len: {cached} must be less than num_tokens {body.num_tokens} (the prefill "
+                           "computes at least the prompt's last token)", "decode_prefix_len")
     declared = (body.speculative or {}).get("num_draft_tokens")
     window = declared if isinstance(declared, int) and 0 <= declared <= MAX_SPEC_WINDOW else 0
-    lo = limits.pages_for(body.num_tokens)
-    hi = limits.pages_for(body.num_tokens + max(window, limits.extra_tokens))
+    # the decode registers pages only past the prefix it already holds
+    lo = limits.pages_for(body.num_tokens) - cached // limits.page_size
+    hi = limits.pages_for(body.num_tokens + max(window, limits.extra_tokens)) - cached // limits.page_size
     lists = [("page_addrs", body.page_addrs)]
     if body.speculative is not None:
         lists.append(("draft_page_addrs", body.draft_page_addrs))
@@ -172,8 +184,8 @@ def check_registration(body: RegisterBody, limits: RegistrationLimits) -> None:
         raise BadBody(400, "draft_page_addrs: given without speculative settings", "draft_page_addrs")
     for name, addrs in lists:
         if not lo <= len(addrs) <= hi:
-            raise BadBody(400, f"{name}: {len(addrs)} pages for {body.num_tokens} tokens; a decode registers "
-                               f"{lo}..{hi} (pages of {limits.page_size} tokens)", name)
+            raise BadBody(400, f"{name}: {len(addrs)} pages for {body.num_tokens} tokens past a cached prefix of "
+                               f"{cached}; a decode registers {lo}..{hi} (pages of {limits.page_size} tokens)", name)
         if len(set(addrs)) != len(addrs):
             raise BadBody(400, f"{name}: a page address repeats", name)
 

@@ -50,12 +50,17 @@ class KVWriter:
 
     async def push(self, pool: KVPagePool, pages: list[int], reg: Registration, room,
                    draft_pool: Optional[KVPagePool] = None, draft_pages: Sequence[int] = ()) -> int:
-        """Write ``pages`` of ``pool`` (and the draft's, with speculation) into the decode's registered pages in
-        one batch; returns the bytes moved.
+        """Write the prompt's ``pages`` of ``pool`` (and the draft's, with speculation), in prompt order, into the
+        decode's registered pages in one batch; returns the bytes moved.
+
+        The decode registers pages only past the prefix it already holds (``reg.decode_prefix_len`` tokens, whole
+        pages): the pages before it are not written.
 
         Raises:
             TransferError: the write failed or missed its deadline.
         """
+        skip = reg.decode_prefix_len // pool.page_size
+        pages, draft_pages = pages[skip:], draft_pages[skip:]
         room.no_transfer_in_flight.clear()
         try:
             # (src addresses, dst addresses, lengths), the draft's appended to each

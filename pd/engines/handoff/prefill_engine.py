@@ -2,9 +2,10 @@
 
 Claim the bootstrap room, wait for the decode to register its pages (bootstrap timeout), run the prompt forward
 (it stores the prompt's KV into local pool pages), push them into the decode's pages with the Mooncake transfer
-engine, then resolve the decode's long poll with the first token (its logprobs, the cached-token count and, with
-speculation, the draft state). The HTTP answer carries the first token and the prompt logprobs, with
-``finish_reason {"type": "length", "length": 0}`` as SGLang's prefill gives.
+engine (only the pages past the prefix the decode already holds, ``decode_prefix_len``), then resolve the decode's
+long poll with the first token (its logprobs, the cached-token count and, with speculation, the draft state). The
+HTTP answer carries the first token and the prompt logprobs, with ``finish_reason {"type": "length", "length": 0}``
+as SGLang's prefill gives.
 """
 
 from __future__ import annotations
@@ -158,8 +159,11 @@ class PrefillEngineCore(PDEngineCore):
         if reg.layout != ours or reg.page_size != pool.page_size or reg.page_bytes != pool.page_bytes:
             return (f"KV layout mismatch: decode has {reg.layout} page_size={reg.page_size}, prefill has {ours} "
                     f"page_size={pool.page_size} (--page-size and the model must match on both sides)")
-        need = pool.pages_for(n)
+        if reg.decode_prefix_len % pool.page_size or not 0 <= reg.decode_prefix_len < n:
+            return (f"decode_prefix_len: the decode holds {reg.decode_prefix_len} prompt tokens; it must be whole "
+                    f"pages of {pool.page_size} tokens short of the prompt's {n}")
+        need = pool.pages_for(n) - reg.decode_prefix_len // pool.page_size  # the decode holds the pages before
         if reg.num_tokens != n or len(reg.page_addrs) < need or (self.spec and len(reg.draft_page_addrs) < need):
-            return (f"prompt mismatch: decode expects {reg.num_tokens} tokens in {len(reg.page_addrs)} pages, "
-                    f"prefill tokenized {n} (were both sides sent the same request?)")
+            return (f"prompt mismatch: decode expects {reg.num_tokens} tokens in {len(reg.page_addrs)} pages past "
+                    f"{reg.decode_prefix_len} cached, prefill tokenized {n} (were both sides sent the same request?)")
         return None
