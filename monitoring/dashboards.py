@@ -46,6 +46,17 @@ COMPUTE_ENGINES = 'engine_type=~"prefill|unified"'  # the engines that compute p
 STATUS_5XX = 'status=~"5.."'
 
 
+# The P:D split controller (planner: in the cluster config): what it decided, advise mode included, and each
+# move's outcome, marked on every time panel of the overview (pd.cluster.worker_metrics exports both counters).
+SPLIT_ANNOTATIONS = [
+    g.annotation("P:D split decisions",
+                 'sum by (action, reason) (increase(pdserve_planner_decisions_total{action!="hold"}[1m])) > 0',
+                 "planner: {{action}}", "reason: {{reason}}"),
+    g.annotation("P:D split moves", "sum by (outcome) (increase(pdserve_planner_moves_total[1m])) > 0",
+                 "worker move: {{outcome}}", "outcome: {{outcome}}", color="rgba(242, 73, 92, 1)"),
+]
+
+
 def _variables(router: bool) -> list[dict]:
     vs = []
     if router:
@@ -196,7 +207,8 @@ def overview(slo: SLO) -> dict:
     ]
     return g.dashboard(OVERVIEW_UID, "pdserve: PD overview",
                        "Per-stage latency of prefill-decode disaggregated requests (router + engines).",
-                       _variables(router=True), items, links=[_link("Workers", WORKERS_UID)])
+                       _variables(router=True), items, links=[_link("Workers", WORKERS_UID)],
+                       annotations=SPLIT_ANNOTATIONS)
 
 
 def workers() -> dict:
@@ -275,7 +287,8 @@ def workers() -> dict:
                       g.target(f"max by (instance) ({_eng('sglang:spec_num_draft_tokens')})",
                                "draft tokens {{instance}}")],
                      w=12, description="The depth each decode worker speculates at now: "
-                     "speculative_num_steps and speculative_num_draft_tokens."),
+                     "speculative_num_steps and speculative_num_draft_tokens. Fixed unless --speculative-adaptive, "
+                     "which moves it with the decode batch size and the running accept length (0: no drafting)."),
         g.row(f"{REFERENCE_ONLY_ROW}: speculative step phases and the draft's KV pool"),
         g.timeseries("Speculative step time (draft / verify / extend)",
                      [g.target(f"sum by (instance, phase) (rate({_eng(SPEC_STEP + '_sum')}[{RATE}])) / "

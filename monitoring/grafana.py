@@ -157,8 +157,15 @@ def query_variable(name: str, label: str, metric_selector: str, label_name: str)
             "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, "hide": 0, "regex": "", "options": []}
 
 
+def annotation(name: str, expr: str, title: str, text: str, color: str = "rgba(255, 152, 48, 1)") -> dict:
+    """A Prometheus-query annotation: a mark on every time panel wherever ``expr`` returns a sample;
+    ``title``/``text`` are Grafana templates over the series' labels (``{{label}}``)."""
+    return {"name": name, "datasource": DS, "enable": True, "hide": False, "iconColor": color, "expr": expr,
+            "step": "30s", "titleFormat": title, "textFormat": text, "useValueForTime": False}
+
+
 def dashboard(uid: str, title: str, description: str, variables: list[dict], items: list[dict],
-              links: Iterable[dict] = ()) -> dict:
+              links: Iterable[dict] = (), annotations: Iterable[dict] = ()) -> dict:
     """A dashboard; ``items`` are rows and panels in reading order, laid out left to right on
     Grafana's 24-column grid (a row starts a new line). Panel ids are assigned in order.
 
@@ -189,7 +196,8 @@ def dashboard(uid: str, title: str, description: str, variables: list[dict], ite
             "timepicker": {}, "fiscalYearStartMonth": 0, "liveNow": False, "weekStart": "",
             "annotations": {"list": [{"builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"},
                                       "enable": True, "hide": True, "iconColor": "rgba(0, 211, 255, 1)",
-                                      "name": "Annotations & Alerts", "type": "dashboard"}]},
+                                      "name": "Annotations & Alerts", "type": "dashboard"},
+                                     *annotations]},
             "templating": {"list": [datasource_variable(), *variables]}, "links": list(links), "panels": panels}
 
 

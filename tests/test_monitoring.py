@@ -761,7 +761,8 @@ def test_launcher_exporter_reports_state_and_restarts():
     assert restarts.name == "pdserve_worker_restarts_total" and restarts.value == 3
     assert restarts.labels == {"worker": "http://h:1", "worker_name": "prefill-0", "role": "prefill"}
     states = {s.labels["state"]: s.value for s in fams["pdserve_worker_state"].samples}
-    assert states == {"created": 0, "starting": 0, "ready": 0, "restarting": 1, "failed": 0, "stopped": 0, "lost": 0}
+    assert states == {"created": 0, "starting": 0, "ready": 0, "restarting": 1, "failed": 0, "stopped": 0, "lost": 0,
+                      "moving": 0}
     assert [s.value for s in fams["pdserve_worker_ready"].samples] == [0]
 
 

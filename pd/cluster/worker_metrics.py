@@ -29,7 +29,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 STATES = ("created", "starting", "ready", "restarting", "failed", "stopped",  # pd/cluster/worker.py's states
-          "lost")  # the actor does not answer: its node died (pd.cluster.actor_slots)
+          "lost",  # the actor does not answer: its node died (pd.cluster.actor_slots)
+          "moving")  # the split controller is changing its role (pd.cluster.split_mover)
 LABELS = ["worker", "worker_name", "role"]
 
 
