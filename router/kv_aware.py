@@ -264,8 +264,9 @@ class KvAware(Policy):
             self.known[gate] = None
             if len(self.known) > KNOWN_GATES:
                 self.known.popitem(last=False)
-        # a chat's plan tokenizes the routing key's text only for its length estimate
-        plan = key.kv = KvPlan(tokenizer=tok, text=key, messages=key.messages if key.kind == "chat" else None,
+        # str(key): a copy, not the key the plan is kept on (a reference cycle would wait for the garbage
+        # collector); a chat's plan keeps the routing key's text only for its length estimate
+        plan = key.kv = KvPlan(tokenizer=tok, text=str(key), messages=key.messages if key.kind == "chat" else None,
                                gate=gate, known=known)
         return plan
 
@@ -301,11 +302,15 @@ class KvAware(Policy):
             held[url] = k
         return held
 
+    def _remake(self, text: str, messages: Optional[list[dict]]) -> KvPlan:
+        """The plan of a prompt sent untokenized, made again when a later prompt asks for its pages."""
+        return KvPlan(tokenizer=self.tokenizer, text=text, messages=messages, known=True)
+
     def _remember_sent(self, url: str, plan: KvPlan, block: int) -> None:
         """The pages of a prompt just sent to ``url`` count as held there for ``PENDING_SECS``."""
         sent = self.pending.get(url)
         if sent is None:
-            sent = self.pending[url] = SentPages(PENDING_SECS)
+            sent = self.pending[url] = SentPages(PENDING_SECS, self._remake)
         sent.remember(plan, block, time.monotonic())
 
     def _estimate(self, worker: "Worker", key: PromptKey, plan: KvPlan, block: int) -> int:
@@ -322,34 +327,39 @@ class KvAware(Policy):
             self._fallback("no_token_ids")
             return self.approx.pick(candidates, key)
         now = time.time()
+        if not plan.known:  # the prefix-free fast path: a miss everywhere, nothing tokenized
+            for w in candidates:
+                if not self.live(w.url, now):
+                    break
+            else:
+                return self._pick_miss(candidates, plan)
         live = [self.live(w.url, now) for w in candidates]
-        if not plan.known and all(live):  # the prefix-free fast path: a miss everywhere, nothing tokenized
-            return self._pick_miss(candidates, plan)
         if not any(live):
             self._fallback("no_live_events")
             return self.approx.pick(candidates, key)
         if not all(live):
             self._fallback("worker_events_stale")
         default_block = next(self.block_size[w.url] for w, ok in zip(candidates, live) if ok)
-        plan.overlaps = {}
+        overlaps: dict[str, tuple[int, int, bool]] = {}
         by_block: dict[int, list[str]] = {}
         for w, ok in zip(candidates, live):
             block = self.block_size.get(w.url, default_block)
             if ok:
                 by_block.setdefault(block, []).append(w.url)
             else:
-                plan.overlaps[w.url] = (plan.tokens() // block, self._estimate(w, key, plan, block), False)
+                overlaps[w.url] = (plan.tokens() // block, self._estimate(w, key, plan, block), False)
         for block, urls in by_block.items():
             held = self._held(urls, plan, block)
             pages = plan.tokens() // block  # after the walk: as exact as the tokens it needed
             for url in urls:
-                plan.overlaps[url] = (max(pages, held[url]), held[url], True)
+                overlaps[url] = (max(pages, held[url]), held[url], True)
+        plan.overlaps = overlaps
         w_ = self.cfg.overlap_weight
-        costs = [kv_cost(*plan.overlaps[w.url][:2], w.prompt_blocks, w_) for w in candidates]
+        costs = [kv_cost(*overlaps[w.url][:2], w.prompt_blocks, w_) for w in candidates]
         best = min(costs)
         tied = [w for w, c in zip(candidates, costs) if c == best]
-        most = max(plan.overlaps[w.url][1] for w in tied)  # equal cost: the one that keeps the prefix cached once
-        tied = [w for w in tied if plan.overlaps[w.url][1] == most]
+        most = max(overlaps[w.url][1] for w in tied)  # equal cost: the one that keeps the prefix cached once
+        tied = [w for w in tied if overlaps[w.url][1] == most]
         if len(tied) > 1:  # then the emptiest cache, as cache_aware picks for a miss: new prefixes spread out
             least = min(self.kv.index.size(w.url) for w in tied)
             tied = [w for w in tied if self.kv.index.size(w.url) == least]
@@ -357,17 +367,17 @@ class KvAware(Policy):
 
     def _pick_miss(self, candidates, plan: KvPlan):
         """``pick`` for a prompt no worker holds (``kv_cost`` is then the pages in flight plus a constant)."""
-        index, overlaps, tokens = self.kv.index, {}, plan.tokens()
-        best, tied = None, []
-        for w in candidates:
-            rank = (w.prompt_blocks, index.size(w.url))  # the least in flight, then the emptiest cache
-            overlaps[w.url] = (tokens // self.block_size[w.url], 0, True)
-            if best is None or rank < best:
-                best, tied = rank, [w]
-            elif rank == best:
-                tied.append(w)
-        plan.overlaps = overlaps
-        return tied[next(self._turn) % len(tied)]
+        # the least in flight, then the emptiest cache, then round-robin; few allocations: a prefix-free request's
+        # garbage is most of what this policy adds to the router's collector
+        least = min(w.prompt_blocks for w in candidates)
+        tied = [w for w in candidates if w.prompt_blocks == least]
+        if len(tied) > 1:
+            index = self.kv.index
+            emptiest = min(index.size(w.url) for w in tied)
+            tied = [w for w in tied if index.size(w.url) == emptiest]
+        chosen = tied[next(self._turn) % len(tied)]
+        plan.overlaps = {chosen.url: (plan.tokens() // self.block_size[chosen.url], 0, True)}
+        return chosen
 
     def picked(self, worker, key):
         """On the key's plan, record this decision's pages and prediction; feed cache_aware's tree with the
@@ -378,7 +388,7 @@ class KvAware(Policy):
             self.approx.picked(worker, key)
             return
         url = worker.url
-        got = plan.overlaps.get(url)
+        got = plan.overlaps.get(url) if plan.overlaps is not None else None
         if got is None:  # the only candidate: pick() did not run
             block = self.block_size.get(url) or next(iter(self.block_size.values()), 0)
             if not block:
@@ -387,7 +397,7 @@ class KvAware(Policy):
             exact = self.live(url, time.time())
             held = self._held([url], plan, block)[url] if exact else self._estimate(worker, key, plan, block)
             got = (max(plan.tokens() // block, held), held, exact)
-        plan.overlaps = {}
+        plan.overlaps = None
         pages, held, exact = got
         if not exact:
             self.approx.picked(worker, key)

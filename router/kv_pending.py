@@ -14,15 +14,19 @@ counting), oldest first, in O(1) per entry.
 from __future__ import annotations
 
 from collections import deque
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
-FRONTIER_MAX = 1024  # sent prompts kept for their later pages (each holds its text): the newest win
+# sent prompts kept for their later pages (each holds its text), the newest: a burst's copies come within this many
+# requests to one worker; fewer kept objects also mean less work for the garbage collector per request
+FRONTIER_MAX = 512
 
 
 class PagedPrompt(Protocol):
     """What a sent prompt offers (pd.router.kv_plan.KvPlan)."""
 
     gate: Optional[str]
+    text: str
+    messages: Optional[list[dict]]
 
     def page(self, block: int, k: int) -> Optional[int]:
         """The hash of page ``k`` of ``block`` tokens; None when the prompt has no such whole page."""
@@ -39,15 +43,18 @@ class SentPages:
 
     Args:
         ttl: seconds a sent page counts as held.
+        remake: a prompt again from its text and chat messages (for one sent untokenized and asked for later).
     """
 
-    def __init__(self, ttl: float):
-        self.ttl = ttl
+    def __init__(self, ttl: float, remake: Callable[[str, Optional[list[dict]]], PagedPrompt]):
+        self.ttl, self.remake = ttl, remake
         self._until: dict[int, float] = {}  # page hash -> until (monotonic s)
         self._order: deque[tuple[float, int]] = deque()  # (until, hash) in the order sent
         self._frontier: dict[int, tuple[PagedPrompt, float]] = {}  # last hashed page -> (its prompt, until)
         self._frontier_order: deque[tuple[float, int]] = deque()
-        self._unhashed: dict[str, tuple[PagedPrompt, float]] = {}  # prompts sent with no page hashed, by gate
+        # prompts sent with no page hashed, by gate: (text, until, chat messages); no container for a text prompt,
+        # so the collector stops tracking the entry (a prefix-free workload keeps many of them)
+        self._unhashed: dict[str, tuple[str, float, Optional[list[dict]]]] = {}
         self._unhashed_order: deque[tuple[float, str]] = deque()
 
     def __len__(self) -> int:
@@ -63,30 +70,31 @@ class SentPages:
         if hashes and prompt.may_have(block, len(hashes)):
             self._add_frontier(hashes[-1], prompt, until)
         elif not hashes and prompt.gate is not None:  # placed untokenized: its first page comes when asked
-            _bounded(self._unhashed, self._unhashed_order, prompt.gate, (prompt, until))
+            _bounded(self._unhashed, self._unhashed_order, prompt.gate, (prompt.text, until, prompt.messages))
 
     def holds(self, h: int, prev: Optional[int], k: int, block: int, asking: PagedPrompt, now: float) -> bool:
         """Whether page ``k`` (hash ``h``, after page hash ``prev``) of ``asking`` was sent here and not expired.
 
         A page one past a sent prompt's frontier (``prev``) is the sent prompt's page ``k`` if the two share
-        their first ``k`` pages (the hashes are chained): the sent prompt is hashed one page further for it.
+        their first ``k`` pages (the hashes are chained): the sent prompt is hashed one page further for it. A
+        first page is likewise asked of a prompt sent untokenized with the same first characters (``gate``).
         """
         until = self._until.get(h)
         if until is not None and until > now:
             return True
+        sent: Optional[PagedPrompt] = None
         if prev is not None:
             got = self._frontier.get(prev)
             if got is not None and got[0] is not asking and got[1] > now:  # a retry of one request is no copy
                 del self._frontier[prev]
+                sent, until = got
         elif asking.gate is not None:
-            got = self._unhashed.get(asking.gate)
-            if got is not None and got[0] is not asking and got[1] > now:
+            first = self._unhashed.get(asking.gate)
+            if first is not None and first[0] is not asking.text and first[1] > now:
                 del self._unhashed[asking.gate]
-        else:
-            got = None
-        if got is None or got[0] is asking or got[1] <= now:
+                sent, until = self.remake(first[0], first[2]), first[1]
+        if sent is None or until is None:
             return False
-        sent, until = got
         nxt = sent.page(block, k)
         if nxt is None:
             return False

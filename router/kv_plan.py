@@ -28,12 +28,13 @@ class KvPlan:
             as a miss without being tokenized.
 
     Attributes:
+        text, messages: as given (a chat's ``text`` is its routing key's, for the length estimate).
         worker: the prefill of the latest decision; ``blocks`` (prompt pages counted in flight there) and
             ``predicted`` (tokens expected from its cache; None when only estimated) belong to it.
-        overlaps: url -> (pages, overlap, exact) of the latest pick, until ``picked`` reads it.
+        overlaps: url -> (pages, overlap, exact) of the latest pick, until ``picked`` reads it (None then).
     """
 
-    __slots__ = ("_ids", "_prompt", "_tok", "_text", "_messages", "gate", "known", "_hashes", "overlaps",
+    __slots__ = ("_ids", "_prompt", "_tok", "text", "messages", "gate", "known", "_hashes", "overlaps",
                  "worker", "blocks", "predicted")
 
     def __init__(self, ids: Optional[list[int]] = None, tokenizer: Optional[PromptTokenizer] = None,
@@ -43,10 +44,10 @@ class KvPlan:
             raise ValueError("a KvPlan needs token ids or a tokenizer, not both")
         self._ids = ids
         self._prompt: Optional[LazyPrompt] = None
-        self._tok, self._text, self._messages = tokenizer, text, messages
+        self._tok, self.text, self.messages = tokenizer, text, messages
         self.gate, self.known = gate, known
         self._hashes: Optional[dict[int, tuple[list[int], Optional[bytes]]]] = None  # size -> (hashes, digest)
-        self.overlaps: dict[str, tuple[int, int, bool]] = {}
+        self.overlaps: Optional[dict[str, tuple[int, int, bool]]] = None
         self.worker: Optional[Worker] = None
         self.blocks = 0
         self.predicted: Optional[int] = None
@@ -57,11 +58,11 @@ class KvPlan:
         the template refuses (the engine will refuse it too) is an empty prompt: no pages, a miss everywhere."""
         tok = self._tok
         if self._prompt is None and tok is not None:
-            if self._messages is None:
-                self._prompt = LazyPrompt(tok, self._text, tok.bos, keep=self.known)
+            if self.messages is None:
+                self._prompt = LazyPrompt(tok, self.text, tok.bos, keep=self.known)
             else:  # the template writes any BOS itself
                 try:
-                    text = tok.chat_text(self._messages)
+                    text = tok.chat_text(self.messages)
                 except Exception as e:  # a jinja error of the template, raise_exception() included
                     log.debug("kv_aware: the chat template refused a request's messages (%s)", e)
                     text = ""
@@ -89,7 +90,7 @@ class KvPlan:
             return len(self._ids)
         if self._prompt is not None:
             return self._prompt.estimate()
-        return max(1, round(len(self._text) / self._tok.chars_per_token))  # type: ignore[union-attr]
+        return max(1, round(len(self.text) / self._tok.chars_per_token))  # type: ignore[union-attr]
 
     def page(self, block: int, k: int) -> Optional[int]:
         """The hash of page ``k`` (0-based) of ``block`` tokens, tokenizing and hashing only as far as that
