@@ -54,7 +54,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import httpx
 import zmq
@@ -302,7 +302,7 @@ class KvAware(Policy):
             held[url] = k
         return held
 
-    def _remake(self, text: str, messages: Optional[list[dict]]) -> KvPlan:
+    def _remake(self, text: str, messages: Optional[tuple[tuple[Any, str], ...]]) -> KvPlan:
         """The plan of a prompt sent untokenized, made again when a later prompt asks for its pages."""
         return KvPlan(tokenizer=self.tokenizer, text=text, messages=messages, known=True)
 

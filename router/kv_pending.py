@@ -14,7 +14,7 @@ counting), oldest first, in O(1) per entry.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 # sent prompts kept for their later pages (each holds its text), the newest: a burst's copies come within this many
 # requests to one worker; fewer kept objects also mean less work for the garbage collector per request
@@ -26,7 +26,7 @@ class PagedPrompt(Protocol):
 
     gate: Optional[str]
     text: str
-    messages: Optional[list[dict]]
+    messages: Optional[tuple[tuple[Any, str], ...]]
 
     def page(self, block: int, k: int) -> Optional[int]:
         """The hash of page ``k`` of ``block`` tokens; None when the prompt has no such whole page."""
@@ -46,15 +46,15 @@ class SentPages:
         remake: a prompt again from its text and chat messages (for one sent untokenized and asked for later).
     """
 
-    def __init__(self, ttl: float, remake: Callable[[str, Optional[list[dict]]], PagedPrompt]):
+    def __init__(self, ttl: float, remake: Callable[[str, Optional[tuple[tuple[Any, str], ...]]], PagedPrompt]):
         self.ttl, self.remake = ttl, remake
         self._until: dict[int, float] = {}  # page hash -> until (monotonic s)
         self._order: deque[tuple[float, int]] = deque()  # (until, hash) in the order sent
         self._frontier: dict[int, tuple[PagedPrompt, float]] = {}  # last hashed page -> (its prompt, until)
         self._frontier_order: deque[tuple[float, int]] = deque()
-        # prompts sent with no page hashed, by gate: (text, until, chat messages); no container for a text prompt,
-        # so the collector stops tracking the entry (a prefix-free workload keeps many of them)
-        self._unhashed: dict[str, tuple[str, float, Optional[list[dict]]]] = {}
+        # prompts sent with no page hashed, by gate: (text, until, chat messages); strings and tuples only, so the
+        # collector stops tracking the entry (a prefix-free workload keeps many of them)
+        self._unhashed: dict[str, tuple[str, float, Optional[tuple[tuple[Any, str], ...]]]] = {}
         self._unhashed_order: deque[tuple[float, str]] = deque()
 
     def __len__(self) -> int:

@@ -4,7 +4,7 @@ only as far as the policy asks, and what the latest decision expects of the chos
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from pd.router.kv_tokenizer import LazyPrompt, PromptTokenizer
 from pd.util.kv_block_hash import page_hashes
@@ -21,7 +21,8 @@ class KvPlan:
     Args:
         ids: the prompt's token ids, when it came as ids.
         tokenizer, text: else what tokenizes it and its text (a ``LazyPrompt`` made when a page is first
-            asked for), or with ``messages`` a chat prompt, rendered with the chat template only then.
+            asked for), or with ``messages`` (a chat's (role, text content) pairs) a chat prompt, rendered with the
+            chat template only then.
         gate: the prompt's first characters, by which the policy knows a prompt it has not routed before
             (pd.router.kv_aware); None for ids.
         known: whether the policy routed a prompt with the same ``gate`` lately; an unknown prompt is placed
@@ -38,7 +39,7 @@ class KvPlan:
                  "worker", "blocks", "predicted")
 
     def __init__(self, ids: Optional[list[int]] = None, tokenizer: Optional[PromptTokenizer] = None,
-                 text: str = "", messages: Optional[list[dict]] = None, gate: Optional[str] = None,
+                 text: str = "", messages: Optional[tuple[tuple[Any, str], ...]] = None, gate: Optional[str] = None,
                  known: bool = True):
         if (ids is None) == (tokenizer is None):
             raise ValueError("a KvPlan needs token ids or a tokenizer, not both")
@@ -62,7 +63,7 @@ class KvPlan:
                 self._prompt = LazyPrompt(tok, self.text, tok.bos, keep=self.known)
             else:  # the template writes any BOS itself
                 try:
-                    text = tok.chat_text(self.messages)
+                    text = tok.chat_text([{"role": role, "content": content} for role, content in self.messages])
                 except Exception as e:  # a jinja error of the template, raise_exception() included
                     log.debug("kv_aware: the chat template refused a request's messages (%s)", e)
                     text = ""

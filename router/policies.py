@@ -239,15 +239,15 @@ class PromptKey(str):
     kind: str
     kv: Any
     _ids: Optional[list[int]]
-    messages: Optional[list[dict]]
+    messages: Optional[tuple[tuple[Any, str], ...]]
 
     def __new__(cls, value: str, kind: str, ids: Optional[list[int]] = None,
-                messages: Optional[list[dict]] = None) -> "PromptKey":
+                messages: Optional[tuple[tuple[Any, str], ...]] = None) -> "PromptKey":
         self = super().__new__(cls, value)
         self.kind = kind
         self.kv = None
         self._ids = ids  # the request's own list (not copied: the router never changes a prompt)
-        self.messages = messages  # a chat's ``{"role", "content"}`` (text) as the engine templates them
+        self.messages = messages  # a chat's (role, text content) pairs, as the engine templates them
         return self
 
     def token_ids(self) -> Optional[list[int]]:
@@ -277,8 +277,8 @@ def routing_key(route: str, body: dict) -> Optional[PromptKey]:
                                       and isinstance(p.get("text"), str))
                 content = content if isinstance(content, str) else ""
                 parts.append(f"{m.get('role', '')}\x00{content}\x00")
-                messages.append({"role": m.get("role"), "content": content})
-        return PromptKey("".join(parts), "chat", messages=messages) if parts else None
+                messages.append((m.get("role"), content))
+        return PromptKey("".join(parts), "chat", messages=tuple(messages)) if parts else None
     prompt = body.get("text") if route == "/generate" else body.get("prompt")
     if route == "/generate" and prompt is None:
         prompt = body.get("input_ids")
