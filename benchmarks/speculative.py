@@ -7,8 +7,9 @@ reference engine serving ``--model`` (default ``builtin:deep``, the benchmark ta
 draft forwards, as DeepSeek-V4's does on a GPU: benchmarks/results/spec_model_work_gpu.md). Variants: speculation
 ``off``; fixed depths ``d1``, ``d3``, ``d5`` (``--speculative-algorithm EAGLE --speculative-num-steps K
 --speculative-eagle-topk 1 --speculative-num-draft-tokens K+1`` on both engines, the built-in MTP draft); and
-``adaptive`` (``--speculative-algorithm EAGLE --speculative-adaptive``, SGLang's default tiers), which is skipped,
-saying so, while the engine has no such flag.
+``adaptive`` (``--speculative-algorithm EAGLE --speculative-adaptive``, SGLang's default tiers) and ``adaptive-cpu``
+(the same with ``--speculative-adaptive-config benchmarks/adaptive_tiers_cpu.json``, tiers for this CPU), which are
+skipped, saying so, while the engine has no such flag.
 
 Sweep: at each concurrency (1, 2, 4, 8, 16 by default) ``--rounds`` rounds; each round sends the same seeded
 prompts (random token ids, 8-64 long; ``max(--num-prompts, concurrency)`` of them) to every variant in turn, the
@@ -27,7 +28,7 @@ every variant are compared with ``off``'s token for token.
 Targets (``targets`` in the JSON): speedup_c1: the best speculative variant's decode tokens/s per stream at
 concurrency 1 over ``off``'s (>= 1.5x); adaptive_vs_best_fixed: adaptive over the best fixed depth at every
 concurrency (>= 0.95x at each); adaptive_mixed_vs_fixed: adaptive's total tokens/s in the mixed phase over the
-best fixed depth's (> 1.0x).
+best fixed depth's (> 1.0x); the same two for ``adaptive-cpu`` (``adaptive-cpu_vs_best_fixed``, ...).
 
 Reproduce
 ---------
@@ -60,6 +61,9 @@ from pd.util.wait import async_wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = "builtin:deep"
+# A tier file for this CPU (see its "_why"): SGLang's default tiers are sized for a GPU's batching.
+CPU_TIERS = REPO / "benchmarks" / "adaptive_tiers_cpu.json"
+VARIANTS = ["off", "d1", "d3", "d5", "adaptive", "adaptive-cpu"]
 
 
 def variants(adaptive_ok: bool) -> dict[str, list[str] | None]:
@@ -68,8 +72,10 @@ def variants(adaptive_ok: bool) -> dict[str, list[str] | None]:
         return ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(k), "--speculative-eagle-topk",
                 "1", "--speculative-num-draft-tokens", str(k + 1)]
 
+    adaptive = ["--speculative-algorithm", "EAGLE", "--speculative-adaptive"]
     return {"off": [], "d1": depth(1), "d3": depth(3), "d5": depth(5),
-            "adaptive": ["--speculative-algorithm", "EAGLE", "--speculative-adaptive"] if adaptive_ok else None}
+            "adaptive": adaptive if adaptive_ok else None,
+            "adaptive-cpu": [*adaptive, "--speculative-adaptive-config", str(CPU_TIERS)] if adaptive_ok else None}
 
 
 def adaptive_supported() -> bool:
@@ -166,7 +172,7 @@ async def round_(client, stack: Stack, prompts: list[list[int]], concurrency: in
 async def watched(client, stack: Stack, work, samples: list[float]):
     """Await ``work`` and record the decode's depth gauge in ``samples``: the adaptive variant's every 0.25 s
     while it runs, a fixed depth's once after it (a check), nothing with speculation off."""
-    if stack.name == "adaptive":
+    if stack.name.startswith("adaptive"):
         return await sampled(client, stack, work, samples)
     out = await work
     if stack.name != "off":
@@ -288,8 +294,8 @@ async def main(args) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"the engines' --model-path (default {DEFAULT_MODEL})")
-    p.add_argument("--variants", nargs="+", default=["off", "d1", "d3", "d5", "adaptive"],
-                   choices=["off", "d1", "d3", "d5", "adaptive"], help="variants to run (default all; off is needed)")
+    p.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS,
+                   help="variants to run (default all; off is needed)")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per round, at least the concurrency (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request (default 64)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per concurrency (default 3)")
