@@ -2,10 +2,12 @@
 engines compute them, found lazily, only as far as routing asks.
 
 Why lazy: tokenizing a 1000-token prompt whole costs about 1 ms with Mistral 7B's fast tokenizer, five times the
-router's whole CPU per request under ``round_robin`` (benchmarks/results/kv_router_cpu.md), and a prompt that no
-worker holds needs only its first page to be ranked. ``LazyPrompt`` tokenizes a leading chunk of the text and
-tokenizes a four times longer one only when the policy asks for a page past the tokens it trusts: a prompt's cost
-grows with how much of it some worker holds, and a prefix-free prompt costs one small chunk.
+router's whole CPU per request under ``round_robin`` (the policy that did so cost 16x round_robin's CPU per request
+on a prefix-free workload, benchmarks/results/kv_router_cpu.md), and a prompt that no worker holds needs only its
+first page to be ranked. ``LazyPrompt`` tokenizes a leading chunk of the text and tokenizes a four times longer
+one only when the policy asks for a page past the tokens it trusts: a prompt's cost grows with how much of it some
+worker holds, and a prefix-free prompt costs one small chunk (or nothing: pd.router.kv_aware places a prompt it
+has no reason to look up untokenized).
 
 A cut's token boundaries: tokenizing ``text[:cut]`` may end differently from tokenizing ``text`` (a word cut in
 two, a space a pre-tokenizer attaches to the next word, a special token split, BPE merges across the cut). Only
