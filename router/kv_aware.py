@@ -384,7 +384,7 @@ class KvAware(Policy):
         """On the key's plan, record this decision's pages and prediction; feed cache_aware's tree with the
         decisions it made or estimated (only those: keeping it warm on every decision costs more router CPU
         than the rest of this policy, benchmarks/results/kv_router_cpu.md)."""
-        plan = key.kv if isinstance(key, PromptKey) else None
+        plan = self._plan(key)  # made by pick(), or here when the only candidate skipped it
         if plan is None:
             self.approx.picked(worker, key)
             return

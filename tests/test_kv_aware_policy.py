@@ -76,14 +76,14 @@ def test_routing_key_says_what_the_prompt_was_made_of():
 class Harness:
     """A kv_aware prefill policy over workers a, b whose event streams are faked (index and stats set by hand)."""
 
-    def __init__(self, **kv):
-        cfg = RouterConfig.from_urls([("http://a:1", 9), ("http://b:1", 9)], ["http://d:1"],
-                                     prefill_policy="kv_aware", kv_aware=kv)
+    def __init__(self, prefills=("http://a:1", "http://b:1"), **kv):
+        cfg = RouterConfig.from_urls([(u, 9) for u in prefills], ["http://d:1"], prefill_policy="kv_aware",
+                                     kv_aware=kv)
         self.metrics = RouterMetrics()
         self.pool = WorkerPool(cfg, self.metrics)
         self.policy = self.pool.policies["prefill"]
         assert isinstance(self.policy, KvAware)
-        self.a, self.b = self.pool.prefill
+        self.a, self.b = (list(self.pool.prefill) + [None])[:2]
         self.stats = {}
         self.policy.kv.following = lambda url: url in self.stats  # type: ignore[method-assign]
         self.policy.kv.stats = lambda: self.stats  # type: ignore[method-assign]
@@ -183,6 +183,16 @@ def test_the_plan_counts_pages_in_flight_and_predicts_cached_tokens():
     h.follow(h.a, full)
     key = routing_key("/generate", {"input_ids": full})
     assert h.pool.pick_prefill(key) is h.a and key.kv.predicted == 12
+
+
+def test_a_lone_prefill_is_predicted_too():
+    """With one candidate the pool skips pick(): the decision still records its pages and prediction."""
+    h = Harness(prefills=("http://a:1",))
+    ids = prompt(17)
+    h.follow(h.a, ids[:12])
+    key = routing_key("/generate", {"input_ids": ids})
+    assert h.pool.pick_prefill(key) is h.a
+    assert key.kv is not None and key.kv.worker is h.a and key.kv.blocks == 1 and key.kv.predicted == 12
 
 
 def test_pages_are_hashed_only_as_far_as_a_worker_matches():
