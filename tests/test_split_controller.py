@@ -108,6 +108,13 @@ def test_where_the_wait_is_decides_which_stage_is_short():
     # both short: toward the longer queue per replica; none: hold
     assert ctl.decide(snap(0, p=2, d=2, ttft=0.5, tpot=0.5, prefill_queue=1, decode_queue=0)).target == (3, 1)
     assert ctl.decide(snap(0, p=2, d=2, ttft=0.5, tpot=0.5)).reason == "overloaded"
+    # queues even: toward the stage far further below its objective
+    d = ctl.decide(snap(0, p=2, d=2, ttft=0.79, tpot=0.0))
+    assert (d.action, d.reason, d.target) == ("move_to_decode", "shortfall", (1, 3))
+    assert ctl.decide(snap(0, p=2, d=2, ttft=0.1, tpot=0.7)).target == (3, 1)
+    # TPOT missed and TTFT missed for the decodes' queue: the prefills can still give one up
+    d = ctl.decide(snap(0, p=2, d=2, ttft=0.5, tpot=0.5, prefill_queue=0, decode_queue=6))
+    assert (d.action, d.reason) == ("move_to_decode", "tpot_slo")
     assert ctl.decide(snap(0, p=2, d=2, ttft=0.5, requests=3)).reason == "idle"
 
 

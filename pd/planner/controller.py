@@ -22,7 +22,8 @@ feeds it (pd.cluster.split_planner) and carries its steps out (pd.cluster.split_
    it that the model predicts to lose more than ``min_gain`` of the current goodput is held
    (``model_disagrees``); when both are, the model's best split (if it beats the current by ``min_gain``) picks
    the direction (``model``). Without a profile, both short goes toward the longer queue per worker
-   (``queue``), else holds (``overloaded``).
+   (``queue``); with queues even, toward the stage whose attainment is lower by more than ``band`` (``shortfall``:
+   TTFT 79% and TPOT 0% is the decodes' doing -- a request's first token is theirs); else holds (``overloaded``).
 6. **Never below one prefill and one decode** (``min_split``); when a GPU is free, **adding** a replica to the
    short role comes before moving one (``add_prefill`` / ``add_decode``).
 7. **Hysteresis**: the same step must be proposed by every decision for ``hold_time`` before it is taken
@@ -41,8 +42,8 @@ from typing import Callable, Optional
 
 ACTIONS = ("hold", "move_to_prefill", "move_to_decode", "add_prefill", "add_decode")
 REASONS = ("moving", "override", "override_unreachable", "idle", "slo_met", "ttft_slo", "decode_queue", "tpot_slo",
-           "kv_full", "no_spare", "model", "model_disagrees", "queue", "overloaded", "min_split", "hysteresis",
-           "cooldown")
+           "kv_full", "no_spare", "model", "model_disagrees", "queue", "shortfall", "overloaded", "min_split",
+           "hysteresis", "cooldown")
 KV_FULL = 0.95  # decode token usage at which waiting requests are waiting for KV pages
 
 
@@ -236,14 +237,21 @@ class SplitController:
                 to = "prefill" if best[0] > s.prefill else "decode"
                 return self._step(s, to, "model", best, f"model: {_scores(scores)}; {att}")
             pq, dq = s.prefill_queue / max(1, s.prefill), s.decode_queue / max(1, s.decode)
-            if pq == dq:
+            if pq != dq:
+                to = "prefill" if pq > dq else "decode"
+                return self._step(s, to, "queue", _plus(cur, to, grown), att)
+            # no queue to tell: the stage far further below its objective (the other may miss for its sake: a
+            # request's first token is the decode's)
+            gap = (s.ttft_attainment or 0.0) - (s.tpot_attainment or 0.0) if dec == "tpot_slo" else 0.0
+            if abs(gap) <= self.policy.band:
                 return self._hold(s, "overloaded", cur, f"both stages short, queues even; {att}")
-            to = "prefill" if pq > dq else "decode"
-            return self._step(s, to, "queue", _plus(cur, to, grown), att)
+            to = "decode" if gap > 0 else "prefill"
+            return self._step(s, to, "shortfall", _plus(cur, to, grown), att)
         to, reason = ("prefill", pre) if pre is not None else ("decode", dec)
         target = _plus(cur, to, grown)
         # a TTFT missed for the decodes' queue is not the prefills' own: they can still give a worker up
-        giver_att = s.tpot_attainment if to == "prefill" else None if reason == "decode_queue" else s.ttft_attainment
+        ttft_short = s.ttft_attainment is not None and s.ttft_attainment < self.policy.slo_attainment - self.policy.band
+        giver_att = s.tpot_attainment if to == "prefill" else None if ttft_short else s.ttft_attainment
         if not grown and giver_att is not None and giver_att < self.policy.slo_attainment:
             return self._hold(s, "no_spare", cur, f"{to} is short ({reason}) but the other stage is under its target "
                                                   f"too; {att}")
