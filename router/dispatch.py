@@ -245,16 +245,18 @@ class PDDispatcher:
                 if number == 1:
                     m.queue.observe(x.dispatched - arrival)
                 result = await self.runner.run(x)
-                if sample is None and isinstance(result, Failure):
-                    ex = None  # both sides are done with (answered, or aborted)
+                if isinstance(result, Failure):
+                    result.pair = f"{prefill.url} -> {decode.url}"
+                    if sample is None:
+                        ex = None  # both sides are done with (answered, or aborted)
                 return result
 
             return attempt
 
         def retrying(number: int, failure: Failure) -> None:
             em.retries.inc()
-            log.warning("request %s attempt %d failed (%s %s: %s); retrying on a fresh pair", req_id, number,
-                        failure.status, failure.kind, failure.body[:200])
+            log.warning("request %s attempt %d on %s failed (%s %s: %s); retrying on a fresh pair", req_id, number,
+                        failure.pair or "no pair", failure.status, failure.kind, failure.body[:200])
 
         admitted = 0.0  # when an in-flight slot became this request's (0: it has none)
         try:

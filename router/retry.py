@@ -54,13 +54,15 @@ class Failure:
         kind: the metric's error kind (``decode_timeout``, ``prefill_status``, ``no_worker``, ...).
         retryable: whether another attempt may succeed.
         content_type: of ``body``.
+        pair: the attempt's workers, ``"<prefill url> -> <decode url>"`` (empty when none was picked), for the log.
     """
 
-    __slots__ = ("status", "body", "content_type", "kind", "retryable")
+    __slots__ = ("status", "body", "content_type", "kind", "retryable", "pair")
 
     def __init__(self, status: int, body: bytes, kind: str, retryable: bool, content_type: str = "application/json"):
         self.status, self.body, self.kind = status, body, kind
         self.retryable, self.content_type = retryable, content_type
+        self.pair = ""
 
     @classmethod
     def router(cls, status: int, message: str, kind: str, retryable: bool) -> "Failure":

@@ -181,10 +181,14 @@ def test_a_move_with_requests_in_flight_loses_none(cluster_factory):
         results = traffic.stop()
     failed = [r for r in results if not r[0]]
     assert not failed and len(results) >= 12, failed[:3]
-    assert router_counter(c.router, "pdserve_router_retries_total") == 0  # drained, not retried elsewhere
+    new = ops.engine
+    # drained, not retried elsewhere: no attempt on the moved worker (old or new engine) failed. A retry between the
+    # two workers the move left alone is not its doing (on a loaded machine a KV wait can outlast its timeout).
+    retried = [line for line in c.router.log().splitlines() if "retrying" in line]
+    assert not [line for line in retried if d1.url in line or new.url in line], retried
+    assert router_counter(c.router, "pdserve_router_retries_total") == len(retried)
     assert router_counter(c.router, "pdserve_router_errors_total") == 0
     assert c.split() == (2, 1)
-    new = ops.engine
     assert new.mode == "prefill" and result.info["url"] == new.url and result.info["name"] == "prefill-1"
     assert metric(new, "pdserve_kv_transfer_bytes_total") > 0  # the moved worker serves prefills
     assert d1.proc.poll() is not None  # its old engine is gone
