@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 
 import httpx
+from cpu_share import CpuMeter, wait_quiet
 from kv_transfer import git_commit, machine
 
 from pd.bench import BenchConfig, run_bench
@@ -71,59 +72,6 @@ WORKLOADS = {
                      "slo_ttft_ms": 250.0, "slo_tpot_ms": 30.0, "num_prompts": 100},
 }
 SWEEP = (0.6, 0.8, 1.0, 1.2, 1.45)  # x the predicted goodput
-
-
-# ---- CPU accounting ----------------------------------------------------------------------------------------------
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def busy_seconds() -> float:
-    """CPU seconds the whole machine has been busy (user + nice + system + irq + softirq + steal)."""
-    f = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f[:8])
-    return (user + nice + system + irq + softirq + steal) / TICK
-
-
-def proc_seconds(pid: int) -> float:
-    """CPU seconds of process ``pid`` (all its threads), 0 once it is gone."""
-    try:
-        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(f[11]) + int(f[12])) / TICK
-
-
-class CpuMeter:
-    """Cores used over an interval: by the whole machine, by the given processes (ours), by this process."""
-
-    def __init__(self, pids: list[int]):
-        self.pids = pids
-        self.t0, self.m0 = time.monotonic(), busy_seconds()
-        self.o0 = {p: proc_seconds(p) for p in pids}
-        self.s0 = proc_seconds(os.getpid())
-
-    def read(self) -> dict:
-        dt_ = max(time.monotonic() - self.t0, 1e-6)
-        total = (busy_seconds() - self.m0) / dt_
-        ours = sum(proc_seconds(p) - self.o0[p] for p in self.pids) / dt_
-        client = (proc_seconds(os.getpid()) - self.s0) / dt_
-        return {"machine_cores": total, "engines_router_cores": ours, "client_cores": client,
-                "others_cores": max(0.0, total - ours - client), "seconds": dt_}
-
-
-def wait_quiet(pids: list[int], max_cores: float, max_wait: float) -> dict:
-    """Wait until processes other than ours use under ``max_cores`` cores over 5 s, at most ``max_wait`` s;
-    returns the last reading (with ``waited_s``)."""
-    t0 = time.monotonic()
-    while True:
-        m = CpuMeter(pids)
-        time.sleep(5)
-        r = m.read()
-        r["waited_s"] = time.monotonic() - t0
-        if r["others_cores"] < max_cores or r["waited_s"] >= max_wait:
-            return r
-        print(f"  machine busy: others use {r['others_cores']:.2f} cores; waiting", flush=True)
 
 
 # ---- engines ------------------------------------------------------------------------------------------------------
