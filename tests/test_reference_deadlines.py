@@ -23,20 +23,28 @@ TRANSFER_TIMEOUT = 2.0  # --disaggregation-transfer-timeout
 PD_TIMEOUT = 3.0  # --disaggregation-bootstrap-timeout and --disaggregation-waiting-timeout
 RELEASE_TIMEOUT = 2.0  # SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT
 SLACK = 8.0  # s a loaded 2-core machine may add to a deadline; far below every default (30 s and more)
+# The waiting timeout of the decode that a test freezes while the prefill writes to it: a frozen decode's own
+# timer runs on, so with PD_TIMEOUT it could expire before the prefill's failure reaches it on a loaded machine.
+PATIENT_WAITING_TIMEOUT = 60.0
 GOOD = {"text": "still alive", "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
 
 
 @pytest.fixture(scope="module")
 def pair(model_cache, tmp_path_factory):
-    """A prefill and a decode with short deadlines, warmed up (the transfer engines have shaken hands)."""
+    """A prefill and a decode with short deadlines, and a ``patient_decode`` that waits PATIENT_WAITING_TIMEOUT for
+    its KV, warmed up (the transfer engines have shaken hands)."""
     logs = str(tmp_path_factory.mktemp("deadline-logs"))
-    flags = ("--disaggregation-bootstrap-timeout", str(PD_TIMEOUT), "--disaggregation-waiting-timeout",
-             str(PD_TIMEOUT), "--disaggregation-transfer-timeout", str(TRANSFER_TIMEOUT))
+    def flags(waiting: float) -> tuple:
+        return ("--disaggregation-bootstrap-timeout", str(PD_TIMEOUT), "--disaggregation-waiting-timeout",
+                str(waiting), "--disaggregation-transfer-timeout", str(TRANSFER_TIMEOUT))
+
     key = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
     before = os.environ.get(key)
     os.environ[key] = str(RELEASE_TIMEOUT)  # the engines inherit it
     try:
-        started = {"prefill": start_engine("prefill", logs, *flags), "decode": start_engine("decode", logs, *flags)}
+        started = {"prefill": start_engine("prefill", logs, *flags(PD_TIMEOUT)),
+                   "decode": start_engine("decode", logs, *flags(PD_TIMEOUT)),
+                   "patient_decode": start_engine("decode", logs, *flags(PATIENT_WAITING_TIMEOUT))}
     finally:
         if before is None:
             del os.environ[key]
@@ -45,10 +53,16 @@ def pair(model_cache, tmp_path_factory):
     try:
         wait_ready(list(started.values()))
         asyncio.run(assert_pd_works(started))
+        asyncio.run(assert_pd_works(patient(started)))
         yield started
     finally:
         for e in started.values():
             e.stop()
+
+
+def patient(pair) -> dict:
+    """The prefill with the patient decode."""
+    return {"prefill": pair["prefill"], "decode": pair["patient_decode"]}
 
 
 async def assert_pd_works(pair) -> None:
@@ -102,6 +116,7 @@ async def test_hung_decode_fails_the_kv_write_at_its_deadline(pair):
     """The decode hangs after registering: the prefill's request fails at the transfer deadline, the room ends,
     its pages are held only while the transfer engine may still read them (counted as quarantined), and the
     decode, once resumed, learns of it and frees its pages too."""
+    pair = patient(pair)
     body = add_rooms({"text": "write into a hung decode", "sampling_params": {"max_new_tokens": 4}},
                      "127.0.0.1", pair["prefill"].bootstrap_port, None)
     decode_pid = pair["decode"].proc.pid
