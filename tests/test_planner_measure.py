@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pd.planner.measure import main as profile_main
 from pd.planner.profile import load_profile
 from routers import pd_router
@@ -27,7 +29,7 @@ def test_profile_measures_reference_engines(engines, tmp_path, capsys):
         rc = profile_main(["--url", engines["null"].url, "--pd-url", router.url, "--prefill-url",
                            engines["prefill"].url, "--decode-url", engines["decode"].url, "--output", str(out),
                            "--prompt-lens", "16,256", "--prefill-batch-sizes", "1,2", "--decode-batch-sizes", "1,2",
-                           "--decode-contexts", "16", "--decode-steps", "12", "--repeats", "1", "--host-cores", "2"])
+                           "--decode-contexts", "16", "--decode-steps", "24", "--repeats", "1", "--host-cores", "2"])
     finally:
         router.stop()
     assert rc == 0, capsys.readouterr().err
@@ -41,7 +43,7 @@ def test_profile_measures_reference_engines(engines, tmp_path, capsys):
     e = prof.entry(1)
     assert {(p.batch_size, p.input_len) for p in e.prefill.points} == {(1, 16), (1, 256), (2, 16), (2, 256)}
     assert e.prefill.max_batch_size == 1  # the reference engine runs one prompt at a time
-    assert {(p.batch_size, p.context_len) for p in e.decode.points} == {(1, 22), (2, 22)}
+    assert {(p.batch_size, p.context_len) for p in e.decode.points} == {(1, 28), (2, 28)}
     assert all(0 < p.seconds < 5 for p in e.prefill.points + e.decode.points)
     assert e.engine_args[0] == "--cpu-threads"
     # the bytes are the engine's KV layout, exactly: the transfer points moved prompt x bytes-per-token
@@ -69,3 +71,31 @@ def test_profile_without_pd_needs_the_transfer_numbers(engines, tmp_path, capsys
                        "--decode-steps", "4", "--repeats", "1"])
     assert rc == 2 and "--kv-bytes-per-token and --transfer-bandwidth-gb-s" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_decode_batch_whose_streams_never_overlap_is_sent_again():
+    """A busy host can start one stream after another has finished; the window is then empty and the batch is
+    sent again, not the point dropped at the first miss."""
+    import asyncio
+
+    from pd.planner.measure import Prober
+
+    # per call: two streams of (time, tokens); the first call's streams do not overlap, the second's do
+    calls = [[[(0.0, 1), (0.1, 2), (0.2, 3)], [(0.3, 1), (0.4, 2), (0.5, 3)]],
+             [[(0.0, 1), (0.1, 2), (0.2, 3), (0.3, 4)], [(0.05, 1), (0.15, 2), (0.25, 3), (0.35, 4)]]]
+    sent = []
+
+    class Scripted(Prober):
+        async def stream(self, url, input_len, steps):
+            sent.append(input_len)
+            batch = calls[(len(sent) - 1) // 2]
+            return batch[(len(sent) - 1) % 2]
+
+    prober = Scripted(None, (1, 10))
+    assert asyncio.run(prober.decode_iteration("http://x", 2, 16, 4)) == pytest.approx(0.1)
+    assert len(sent) == 4  # the batch went out twice
+    sent.clear()
+    calls[1] = calls[0]
+    calls.append(calls[0])
+    assert asyncio.run(prober.decode_iteration("http://x", 2, 16, 4, attempts=3)) is None
+    assert len(sent) == 6

@@ -11,7 +11,8 @@ What is measured, on SGLang's native ``/generate`` with random ``input_ids`` (no
 - decode (``--url``): ``batch_size`` concurrent streams of ``--decode-steps`` tokens on prompts of ``context``
   tokens (``ignore_eos``). The decode iteration time is the median inter-token latency inside the window where
   every stream of the batch is decoding (after the last first token, before the first finish), so the prefills
-  of the batch do not count; the point's context is the prompt plus half the steps.
+  of the batch do not count; the point's context is the prompt plus half the steps. A batch whose streams never
+  all decode at once is sent again (3 tries), then left out with a message.
 - KV transfer and decode admission (``--pd-url``, a router over one prefill and one decode, with their own URLs
   for ``/metrics``): one request at a time at each prompt length; from the prefill's ``/metrics``,
   ``sglang:kv_transfer_latency_ms`` (forward end to KV written) and the bytes moved
@@ -98,18 +99,24 @@ class Prober:
                 marks.append((time.perf_counter(), int(n)))
         return marks
 
-    async def decode_iteration(self, url: str, batch_size: int, context: int, steps: int) -> Optional[float]:
+    async def decode_iteration(self, url: str, batch_size: int, context: int, steps: int,
+                               attempts: int = 3) -> Optional[float]:
         """Median seconds per token while all ``batch_size`` streams decode (module docstring); None when the
-        window holds no interval (too few steps for the batch)."""
-        streams = await asyncio.gather(*(self.stream(url, context, steps) for _ in range(batch_size)))
-        start = max(s[0][0] for s in streams)
-        end = min(s[-1][0] for s in streams)
-        gaps = []
-        for s in streams:
-            for (t0, n0), (t1, n1) in zip(s, s[1:]):
-                if t0 >= start and t1 <= end and n1 > n0:
-                    gaps.append((t1 - t0) / (n1 - n0))
-        return statistics.median(gaps) if gaps else None
+        window held no interval in any of ``attempts`` tries. An empty window means a stream finished before
+        the last one started (too few steps for the batch, or a busy host delaying one request's start), so
+        the batch is sent again rather than the point dropped at the first miss."""
+        for _ in range(attempts):
+            streams = await asyncio.gather(*(self.stream(url, context, steps) for _ in range(batch_size)))
+            start = max(s[0][0] for s in streams)
+            end = min(s[-1][0] for s in streams)
+            gaps = []
+            for s in streams:
+                for (t0, n0), (t1, n1) in zip(s, s[1:]):
+                    if t0 >= start and t1 <= end and n1 > n0:
+                        gaps.append((t1 - t0) / (n1 - n0))
+            if gaps:
+                return statistics.median(gaps)
+        return None
 
 
 def _samples(text: str) -> list:
@@ -249,6 +256,9 @@ async def measure(args) -> dict:
                 if runs:
                     decode.append({"batch_size": b, "context_len": c + args.decode_steps // 2,
                                    "seconds": statistics.median(runs)})
+                else:
+                    print(f"pdserve profile: decode batch {b} at context {c}: the streams never all decoded at "
+                          f"once; point left out (raise --decode-steps)", file=sys.stderr)
         if not decode:
             raise RuntimeError("no decode point measured: raise --decode-steps above the largest batch size")
         src = f"pdserve profile --url {url}, {now}, median of {args.repeats}"
