@@ -49,7 +49,7 @@ from pd.router.background import TaskSet
 from pd.router.config import RouterSettings
 from pd.router.disconnect import DisconnectWatch
 from pd.router.errors import error_json
-from pd.router.exchange import Exchange, record_outcome
+from pd.router.exchange import CLIENT_CLOSED, Exchange, record_outcome
 from pd.router.front import (
     BodyTimeout,
     ClientGone,
@@ -74,8 +74,6 @@ if TYPE_CHECKING:
     import httpx
 
 log = logging.getLogger("pd.router")
-
-CLIENT_CLOSED = 499  # nginx's status for "client closed the request" (only ever seen in metrics)
 
 
 class PDDispatcher:

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from pd.router.workers import Worker
 
 
+CLIENT_CLOSED = 499  # nginx's status for "client closed the request": recorded in metrics, never sent
+
+
 def is_2xx(status: Optional[int]) -> bool:
     """True for a 2xx HTTP status; False for any other and for None (no HTTP answer)."""
     return status is not None and 200 <= status < 300

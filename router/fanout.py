@@ -34,6 +34,7 @@ import json
 from typing import TYPE_CHECKING, Optional
 
 from pd.router import jsonio
+from pd.router.exchange import CLIENT_CLOSED
 from pd.router.retry import Answer, Failure
 from pd.router.rooms import Shape
 
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
 _DATA = b"data: "
 _DONE = b"data: [DONE]"
 _I64 = 2**63
-CLIENT_CLOSED = 499  # nginx's status for "client closed the request" (only ever seen in metrics)
 
 
 def _seed(seed, s: int, lax: bool = False):

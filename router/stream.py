@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Optional
 from pd.router import logprobs
 from pd.router.aborts import aborted_indexes
 from pd.router.errors import UPSTREAM_ERRORS, error_body
-from pd.router.exchange import Exchange, record_outcome, report_cached
+from pd.router.exchange import CLIENT_CLOSED, Exchange, record_outcome, report_cached
 from pd.router.front import Send, response_headers
 from pd.router.tokens import UsageTap
 
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pd.router")
 
-CLIENT_CLOSED = 499
 _DATA = logprobs.SSE_DATA
 _DONE = logprobs.SSE_DONE
 _STREAM_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
