@@ -7,8 +7,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from engines import start_engine, wait_ready  # noqa: E402
 
-# Small PD timeouts so the timeout paths are testable in seconds.
-PD_TIMEOUT = "4"
+# The session PD engines' bootstrap and waiting timeouts (s): short, so the tests of the timeout paths run in
+# seconds; long enough that a KV wait queued behind a few dozen prefills on a loaded 2-core machine ends in time.
+PD_TIMEOUT = "10"
+# s: a failure answered within this did not wait out a PD timeout (the tests of "fails at once, not at the timeout").
+AT_ONCE = float(PD_TIMEOUT) - 2
 
 
 @pytest.fixture(scope="session")

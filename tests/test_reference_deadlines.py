@@ -19,20 +19,23 @@ from engines import async_metric, start_engine, wait_ready
 from pd.util.wait import async_wait_until
 from pdclient import add_rooms, pd_post
 
-TRANSFER_TIMEOUT = 2.0  # --disaggregation-transfer-timeout
-PD_TIMEOUT = 3.0  # --disaggregation-bootstrap-timeout and --disaggregation-waiting-timeout
+TRANSFER_TIMEOUT = 4.0  # --disaggregation-transfer-timeout
+PD_TIMEOUT = 3.0  # --disaggregation-bootstrap-timeout and the decode's --disaggregation-waiting-timeout
 RELEASE_TIMEOUT = 2.0  # SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT
 SLACK = 8.0  # s a loaded 2-core machine may add to a deadline; far below every default (30 s and more)
-# The waiting timeout of the decode that a test freezes while the prefill writes to it: a frozen decode's own
-# timer runs on, so with PD_TIMEOUT it could expire before the prefill's failure reaches it on a loaded machine.
+# The waiting timeout of the prefill, and of the decode that a test freezes while the prefill writes to it. Both
+# timers run from the registration; with PD_TIMEOUT either could expire, on a loaded machine, before the write's
+# own deadline (or the test's abort) ends the room: the prefill's bootstrap then aborts the room as a waiting
+# timeout, and a frozen decode's timer runs on while it is stopped.
 PATIENT_WAITING_TIMEOUT = 60.0
 GOOD = {"text": "still alive", "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
 
 
 @pytest.fixture(scope="module")
 def pair(model_cache, tmp_path_factory):
-    """A prefill and a decode with short deadlines, and a ``patient_decode`` that waits PATIENT_WAITING_TIMEOUT for
-    its KV, warmed up (the transfer engines have shaken hands)."""
+    """A prefill (short bootstrap and transfer deadlines, a patient waiting timeout) and a decode with short
+    deadlines, and a ``patient_decode`` that waits PATIENT_WAITING_TIMEOUT for its KV, warmed up (the transfer
+    engines have shaken hands)."""
     logs = str(tmp_path_factory.mktemp("deadline-logs"))
     def flags(waiting: float) -> tuple:
         return ("--disaggregation-bootstrap-timeout", str(PD_TIMEOUT), "--disaggregation-waiting-timeout",
@@ -42,7 +45,7 @@ def pair(model_cache, tmp_path_factory):
     before = os.environ.get(key)
     os.environ[key] = str(RELEASE_TIMEOUT)  # the engines inherit it
     try:
-        started = {"prefill": start_engine("prefill", logs, *flags(PD_TIMEOUT)),
+        started = {"prefill": start_engine("prefill", logs, *flags(PATIENT_WAITING_TIMEOUT)),
                    "decode": start_engine("decode", logs, *flags(PD_TIMEOUT)),
                    "patient_decode": start_engine("decode", logs, *flags(PATIENT_WAITING_TIMEOUT))}
     finally:

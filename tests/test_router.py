@@ -13,6 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import AT_ONCE
 from engines import ROOT, async_metric, free_port, metric
 from pd.router.app import GENERATION_ROUTES
 from pd.util.wait import async_wait_until
@@ -21,10 +22,10 @@ from pdclient import final_generate_chunks as final_chunks
 from routers import pd_router
 
 GREEDY = {"temperature": 0}
-# s: a failure reaches the client, and both engines are idle again, within this of the request;
-# under the engines' 4 s PD timeouts (conftest.PD_TIMEOUT), which a router that forgot an abort
-# or waited for the other side would take
-PROMPTLY = 3.0
+# s: a failure reaches the client, and both engines are idle again, within this of the request; under the
+# engines' PD timeouts (conftest.PD_TIMEOUT), which a router that forgot an abort or waited for the other side
+# would take
+PROMPTLY = AT_ONCE
 PREFILL_HITS = ("sglang:per_stage_req_latency_seconds_count", {"stage": "prefill_forward"})
 
 
@@ -84,7 +85,7 @@ def prefill_hits(engines) -> float:
     return metric(engines["prefill"], name, **labels)
 
 
-async def assert_decode_idle(engines, timeout: float = 3.0):
+async def assert_decode_idle(engines, timeout: float = PROMPTLY):
     """Wait until neither PD engine holds KV pages, running or bootstrapping requests; fails with
     what they held after ``timeout`` s (one check when ``timeout`` <= 0)."""
     held: dict = {}
@@ -318,7 +319,7 @@ async def test_short_and_stopped_generations_equal_null(engines, router, case, s
 
 
 async def test_concurrent_streams_abort_no_room(engines, router):
-    # 40 at once fit the test engines' 4 s PD timeouts on 2 CPU cores; 200 at once run against
+    # 40 at once fit the test engines' PD timeouts on 2 CPU cores; 200 at once run against
     # stand-in engines in test_router_faults.py.
     aborted = {s: metric(engines[s], "pdserve_engine_aborted_requests_total") for s in ("prefill", "decode")}
     body = {"text": "many at once", "stream": True,
@@ -370,7 +371,7 @@ async def test_dead_decode_gives_502_promptly_and_prefill_is_released(engines, r
     err = r.json()["error"]
     assert "decode worker http://127.0.0.1:" in err["message"] and err["code"] == 502
     assert set(err) == {"message", "type", "param", "code"}
-    # the router aborted the prefill's request: it does not wait out its 4 s bootstrap timeout
+    # the router aborted the prefill's request: it does not wait out its bootstrap timeout
     await assert_decode_idle(engines, timeout=t0 + PROMPTLY - time.monotonic())
     async with httpx.AsyncClient(timeout=60) as c:
         assert (await c.get(dead.url + "/health_generate")).status_code == 503
@@ -386,7 +387,7 @@ async def test_dead_prefill_gives_502_promptly_and_decode_is_released(engines, r
     assert time.monotonic() - t0 < PROMPTLY
     assert r.status_code == 502, r.text
     assert "prefill worker http://127.0.0.1:" in r.json()["error"]["message"]
-    await assert_decode_idle(engines, timeout=t0 + PROMPTLY - time.monotonic())  # not its 4 s waiting timeout
+    await assert_decode_idle(engines, timeout=t0 + PROMPTLY - time.monotonic())  # not its waiting timeout
 
 
 async def test_client_disconnect_mid_stream_aborts_decode(engines, router):

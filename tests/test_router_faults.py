@@ -147,10 +147,10 @@ ROUTER_FLAGS = {
                                      "--body-read-min-rate", "100"]),
     "breaker": (("p0",), ("d0", "d1"), ["--disable-retries", "--health-check-interval-secs", "0",
                                         "--cb-failure-threshold", "2", "--cb-success-threshold", "1",
-                                        "--cb-timeout-duration-secs", "2"]),
+                                        "--cb-timeout-duration-secs", "5"]),
     "health": (("p0",), ("d0", "d1"), ["--disable-retries", "--health-check-interval-secs", "0.1",
                                        "--health-failure-threshold", "2", "--health-success-threshold", "2",
-                                       "--health-check-timeout-secs", "1"]),
+                                       "--health-check-timeout-secs", "5"]),
     "policies": (("p0", "p1"), ("d0", "d1"), ["--disable-retries", "--health-check-interval-secs", "0",
                                               "--prefill-policy", "cache_aware", "--decode-policy", "least_load"]),
     # small admission caps; default retries, so a refusal that reached a worker would show as retries
@@ -531,7 +531,8 @@ async def test_circuit_breaker_opens_and_recovers(si, routers):
     workers_ = httpx.get(r.url + "/workers", timeout=5).json()["workers"]
     assert {w["url"]: w["circuit"] for w in workers_}[d0] == "open"
     # The circuit turns half-open only when a request asks for a worker after the open timeout
-    # (2 s), so the router's state shows nothing until then: send requests until one reaches d0.
+    # (5 s: the requests above must all be answered before it, on a loaded machine too), so the router's
+    # state shows nothing until then: send requests until one reaches d0.
     # Until then they all go to d1; that trial request succeeds, which closes the circuit.
     reached: list[float] = []
 
@@ -540,8 +541,8 @@ async def test_circuit_breaker_opens_and_recovers(si, routers):
         reached.append(time.monotonic())  # after the router chose a decode for it
         return len(si["d0"].state()["requests"]) > n0
 
-    await async_wait_until(trial_reached_d0, 15, interval=0.2, what="a trial request reaching d0", retry=())
-    assert reached[-1] - t0 >= 2.0  # not before the open timeout
+    await async_wait_until(trial_reached_d0, 30, interval=0.2, what="a trial request reaching d0", retry=())
+    assert reached[-1] - t0 >= 5.0  # not before the open timeout
     assert len(si["d0"].state()["requests"]) == n0 + 1
     assert metric(r, "pdserve_router_worker_circuit_state", worker=d0) == 0
     for _ in range(2):  # closed: round-robin over both again

@@ -395,8 +395,9 @@ async def test_greedy_output_equals_a_plain_engine_one_at_a_time(adaptive_engine
 
 async def test_greedy_output_equals_a_plain_engine_concurrently(adaptive_engines):
     """Six requests of different lengths at once on FAST_TIERS: from 5 decoding the steps do not draft, and as
-    requests finish the rest draft again (the depth gauge goes through 0 while they run)."""
-    lengths = [8, 14, 20, 28, 40, 72]
+    requests finish the rest draft again (the depth gauge goes through 0 while they run). The lengths keep five
+    decoding together for a dozen steps or more, so a sampled gauge sees it on a loaded machine too."""
+    lengths = [16, 28, 40, 56, 80, 144]
     ps = prompts(len(lengths), 12)
     engine = adaptive_engines["fast"]
     seen = set()

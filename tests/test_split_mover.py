@@ -60,7 +60,8 @@ class LocalOps:
 class Cluster:
     """Two prefills and a decode (or as given) behind `pdserve router`, and the admin API the mover uses."""
 
-    def __init__(self, log_dir: str, roles=("prefill", "prefill", "decode"), extra: tuple = ()):
+    def __init__(self, log_dir: str, roles=("prefill", "prefill", "decode"), extra: tuple = (),
+                 router_args: tuple = ()):
         self.log_dir, self.extra = log_dir, extra
         self.engines = [start_engine(r, log_dir, *extra, *TIMEOUTS) for r in roles]
         self.router = None
@@ -69,7 +70,7 @@ class Cluster:
             args = []
             for e in self.engines:
                 args += ["--prefill", e.url, str(e.bootstrap_port)] if e.mode == "prefill" else ["--decode", e.url]
-            self.router = RouterProc(args + ["--health-check-interval", "0"], log_dir)
+            self.router = RouterProc(args + ["--health-check-interval", "0", *router_args], log_dir)
             self.router.wait_ready()
         except BaseException:
             self.stop()
@@ -222,7 +223,11 @@ def test_a_move_that_fails_to_start_rolls_back(cluster_factory):
 
 def test_a_move_gives_up_without_stopping_anything_when_the_engine_does_not_settle(cluster_factory):
     """A drained worker whose engine still holds a request past the deadline is put back as it was."""
-    c = cluster_factory()
+    # d0 is the only decode: a stream that ends while it is drained starts a request that finds no decode until
+    # the move gives up (1 s settle deadline). These retries wait about 6 s in all, so that request is served
+    # once d0 is back; the default retries give up after about 0.7 s.
+    c = cluster_factory(router_args=("--retry-max-retries", "10", "--retry-initial-backoff-ms", "200",
+                                     "--retry-max-backoff-ms", "1000"))
     p0, p1, d0 = c.engines
     mover = c.mover()
     mover.settle_timeout = 1.0
